@@ -1,0 +1,24 @@
+# make demo  : set up .venv (once) and run the embedded default on the CPU
+# make test  : set up .venv (once) and run the test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+# Reinstall only when requirements.txt changes (the stamp is newer otherwise).
+$(STAMP): requirements.txt
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python train_grpo.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

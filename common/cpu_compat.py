@@ -1,0 +1,157 @@
+"""The one place that adapts megatron-core 0.16.1's CUDA assumptions to a CPU.
+
+Applied by common.dist only when torch.cuda is unavailable; on a GPU nothing here
+runs. Megatron-core is written for CUDA: it hard-codes device="cuda" and
+torch.cuda.current_device() in tensor factories, keeps a CUDA RNG tracker, and
+compares Tensor.type() strings against 'torch.cuda.FloatTensor'. Each patch below
+says which of those it adapts and where megatron does it (file:line of 0.16.1).
+
+This is the only monkey-patching in the project (STYLE.md rule 6).
+"""
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+
+def _is_cuda(device):
+    """True for every way megatron names a CUDA device: "cuda", "cuda:0", 0, torch.device("cuda")."""
+    if isinstance(device, bool) or device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites device="cuda" (and .to("cuda"), .cuda(), pin_memory) to the CPU inside torch calls.
+
+    NB: a TorchFunctionMode is not active inside autograd's backward pass, which is why
+    torch.cuda.current_device and Tensor.cuda are also patched directly in apply().
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        name = getattr(func, "__name__", "")
+        if name in ("cuda", "pin_memory") and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        if name == "to" and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _called_from_megatron(depth=2):
+    return "megatron" in sys._getframe(depth).f_code.co_filename
+
+
+def apply():
+    """Install the CPU adaptations once per process. Safe to call again (no-op)."""
+    global _applied
+    if _applied:
+        return
+    assert not torch.cuda.is_available(), "cpu_compat is for machines without CUDA only"
+
+    # 1. Device literals: torch.cuda.current_device() is used as a device in megatron's
+    #    parameter allocation and in backward (tensor_parallel/layers.py, mappings.py).
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    # 2. RNG: megatron keeps a CUDA RNG state tracker (tensor_parallel/random.py) that
+    #    attention forks for dropout; route the CUDA RNG calls to the CPU generator.
+    #    (Not torch.manual_seed here: it calls torch.cuda.manual_seed_all -> recursion.)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed, *a, **k: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda *a, **k: None
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # 3. The local spec's norm (transformer/torch_norm.py:32) asserts not sequence_parallel,
+    #    because TE/apex norms are the ones that tag their weights for the SP all-reduce.
+    #    Allow SP and tag the weights the same way, so finalize_model_grads all-reduces
+    #    their grads over the TP group exactly as it does on a GPU.
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, hidden_size, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for p in norm.parameters():
+            p.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = norm_new
+
+    # 4. The optimizer and grad clipping select parameters by Tensor.type() string
+    #    ('torch.cuda.FloatTensor': optimizer/clip_grads.py, optimizer.py, distrib_optimizer.py).
+    #    Report CPU float tensors under their CUDA names, to megatron callers only.
+    original_type = torch.Tensor.type
+    cuda_names = {
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
+
+    def tensor_type(self, *args, **kwargs):
+        name = original_type(self, *args, **kwargs)
+        if not args and not kwargs and name in cuda_names and _called_from_megatron():
+            return cuda_names[name]
+        return name
+
+    torch.Tensor.type = tensor_type
+
+    # 5. Distributed-optimizer checkpoint load on the torch.optim.Adam path (no apex/TE,
+    #    the same path a GPU without TE takes, but on a GPU we never patch):
+    #    distrib_optimizer.py:937 copies every key of the live Adam state, including 'step',
+    #    from checkpoint tensors that have no 'step' (KeyError), outside no_grad.
+    from megatron.core.optimizer import distrib_optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    original_set_states = dist_opt._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            with torch.no_grad():
+                return original_set_states(self, model_param, tensors)
+        group_index, order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][order]
+        targets = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, target in targets.items():
+                if key in tensors and key != "step":  # step comes from param_groups
+                    target.copy_(tensors[key])
+
+    dist_opt._set_main_param_and_optimizer_states = set_states
+
+    #    distrib_optimizer.py:818 gives every param the same 'step' tensor object after a
+    #    load; torch Adam increments it in place once per param, so the step would race
+    #    ahead (Adam bias correction drifts ~1e-3). Give each param its own copy.
+    original_load = dist_opt.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return result
+
+    dist_opt.load_state_dict = load_state_dict
+
+    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _applied = True

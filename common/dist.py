@@ -1,0 +1,161 @@
+"""Distributed setup: torchrun / Slurm / plain `python` -> torch.distributed + megatron parallel_state.
+
+One call, `init_distributed(...)`, on every rank at start-up:
+  - reads the launcher's environment: torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT), `srun python ...` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+    MASTER_ADDR/PORT set by launch/slurm.sh), or nothing at all (a single plain
+    `python train_grpo.py`: world size 1 on a free local port);
+  - NCCL on GPUs (one GPU per rank, cuda:LOCAL_RANK), gloo on a CPU, where it also
+    applies common/cpu_compat.py;
+  - megatron parallel_state with the TP/PP/VPP/CP/EP sizes;
+  - seeds python, numpy, torch and megatron's model-parallel RNG tracker.
+"""
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp_size: int
+    pp_size: int
+    vpp_size: int | None
+    cp_size: int
+    ep_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def master_process(self):
+        return self.rank == 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher_env():
+    """(rank, world_size, local_rank) from torchrun, Slurm, or a plain single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (also torchrun inside srun)
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun python ...
+        if "MASTER_ADDR" not in env:
+            raise RuntimeError(
+                "Running under srun with several tasks but MASTER_ADDR is not set. Export "
+                "MASTER_ADDR (the first node of $SLURM_JOB_NODELIST) and MASTER_PORT, as "
+                "launch/slurm.sh does, or launch through torchrun."
+            )
+        env.setdefault("MASTER_PORT", "29500")
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    env.setdefault("MASTER_ADDR", "127.0.0.1")  # plain `python script.py`: a world of one
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    return 0, 1, 0
+
+
+def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, seed=1234, timeout_minutes=60):
+    """Initialise torch.distributed and megatron's parallel groups. All ranks call this.
+
+    The data-parallel size is what is left: world_size / (tp * pp * cp).
+    Returns a DistInfo with this rank's coordinates.
+    """
+    from megatron.core import parallel_state as mpu
+
+    rank, world_size, local_rank = _launcher_env()
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
+            f"{model_parallel}; launch a multiple of {model_parallel} processes or change "
+            "--tp/--pp/--cp."
+        )
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise ValueError("--vpp (virtual pipeline stages) needs --pp > 1")
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        from common import cpu_compat
+
+        cpu_compat.apply()
+        device, backend = torch.device("cpu"), "gloo"
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+            device_id=device if backend == "nccl" else None,
+        )
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    set_seed(seed)
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        tp_size=tp,
+        pp_size=pp,
+        vpp_size=vpp if vpp and vpp > 1 else None,
+        cp_size=cp,
+        ep_size=ep,
+        dp_size=mpu.get_data_parallel_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+    )
+
+
+def set_seed(seed):
+    """Seed every RNG. The same seed on all ranks; megatron's tracker derives the
+    per-TP-rank streams (dropout inside TP regions) from it."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed():
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_master():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args, **kwargs):
+    """print on global rank 0 only."""
+    if is_master():
+        print(*args, **kwargs, flush=True)

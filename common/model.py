@@ -1,0 +1,311 @@
+"""Build the Megatron-Core GPTModel from an HF config, load HF weights sharded, export them back.
+
+  build_model(spec, ...)                  -> list of model chunks (one per virtual pipeline stage)
+  load_hf_weights(chunks, spec, hf_dir)   each rank reads only the slices it owns
+  export_hf_weights(chunks, spec, ...)    generator of (hf_name, full tensor): TP shards are
+                                          all-gathered and PP stages broadcast, in flat buckets
+The name/shape mapping itself lives in common/bridge.py.
+"""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from common.bridge import (
+    HFModelSpec,
+    UnsupportedModelError,
+    check_parallel_layout,
+    expected_hf_shape,
+    gpt_model_kwargs,
+    hf_from_shards,
+    param_rule,
+    parse_hf_config,
+    shard_from_hf,
+    transformer_config,
+)
+
+
+def load_hf_spec(hf_dir) -> HFModelSpec:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{hf_dir} has no config.json: is it a HuggingFace model directory?")
+    with open(path) as f:
+        return parse_hf_config(json.load(f))
+
+
+def layer_spec(spec: HFModelSpec):
+    """megatron's local (pure PyTorch) layer spec. RMSNorm, q/k norm for Qwen3."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+
+
+def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=False,
+                dtype=torch.float32, init_weights=False, **config_overrides):
+    """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
+
+    Weights are left uninitialised unless init_weights: they are loaded next.
+    Only the last pipeline stage has an output layer (and so logits).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp)
+    on_gpu = torch.cuda.is_available()
+    config = transformer_config(
+        spec, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, params_dtype=dtype,
+        use_cpu_initialization=not on_gpu, perform_initialization=init_weights, **config_overrides)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = dict(vp_stage=vp_stage) if vpp else {}
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(spec),
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage),
+            parallel_output=True,  # logits stay vocab-parallel: (B, T, V_padded/tp)
+            **gpt_model_kwargs(spec, tp=tp),
+            **stage,
+        )
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(module):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def named_global_parameters(chunk):
+    """Yield (global_name, param): local decoder layer indices replaced by global ones
+    (pipeline stages and virtual stages number their layers from 0)."""
+    model = unwrap(chunk)
+    layer_index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)}
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            _, _, local, rest = name.split(".", 3)
+            name = f"decoder.layers.{layer_index[local]}.{rest}"
+        yield name, param
+
+
+# ---------------------------------------------------------------------------------------
+# HF -> megatron (sharded load)
+# ---------------------------------------------------------------------------------------
+class HFCheckpointReader:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index).
+
+    read(name, row_slice, col_slice) opens only the bytes of that slice.
+    """
+
+    def __init__(self, hf_dir, spec: HFModelSpec | None = None):
+        from safetensors import safe_open
+
+        self.hf_dir, self.spec, self._open, self._files = hf_dir, spec, safe_open, {}
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            self.weight_map = {name: "model.safetensors" for name in self._handle("model.safetensors").keys()}
+        else:
+            raise FileNotFoundError(
+                f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json "
+                "(only safetensors checkpoints are supported)")
+
+    def _handle(self, filename):
+        if filename not in self._files:
+            path = os.path.join(self.hf_dir, filename)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint shard {path} is missing (listed in the index)")
+            try:
+                self._files[filename] = self._open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error types for damaged headers
+                raise OSError(f"cannot read checkpoint shard {path}: {e} (truncated or damaged?)") from e
+        return self._files[filename]
+
+    def names(self):
+        return list(self.weight_map)
+
+    def shape(self, name):
+        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def read(self, name, row_slice=None, col_slice=None):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.hf_dir}")
+        filename = self.weight_map[name]
+        view = self._handle(filename).get_slice(name)
+        shape = tuple(view.get_shape())
+        if self.spec is not None:
+            expected = expected_hf_shape(name, self.spec)
+            if shape != expected:
+                raise UnsupportedModelError(
+                    f"tensor {name!r} in {filename} has shape {list(shape)} but config.json implies "
+                    f"{list(expected)}: config.json does not match the weights")
+        index = (row_slice or slice(None),) + ((col_slice,) if col_slice is not None else ())
+        try:
+            return view[index] if len(shape) else view[:]
+        except Exception as e:
+            raise OSError(f"cannot read {name!r} from {os.path.join(self.hf_dir, filename)}: {e} "
+                          "(truncated or damaged?)") from e
+
+
+def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=None):
+    """Copy this rank's shard of every parameter from the HF checkpoint. Reads only
+    owned slices, so host memory per rank ~ its shard. Returns the number of tensors set."""
+    from megatron.core import parallel_state as mpu
+
+    tp_rank = mpu.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    tp_size = mpu.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    reader = HFCheckpointReader(hf_dir, spec)
+    count = 0
+    for chunk in chunks:
+        for name, param in named_global_parameters(chunk):
+            kind, hf_names = param_rule(name, spec)
+            shard = shard_from_hf(kind, hf_names, reader.read, spec, tp_rank, tp_size)
+            if shard.shape != param.shape:  # a bridge bug, not a user error
+                raise RuntimeError(f"{name}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(shard)
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------
+# megatron -> HF (export generator)
+# ---------------------------------------------------------------------------------------
+def _export_plan(chunks, spec, tp_size):
+    """This rank's exported parameters, and the ordered plan of every PP stage's ones.
+
+    Each plan entry: (owner pp rank, global name, local shard shape). With tied embeddings
+    only the first stage's embedding is exported (the last stage's copy is the same)."""
+    from megatron.core import parallel_state as mpu
+
+    local = []
+    for chunk in chunks:
+        for name, param in named_global_parameters(chunk):
+            if name == "output_layer.weight" and spec.tie_word_embeddings:
+                continue
+            local.append((name, param))
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    mine = [(name, tuple(p.shape)) for name, p in local]
+    if pp_size > 1:
+        per_stage = [None] * pp_size
+        dist.all_gather_object(per_stage, mine, group=mpu.get_pipeline_model_parallel_group())
+    else:
+        per_stage = [mine]
+    plan = [(stage, name, shape) for stage, entries in enumerate(per_stage) for name, shape in entries]
+    return dict(local), plan
+
+
+def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb=512):
+    """Yield (hf_name, full tensor in `dtype`) for every tensor of the HF checkpoint.
+
+    All ranks call this and must consume the generator to the end (it runs collectives):
+    TP shards are all-gathered in flat buckets of <= bucket_mb of full tensors, then the
+    owning PP stage broadcasts each bucket to the other stages, so every rank receives
+    every tensor. Peak extra memory ~ 2 buckets, never the whole model.
+    Yielded tensors may be views into a bucket buffer: copy them to keep them.
+    """
+    from megatron.core import parallel_state as mpu
+
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    tp_group, pp_group = mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    local, plan = _export_plan(chunks, spec, tp_size)
+
+    # Consecutive entries of one owner stage, up to bucket_mb of full (gathered) bytes.
+    limit = bucket_mb * 2**20 // dtype.itemsize
+    buckets, current, current_numel = [], [], 0
+    for entry in plan:
+        numel = torch.Size(entry[2]).numel() * tp_size
+        if current and (entry[0] != current[0][0] or current_numel + numel > limit):
+            buckets.append(current)
+            current, current_numel = [], 0
+        current.append(entry)
+        current_numel += numel
+    if current:
+        buckets.append(current)
+
+    for bucket in buckets:
+        owner = bucket[0][0]
+        local_numel = sum(torch.Size(shape).numel() for _, _, shape in bucket)
+        gathered = torch.empty(tp_size, local_numel, dtype=dtype, device=device)  # (tp, bucket/tp)
+        if pp_rank == owner:
+            flat = torch.cat([local[name].detach().reshape(-1).to(dtype) for _, name, _ in bucket])
+            if tp_size > 1:
+                dist.all_gather_into_tensor(gathered.view(-1), flat, group=tp_group)
+            else:
+                gathered[0].copy_(flat)
+            del flat
+        if pp_size > 1:
+            dist.broadcast(gathered, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        offset = 0
+        for _, name, shape in bucket:
+            numel = torch.Size(shape).numel()
+            shards = [gathered[r, offset:offset + numel].view(shape) for r in range(tp_size)]
+            offset += numel
+            kind, hf_names = param_rule(name, spec)
+            yield from hf_from_shards(kind, hf_names, shards, spec)
+        del gathered
+
+
+# ---------------------------------------------------------------------------------------
+# Training wrappers: DDP (+ distributed optimizer) and Adam with an LR schedule
+# ---------------------------------------------------------------------------------------
+def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8,
+                   clip_grad=1.0, warmup_steps=0, total_steps=1, decay_style="constant",
+                   use_distributed_optimizer=True, overlap_grad_reduce=False):
+    """Wrap model chunks for training. Returns (ddp_chunks, optimizer, scheduler).
+
+    - megatron DDP: gradients reduced over the data-parallel group into fp32 buffers;
+      by default DDP *averages* gradients over DP ranks (loss per rank is a local mean).
+    - megatron's optimizer: Adam with fp32 main params for bf16 models, grad clipping
+      (clip_grad = max global grad norm), sharded over DP when use_distributed_optimizer.
+    - OptimizerParamScheduler: linear warmup over warmup_steps, then decay_style
+      ("constant", "linear", "cosine") from lr to min_lr at total_steps. One scheduler
+      step per optimizer step.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = unwrap(chunks[0]).config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    ddp_chunks = [
+        # only the first chunk's buckets start the grad reduce early (megatron's convention)
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    # the pipeline schedule calls these: grad all-reduce (DP, tied embeddings, SP norms) ...
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+    config.grad_scale_func = None
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay,
+            adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_eps=adam_eps,
+            clip_grad=clip_grad, bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        ddp_chunks,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=max(total_steps, warmup_steps + 1),
+        lr_decay_style=decay_style, start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
+    )
+    return ddp_chunks, optimizer, scheduler

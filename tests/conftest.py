@@ -1,0 +1,34 @@
+"""Shared pytest fixtures and the torchrun launcher used by the multi-rank tests."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def run_torchrun(script, nproc, *args, timeout=600):
+    """Run `torchrun --nproc_per_node nproc script args...` on gloo (CPU) from the repo root.
+
+    Returns the CompletedProcess; fails the test with the output tail when it exits non-zero.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--standalone", script, *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory):
+    """Every tiny HF model of tests/tiny_models.py saved once per session (qwen3 sharded)."""
+    from tests.tiny_models import ARCH_CONFIGS, save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    for name in ARCH_CONFIGS:
+        save_tiny_hf_model(name, str(root / name), max_shard_size="20KB" if name == "qwen3" else None)
+    return root

@@ -1,0 +1,60 @@
+"""Tiny random HF models built in code (no downloads), one per supported architecture.
+
+Norm weights and biases are perturbed away from their 1/0 init, so every tensor of the
+mapping changes the logits and a wrong mapping cannot hide.
+"""
+import torch
+
+ARCH_CONFIGS = {
+    # Qwen2: q/k/v bias, GQA (4 heads, 2 groups)
+    "qwen2": ("Qwen2ForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         rms_norm_eps=1e-6, max_position_embeddings=256,
+                                         tie_word_embeddings=False, rope_theta=1e6)),
+    # Qwen2 with tied embeddings (as Qwen2-0.5B / 1.5B)
+    "qwen2_tied": ("Qwen2ForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                              rms_norm_eps=1e-6, max_position_embeddings=256,
+                                              tie_word_embeddings=True)),
+    # Llama-3.2 style: llama3 rope scaling, tied embeddings
+    "llama": ("LlamaForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                        rms_norm_eps=1e-5, max_position_embeddings=16384,
+                                        tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "llama3", "factor": 32.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192,
+                                                         "rope_theta": 500000.0})),
+    # Qwen3: q/k norm, head_dim 32 != hidden/heads = 16
+    "qwen3": ("Qwen3ForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=256,
+                                        tie_word_embeddings=False)),
+    "mistral": ("MistralForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            rms_norm_eps=1e-5, max_position_embeddings=256,
+                                            sliding_window=None, tie_word_embeddings=False)),
+}
+
+
+def make_tiny_hf_model(name, seed=0):
+    import transformers
+
+    arch, kwargs = ARCH_CONFIGS[name]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(**kwargs)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None):
+    model = make_tiny_hf_model(name, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return model
