@@ -1,0 +1,165 @@
+"""Logging of training metrics: metrics.jsonl (the source of truth), wandb, and a PNG of curves.
+
+    logger = MetricsLogger(out_dir, vars(args), wandb_mode=args.wandb_mode, project="mcore-rl",
+                           run_name=args.run_name, enabled=master_process)
+    logger.log(step, {"reward_mean": r, "kl": kl, "rollout_s": t_rollout, ...})
+    logger.close()
+
+Only global rank 0 writes (the caller passes enabled=master_process); on the other ranks every
+method is a no-op. `print0` lives in common/dist.py and is re-exported here for convenience.
+
+Naming convention the plot relies on: keys ending in `_s` are seconds spent in one phase of the
+step (rollout_s, sync_s, train_s, ...) and are stacked; name throughputs `*_per_sec`, not `*_s`.
+"""
+import json
+import math
+import os
+
+from common.dist import print0  # noqa: F401  (re-export: `from common.log import print0`)
+
+# Curves drawn in curves.png, one panel each, when present in the logged metrics.
+MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "response_len_mean"]
+
+
+def default_wandb_mode():
+    """"online" when wandb credentials exist (WANDB_API_KEY or a ~/.netrc entry), else "disabled".
+
+    An explicit WANDB_MODE environment variable (online/offline/disabled) wins.
+    """
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("online", "offline", "disabled"):
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        with open(netrc) as f:
+            if "api.wandb.ai" in f.read():   # written by `wandb login`
+                return "online"
+    except OSError:
+        pass
+    return "disabled"
+
+
+def _to_number(value):
+    """One-element tensors / numpy scalars -> python numbers (json can't serialise them)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return float(value)
+
+
+class MetricsLogger:
+    def __init__(self, out_dir, config: dict, wandb_mode: str = "disabled", project: str = "mcore-rl",
+                 run_name: str | None = None, enabled: bool = True, plot_every: int = 10,
+                 resume: bool = False):
+        """resume=False starts metrics.jsonl (and the wandb run) afresh in out_dir; resume=True
+        appends to them (then call truncate_after(resume_step) to drop the steps redone)."""
+        assert wandb_mode in ("online", "offline", "disabled"), wandb_mode
+        self.enabled, self.plot_every = enabled, plot_every
+        self.out_dir = str(out_dir)
+        self.path = os.path.join(self.out_dir, "metrics.jsonl")
+        self.history = []   # list of {"step": ..., **metrics}: what the plot is drawn from
+        self.wandb_run = None
+        if not enabled:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, default=str)
+        # A resumed run appends to the existing file; keep its lines so the plot covers them.
+        if resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                self.history = [json.loads(line) for line in f if line.strip()]
+        self.file = open(self.path, "a" if resume else "w")
+        if wandb_mode != "disabled":
+            import wandb   # lazy: a disabled run never imports it (slow import, spawns a service)
+
+            # Reuse the run id across resumes so the curves continue in the same wandb run.
+            id_path = os.path.join(self.out_dir, "wandb_run_id")
+            run_id = open(id_path).read().strip() if resume and os.path.exists(id_path) else None
+            self.wandb_run = wandb.init(project=project, name=run_name, config=config, mode=wandb_mode,
+                                        dir=self.out_dir, id=run_id, resume="allow" if run_id else None)
+            with open(id_path, "w") as f:
+                f.write(self.wandb_run.id)
+
+    def log(self, step: int, metrics: dict):
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _to_number(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()   # a crash or a preempted job keeps every step logged so far
+        self.history.append(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
+        if self.plot_every and (step + 1) % self.plot_every == 0:
+            self.plot()
+
+    def truncate_after(self, step: int):
+        """Keep only lines with step < `step` (call on resume from checkpoint `step`)."""
+        if not self.enabled:
+            return
+        self.history = [r for r in self.history if r["step"] < step]
+        self.file.close()
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        self.file = open(self.path, "a")
+
+    def plot(self):
+        """Redraw out_dir/curves.png: one panel per MAIN_CURVES key present, plus the per-phase
+        seconds (`*_s` keys) stacked in one panel."""
+        if not self.enabled or not self.history:
+            return
+        # Figure + Agg canvas directly, not pyplot: no global backend switch, no GUI, no leaks.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        def series(key):
+            points = [(r["step"], r[key]) for r in self.history
+                      if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+            return [p[0] for p in points], [p[1] for p in points]
+
+        keys = [k for k in MAIN_CURVES if any(k in r for r in self.history)]
+        time_keys = sorted({k for r in self.history for k in r if k.endswith("_s")})
+        panels = len(keys) + (1 if time_keys else 0)
+        if panels == 0:
+            return
+        cols = min(3, panels)
+        rows = math.ceil(panels / cols)
+        fig = Figure(figsize=(4.5 * cols, 3.2 * rows))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(rows, cols, squeeze=False).ravel()
+        for ax, key in zip(axes, keys):
+            ax.plot(*series(key))
+            ax.set_title(key)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        if time_keys:
+            ax = axes[len(keys)]
+            # Stack only steps that logged every phase, so the areas line up.
+            rows_t = [r for r in self.history if all(isinstance(r.get(k), (int, float)) for k in time_keys)]
+            if rows_t:
+                ax.stackplot([r["step"] for r in rows_t], *[[r[k] for r in rows_t] for k in time_keys],
+                             labels=time_keys)
+                ax.legend(loc="upper left", fontsize="small")
+            ax.set_title("seconds per step")
+            ax.set_xlabel("step")
+        for ax in axes[panels:]:
+            ax.set_visible(False)
+        # Fixed margins (in inches / figure height): constrained layout costs ~2x the drawing time.
+        height = 3.2 * rows
+        fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.3 / height,
+                            wspace=0.25, hspace=0.45)
+        # Write then rename: a reader (or an image viewer) never sees a half-written PNG.
+        tmp = os.path.join(self.out_dir, ".curves.png.tmp")
+        fig.savefig(tmp, format="png", dpi=80)
+        os.replace(tmp, os.path.join(self.out_dir, "curves.png"))
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.plot()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

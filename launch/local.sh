@@ -1,0 +1,34 @@
+#!/bin/bash
+# Local launches (one machine). The same script flags work under launch/slurm.sh.
+#
+#   # 1 CPU, nothing to download: embedded tiny model + synthetic task
+#   python train_grpo.py
+#
+#   # 1 GPU (a small model fits with TP=1)
+#   python train_grpo.py --model /models/Qwen2-0.5B-Instruct --data gsm8k.parquet
+#
+#   # 8 GPUs on one node: TP=4 x DP=2, one vLLM worker colocated on each GPU
+#   torchrun --nproc_per_node 8 train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
+#
+#   # 2 CPU ranks on gloo (what the multi-rank tests do)
+#   torchrun --nproc_per_node 2 train_grpo.py --tp 2
+#
+# This file also runs them: NPROC ranks (default 1 = plain python), arguments forwarded:
+#
+#   bash launch/local.sh train_grpo.py
+#   NPROC=8 bash launch/local.sh train_grpo.py --model /models/Qwen2-7B --tp 4
+set -euo pipefail
+
+if [ "$#" -eq 0 ]; then
+    echo "usage: [NPROC=N] bash launch/local.sh SCRIPT.py [flags...]" >&2
+    exit 2
+fi
+
+NPROC=${NPROC:-1}
+PYTHON=${PYTHON:-python}
+if [ "$NPROC" -eq 1 ]; then
+    exec "$PYTHON" "$@"
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# --standalone: single-node rendezvous on a free local port.
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"

@@ -1,0 +1,65 @@
+#!/bin/bash
+# Multi-node launch: one `torchrun` per node via srun; torchrun starts one rank per GPU.
+# Every argument is forwarded unchanged, so a cluster run takes the same flags as a local one:
+#
+#   sbatch launch/slurm.sh train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
+#
+# Two nodes x 8 GPUs = 16 ranks (e.g. TP=4 x DP=4). Override the defaults on the command line:
+#
+#   sbatch --nodes 4 --partition gpu --time 12:00:00 launch/slurm.sh train_grpo.py --model ... --tp 8
+#
+# Optional environment (export before sbatch; sbatch passes the environment through):
+#   VENV=/path/to/.venv          activate this virtualenv on every node
+#   CONTAINER_IMAGE=img.sqsh     run inside a container (pyxis/enroot: srun --container-image)
+#   CONTAINER_MOUNTS=/data:/data extra mounts for the container (the submit dir is always mounted)
+#   GPUS_PER_NODE=8              ranks per node (defaults to the GPUs Slurm gave each node)
+#   MASTER_PORT=29500            rendezvous port on the first node
+#
+#SBATCH --job-name=mcore-rl
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+if [ "$#" -eq 0 ]; then
+    echo "usage: sbatch launch/slurm.sh SCRIPT.py [flags...]" >&2
+    exit 2
+fi
+
+# Rendezvous on the first node of the allocation (torchrun's c10d store runs there).
+# (Read all hostnames, not `| head -n 1`: with pipefail, head closing the pipe early can
+# kill scontrol with SIGPIPE and fail the job at random.)
+mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+MASTER_ADDR=${HOSTS[0]}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+export MASTER_ADDR MASTER_PORT
+
+# One OpenMP thread per rank: 8 ranks x all cores each would oversubscribe the CPU.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Keep the NCCL errors visible instead of hanging until the watchdog timeout.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+
+if [ -n "${VENV:-}" ]; then
+    # shellcheck disable=SC1091
+    source "$VENV/bin/activate"
+fi
+
+SRUN_ARGS=(--nodes "$SLURM_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1)
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    MOUNTS="$PWD:$PWD${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+    SRUN_ARGS+=(--container-image "$CONTAINER_IMAGE" --container-mounts "$MOUNTS" --container-workdir "$PWD")
+fi
+
+echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT"
+echo "command: $*"
+
+srun "${SRUN_ARGS[@]}" torchrun \
+    --nnodes "$SLURM_NNODES" \
+    --nproc_per_node "$GPUS_PER_NODE" \
+    --rdzv_backend c10d \
+    --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
+    --rdzv_id "$SLURM_JOB_ID" \
+    "$@"

@@ -1,0 +1,63 @@
+"""Tests of launch/*.sh: syntax, and the torchrun command slurm.sh runs (srun/scontrol stubbed).
+
+    .venv/bin/python -m pytest -q tests/test_launch.py
+"""
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("script", ["launch/slurm.sh", "launch/local.sh"])
+def test_bash_syntax(script):
+    subprocess.run(["bash", "-n", os.path.join(ROOT, script)], check=True)
+
+
+def stub(path, body):
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+def test_slurm_forwards_args(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # srun prints one argument per line so quoting is checked too
+    stub(bin_dir / "srun", 'printf "SRUN_ARG<%s>\\n" "$@"\n')
+    stub(bin_dir / "scontrol", '[ "$1 $2 $3" = "show hostnames gpu-[03-04]" ] && printf "gpu-03\\ngpu-04\\n"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "GPUS_PER", "MASTER_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="gpu-[03-04]", SLURM_NNODES="2",
+               SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="8")
+    args = ["train_grpo.py", "--model", "/models/Qwen 2", "--tp", "4"]
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sh"), *args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    srun_args = [line[len("SRUN_ARG<"):-1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
+    torchrun = srun_args[srun_args.index("torchrun"):]
+    assert torchrun == ["torchrun", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
+                        "--rdzv_endpoint", "gpu-03:29500", "--rdzv_id", "4242", *args]
+    assert "--container-image" not in srun_args
+
+    env.update(GPUS_PER_NODE="4", MASTER_PORT="12345", CONTAINER_IMAGE="img.sqsh")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sh"), *args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    srun_args = [line[len("SRUN_ARG<"):-1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
+    assert srun_args[srun_args.index("--container-image") + 1] == "img.sqsh"
+    torchrun = srun_args[srun_args.index("torchrun"):]
+    assert torchrun[torchrun.index("--nproc_per_node") + 1] == "4"
+    assert torchrun[torchrun.index("--rdzv_endpoint") + 1] == "gpu-03:12345"
+
+
+def test_local_forwards_args(tmp_path):
+    fake_python = tmp_path / "python"
+    stub(fake_python, 'printf "ARG<%s>\\n" "$@"\n')
+    env = dict(os.environ, PYTHON=str(fake_python))
+    env.pop("NPROC", None)
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "1"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["ARG<train_grpo.py>", "ARG<--tp>", "ARG<1>"]
+    env["NPROC"] = "8"
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "4"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["ARG<-m>", "ARG<torch.distributed.run>", "ARG<--standalone>",
+                                "ARG<--nproc_per_node>", "ARG<8>", "ARG<train_grpo.py>", "ARG<--tp>", "ARG<4>"]

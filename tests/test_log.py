@@ -1,0 +1,104 @@
+"""Tests of common/log.py: metrics.jsonl content, curves.png, wandb offline, truncate on resume.
+
+    .venv/bin/python -m pytest -q tests/test_log.py
+"""
+import json
+import os
+
+import numpy as np
+import torch
+
+from common.log import MetricsLogger, default_wandb_mode
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_jsonl_config_and_plot(tmp_path):
+    logger = MetricsLogger(tmp_path, {"lr": 1e-6, "model": "tiny"}, wandb_mode="disabled",
+                           project="p", run_name=None, enabled=True, plot_every=2)
+    assert json.load(open(tmp_path / "config.json")) == {"lr": 1e-6, "model": "tiny"}
+    logger.log(0, {"reward_mean": torch.tensor(0.25), "kl": np.float32(0.5), "n": torch.tensor(3),
+                   "rollout_s": 1.5, "train_s": 0.5, "tag": "x"})
+    # flushed line by line: readable before close, and no plot yet (plot_every=2)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "reward_mean": 0.25, "kl": 0.5, "n": 3, "rollout_s": 1.5, "train_s": 0.5, "tag": "x"}]
+    assert not (tmp_path / "curves.png").exists()
+    logger.log(1, {"reward_mean": 0.75, "grad_norm": torch.tensor(2.0, dtype=torch.bfloat16),
+                   "rollout_s": 1.0, "train_s": 0.25})
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == json.dumps({"step": 1, "reward_mean": 0.75, "grad_norm": 2.0,
+                                   "rollout_s": 1.0, "train_s": 0.25})
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_disabled_rank_writes_nothing(tmp_path):
+    logger = MetricsLogger(tmp_path / "out", {"a": 1}, wandb_mode="offline", project="p",
+                           run_name=None, enabled=False)
+    logger.log(0, {"reward_mean": 1.0})
+    logger.truncate_after(0)
+    logger.close()
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncate_after_resume(tmp_path):
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    for step in range(5):
+        logger.log(step, {"reward_mean": step / 10})
+    logger.close()
+    # resume from a checkpoint at step 3: steps 3, 4 are redone
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger.truncate_after(3)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    logger.log(3, {"reward_mean": 0.9})
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "reward_mean": 0.0}, {"step": 1, "reward_mean": 0.1},
+        {"step": 2, "reward_mean": 0.2}, {"step": 3, "reward_mean": 0.9}]
+    assert [r["step"] for r in logger.history] == [0, 1, 2, 3]   # the plot covers the resumed part
+    assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)  # close() draws
+    # a fresh (not resumed) run in the same dir starts the file over
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    logger.log(0, {"reward_mean": 0.5})
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.5}]
+
+
+def test_wandb_offline_run_dir(tmp_path, monkeypatch):
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    logger = MetricsLogger(tmp_path, {"lr": 0.1}, wandb_mode="offline", project="test",
+                           run_name="unit", enabled=True, plot_every=0)
+    logger.log(0, {"reward_mean": 1.0})
+    logger.log(1, {"reward_mean": 2.0})
+    run_id = logger.wandb_run.id
+    logger.close()
+    run_dirs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(run_dirs) == 1 and run_dirs[0].endswith(run_id)
+    assert os.path.exists(tmp_path / "wandb" / run_dirs[0] / f"run-{run_id}.wandb")
+    assert (tmp_path / "wandb_run_id").read_text() == run_id
+
+
+def test_default_wandb_mode(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_wandb_mode() == "disabled"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")
+    assert default_wandb_mode() == "online"
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert default_wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert default_wandb_mode() == "offline"
