@@ -34,16 +34,48 @@ def load_hf_spec(hf_dir) -> HFModelSpec:
         return parse_hf_config(json.load(f))
 
 
-def layer_spec(spec: HFModelSpec):
-    """megatron's local (pure PyTorch) layer spec. RMSNorm, q/k norm for Qwen3."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+ATTENTION_CHOICES = ("sdpa", "local", "te")
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+
+def layer_spec(spec: HFModelSpec, attention=None):
+    """The megatron layer spec: RMSNorm, q/k norm for Qwen3, and the core attention.
+
+    attention:
+      "sdpa"  megatron's local spec with its core attention swapped for common/attention.py's
+              SDPAttention (torch SDPA: flash / mem-efficient kernels on a GPU, no (T, T)
+              score matrix). The default, on a GPU and on a CPU (same logits as "local" to
+              fp32 rounding, tests/test_attention.py).
+      "local" megatron's local spec as is (DotProductAttention: baddbmm + softmax + bmm).
+      "te"    megatron's TransformerEngine spec (fused kernels, needs TE importable).
+    The three have the same parameters; "te" names the fused norms differently
+    (linear_qkv.layer_norm_weight), which the bridge maps too.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    attention = attention or "sdpa"
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_CHOICES}")
+    if attention == "te":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise ImportError("attention='te' needs TransformerEngine; use 'sdpa' without it") from e
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    if attention == "sdpa":
+        from common.attention import SDPAttention
+
+        # A fresh spec object per call, so this swap touches nothing shared. SelfAttention
+        # calls submodules.core_attention(config=..., ...) directly: a class, not a ModuleSpec.
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layer
 
 
 def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=False,
-                dtype=torch.float32, init_weights=False, **config_overrides):
+                dtype=torch.float32, init_weights=False, attention=None, **config_overrides):
     """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
+
+    attention: "sdpa" (default) | "local" | "te", see layer_spec.
 
     Weights are left uninitialised unless init_weights: they are loaded next.
     Only the last pipeline stage has an output layer (and so logits).
@@ -61,17 +93,43 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=Fa
         stage = dict(vp_stage=vp_stage) if vpp else {}
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec),
+            transformer_layer_spec=layer_spec(spec, attention),
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage),
             parallel_output=True,  # logits stay vocab-parallel: (B, T, V_padded/tp)
             **gpt_model_kwargs(spec, tp=tp),
             **stage,
         )
+        if not init_weights:
+            _mark_tensor_parallel(model)
         if on_gpu:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _mark_tensor_parallel(model):
+    """Tag TP-sharded weights as megatron's random init would.
+
+    megatron-core 0.16.1 sets `tensor_model_parallel` / `partition_dim` on linear and
+    embedding weights only inside its init functions (perform_initialization=True). We
+    load weights instead; untagged shards count as replicas in the grad-norm computation,
+    so clipping at TP>1 would use a wrong norm (tests/test_train_grpo.py compares TP=2 with
+    TP=1 grad norms).
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 def unwrap(module):

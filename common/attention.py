@@ -1,0 +1,106 @@
+"""Core attention on torch SDPA, a drop-in for megatron-core's local DotProductAttention.
+
+Why: megatron's local spec (no TransformerEngine) computes attention as
+baddbmm -> masked softmax -> bmm, materialising the (B, heads/tp, T, T) score matrix:
+at T = 4096 that is 0.5 GiB per head group in bf16, and it made a Qwen2-1.5B
+fwd+bwd peak at 60 GB on an H200 (shared/device/README.md). `SDPAttention` computes
+the same function with torch.nn.functional.scaled_dot_product_attention, which on a
+GPU dispatches to the flash / memory-efficient kernels (O(T) memory).
+
+It is selected by a ModuleSpec swap in common/model.py:layer_spec(attention="sdpa"),
+never by patching megatron. It has no parameters, so checkpoints and the HF bridge
+are identical with either core attention.
+
+Contract (megatron-core 0.16.1, transformer/attention.py SelfAttention):
+  constructed as core_attention(config=, layer_number=, attn_mask_type=, attention_type=,
+                                cp_comm_type=, softmax_scale=, pg_collection=)
+  forward(query  (sq, b, heads/tp,  head_dim),
+          key    (sk, b, groups/tp, head_dim),
+          value  (sk, b, groups/tp, head_dim),
+          attention_mask: None or bool, True = masked out (megatron's convention),
+          attn_mask_type=, attention_bias=None, packed_seq_params=None)
+     -> (sq, b, heads/tp * head_dim)
+Masking follows the local DotProductAttention's torch path: with a causal mask type and
+no mask, causal attention; a given mask is used as is (it is not combined with causal).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Causal self-attention through torch SDPA, GQA and tensor parallel aware.
+
+    Each TP rank holds heads/tp query heads and groups/tp key/value groups (megatron keeps
+    whole query groups on a rank), so the per-rank problem is plain GQA with the same
+    heads-per-group ratio as the full model.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        # What this module does not implement fails here, at build time, not silently later.
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention: context parallelism needs TE (--attention te)")
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError("SDPAttention: sliding-window attention is not implemented")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(f"SDPAttention: softmax_type={config.softmax_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise NotImplementedError("SDPAttention: attention dropout (RL runs use 0.0)")
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        self.hidden_size_per_partition = self.heads_per_partition * self.head_dim
+        # apply_query_key_layer_scaling divides the scale by layer_number and the local softmax
+        # multiplies it back (an fp16 overflow guard): the function is unchanged, so it is
+        # ignored here. softmax_scale None means 1/sqrt(head_dim), as in megatron and HF.
+        self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPAttention: packed sequences (thd) need TE (--attention te)")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention: attention_bias is not supported")
+        sq, b = query.shape[:2]
+        sk = key.shape[0]
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+        # (s, b, heads, d) -> (b, heads, s, d): strided views, the head_dim stays contiguous
+        # (all the kernels need).
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if attention_mask is None:
+            # sq == 1 is one new token against its context (the local path uses no mask then).
+            is_causal = mask_type == AttnMaskType.causal and sq > 1
+            if is_causal and sq != sk:
+                raise ValueError(f"SDPAttention: causal attention needs sq == sk, got {sq} != {sk}")
+            # enable_gqa: the kernels index the shared k/v group for each query head instead of
+            # materialising repeated k/v (flash supports it on CUDA; elsewhere torch repeats).
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=is_causal, scale=self.softmax_scale,
+                enable_gqa=self.heads_per_partition != self.groups_per_partition)
+        else:
+            # An explicit mask (b or 1, 1 or heads, sq, sk), True = do not attend. The GQA fast
+            # path needs mask-free kernels, so repeat k/v to one per query head here.
+            repeat = self.heads_per_partition // self.groups_per_partition
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(),
+                                                 scale=self.softmax_scale)
+        # (b, heads, sq, d) -> (sq, b, heads * d)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

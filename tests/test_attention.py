@@ -1,0 +1,167 @@
+"""Tests of common/attention.py (SDPAttention) and layer_spec(attention=...) in common/model.py.
+
+    .venv/bin/python -m pytest -q tests/test_attention.py
+
+fp32 on the CPU, against megatron's own DotProductAttention and against transformers:
+  - the module alone: GQA (8 query heads on 2 groups), causal and with an explicit mask,
+    outputs and q/k/v gradients equal to DotProductAttention (<= 1e-5); a non-causal
+    variant is far off, so the comparison can fail;
+  - whole models (tests/tiny_models.py: GQA everywhere, Qwen3's head_dim 32 != 64/4, Qwen2's
+    q/k/v bias, Llama's scaled rope) at TP=1 in-process and at TP=2 (+SP) under torchrun:
+    logits equal to transformers and to the local spec (<= 1e-5), every parameter gradient
+    equal to the local spec's (<= 1e-5 relative to that tensor's largest gradient);
+  - the state dict (what checkpoints and the HF bridge see) is the same for both specs.
+The GPU (bf16, flash kernels, speed) is tests/gpu/test_sdpa_gpu.py.
+"""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_torchrun
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dist_world_of_one():
+    from common.dist import init_distributed
+
+    return init_distributed()
+
+
+def core_attention_pair(num_heads=8, num_groups=2, head_dim=32):
+    """(DotProductAttention, SDPAttention) built from the same TransformerConfig."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from common.attention import SDPAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
+                               num_query_groups=num_groups, kv_channels=head_dim, attention_dropout=0.0,
+                               hidden_dropout=0.0, masked_softmax_fusion=False)
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return DotProductAttention(**kwargs), SDPAttention(**kwargs)
+
+
+def qkv(seq=24, batch=3, num_heads=8, num_groups=2, head_dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(seq, batch, num_heads, head_dim), (seq, batch, num_groups, head_dim), (seq, batch, num_groups, head_dim)]
+    return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+
+
+def run(module, tensors, mask=None):
+    """Output (s, b, heads * d) and the q/k/v gradients of a fixed random projection of it."""
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    out = module(*tensors, mask)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * weights).sum().backward()
+    return out.detach(), [t.grad for t in tensors]
+
+
+def test_core_attention_matches_local_causal(dist_world_of_one):
+    local, sdpa = core_attention_pair()
+    tensors = qkv()
+    out_local, grads_local = run(local, tensors)
+    out_sdpa, grads_sdpa = run(sdpa, tensors)
+    assert out_sdpa.shape == (24, 3, 8 * 32)
+    assert (out_sdpa - out_local).abs().max() <= TOLERANCE
+    for g_sdpa, g_local in zip(grads_sdpa, grads_local):
+        assert (g_sdpa - g_local).abs().max() <= TOLERANCE
+    # negative control: the same kernel without the causal mask is far off
+    q, k, v = (t.detach().permute(1, 2, 0, 3) for t in tensors)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert (full.permute(2, 0, 1, 3).reshape(24, 3, -1) - out_local).abs().max() > 1e-2
+
+
+def test_core_attention_matches_local_explicit_mask(dist_world_of_one):
+    """A megatron-style bool mask (True = masked): causal plus left padding of 5 tokens in
+    batch row 1. Both modules use the given mask as is."""
+    local, sdpa = core_attention_pair()
+    tensors = qkv()
+    mask = torch.ones(24, 24, dtype=torch.bool).triu(1).expand(3, 1, 24, 24).clone()
+    mask[1, :, :, :5] = True
+    mask[1, :, torch.arange(5), torch.arange(5)] = False     # padded rows attend to themselves
+    out_local, grads_local = run(local, tensors, mask)
+    out_sdpa, grads_sdpa = run(sdpa, tensors, mask)
+    assert (out_sdpa - out_local).abs().max() <= TOLERANCE
+    for g_sdpa, g_local in zip(grads_sdpa, grads_local):
+        assert (g_sdpa - g_local).abs().max() <= TOLERANCE
+    out_causal, _ = run(sdpa, tensors)                         # the padding really changes row 1
+    assert (out_causal[:, 1] - out_sdpa[:, 1]).abs().max() > 1e-2
+
+
+def test_unsupported_inputs_are_errors(dist_world_of_one):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _, sdpa = core_attention_pair()
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="packed"):
+        sdpa(q, k, v, None, packed_seq_params=PackedSeqParams())
+    with pytest.raises(ValueError, match="sq == sk"):
+        sdpa(q, k[:10], v[:10], None)
+
+
+def check_rows(rows, where):
+    for name, per_rank in rows.items():
+        for rank, row in enumerate(per_rank):
+            at = f"{name} {where} rank {rank}"
+            print(f"{at}: sdpa-hf {row['sdpa_vs_hf']:.1e} local-hf {row['local_vs_hf']:.1e} "
+                  f"sdpa-local {row['sdpa_vs_local']:.1e} grad rel {row['grad_max_rel_diff']:.1e}")
+            assert row["sdpa_vs_hf"] <= TOLERANCE, at
+            assert row["local_vs_hf"] <= TOLERANCE, at
+            assert row["sdpa_vs_local"] <= TOLERANCE, at
+            assert row["grad_max_rel_diff"] <= TOLERANCE, at
+            assert row["grad_nonzero"], at
+
+
+@pytest.fixture(scope="module")
+def attention_models_dir(tmp_path_factory):
+    """The tiny models that cover the attention shapes: GQA + q/k/v bias (qwen2), head_dim !=
+    hidden/heads + q/k norm (qwen3), scaled rope + tied embeddings (llama)."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("attention_models")
+    for name in ("qwen2", "qwen3", "llama"):
+        save_tiny_hf_model(name, str(root / name))
+    return root
+
+
+def test_models_tp1_in_process(dist_world_of_one, attention_models_dir):
+    from tests.attention_worker import compare
+
+    rows = compare(str(attention_models_dir), tp=1)
+    check_rows({name: [row] for name, row in rows.items()}, "tp1")
+
+
+@pytest.mark.parametrize("flags", [["--tp", 2], ["--tp", 2, "--sp"]], ids=["tp2", "tp2_sp"])
+def test_models_tp2_torchrun(attention_models_dir, tmp_path, flags):
+    out = tmp_path / "result.json"
+    run_torchrun("tests/attention_worker.py", 2, "--models-dir", attention_models_dir, *flags, "--out", out)
+    rows = json.loads(out.read_text())
+    assert sorted(rows) == ["llama", "qwen2", "qwen3"] and all(len(r) == 2 for r in rows.values())
+    check_rows(rows, " ".join(map(str, flags)))
+
+
+def test_same_state_dict_and_spec_choices(dist_world_of_one, attention_models_dir):
+    from common.attention import SDPAttention
+    from common.model import build_model, layer_spec, load_hf_spec
+
+    spec = load_hf_spec(str(attention_models_dir / "qwen3"))
+    local, sdpa = build_model(spec, attention="local")[0], build_model(spec)[0]   # default: sdpa
+    assert isinstance(sdpa.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    assert not isinstance(local.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    def shapes(model):  # _extra_state entries are None
+        return {k: getattr(v, "shape", v) for k, v in model.state_dict().items()}
+
+    assert shapes(local) == shapes(sdpa)
+    # the swap builds a new spec each call: megatron's own local spec is untouched
+    assert layer_spec(spec, "local").submodules.self_attention.submodules.core_attention is not SDPAttention
+    with pytest.raises(ValueError, match="flash"):
+        layer_spec(spec, "flash")
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="TransformerEngine"):
+            layer_spec(spec, "te")
