@@ -1,0 +1,129 @@
+"""From rollout samples to megatron micro-batches, and megatron's pipeline schedule over them.
+
+  gather_samples(local)            every rank gets the global list (rollout replicas differ)
+  pack_sequences(samples, ...)     prompt+response, right-padded, with the response mask
+  run_micro_batches(...)           megatron's forward(-backward) schedule over micro-batches
+  reduce_metrics(...)              per-micro-batch sums -> global means on every rank
+
+Sequence layout (one row per sample, right-padded to a common length T):
+
+    tokens    p0 p1 p2 r0 r1 r2 <eos> pad pad
+    position   0  1  2  3  4  5   6    7   8
+    target    p1 p2 r0 r1 r2 eos  x    x   x      (token t+1: what logits[t] predicts)
+    mask       0  0  1  1  1  1   0    0   0      (1 where the target is a response token)
+
+Right padding means real tokens never attend to padding, so the plain causal mask is
+exact; padded positions are excluded by the mask. Per-token tensors (logprobs, advantages,
+masks) are all aligned on this "target" axis, shape (B, T).
+"""
+import torch
+import torch.distributed as dist
+
+
+def gather_samples(local_samples, group=None):
+    """All-gather Python objects (e.g. rollout Samples) in rank order. All ranks call this."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(local_samples)
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, list(local_samples), group=group)
+    return [s for part in parts for s in part]
+
+
+def pack_sequences(samples, pad_id, length=None, length_multiple=8):
+    """Right-pad prompt+response of each sample into (B, T) tensors.
+
+    Returns dict(tokens, positions, targets, mask, rollout_logprobs), all (B, T), plus
+    response_len (B,). T is `length` if given, else the longest sequence rounded up
+    to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
+    T for all micro-batches of a step).
+    """
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    if length is None:
+        length = -(-max(lengths) // length_multiple) * length_multiple
+    batch = len(samples)
+    tokens = torch.full((batch, length), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, length)
+    rollout_logprobs = torch.zeros(batch, length)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        # logits at position t predict token t+1: response token j sits at p+j, predicted at p+j-1
+        mask[i, p - 1 : p + r - 1] = 1.0
+        rollout_logprobs[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs, dtype=torch.float)
+    targets = torch.roll(tokens, shifts=-1, dims=1)
+    positions = torch.arange(length).expand(batch, length)
+    return dict(tokens=tokens, positions=positions, targets=targets, mask=mask,
+                rollout_logprobs=rollout_logprobs, response_len=mask.sum(1))
+
+
+def split_micro_batches(batch: dict, micro_batch_size):
+    """dict of (B, ...) tensors -> list of dicts of (micro_batch_size, ...) tensors."""
+    size = next(iter(batch.values())).shape[0]
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
+
+
+def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device):
+    """Run megatron's pipeline schedule (1F1B / interleaved / no-pipelining) over micro-batches.
+
+    loss_fn(micro_batch, logits) -> (loss, metrics dict of scalar sums); it runs on the last
+    pipeline stage only, with logits (B, T, V_padded/tp) of that micro-batch. megatron
+    divides each returned loss by the number of micro-batches (and DDP averages gradients
+    over data-parallel ranks): the caller's normaliser accounts for both.
+    Returns the list of metrics dicts (last pipeline stage; empty elsewhere).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        logits = model(mb["tokens"], mb["positions"], None)  # last stage: (B, T, V/tp)
+        return logits, lambda output: loss_fn(mb, output)
+
+    seq_length, micro_batch_size = micro_batches[0]["tokens"].shape[1], micro_batches[0]["tokens"].shape[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro_batches) for _ in model_chunks],  # one iterator per virtual stage
+        model=model_chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def all_reduce_sum(tensor, group, device):
+    """Sum a CPU tensor over a process group (through the device for NCCL); returns a CPU tensor."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tensor
+    on_device = tensor.to(device)
+    dist.all_reduce(on_device, group=group)
+    return on_device.cpu()
+
+
+def reduce_metrics(metric_dicts, device):
+    """Global means of per-micro-batch metrics, on every rank. All ranks call this.
+
+    Each metric arrives as a sum under 'name' and its count under 'name__n' (count 1 when
+    absent). Sums and counts are added over micro-batches and over all ranks that hold
+    any (the last pipeline stage of every data-parallel replica; TP rank 0 only, so TP
+    replicas of the same numbers count once), then divided.
+    """
+    from megatron.core import parallel_state as mpu
+
+    names = sorted({k for d in metric_dicts for k in d if not k.endswith("__n")})
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:  # ranks without a last stage hold no metrics: agree on the key set
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, names)
+        names = sorted({n for ns in every for n in ns})
+    totals = torch.zeros(2 * len(names), dtype=torch.float64)
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        for d in metric_dicts:
+            for i, name in enumerate(names):
+                if name in d:
+                    totals[2 * i] += float(d[name])
+                    totals[2 * i + 1] += float(d.get(name + "__n", 1.0))
+    if distributed:
+        totals = totals.to(device)
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    return {name: (totals[2 * i] / totals[2 * i + 1].clamp(min=1)).item() for i, name in enumerate(names)}

@@ -1,0 +1,384 @@
+"""GRPO on Megatron-Core with a colocated rollout engine: the whole loop in one file.
+
+GRPO (Shao et al. 2024, DeepSeekMath): sample a group of responses per prompt, score them
+with a rule-based reward, use the group-normalised reward as every token's advantage, and
+take PPO-clipped policy-gradient steps, optionally with a KL penalty to a frozen
+reference. No value function (that is train_ppo.py). Variants are flags:
+  Dr.GRPO (Liu et al. 2025): --no-std-norm --loss-agg seq_mean_token_sum_norm --kl-coef 0
+  DAPO (Yu et al. 2025):     --clip-high 0.28 --loss-agg token_mean --kl-coef 0
+  (DAPO's dynamic sampling and overlong shaping are not implemented.)
+
+Every rank runs this same program (SPMD): it builds its shard of the Megatron-Core
+GPTModel from the HF config.json, loads only its slice of the HF weights, hosts a rollout
+engine, and each step does: weight sync -> rollout -> reward -> advantages -> old/ref
+logprobs -> PPO epochs of forward-backward + optimizer step -> log -> checkpoint.
+
+Launch:
+  1 CPU, no downloads (embedded tiny model, synthetic arithmetic task):
+      python train_grpo.py
+  1 GPU:
+      python train_grpo.py --model /models/Qwen2-1.5B --data gsm8k.parquet
+  8 GPUs (Megatron TP=4 x DP=2; vLLM TP=2 x 4 replicas):
+      torchrun --nproc_per_node 8 train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4 --rollout-tp 2
+  Slurm, several nodes (same flags):
+      sbatch launch/slurm.sh train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
+  On CPUs, torchrun works the same on gloo: torchrun --nproc_per_node 2 train_grpo.py --tp 2
+"""
+import argparse
+import functools
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
+               + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
+    # --- model and data
+    p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer); default: the embedded tiny model")
+    p.add_argument("--mcore-ckpt", default=None, help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
+    p.add_argument("--data", default=None, help="prompts: .jsonl / .parquet / datasets dir with prompt+answer fields; default: the synthetic arithmetic task")
+    p.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
+    p.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
+    p.add_argument("--system-prompt", default=None, help="system message put before every prompt")
+    p.add_argument("--raw-prompts", action="store_true", help="tokenize prompts as they are, without the chat template (always so for the synthetic task)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="prompts longer than this (in tokens) are dropped")
+    # --- parallelism (data parallelism is what is left: world / (tp * pp))
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    # --- rollout
+    p.add_argument("--rollout", choices=["auto", "vllm", "cpu"], default="auto", help="rollout engine; auto = vllm when a GPU and vllm are present, else the CPU engine")
+    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size (independent of --tp); world/rollout-tp replicas get different prompts")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step, global")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="group size G")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="response length budget")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)")
+    p.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
+    # --- algorithm
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
+    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
+    p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="loss aggregation (DAPO / GRPO / Dr.GRPO)")
+    p.add_argument("--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)")
+    p.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
+    p.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
+    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
+    p.add_argument("--mini-batch-size", type=int, default=None, help="samples per optimizer step, global (default: the whole rollout batch)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass per rank")
+    # --- optimisation
+    p.add_argument("--lr", type=float, default=1e-6, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay")
+    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps")
+    p.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant", help="decay after warmup, to --min-lr at the last step")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
+    # --- run
+    p.add_argument("--steps", type=int, default=200, help="training steps (rollout batches)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of everything")
+    p.add_argument("--out", default="runs/grpo", help="output dir: metrics.jsonl, curves.png, checkpoints/")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoints/latest")
+    p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
+    p.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
+    p.add_argument("--run-name", default=None, help="wandb run name")
+    p.add_argument("--save-rollouts", default=None, help="write each step's samples and rewards to this dir")
+    p.add_argument("--load-rollouts", default=None, help="train on samples saved by --save-rollouts instead of generating (no engine)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.model is None:  # flags the user did not set take the embedded task's values
+        for name, value in EMBEDDED_DEFAULTS.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    return args
+
+
+# The embedded tiny model starts from random weights: it needs a large step size, an
+# entropy bonus against early collapse onto one digit, several optimizer steps per rollout
+# batch, and one-token answers. Measured: see README (reward 0 -> ~0.9 in ~60 steps).
+EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new_tokens=1, steps=100)
+
+
+def main():
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    from common import batch as B
+    from common import rl
+    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, write_meta
+    from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
+    from common.dist import destroy_distributed, init_distributed, print0
+    from common.embedded import write_embedded_model
+    from common.log import MetricsLogger, default_wandb_mode
+    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, setup_training
+    from common.rewards import math_reward, synthetic_reward
+    from megatron.core import parallel_state as mpu
+
+    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
+    on_gpu = info.device.type == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
+    print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size} on {info.device}, {dtype}")
+    os.makedirs(args.out, exist_ok=True)
+
+    # ---- model source, tokenizer, prompts --------------------------------------------
+    hf_dir = args.model or os.path.join(args.out, "embedded_model")
+    if args.model is None and info.master_process:
+        write_embedded_model(hf_dir)  # a tiny HF model dir made in code (needs a shared --out across nodes)
+    dist.barrier()
+    spec = load_hf_spec(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if args.data:
+        items, reward_fn = load_prompts(args.data, args.prompt_key, args.answer_key), math_reward
+    else:
+        # the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right, else 0
+        items = synthetic_prompts(num_items=1000, seed=args.seed, num_terms=1)
+        reward_fn = functools.partial(synthetic_reward, format_credit=0.0)
+    if args.raw_prompts or not args.data:  # the synthetic task is not a chat: "7+5=" -> "12"
+        prompt_ids = [tokenizer.encode(it["prompt"], add_special_tokens=False) for it in items]
+    else:
+        prompt_ids = [apply_chat_template(tokenizer, it["prompt"], args.system_prompt) for it in items]
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= args.max_prompt_len]
+    if len(keep) < len(items):
+        print0(f"dropped {len(items) - len(keep)} prompts longer than --max-prompt-len {args.max_prompt_len}")
+    items, prompt_ids = [items[i] for i in keep], [prompt_ids[i] for i in keep]
+
+    # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
+    group = args.samples_per_prompt
+    rollout_batch = args.prompts_per_step * group  # samples per step, global
+    mini_batch = args.mini_batch_size or rollout_batch
+    per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
+    if rollout_batch % mini_batch or mini_batch % info.dp_size or per_dp % args.micro_batch_size:
+        raise ValueError(f"batch sizes do not divide: rollout batch {rollout_batch} (prompts x G) must be a multiple of "
+                         f"--mini-batch-size {mini_batch}, which must be a multiple of dp {info.dp_size} x "
+                         f"--micro-batch-size {args.micro_batch_size}")
+    num_micro = per_dp // args.micro_batch_size
+
+    # ---- policy (trained), reference (frozen) ----------------------------------------
+    def load_model():
+        chunks = build_model(spec, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype)
+        if args.mcore_ckpt:
+            load_model_checkpoint(args.mcore_ckpt, chunks)
+        else:
+            load_hf_weights(chunks, spec, hf_dir)
+        return chunks
+
+    model, optimizer, scheduler = setup_training(
+        load_model(), lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        warmup_steps=args.lr_warmup_steps, total_steps=args.steps * args.ppo_epochs * (rollout_batch // mini_batch),
+        decay_style=args.lr_decay, use_distributed_optimizer=args.distributed_optimizer)
+    reference = None
+    if args.kl_coef > 0:
+        reference = load_model()
+        for chunk in reference:
+            chunk.eval().requires_grad_(False)
+
+    # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
+    engine, rollout_tp = None, args.rollout_tp
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and _have_vllm())
+    if args.load_rollouts:
+        pass  # replaying saved samples: no engine
+    elif use_vllm:
+        from common.rollout import VLLMEngine
+
+        engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed)
+    else:
+        from common.rollout import HFEngine
+
+        engine, rollout_tp = HFEngine(hf_dir, dtype=torch.float32, device=info.device), 1
+    replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
+    if args.prompts_per_step % num_replicas:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {num_replicas} rollout replicas")
+
+    # ---- logging, resume ---------------------------------------------------------------
+    sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
+    ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
+    if args.resume:
+        extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler)
+        if extra is None:
+            print0(f"--resume: no checkpoint in {ckpt_root}, starting from scratch")
+        else:
+            start_step = extra["step"]
+            sampler.load_state_dict(extra["sampler"])
+            print0(f"resumed from step {start_step}")
+    logger = MetricsLogger(args.out, vars(args), wandb_mode=args.wandb or default_wandb_mode(),
+                           project=args.wandb_project, run_name=args.run_name,
+                           enabled=info.master_process, resume=start_step > 0)
+    logger.truncate_after(start_step)
+    tp_group = mpu.get_tensor_model_parallel_group()
+    norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
+
+    def logprob_pass(chunks, mbs, store):
+        """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only)."""
+        def loss_fn(mb, logits):
+            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
+            store[mb["row"].cpu()] = logprobs.float().cpu()
+            return logprobs.sum() * 0, {}
+        with torch.no_grad():
+            B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
+        # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
+        store.copy_(B.all_reduce_sum(store, mpu.get_data_parallel_group(), info.device))
+
+    progress = _progress(range(start_step, args.steps), info.master_process)
+    for step in progress:
+        times, t0 = {}, time.time()
+
+        # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
+        prompts_idx = sampler.next_batch()  # the same global prompts on every rank
+        if engine is not None:
+            tick = time.time()
+            engine.wake()
+            engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
+                                                    bucket_mb=args.sync_bucket_mb))
+            times["sync_s"] = time.time() - tick
+
+            # ---- 2. rollout: each replica samples G responses for its share of the prompts
+            tick = time.time()
+            mine = prompts_idx[replica::num_replicas]
+            local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
+                                    top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica)
+            engine.sleep()
+            # ranks of one vLLM TP group hold the same samples: only the first contributes
+            samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
+            answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+            times["rollout_s"] = time.time() - tick
+            # ---- 3. reward: rule-based, on the decoded response
+            tick = time.time()
+            rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                                    for s, a in zip(samples, answers)], dtype=torch.float32)
+            times["reward_s"] = time.time() - tick
+        else:
+            saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
+            samples, rewards = saved["samples"], saved["rewards"]
+        if args.save_rollouts and info.master_process:
+            os.makedirs(args.save_rollouts, exist_ok=True)
+            torch.save({"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt"))
+
+        # ---- 4. advantages: group-normalised reward, the same for every token of a sample
+        advantages = rl.group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)
+        batch = B.pack_sequences(samples, pad_id, length_multiple=8 * args.tp)  # (N, T) tensors
+        batch["advantages"] = advantages[:, None] * batch["mask"]
+        batch["row"] = torch.arange(len(samples))
+        num_rows, seq_len = batch["tokens"].shape
+
+        # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
+        def my_micro_batches(order, m):
+            rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
+            return B.split_micro_batches({k: v[rows] for k, v in batch.items()}, args.micro_batch_size)
+
+        # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
+        tick = time.time()
+        identity = torch.arange(num_rows)
+        all_mine = [mb for m in range(rollout_batch // mini_batch) for mb in my_micro_batches(identity, m)]
+        batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
+        logprob_pass(model, all_mine, batch["old_logprobs"])
+        times["old_logprob_s"] = time.time() - tick
+        batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
+        if reference is not None:
+            tick = time.time()
+            logprob_pass(reference, all_mine, batch["ref_logprobs"])
+            times["ref_s"] = time.time() - tick
+        batch["is_weights"] = (rl.truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
+                               if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
+
+        # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
+        tick = time.time()
+        train_metrics, grad_norms = [], []
+        for epoch in range(args.ppo_epochs):
+            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
+            for m in range(rollout_batch // mini_batch):
+                rows = order[m * mini_batch:(m + 1) * mini_batch]
+                # global normalisers of this mini-batch (all DP ranks, all micro-batches)
+                norm = dict(num_tokens=batch["mask"][rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
+                scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
+
+                def loss_fn(mb, logits):
+                    mask = mb["mask"]
+                    logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
+                                                                   args.temperature, compute_entropy=True)
+                    per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
+                                                        args.clip_high, is_weights=mb["is_weights"])
+                    loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm)
+                    kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
+                    if reference is not None:
+                        loss = loss + args.kl_coef * rl.aggregate_loss(kl, mask, args.loss_agg, **norm)
+                    if args.entropy_coef:
+                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mask, args.loss_agg, **norm)
+                    n = mask.sum()
+                    metrics = {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
+                               "entropy": rl.masked_sum(entropy.detach(), mask), "entropy__n": n,
+                               "clip_frac": rl.masked_sum(clipped.float(), mask), "clip_frac__n": n}
+                    if reference is not None:
+                        metrics.update(kl=rl.masked_sum(kl.detach(), mask), kl__n=n)
+                    if epoch == 0 and m == 0:  # measured once, before any update of this step
+                        mismatch = (mb["rollout_logprobs"] - logprobs.detach()).abs()
+                        metrics.update(logprob_mismatch=rl.masked_sum(mismatch, mask), logprob_mismatch__n=n)
+                    return loss * scale, metrics
+
+                for chunk in model:
+                    chunk.zero_grad_buffer()
+                optimizer.zero_grad()
+                train_metrics += B.run_micro_batches(model, my_micro_batches(order, m), loss_fn, forward_only=False, device=info.device)
+                _, grad_norm, _ = optimizer.step()
+                scheduler.step(1)
+                grad_norms.append(grad_norm or 0.0)
+        times["train_s"] = time.time() - tick
+
+        # ---- 7. log (every rank joins the metric reduction), then checkpoint
+        metrics = B.reduce_metrics(train_metrics, info.device)
+        metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
+                       grad_norm=sum(grad_norms) / len(grad_norms), lr=optimizer.param_groups[0]["lr"],
+                       response_len_mean=batch["response_len"].mean().item(),
+                       truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+            tick = time.time()
+            save_training_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
+                                     extra={"step": step + 1, "sampler": sampler.state_dict()},
+                                     keep_last=args.keep_checkpoints)
+            if info.master_process:
+                write_meta(os.path.join(ckpt_root, f"step_{step + 1:06d}"),
+                           {"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1}, hf_dir)
+            times["save_s"] = time.time() - tick
+        times["step_s"] = time.time() - t0
+        metrics.update(times)
+        logger.log(step, metrics)
+        if info.master_process:
+            progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
+
+    logger.close()
+    if info.master_process:
+        print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+    destroy_distributed()
+
+
+def _have_vllm():
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _progress(iterable, enabled):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc="grpo", disable=not enabled, dynamic_ncols=True)
+
+
+if __name__ == "__main__":
+    main()
