@@ -62,8 +62,9 @@ def _launcher_env():
             )
         env.setdefault("MASTER_PORT", "29500")
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    env.setdefault("MASTER_ADDR", "127.0.0.1")  # plain `python script.py`: a world of one
-    env.setdefault("MASTER_PORT", str(_free_port()))
+    # plain `python script.py`: a world of one, on a fresh local port (a MASTER_PORT inherited
+    # from a parent process, e.g. a test runner that initialised its own group, may be taken)
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
     return 0, 1, 0
 
 
