@@ -44,11 +44,24 @@ HF_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
 
 
 def model_sharded_state_dict(chunks):
-    """One sharded state dict for all of this rank's model chunks (keys are global)."""
-    state = {}
-    for chunk in chunks:
-        state.update(unwrap(chunk).sharded_state_dict())
-    return state
+    """One sharded state dict for all of this rank's model chunks. The sharded tensors carry
+    global keys (what is on disk); the dict keys are module names, which with virtual
+    pipeline stages repeat across chunks (each numbers its layers from 0), so several chunks
+    are nested under chunk{i}."""
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def load_into_chunks(chunks, loaded):
+    """Copy a loaded model state dict (nested as model_sharded_state_dict) into the chunks."""
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(loaded if len(chunks) == 1 else loaded[f"chunk{i}"], strict=False)
+
+
+def _leaf_keys(state):
+    return {f"{key}/{leaf}" for key, value in state.items() for leaf in _leaf_keys(value)} \
+        if isinstance(state, dict) else {""}
 
 
 def save_model_checkpoint(ckpt_dir, chunks):
@@ -70,9 +83,8 @@ def load_model_checkpoint(ckpt_dir, chunks):
             "pass a directory written by convert_hf_to_mcore.py or a training checkpoint step")
     sharded = model_sharded_state_dict(chunks)
     state = dist_checkpointing.load({"model": sharded}, ckpt_dir)
-    for chunk in chunks:
-        unwrap(chunk).load_state_dict(state["model"], strict=False)
-    missing = [k for k in sharded if k not in state["model"]]
+    load_into_chunks(chunks, state["model"])
+    missing = sorted(_leaf_keys(sharded) - _leaf_keys(state["model"]))
     if missing:
         raise RuntimeError(f"checkpoint {ckpt_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -83,11 +95,9 @@ def is_model_checkpoint(ckpt_dir):
 
 def write_meta(ckpt_dir, meta: dict, hf_source_dir=None):
     """rl_meta.json plus the HF side files. Call on global rank 0 only."""
-    import megatron.core
-    import transformers
+    from importlib.metadata import version  # not `import transformers`: 2 s just for a version string
 
-    meta = dict(meta, versions={"torch": torch.__version__, "megatron-core": megatron.core.__version__,
-                                "transformers": transformers.__version__})
+    meta = dict(meta, versions={name: version(name) for name in ("torch", "megatron-core", "transformers")})
     with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     if hf_source_dir is not None:
@@ -216,7 +226,7 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler):
         step_dir = os.path.join(ckpt_root, name)
         # Rank 0 decides, everyone follows: a half-written directory on a network
         # filesystem may look different from different nodes.
-        problem = _broadcast_from_rank0(_check_step_dir(step_dir) if rank == 0 else None)
+        problem = _broadcast_from_rank0(check_step_dir(step_dir) if rank == 0 else None)
         if problem is None:
             try:
                 extra = _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler)
@@ -254,8 +264,7 @@ def _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler):
     model_sd = model_sharded_state_dict(ddp_chunks)
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, step_dir)  # collective
-    for chunk in ddp_chunks:  # strict=False: the dict holds the keys of all of this rank's chunks
-        unwrap(chunk).load_state_dict(loaded["model"], strict=False)
+    load_into_chunks(ddp_chunks, loaded["model"])
     # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
     optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
@@ -295,7 +304,7 @@ def _candidates(ckpt_root):
     return [latest] + [name for name in newest_first if steps[name] < int(match.group(1))]
 
 
-def _check_step_dir(step_dir):
+def check_step_dir(step_dir):
     """None if step_dir looks complete, else why not (cheap: sizes, not checksums)."""
     if not os.path.isdir(step_dir):
         return "the directory does not exist"
@@ -332,7 +341,7 @@ def _prune(ckpt_root, step, keep_last):
     keep = max(keep_last, 1) - 1  # the one just written counts
     for _, entry in sorted(older, reverse=True):
         path = os.path.join(ckpt_root, entry)
-        if keep > 0 and _check_step_dir(path) is None:
+        if keep > 0 and check_step_dir(path) is None:
             keep -= 1
         else:
             shutil.rmtree(path)

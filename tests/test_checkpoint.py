@@ -145,21 +145,21 @@ def test_resume_tp2_fully_reshardable(trained):
     assert max_diff(result, ref, "lrs") == 0.0
 
 
-def test_check_step_dir_and_candidates(trained, tmp_path):
+def testcheck_step_dir_and_candidates(trained, tmp_path):
     """The structural checks, without any process group."""
-    from common.checkpoint import _candidates, _check_step_dir
+    from common.checkpoint import _candidates, check_step_dir
 
     root = tmp_path / "root"
     shutil.copytree(trained["root"], root)
     good = root / "step_000004"
-    assert _check_step_dir(str(good)) is None
+    assert check_step_dir(str(good)) is None
     distcp = sorted(p for p in os.listdir(good) if p.endswith(".distcp"))[0]
     with open(good / distcp, "r+b") as f:
         f.truncate(100)
-    assert "truncated" in _check_step_dir(str(good))
+    assert "truncated" in check_step_dir(str(good))
     os.remove(root / "step_000003" / "complete")
-    assert "no 'complete' marker" in _check_step_dir(str(root / "step_000003"))
-    assert "does not exist" in _check_step_dir(str(root / "step_000007"))
+    assert "no 'complete' marker" in check_step_dir(str(root / "step_000003"))
+    assert "does not exist" in check_step_dir(str(root / "step_000007"))
 
     # latest first, then older; unpublished newer dirs and interrupted saves are ignored
     (root / "step_000005").mkdir()
