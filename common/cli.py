@@ -1,0 +1,145 @@
+"""What the offline tools (convert_hf_to_mcore.py, merge_to_hf.py) share: output
+directories that never lose data (refuse a non-empty --out unless --force, write to
+<out>.incomplete, rename at the end), the failures a user can fix turned into one-paragraph
+messages with an exit code, and reading config.json with such messages.
+"""
+import errno
+import json
+import os
+import shutil
+
+import torch
+
+from common.bridge import UnsupportedModelError
+from common.dist import destroy_distributed, print0
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class ConversionError(Exception):
+    """A problem with the input or the output directory the user can fix: printed, no traceback."""
+
+
+def check_output_dir(out, force, inputs, looks_like_earlier_output):
+    """Refuse an --out that would lose data. Touches nothing.
+
+    A non-empty --out is refused unless --force, and even then only when it looks like an
+    earlier output of the same script (never a directory of unrelated files) and contains
+    none of the inputs."""
+    out = os.path.abspath(out)
+    for path in inputs:
+        path = os.path.abspath(path)
+        if path == out or path.startswith(out + os.sep):
+            raise ConversionError(f"--out {out} is (or contains) the input {path}; choose another directory.")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConversionError(f"--out {out} exists and is not a directory; nothing was written. Choose a directory.")
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if entries and not force:
+        raise ConversionError(
+            f"--out {out} is not empty ({len(entries)} entries, e.g. {', '.join(entries[:3])}); nothing was "
+            "written and nothing there was touched. Choose a new or empty directory, or pass --force to "
+            "replace it (its old contents are removed only after the new output is complete).")
+    if entries and not looks_like_earlier_output(out):
+        raise ConversionError(
+            f"--out {out} is not empty and does not look like an earlier output of this script "
+            f"({', '.join(entries[:3])}, ...), so --force will not replace it. Delete it yourself if you "
+            "mean to, or choose another directory.")
+    return out
+
+
+def temporary_output(out, created):
+    """<out>.incomplete: all ranks compute the same name; rank 0 creates it. `created` (a list)
+    records it, so that on failure main() removes what this run made and nothing else."""
+    tmp = out + ".incomplete"
+    created.append(tmp)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if os.path.exists(tmp):  # left over from an interrupted run of this script
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    return tmp
+
+
+def finish_output(tmp, out):
+    """Give the complete output its final name (rank 0 only). With --force the old directory is
+    moved aside first and deleted only after the rename."""
+    if os.path.isdir(out) and os.listdir(out):
+        old = out + ".replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.rename(tmp, out)
+    fd = os.open(os.path.dirname(out), os.O_RDONLY)  # make the rename itself durable
+    os.fsync(fd)
+    os.close(fd)
+
+
+def root_cause(exc):
+    """torch.distributed.checkpoint wraps every rank's exception in a CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return root_cause(next(iter(failures.values()))[0])
+    return exc
+
+
+def error_message(exc, out):
+    """(exit code, one-paragraph message) for the failures a user can fix; None for bugs."""
+    exc = root_cause(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, f"interrupted; the partial output {out}.incomplete was removed."
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return 2, (f"disk full while writing {out} ({exc.filename or 'output file'}): the partial output "
+                   f"{out}.incomplete was removed and nothing else was touched. Free space on that disk "
+                   "(the output needs about the size of the input weights in the chosen --dtype) or write "
+                   "--out elsewhere.")
+    if isinstance(exc, (ConversionError, UnsupportedModelError)):
+        return 2, str(exc)
+    if isinstance(exc, OSError):
+        return 2, (f"{exc.strerror or exc}: {exc.filename or ''}. The partial output {out}.incomplete (if "
+                   f"any) was removed; {out} itself was not touched.")
+    if type(exc).__name__ == "CheckpointingException":  # megatron's loader: a checkpoint/config mismatch
+        return 2, f"the checkpoint does not match config.json: {exc}"
+    return None
+
+
+def read_hf_spec(config_dir):
+    """HFModelSpec of config_dir/config.json; unreadable or unsupported -> a message."""
+    from common.bridge import parse_hf_config
+
+    path = os.path.join(config_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{config_dir} has no config.json: pass a HuggingFace model directory.")
+    try:
+        with open(path) as f:
+            return parse_hf_config(json.load(f))
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}).") from None
+    except KeyError as e:
+        raise ConversionError(f"{path} lacks the field {e}, which the bridge needs.") from None
+
+
+def run_cli(run, args):
+    """Run `run(args, created)` as a command-line tool: on failure remove the outputs it
+    created (rank 0), turn the failures a user can fix into (exit code, one paragraph, no
+    traceback), re-raise bugs. Returns the exit code."""
+    out, created = os.path.abspath(args.out), []
+    owns_process_group = not torch.distributed.is_initialized()  # (main() may run inside a test)
+    try:
+        code = run(args, created)
+    except BaseException as e:  # KeyboardInterrupt and DCP's CheckpointException (a BaseException) too
+        if int(os.environ.get("RANK", "0")) == 0:
+            for path in created:
+                shutil.rmtree(path, ignore_errors=True)
+        known = error_message(e, out)
+        if known is None:
+            raise
+        code, message = known
+        print0(f"error: {message}")
+    finally:
+        if owns_process_group and torch.distributed.is_initialized():
+            destroy_distributed()
+    return code

@@ -1,0 +1,248 @@
+"""Merge a Megatron-Core checkpoint back into a HuggingFace model directory.
+
+--ckpt accepts a checkpoint written by convert_hf_to_mcore.py, a training checkpoint step
+(<run>/checkpoints/step_000100; only its model part is read, never the optimizer state) or
+a training checkpoint root (<run>/checkpoints: the step its `latest` file names). The output:
+  model-0000i-of-0000n.safetensors   shards of at most --max-shard-size
+  model.safetensors.index.json
+  config.json                        the source's, with the dtype set to the one written
+  generation_config.json, tokenizer files
+It loads unchanged with transformers `from_pretrained` and with vLLM. HF -> mcore -> HF is
+bit-exact for every tensor (same dtype).
+
+How: the checkpoint is loaded into a GPTModel at --tp/--pp (dist_checkpointing reshards to
+any layout), then common/model.py:export_hf_weights streams full HF tensors (TP shards
+all-gathered, PP stages broadcast, in buckets); rank 0 writes each shard file as soon as it
+is full. Host memory: this rank's part of the model + one shard + two export buckets.
+
+  python merge_to_hf.py --ckpt /ckpt/qwen2-7b-mcore --out /models/qwen2-7b-rl             # 1 CPU
+  python merge_to_hf.py --ckpt runs/grpo/checkpoints --out /models/grpo-latest --dtype bf16
+  torchrun --nproc_per_node 8 merge_to_hf.py --ckpt DIR --out DIR --tp 8                   # big models
+  sbatch launch/slurm.sh merge_to_hf.py --ckpt DIR --out DIR --tp 8
+
+The HF side files (config.json, tokenizer, generation_config.json) come from the first of:
+--hf-files DIR, <ckpt>/hf, <ckpt>/../hf, <ckpt>/../../hf (the run directory of a training step).
+
+Exit codes: 0 done, 2 bad input or disk full (a one-paragraph message, no traceback), 130
+interrupted. The output is written to <out>.incomplete and renamed to <out> at the end.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, check_output_dir, finish_output, read_hf_spec,
+                        root_cause, run_cli, temporary_output)
+from common.dist import print0
+
+SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def resolve_checkpoint(path):
+    """The model checkpoint directory --ckpt means, or a ConversionError saying why it is none."""
+    from common.checkpoint import check_step_dir, is_model_checkpoint
+
+    path = os.path.abspath(path)
+    latest = os.path.join(path, "latest")
+    if not is_model_checkpoint(path) and os.path.isfile(latest):  # a training checkpoint root
+        with open(latest) as f:
+            path = os.path.join(path, f.read().strip())
+    if not is_model_checkpoint(path):
+        raise ConversionError(
+            f"--ckpt {path} is not a checkpoint (no metadata.json). Pass a directory written by "
+            "convert_hf_to_mcore.py, a training checkpoint step (.../checkpoints/step_000100) or the "
+            "checkpoints directory holding `latest`.")
+    if os.path.isfile(os.path.join(path, "train_state.json")):  # a training step: is it complete?
+        problem = check_step_dir(path)
+        if problem:
+            raise ConversionError(f"training checkpoint {path} is damaged or incomplete: {problem}. "
+                                  "Merge an older step instead.")
+    return path
+
+
+def find_hf_files(ckpt, explicit):
+    candidates = [explicit] if explicit else [os.path.join(ckpt, "hf"), os.path.join(ckpt, "..", "hf"),
+                                               os.path.join(ckpt, "..", "..", "hf")]
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "config.json")):
+            return os.path.abspath(d)
+    raise ConversionError(
+        f"cannot find the HF config.json for {ckpt}: looked in {', '.join(map(os.path.abspath, candidates))}. "
+        "Pass --hf-files DIR (the source HF model directory, or any directory with its config.json "
+        "and tokenizer files).")
+
+
+def stored_dtype(ckpt):
+    """The dtype the checkpoint stores the model in (read from DCP's .metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tensors = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    if "embedding.word_embeddings.weight" not in tensors:
+        raise ConversionError(f"--ckpt {ckpt} holds no GPT model weights (no embedding.word_embeddings.weight).")
+    return tensors["embedding.word_embeddings.weight"].properties.dtype
+
+
+def parse_size(text):
+    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20 (the units transformers' max_shard_size accepts)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+def write_safetensors(path, tensors):
+    """A .safetensors file from a dict of CPU tensors, written with plain file I/O (so a full
+    disk is an OSError like any other write, and no serialised copy is made in memory)."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to a multiple of 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # input / output
+    ap.add_argument("--ckpt", required=True, help="converted checkpoint, training checkpoint step, or "
+                    "training checkpoint root (the step named by its `latest` file)")
+    ap.add_argument("--out", required=True, help="output HF directory (new or empty; see --force)")
+    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB "
+                    "(a single larger tensor gets a file of its own)")
+    ap.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                    help="dtype written; auto = the dtype the checkpoint stores")
+    ap.add_argument("--hf-files", default=None, help="directory with the HF config.json / tokenizer / "
+                    "generation_config.json (default: the checkpoint's hf/ or its run's hf/)")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty --out that holds an earlier "
+                    "HF export; it is removed only after the new one is complete")
+    # parallel layout to load at (torchrun with tp*pp processes, or a multiple)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at")
+    ap.add_argument("--bucket-mb", type=int, default=256, help="export bucket size (MB of full tensors)")
+    return ap.parse_args(argv)
+
+
+def run(args, created):
+    from common.bridge import check_parallel_layout
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # -- cheap checks: nothing is written if one fails
+    ckpt = resolve_checkpoint(args.ckpt)
+    hf_files = find_hf_files(ckpt, args.hf_files)
+    spec = read_hf_spec(hf_files)
+    out = check_output_dir(args.out, args.force, [ckpt, hf_files], lambda d: os.path.isfile(
+        os.path.join(d, "model.safetensors.index.json")) or os.path.isfile(os.path.join(d, "model.safetensors")))
+    max_shard_bytes = parse_size(args.max_shard_size)
+    stored = stored_dtype(ckpt)
+    dtype = stored if args.dtype == "auto" else DTYPES[args.dtype]
+    if dtype not in SAFETENSORS_NAMES:
+        raise ConversionError(f"the checkpoint stores {stored}; pass --dtype bf16 or --dtype fp32")
+    try:
+        check_parallel_layout(spec, tp=args.tp, pp=args.pp)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    if world_size % (args.tp * args.pp):
+        raise ConversionError(f"--tp {args.tp} --pp {args.pp} needs a multiple of {args.tp * args.pp} "
+                              f"processes (running {world_size}): torchrun --nproc_per_node {args.tp * args.pp} ...")
+
+    # -- load the model part of the checkpoint at this layout
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from common.bridge import expected_hf_names
+    from common.checkpoint import HF_SMALL_FILES, load_model_checkpoint
+    from common.dist import init_distributed
+    from common.model import build_model, export_hf_weights
+
+    init_distributed(tp=args.tp, pp=args.pp)
+    print0(f"merging {ckpt} ({spec.architecture}, stored as {HF_DTYPE_NAMES.get(stored, stored)}) -> {out} "
+           f"as {HF_DTYPE_NAMES[dtype]}, tp={args.tp} pp={args.pp}")
+    chunks = build_model(spec, tp=args.tp, pp=args.pp, dtype=stored)
+    try:
+        load_model_checkpoint(ckpt, chunks)  # the model part only, at this layout
+    except BaseException as e:  # torch's DCP wraps the loader's errors in a BaseException
+        cause = root_cause(e)
+        if isinstance(cause, (KeyError, RuntimeError)) or type(cause).__name__ == "CheckpointingException":
+            raise ConversionError(f"{ckpt} does not match {hf_files}/config.json: {cause}") from None
+        raise
+    tmp = temporary_output(out, created)
+    dist.barrier()
+
+    # -- stream every HF tensor; rank 0 writes a shard whenever the next tensor would overflow it
+    shard, shard_bytes, files, weight_map, total_bytes = {}, 0, [], {}, 0
+
+    def flush():
+        name = f"model-{len(files) + 1:05d}.safetensors"  # renamed to -of-N below
+        write_safetensors(os.path.join(tmp, name), shard)
+        files.append(name)
+        weight_map.update({tensor_name: name for tensor_name in shard})
+        shard.clear()
+
+    with tqdm(total=len(expected_hf_names(spec)), unit="tensor", disable=rank != 0) as progress:
+        for name, tensor in export_hf_weights(chunks, spec, dtype=dtype, bucket_mb=args.bucket_mb):
+            if rank != 0:  # every rank consumes the generator (it runs collectives)
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and shard_bytes + nbytes > max_shard_bytes:
+                flush()
+                shard_bytes = 0
+            # yielded tensors are views into the export bucket (on the GPU, if any): copy them out
+            shard[name] = tensor.to("cpu", copy=True).contiguous()
+            shard_bytes += nbytes
+            total_bytes += nbytes
+            progress.update(1)
+        if rank == 0 and shard:
+            flush()
+    del chunks
+
+    # -- index, config, generation config, tokenizer, then the final name
+    if rank == 0:
+        names = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+        for old, new in names.items():
+            os.rename(os.path.join(tmp, old), os.path.join(tmp, new))
+        index = {"metadata": {"total_size": total_bytes},
+                 "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        # transformers 5 writes "dtype", 4.x "torch_dtype"; vLLM reads either through transformers
+        config = dict(spec.hf_config)
+        for key in ("dtype", "torch_dtype"):
+            if key in config or key == "dtype":
+                config[key] = HF_DTYPE_NAMES[dtype]
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        for name in HF_SMALL_FILES:
+            if name != "config.json" and os.path.isfile(os.path.join(hf_files, name)):
+                shutil.copy2(os.path.join(hf_files, name), os.path.join(tmp, name))
+        if not os.path.isfile(os.path.join(tmp, "generation_config.json")):
+            from transformers import AutoConfig, GenerationConfig
+
+            GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp)).save_pretrained(tmp)
+        finish_output(tmp, out)
+        print0(f"done: {out}  ({len(files)} safetensors file(s), {total_bytes / 1e9:.3f} GB)")
+    created.clear()
+    dist.barrier()
+    return 0
+
+
+def main(argv=None):
+    return run_cli(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
