@@ -100,6 +100,10 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=Fa
             **gpt_model_kwargs(spec, tp=tp),
             **stage,
         )
+        # The local spec's norms (torch.nn.RMSNorm) are created in fp32 whatever params_dtype
+        # says; megatron's Float16Module casts the whole model, and so do we: DDP's grad
+        # buffers and the optimizer assume one dtype (else a shape assertion at checkpoint save).
+        model.to(dtype)
         if not init_weights:
             _mark_tensor_parallel(model)
         if on_gpu:
