@@ -195,7 +195,7 @@ def main():
     if args.load_rollouts:
         pass  # replaying saved samples: no engine
     elif use_vllm:
-        from common.rollout import VLLMEngine
+        from common.rollout_vllm import VLLMEngine
 
         engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
                             max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed)
@@ -244,9 +244,10 @@ def main():
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
         if engine is not None:
             tick = time.time()
-            engine.wake()
+            engine.wake_weights()  # weights first: the KV cache is not needed while syncing
             engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
                                                     bucket_mb=args.sync_bucket_mb))
+            engine.wake_kv_cache()
             times["sync_s"] = time.time() - tick
 
             # ---- 2. rollout: each replica samples G responses for its share of the prompts
@@ -316,8 +317,8 @@ def main():
                     per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
                                                         args.clip_high, is_weights=mb["is_weights"])
                     loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm)
-                    kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
                     if reference is not None:
+                        kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
                         loss = loss + args.kl_coef * rl.aggregate_loss(kl, mask, args.loss_agg, **norm)
                     if args.entropy_coef:
                         loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mask, args.loss_agg, **norm)
@@ -363,7 +364,7 @@ def main():
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
 
     logger.close()
-    if info.master_process:
+    if start_step < args.steps:  # a resume of a finished run trains no step
         print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
     destroy_distributed()
 

@@ -153,7 +153,8 @@ def destroy_distributed():
 
 
 def is_master():
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Global rank 0 (before init_process_group: the launcher's RANK, so torchrun ranks stay quiet)."""
+    return dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
 
 
 def print0(*args, **kwargs):

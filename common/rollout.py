@@ -11,6 +11,8 @@ the same on a laptop and on a GPU cluster:
 `HFEngine` is the CPU fallback: a transformers AutoModelForCausalLM with our own batched
 sampling loop over a KV cache. It serves the embedded tiny default (`python train_grpo.py`)
 and the tests; it is not meant for real models.
+`VLLMEngine` (GPU: vLLM colocated in the torchrun processes) lives in common/rollout_vllm.py,
+so that importing this module never imports vLLM.
 
 Logprob semantics (the trainer must recompute the same quantity, see rl.py):
   response_logprobs[t] = log_softmax(logits_t / temperature)[token_t], over the FULL vocab.
@@ -52,6 +54,12 @@ class RolloutEngine:
 
     def sleep(self) -> None:
         """Release accelerator memory (weights + KV cache) for the training phase."""
+
+    def wake_weights(self) -> None:
+        """Take the weight memory back before a weight sync (vLLM: wake_up(tags=["weights"]))."""
+
+    def wake_kv_cache(self) -> None:
+        """Take the KV-cache memory back after the sync, before generation."""
 
     def wake(self) -> None:
         """Take the accelerator memory back before a weight sync / generation."""

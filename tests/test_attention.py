@@ -25,9 +25,16 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def dist_world_of_one():
+    """This process as a world of one. init_distributed exports MASTER_ADDR/PORT for it; they
+    are removed again afterwards, or later tests' subprocesses would inherit a port this
+    process still listens on (EADDRINUSE)."""
     from common.dist import init_distributed
 
-    return init_distributed()
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            env.setenv(name, "")      # recorded as unset, so teardown removes what
+            env.delenv(name)          # init_distributed exports
+        yield init_distributed()
 
 
 def core_attention_pair(num_heads=8, num_groups=2, head_dim=32):

@@ -1,0 +1,225 @@
+"""VLLMEngine: the GPU rollout engine, a vLLM 0.26 LLM living inside the torchrun processes.
+
+Kept apart from common/rollout.py so that `import common.rollout` never imports vLLM (it
+exists on GPU machines only); the training script imports this module when --engine vllm.
+
+Colocation (see shared/device/README.md, where each call below was measured on H200s):
+  - every rank builds one engine with distributed_executor_backend="external_launcher":
+    vLLM reuses the torch.distributed default group the script already initialised and runs
+    in-process (no engine subprocess). Its TP groups are runs of rollout_tp consecutive
+    ranks; each group is one rollout replica. All ranks construct the engine together
+    (vLLM creates its groups and agrees on the KV-cache size with collectives).
+  - within a replica every rank must call generate() with the same prompts and seed (each
+    rank schedules independently and deterministically); replicas get different prompts:
+    rollout_replica() / replica_share() below say which.
+  - memory: sleep() = sleep(level=2) discards weights and KV cache (level 1 would copy the
+    weights to CPU: 9.8 s at 7B, wasted since the next sync overwrites them). The step is
+        engine.wake_weights(); engine.update_weights(export_hf_weights(...)); engine.wake_kv_cache()
+        samples = engine.generate(...); engine.sleep(); <train>
+    After a level-2 sleep the weights are garbage until the next update_weights, so
+    generate() refuses to run before a sync (likewise with load_format="dummy").
+
+Logprobs (must equal common/rollout.py's HFEngine semantics, log_softmax(logits / T)[token]):
+  vLLM's logprobs_mode="processed_logprobs" returns log_softmax of the logits after the
+  sampling transforms: temperature, then top-k/top-p (v1/sample/sampler.py and the V2 runner's
+  v1/worker/gpu/sample/sampler.py of 0.26.0). "raw_logprobs" (the default) ignores the
+  temperature, so it is wrong for every T != 1.
+  - top_p == 1: exactly HFEngine's quantity (and greedy, T = 0: log_softmax(logits)).
+  - top_p < 1: vLLM renormalises over the nucleus, so the value is HFEngine's plus
+    -log(nucleus mass) >= 0, the true log-probability of the sampling distribution. The
+    trainer must then recompute with the same top-p filter or not compare against it
+    (a warning is printed once).
+"""
+import json
+import os
+import random
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from common.rollout import RolloutEngine, Sample
+
+
+def rollout_replica(rank, rollout_tp, world_size=None):
+    """(replica index, number of replicas) of this rank: vLLM's TP groups are runs of
+    rollout_tp consecutive ranks (vllm/distributed/parallel_state.py), one replica each."""
+    world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size % rollout_tp:
+        raise ValueError(f"--rollout-tp {rollout_tp} must divide the world size {world_size}")
+    return rank // rollout_tp, world_size // rollout_tp
+
+
+def replica_share(items, replica, num_replicas):
+    """This replica's contiguous share of items (sizes differ by at most one), so the
+    replicas' results concatenated in replica order are in the original order."""
+    base, extra = divmod(len(items), num_replicas)
+    start = replica * base + min(replica, extra)
+    return items[start:start + base + (replica < extra)]
+
+
+def eos_token_ids_of(hf_dir):
+    """The ids generation stops at: generation_config.json's eos_token_id (instruct models add
+    e.g. <|im_end|> there), else config.json's, as HFEngine does through transformers."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM colocated with the trainer on the same GPUs. All ranks construct it together,
+    after common.dist.init_distributed (torch.distributed must exist)."""
+
+    def __init__(self, hf_dir, rollout_tp=1, gpu_memory_utilization=0.5, max_model_len=4096,
+                 dtype="bfloat16", seed=0, enforce_eager=False, enable_sleep=True, load_format="dummy",
+                 eos_token_ids=None, **llm_kwargs):
+        """hf_dir: config.json (+ generation_config.json); with load_format="dummy" (default)
+        no weights are read, the first update_weights provides them. "auto" loads hf_dir's
+        safetensors. gpu_memory_utilization: the fraction of the GPU's total memory vLLM takes
+        (weights + activations + KV cache); that much must be free when the engine starts,
+        or vLLM raises (v1/worker/utils.py:request_memory), so start it before the optimizer
+        state exists or size the fraction to what the trainer leaves.
+        llm_kwargs reach vllm.LLM unchanged (e.g. max_num_seqs, enable_prefix_caching)."""
+        # flashinfer is not shipped with our GPU stack, and vLLM's sampler probes for it
+        # unless told not to (shared/device/README.md). Must be set before vllm is imported.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        assert dist.is_initialized(), "call common.dist.init_distributed before VLLMEngine"
+        # external_launcher reads RANK / LOCAL_RANK (env://); a plain single `python` process
+        # (world of one, e.g. pytest) has none of torchrun's variables.
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        from vllm import LLM
+
+        self.rank = dist.get_rank()
+        self.replica, self.num_replicas = rollout_replica(self.rank, rollout_tp)
+        self.eos_token_ids = eos_token_ids_of(hf_dir) if eos_token_ids is None else list(eos_token_ids)
+        self.enable_sleep = enable_sleep
+        self.llm = LLM(
+            model=hf_dir,
+            tensor_parallel_size=rollout_tp,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=enable_sleep,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,                       # the same on every rank of a replica
+            enforce_eager=enforce_eager,     # False: torch.compile + CUDA graphs (slower start)
+            load_format=load_format,
+            skip_tokenizer_init=True,        # we pass token ids and decode ourselves
+            logprobs_mode="processed_logprobs",  # see the module docstring
+            **llm_kwargs,
+        )
+        self._asleep = set()                 # tags asleep: "weights", "kv_cache"
+        self._weights_valid = load_format != "dummy"
+        self._prefix_cache_stale = False
+        self._warned_top_p = False
+
+    @property
+    def model(self):
+        """The vLLM nn.Module in this process (its TP shard). Path checked on vLLM 0.26.0."""
+        core = self.llm.llm_engine.engine_core
+        core = getattr(core, "engine_core", core)    # InprocClient -> EngineCore
+        worker = core.model_executor.driver_worker
+        worker = getattr(worker, "worker", worker)   # WorkerWrapperBase -> Worker
+        return worker.model_runner.get_model()
+
+    # ---- memory --------------------------------------------------------------------------
+    def sleep(self):
+        """Free the weights and the KV cache (level 2): the next update_weights rewrites the
+        weights anyway. Prefix cache is cleared by vLLM as it pauses the scheduler."""
+        if self.enable_sleep and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = {"weights", "kv_cache"}
+            self._weights_valid = False
+
+    def wake_weights(self):
+        """Re-allocate the weight memory only (contents undefined until update_weights)."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+
+    def wake_kv_cache(self):
+        """Re-allocate the KV cache; vLLM resumes scheduling once nothing is asleep."""
+        if "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+        if self._prefix_cache_stale:
+            self.llm.reset_prefix_cache()
+            self._prefix_cache_stale = False
+
+    def wake(self):
+        self.wake_weights()
+        self.wake_kv_cache()
+
+    # ---- weights -------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors):
+        """Stream (HF name, full tensor) pairs into vLLM's model.load_weights, which maps HF
+        names to its fused layout (qkv_proj, gate_up_proj) and cuts its own TP shard.
+
+        One lazy pass: load_weights copies each tensor before pulling the next, so nothing
+        is held beyond the producer's current bucket (export_hf_weights(bucket_mb=
+        --sync-bucket-mb) gathers in buckets and may reuse them). The iterator is always
+        consumed to the end (the producer runs collectives on every rank), then errors raise.
+        """
+        assert "weights" not in self._asleep, "wake_weights() before update_weights()"
+        source = iter(named_tensors)
+        model = self.model
+        try:
+            loaded = model.load_weights(source)
+        finally:
+            leftover = sum(1 for _ in source)     # drain: keep every rank's collectives matched
+        if leftover:
+            raise RuntimeError(f"vLLM load_weights stopped early, {leftover} tensors unread")
+        # With sleep level 2 a parameter the sync missed would be garbage memory: check.
+        if loaded is not None:
+            missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+            if missing:
+                raise RuntimeError(f"update_weights: {len(missing)} vLLM parameters not written, e.g. {missing[:5]}")
+        self._weights_valid = True
+        # Cached KV blocks were computed by the old weights.
+        self._prefix_cache_stale = True
+        if "kv_cache" not in self._asleep:
+            self.wake_kv_cache()                  # awake: just resets the prefix cache
+
+    # ---- sampling ------------------------------------------------------------------------
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed):
+        """Sample n responses per prompt; prompt-major, as RolloutEngine.generate says.
+
+        Every (prompt, sample) is its own request with n=1 and its own seed (vLLM rejects
+        n > 1 when greedy, and one seed per request keeps samples independent: vLLM's
+        Gumbel noise is a function of (seed, position)). The seeds derive from (seed, this
+        replica), so replicas draw differently and the ranks of one replica identically.
+        """
+        from vllm import SamplingParams
+
+        assert not self._asleep, "generate() while asleep: wake_weights, update_weights, wake_kv_cache"
+        assert self._weights_valid, "no weights since start-up (load_format='dummy') or the last sleep: update_weights first"
+        if 0 < temperature and top_p < 1.0 and not self._warned_top_p:
+            warnings.warn("VLLMEngine: with top_p < 1 the returned logprobs are renormalised over the "
+                          "nucleus (common/rollout_vllm.py docstring), not HFEngine's full-vocab ones")
+            self._warned_top_p = True
+        rows = [list(map(int, p)) for p in prompts for _ in range(n)]   # prompt-major
+        if not rows:
+            return []
+        base = random.Random(f"{seed}/{self.replica}").getrandbits(48)
+        params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                 seed=base + i, logprobs=0, flat_logprobs=True, detokenize=False,
+                                 stop_token_ids=self.eos_token_ids)
+                  for i in range(len(rows))]
+        outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        samples = []
+        for row, out in zip(rows, outputs):     # vLLM returns outputs in input order
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            flat = completion.logprobs           # FlatLogprobs: the sampled token comes first
+            starts = flat.start_indices
+            assert [flat.token_ids[s] for s in starts] == tokens, "logprobs do not follow the tokens"
+            samples.append(Sample(row, tokens, [flat.logprobs[s] for s in starts], completion.finish_reason))
+        return samples

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run every GPU test on the GPU machine, from the repo root, after the stack prefix of
+# shared/device/README.md, e.g. (device tool, one command):
+#   bash .gpu-stack/install_stack.sh .gpu-stack || exit 9; export PYTHONPATH=/tmp/site \
+#     PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn; \
+#     bash tests/gpu/run_all.sh [quick]
+# One process per test (vLLM allows one engine per process);
+# with >= 2 GPUs the torchrun variants follow. `quick` skips the slower 2-GPU layouts.
+# Results (JSON per test and rank) go to $OUT when set; the exit code is the number of failures.
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+MODE=${1:-all}
+FAILED=0
+declare -a SUMMARY
+
+run() {  # run NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  SUMMARY+=("$(printf '%-44s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
+  [ $rc = 0 ] || FAILED=$((FAILED + 1))
+}
+
+echo "GPUs: $NGPU"
+run "sdpa 1 GPU"             300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_sdpa_gpu.py
+# vLLM through torchrun even on one GPU: its __main__ ends with os._exit (an in-process
+# engine can hang interpreter shutdown, which pytest would wait for)
+run "vllm agreement 1 GPU"   400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_vllm_agreement.py
+if [ "$NGPU" -ge 2 ]; then
+  TR="python -m torch.distributed.run --standalone --nproc_per_node 2"
+  run "sdpa TP=2"                        300 $TR tests/gpu/test_sdpa_gpu.py --tp 2
+  run "vllm train TP=2, rollout TP=2"    400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 2
+  if [ "$MODE" != quick ]; then
+    run "vllm train TP=2, rollout TP=1 x2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 1
+    run "vllm train TP=1 (DP=2), rollout TP=2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 1 --rollout-tp 2
+  fi
+fi
+echo "=== summary"
+printf '%s\n' "${SUMMARY[@]}"
+echo "failed: $FAILED"
+exit $FAILED

@@ -1,0 +1,180 @@
+"""CPU tests of common/rollout_vllm.py: the parts that do not need vLLM itself.
+
+    .venv/bin/python -m pytest -q tests/test_rollout_vllm.py
+
+vLLM exists only on GPU machines, so here a small stand-in module named `vllm` replays the
+shapes of vLLM 0.26's API that VLLMEngine relies on (LLM.generate returning, per request,
+outputs[0].token_ids / finish_reason / FlatLogprobs with the sampled token first; the
+in-process model handle; sleep / wake_up). It checks our glue, not vLLM:
+replica arithmetic, eos ids, prompt-major order, one request and seed per sample, logprob
+extraction, the sleep/wake/sync state machine, and that a failing weight load still drains
+the producer (whose collectives every rank must finish). Agreement with the real vLLM is
+tests/gpu/test_vllm_agreement.py.
+"""
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from common.rollout_vllm import eos_token_ids_of, replica_share, rollout_replica
+
+
+def test_rollout_replica_and_share():
+    assert [rollout_replica(r, 2, world_size=4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [rollout_replica(r, 1, world_size=2) for r in range(2)] == [(0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="divide"):
+        rollout_replica(0, 3, world_size=4)
+    items = list(range(11))
+    shares = [replica_share(items, r, 3) for r in range(3)]
+    assert shares == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert [replica_share([7], r, 2) for r in range(2)] == [[7], []]
+
+
+def test_eos_token_ids(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert eos_token_ids_of(str(tmp_path)) == [5]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+    assert eos_token_ids_of(str(tmp_path)) == [7, 5]      # generation_config wins, as in HF
+
+
+# ---------------------------------------------------------------------------------------
+# A stand-in for the few vLLM 0.26 objects VLLMEngine touches
+class FakeModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(2))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+        self.fail_after = None
+
+    def load_weights(self, weights):              # like vLLM: lazy, returns the names it set
+        loaded = set()
+        for i, (name, tensor) in enumerate(weights):
+            if self.fail_after is not None and i == self.fail_after:
+                raise KeyError(name)
+            getattr(self, name).data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class FakeLLM:
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.requests = kwargs, [], []
+        self.model = FakeModel()
+        runner = types.SimpleNamespace(get_model=lambda: self.model)
+        worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))
+        core = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=core))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, prompts, params, use_tqdm):
+        """Response of request i: tokens [seed % 97, 2] (2 = eos) with logprobs -0.5, -0.25,
+        stored as FlatLogprobs would be with logprobs=0 (one entry per position)."""
+        self.requests.append((prompts, params))
+        outs = []
+        for p in params:
+            tokens = [p.seed % 97, 2]
+            flat = types.SimpleNamespace(start_indices=[0, 1], end_indices=[1, 2], token_ids=tokens,
+                                         logprobs=[-0.5, -0.25])
+            done = types.SimpleNamespace(token_ids=tokens, logprobs=flat, finish_reason="stop")
+            outs.append(types.SimpleNamespace(outputs=[done]))
+        return outs
+
+
+@pytest.fixture
+def engine(monkeypatch, tmp_path):
+    from common.dist import init_distributed
+
+    # recorded as unset, so what init_distributed and the engine export is removed afterwards
+    # (a leaked MASTER_PORT would send later tests' subprocesses to a port in use)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_USE_FLASHINFER_SAMPLER", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    init_distributed()
+    fake = types.ModuleType("vllm")
+    fake.LLM = FakeLLM
+    fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    from common.rollout_vllm import VLLMEngine
+
+    return VLLMEngine(str(tmp_path), rollout_tp=1)
+
+
+def test_engine_arguments(engine):
+    kw = engine.llm.kwargs
+    assert kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["logprobs_mode"] == "processed_logprobs"    # temperature applied, see the docstring
+    assert kw["skip_tokenizer_init"] and kw["enable_sleep_mode"] and kw["load_format"] == "dummy"
+    assert engine.eos_token_ids == [2] and (engine.replica, engine.num_replicas) == (0, 1)
+
+
+def test_generate_and_weights_state_machine(engine):
+    prompts = [[1, 2, 3], [4, 5]]
+    with pytest.raises(AssertionError, match="update_weights first"):   # dummy weights
+        engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    engine.update_weights([("a", torch.ones(2)), ("b", torch.full((3,), 2.0))])
+    assert engine.llm.model.b.tolist() == [2.0, 2.0, 2.0]
+    assert engine.llm.calls == [("reset_prefix_cache",)]            # awake: reset right away
+
+    samples = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_tokens=4, seed=0)  # greedy, n > 1
+    requests, params = engine.llm.requests[-1]
+    assert [r["prompt_token_ids"] for r in requests] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
+    assert all(p.n == 1 and p.logprobs == 0 and p.stop_token_ids == [2] for p in params)
+    seeds = [p.seed for p in params]
+    assert len(set(seeds)) == 4                                     # one seed per sample
+    assert [s.prompt_ids for s in samples] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
+    assert samples[0].response_ids == [seeds[0] % 97, 2] and samples[0].response_logprobs == [-0.5, -0.25]
+    assert samples[0].finish_reason == "stop"
+    engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    assert [p.seed for p in engine.llm.requests[-1][1]] == seeds     # same seed: same draws
+    engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=1)
+    assert set(p.seed for p in engine.llm.requests[-1][1]).isdisjoint(seeds)
+    engine.replica = 1                                              # another replica draws differently
+    engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    assert set(p.seed for p in engine.llm.requests[-1][1]).isdisjoint(seeds)
+
+    # the loop's step: sleep, wake weights, sync, wake KV cache
+    engine.llm.calls.clear()
+    engine.sleep()
+    engine.sleep()                                                  # idempotent
+    with pytest.raises(AssertionError, match="asleep"):
+        engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    with pytest.raises(AssertionError, match="wake_weights"):
+        engine.update_weights([])
+    engine.wake_weights()
+    engine.update_weights([("a", torch.ones(2)), ("b", torch.ones(3))])
+    engine.wake_kv_cache()
+    assert engine.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)),
+                                ("reset_prefix_cache",)]
+    engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    engine.sleep()
+    engine.wake()                                                   # woken but not synced:
+    with pytest.raises(AssertionError, match="update_weights first"):   # level-2 weights are gone
+        engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+
+
+def test_failed_load_still_drains_the_producer(engine):
+    pulled = []
+
+    def producer():                 # stands for export_hf_weights: each item = collectives
+        for name in ("a", "b", "a", "b"):
+            pulled.append(name)
+            yield name, torch.ones(2 if name == "a" else 3)
+
+    engine.llm.model.fail_after = 1
+    with pytest.raises(KeyError):
+        engine.update_weights(producer())
+    assert len(pulled) == 4
+    engine.llm.model.fail_after = None
+    with pytest.raises(RuntimeError, match="not written"):          # a parameter the sync missed
+        engine.update_weights([("a", torch.ones(2))])
