@@ -28,6 +28,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -65,6 +66,8 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
+    p.add_argument("--offload-params", action=argparse.BooleanOptionalAction, default=None, help="move Megatron's params (policy, reference) to host memory during the rollout (default: on with vLLM)")
+    p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None, help="move Adam state + main params to host memory and free grad buffers between updates (default: on with vLLM)")
     # --- algorithm
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
@@ -127,6 +130,7 @@ def main():
     from common.embedded import write_embedded_model
     from common.log import MetricsLogger, default_wandb_mode
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, setup_training
+    from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
     from megatron.core import parallel_state as mpu
 
@@ -204,6 +208,14 @@ def main():
 
         engine, rollout_tp = HFEngine(hf_dir, dtype=torch.float32, device=info.device), 1
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
+    # Memory choreography on a shared GPU (common/offload.py): what the rollout does not use
+    # waits in pinned host memory. No-ops for tensors already on the CPU.
+    offload_params = use_vllm if args.offload_params is None else args.offload_params
+    offload_optimizer = use_vllm if args.offload_optimizer is None else args.offload_optimizer
+    policy_off, optim_off = Offloader.of_model(model), Offloader.of_optimizer(optimizer, model)
+    reference_off = Offloader.of_model(reference) if reference is not None else None
+    if reference_off and offload_params:
+        reference_off.offload()  # needed only for its logprob pass
     if args.prompts_per_step % num_replicas:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {num_replicas} rollout replicas")
 
@@ -239,32 +251,44 @@ def main():
     progress = _progress(range(start_step, args.steps), info.master_process)
     for step in progress:
         times, t0 = {}, time.time()
+        timer, memory = Timer(times), PhaseMemory()  # seconds and GB per phase, for the metrics
 
         # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
         if engine is not None:
-            tick = time.time()
-            engine.wake_weights()  # weights first: the KV cache is not needed while syncing
-            engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                    bucket_mb=args.sync_bucket_mb))
-            engine.wake_kv_cache()
-            times["sync_s"] = time.time() - tick
+            memory.start()
+            with timer("offload"):
+                if offload_optimizer:
+                    optim_off.offload()  # Adam state and grads wait until the update
+            with timer("wake"):
+                engine.wake_weights()  # weights first: the KV cache is not needed while syncing
+            with timer("sync"):
+                engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
+                                                        bucket_mb=args.sync_bucket_mb))
+            with timer("offload"):
+                if offload_params:
+                    policy_off.offload()  # its weights now live in the engine
+            with timer("wake"):
+                engine.wake_kv_cache()
+            memory.end("sync")
 
             # ---- 2. rollout: each replica samples G responses for its share of the prompts
-            tick = time.time()
-            mine = prompts_idx[replica::num_replicas]
-            local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
-                                    top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica)
-            engine.sleep()
-            # ranks of one vLLM TP group hold the same samples: only the first contributes
-            samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
+            with timer("rollout"):
+                mine = prompts_idx[replica::num_replicas]
+                local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
+                                        top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica)
+            memory.end("rollout")
+            with timer("sleep"):
+                engine.sleep()  # level 2: weights and KV cache freed, nothing copied
+            with timer("reload"):
+                policy_off.reload()
+            with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
+                samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
             answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
-            times["rollout_s"] = time.time() - tick
             # ---- 3. reward: rule-based, on the decoded response
-            tick = time.time()
-            rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                                    for s, a in zip(samples, answers)], dtype=torch.float32)
-            times["reward_s"] = time.time() - tick
+            with timer("reward"):
+                rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                                        for s, a in zip(samples, answers)], dtype=torch.float32)
         else:
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
@@ -285,21 +309,26 @@ def main():
             return B.split_micro_batches({k: v[rows] for k, v in batch.items()}, args.micro_batch_size)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
-        tick = time.time()
+        memory.start()
         identity = torch.arange(num_rows)
         all_mine = [mb for m in range(rollout_batch // mini_batch) for mb in my_micro_batches(identity, m)]
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
-        logprob_pass(model, all_mine, batch["old_logprobs"])
-        times["old_logprob_s"] = time.time() - tick
+        with timer("old_logprob"):
+            logprob_pass(model, all_mine, batch["old_logprobs"])
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:
-            tick = time.time()
-            logprob_pass(reference, all_mine, batch["ref_logprobs"])
-            times["ref_s"] = time.time() - tick
+            with timer("ref"):
+                reference_off.reload()
+                logprob_pass(reference, all_mine, batch["ref_logprobs"])
+                if offload_params:
+                    reference_off.offload()
+        memory.end("logprob")
         batch["is_weights"] = (rl.truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
                                if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
 
         # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
+        with timer("reload"):
+            optim_off.reload()
         tick = time.time()
         train_metrics, grad_norms = [], []
         for epoch in range(args.ppo_epochs):
@@ -341,6 +370,7 @@ def main():
                 scheduler.step(1)
                 grad_norms.append(grad_norm or 0.0)
         times["train_s"] = time.time() - tick
+        memory.end("train")
 
         # ---- 7. log (every rank joins the metric reduction), then checkpoint
         metrics = B.reduce_metrics(train_metrics, info.device)
@@ -358,7 +388,7 @@ def main():
                            {"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1}, hf_dir)
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
-        metrics.update(times)
+        metrics.update(times, **memory.metrics)
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
@@ -366,6 +396,12 @@ def main():
     logger.close()
     if start_step < args.steps:  # a resume of a finished run trains no step
         print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+    if use_vllm and engine is not None:
+        # vLLM 0.26's in-process engine can block interpreter exit (a 1-GPU run hung after
+        # its last step, docs/gpu.md). Everything is written: leave once every rank is here.
+        dist.barrier()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
     destroy_distributed()
 
 

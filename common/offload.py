@@ -1,0 +1,205 @@
+"""GPU memory between the phases of a colocated step: offload to host memory and back, measure.
+
+On one GPU the trainer (Megatron params, fp32 grad buffers, Adam state) and vLLM (weights,
+KV cache) take turns. During the rollout the trainer's state is not used, so it moves to
+pinned host memory, and vLLM's KV cache gets the room; after the rollout vLLM sleeps
+(level 2, common/rollout_vllm.py) and the trainer's state comes back.
+
+How: every tensor involved keeps its identity, only its *storage* is emptied
+(`untyped_storage().resize_(0)`) after a copy to a pinned host buffer, and re-grown and
+filled on reload. Views into a storage stay valid through this, which matters because
+megatron is made of views: DDP maps each param.data and param.main_grad into one flat
+buffer per dtype, the distributed optimizer keeps views of those buffers, and the
+optimizer's param_groups hold the main params. (megatron-core 0.16 has its own
+offload_to_cpu methods, but its optimizer one replaces `p.data` with an unpinned CPU tensor,
+which both breaks the distributed optimizer's views and copies at pageable-memory speed.)
+
+Contents that are dead between steps are freed, not copied: gradient buffers (zeroed before
+each optimizer step anyway, and zeroed again on reload) and the optimizer's main-param
+grads (set to None, as optimizer.zero_grad() does).
+
+The pinned host buffers are allocated once and reused every step (pinning GBs each step
+would cost more than the copy). Host memory needed: the bytes moved (see .nbytes).
+"""
+import time
+
+import torch
+
+
+def _full_bytes_view(storage, device):
+    """A uint8 tensor over a whole storage (so one copy moves every element, whatever the
+    views into it are)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class Offloader:
+    """Moves the storages of a fixed set of tensors to host memory and back, in place.
+
+        off = Offloader.of_model(chunks)       # or .of_optimizer(optimizer, chunks)
+        off.offload()   # GPU memory of those tensors is released (torch.cuda.empty_cache())
+        off.reload()    # same tensors, same values, back on the GPU
+
+    The tensor set is collected at each offload() (Adam creates its state at the first step).
+    Tensors already on the CPU are left alone unless include_cpu (tests: the mechanics then
+    run on a CPU machine too, copying to ordinary host memory).
+    """
+
+    def __init__(self, collect, include_cpu=False):
+        self._collect = collect            # () -> list of (tensor, keep_contents)
+        self._include_cpu = include_cpu
+        self._host = {}                    # id(tensor) -> host buffer, reused across steps
+        self._moved = []                   # (tensor, nbytes, host buffer or None) while offloaded
+        self.nbytes = 0                    # bytes released by the last offload()
+
+    @classmethod
+    def of_model(cls, chunks, include_cpu=False):
+        """Parameters of model chunks (DDP-wrapped or plain), with DDP's grad buffers freed."""
+        return cls(lambda: _model_tensors(chunks), include_cpu)
+
+    @classmethod
+    def of_optimizer(cls, optimizer, chunks, include_cpu=False):
+        """A megatron optimizer's main params and state, plus the DDP grad buffers of
+        `chunks` (freed: dead between steps)."""
+        return cls(lambda: _optimizer_tensors(optimizer, chunks), include_cpu)
+
+    @property
+    def offloaded(self):
+        return bool(self._moved)
+
+    @torch.no_grad()
+    def offload(self):
+        if self._moved:
+            return
+        seen, moved = set(), []
+        for tensor, keep in self._collect():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or (tensor.device.type == "cpu" and not self._include_cpu):
+                continue
+            key = (tensor.device, storage.data_ptr())
+            if key in seen:                # several tensors (views) share one storage
+                continue
+            seen.add(key)
+            host = None
+            if keep:
+                host = self._host.get(id(tensor))
+                if host is None or host.numel() != storage.nbytes():
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                       pin_memory=tensor.device.type == "cuda")
+                    self._host[id(tensor)] = host
+                host.copy_(_full_bytes_view(storage, tensor.device), non_blocking=True)
+            moved.append((tensor, storage.nbytes(), host))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()       # the copies must land before the memory is freed
+        for tensor, _, _ in moved:
+            tensor.untyped_storage().resize_(0)
+        self._moved = moved
+        self.nbytes = sum(n for _, n, _ in moved)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()       # give it back to the driver: vLLM allocates outside torch
+
+    @torch.no_grad()
+    def reload(self):
+        for tensor, nbytes, host in self._moved:
+            storage = tensor.untyped_storage()
+            storage.resize_(nbytes)
+            view = _full_bytes_view(storage, tensor.device)
+            if host is None:
+                view.zero_()
+            else:
+                view.copy_(host, non_blocking=True)
+        if self._moved and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._moved = []
+
+
+def _ddp_buffers(chunk):
+    """megatron DDP's flat param/grad buffers of one chunk (none for a plain module, whose
+    `buffers` is nn.Module's method, not DDP's list)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not isinstance(chunk, DistributedDataParallel):
+        return []
+    return list(chunk.buffers) + list(chunk.expert_parallel_buffers)
+
+
+def _model_tensors(chunks):
+    tensors = []
+    for chunk in chunks:
+        for buffer in _ddp_buffers(chunk):
+            if buffer.param_data is not None:      # distributed optimizer: params are views of it
+                tensors.append((buffer.param_data, True))
+            tensors.append((buffer.grad_data, False))
+        tensors += [(p, True) for p in chunk.parameters()]  # deduplicated by storage in offload()
+    return tensors
+
+
+def _optimizer_tensors(optimizer, chunks):
+    optimizer.zero_grad()  # main-param grads (fp32 copies of the last step's) are dead: free them
+    tensors = [(buffer.grad_data, False) for chunk in chunks for buffer in _ddp_buffers(chunk)]
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)    # the torch.optim.Adam megatron wraps
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            # main params: fp32 copies for a bf16 model, else views of the model's own params
+            # (then sharing their storage, which the model's Offloader may also move: fine,
+            # whichever comes first moves it, the other sees an empty storage and skips it)
+            tensors += [(p, True) for p in group["params"]]
+        for state in inner.state.values():
+            tensors += [(v, True) for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring: what the metrics call mem_*_gb
+# ---------------------------------------------------------------------------------------
+def gpu_used_gb():
+    """Device memory in use by everything on this GPU (torch, vLLM's own allocator, NCCL,
+    other processes), in GB; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 1e9
+
+
+class PhaseMemory:
+    """Per-phase GPU memory for the metrics: at end(name) records
+        mem_{name}_gb:        device memory in use at the end of the phase (gpu_used_gb);
+        mem_peak_{name}_gb:   peak of torch's allocator during the phase (Megatron's tensors;
+                              vLLM allocates its weights and KV cache outside it).
+    Does nothing without CUDA (the metrics are then absent)."""
+
+    def __init__(self):
+        self.enabled = torch.cuda.is_available()
+        self.metrics = {}
+
+    def start(self):
+        if self.enabled:
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, name):
+        if self.enabled:
+            self.metrics[f"mem_{name}_gb"] = gpu_used_gb()
+            self.metrics[f"mem_peak_{name}_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            torch.cuda.reset_peak_memory_stats()
+
+
+class Timer:
+    """times["x_s"] += seconds of the with-block; `with timer("sync"):`."""
+
+    def __init__(self, times):
+        self.times = times
+
+    def __call__(self, name):
+        return _Tick(self.times, f"{name}_s")
+
+
+class _Tick:
+    def __init__(self, times, key):
+        self.times, self.key = times, key
+
+    def __enter__(self):
+        self.t0 = time.time()
+
+    def __exit__(self, *exc):
+        self.times[self.key] = self.times.get(self.key, 0.0) + time.time() - self.t0

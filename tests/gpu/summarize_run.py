@@ -1,0 +1,31 @@
+"""Summarise a training run's metrics.jsonl: median seconds per phase, memory, agreement.
+
+    python tests/gpu/summarize_run.py runs/grpo [--skip 1]
+
+Prints one JSON line: the median of every *_s metric over the steps after --skip (the first
+step pays for start-up: CUDA graphs, allocator, NCCL communicators), the max of every mem_*
+metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
+"""
+import argparse
+import json
+import os
+import statistics
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", help="--out of the training run (holds metrics.jsonl)")
+    ap.add_argument("--skip", type=int, default=1, help="leading steps left out of the medians")
+    args = ap.parse_args()
+    with open(os.path.join(args.run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    timed = rows[args.skip:] or rows
+    keys = sorted({k for r in rows for k in r})
+    out = {"steps": len(rows)}
+    out.update({k: round(statistics.median(r[k] for r in timed if k in r), 4) for k in keys if k.endswith("_s")})
+    out.update({k: round(max(r[k] for r in rows if k in r), 2) for k in keys if k.startswith("mem_")})
+    for k in ("logprob_mismatch", "value_loss", "explained_variance"):
+        if k in keys:
+            out[k] = round(statistics.mean(r[k] for r in timed if k in r), 4)
+    rewards = [r["reward_mean"] for r in rows]
+    out["reward_first5"], out["reward_last5"] = round(statistics.mean(rewards[:5]), 4), round(statistics.mean(rewards[-5:]), 4)
+    print(json.dumps(out))

@@ -1,0 +1,110 @@
+"""Worker of tests/test_offload.py: train a tiny model 3 steps, with and without offloading the
+whole training state (params, grad buffers, optimizer) between steps; print JSON.
+
+    python tests/offload_worker.py HF_DIR          (one process)
+    torchrun --nproc_per_node 2 tests/offload_worker.py HF_DIR   (DP=2: sharded optimizer)
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train(hf_dir, dtype, distributed_optimizer, offload):
+    from common import batch as B
+    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
+    from common.offload import Offloader
+    from megatron.core import parallel_state as mpu
+
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, dtype=dtype)
+    load_hf_weights(chunks, spec, hf_dir)
+    model, optimizer, _ = setup_training(chunks, lr=1e-2, use_distributed_optimizer=distributed_optimizer)
+    on_gpu = torch.cuda.is_available()  # on a GPU: CUDA memory -> pinned host buffers
+    device = torch.device("cuda" if on_gpu else "cpu")
+    model_off = Offloader.of_model(model, include_cpu=not on_gpu)
+    optim_off = Offloader.of_optimizer(optimizer, model, include_cpu=not on_gpu)
+    losses, moved, left, freed_gpu = [], [], [], []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * step + mpu.get_data_parallel_rank())
+        tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=gen)
+        mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
+
+        def loss_fn(mb, logits):
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mb["targets"].flatten())
+            return loss, {"loss": loss.detach()}
+
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = B.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=device)
+        optimizer.step()
+        losses.append(float(out[0]["loss"]))
+        if offload:
+            # the order of train_grpo.py: optimizer + grads first, then the params
+            allocated = torch.cuda.memory_allocated() if on_gpu else 0
+            optim_off.offload()
+            model_off.offload()
+            freed_gpu.append(allocated - (torch.cuda.memory_allocated() if on_gpu else 0))
+            moved.append(model_off.nbytes + optim_off.nbytes)
+            state = [v for s in optimizer_states(optimizer) for v in s.values() if torch.is_tensor(v) and v.dim()]
+            left.append(sum(t.untyped_storage().nbytes() for t in list(model[0].parameters()) + state))
+            model_off.reload()
+            optim_off.reload()
+    params = torch.cat([p.detach().float().flatten() for p in model[0].parameters()])
+    return dict(losses=losses, moved=moved, left=left, params=params.cpu(), numel=params.numel(), freed_gpu=freed_gpu)
+
+
+def optimizer_states(optimizer):
+    return [s for opt in getattr(optimizer, "chained_optimizers", [optimizer]) for s in opt.optimizer.state.values()]
+
+
+def main():
+    from common.dist import init_distributed
+
+    hf_dir = sys.argv[1]
+    info = init_distributed()
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for distributed_optimizer in (True, False):
+            plain = train(hf_dir, dtype, distributed_optimizer, offload=False)
+            offloaded = train(hf_dir, dtype, distributed_optimizer, offload=True)
+            name = f"{str(dtype).split('.')[-1]}_{'distopt' if distributed_optimizer else 'ddp'}"
+            result[name] = dict(
+                losses=plain["losses"], losses_offloaded=offloaded["losses"],
+                max_param_diff=float((plain["params"] - offloaded["params"]).abs().max()),
+                moved=offloaded["moved"], left=offloaded["left"], numel=offloaded["numel"],
+                freed_gpu=offloaded["freed_gpu"])
+    result["reference"] = frozen_model_roundtrip(hf_dir)
+    if info.rank == 0:
+        print("RESULT " + json.dumps(result))
+
+
+def frozen_model_roundtrip(hf_dir):
+    """A plain (not DDP-wrapped) frozen model, as train_grpo.py's reference: same logits after
+    offload + reload, and its storages empty in between."""
+    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.offload import Offloader
+
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, dtype=torch.float32)
+    load_hf_weights(chunks, spec, hf_dir)
+    device = next(chunks[0].parameters()).device
+    tokens = torch.arange(16, device=device)[None] % spec.vocab_size
+    positions = torch.arange(16, device=device)[None]
+    with torch.no_grad():
+        before = chunks[0](tokens, positions, None)
+        off = Offloader.of_model(chunks, include_cpu=not torch.cuda.is_available())
+        off.offload()
+        left = sum(p.untyped_storage().nbytes() for p in chunks[0].parameters())
+        off.reload()
+        after = chunks[0](tokens, positions, None)
+    return dict(equal=bool(torch.equal(before, after)), left=left, moved=off.nbytes,
+                param_bytes=sum(p.numel() * p.element_size() for p in chunks[0].parameters()))
+
+
+if __name__ == "__main__":
+    main()

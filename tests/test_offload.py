@@ -1,0 +1,81 @@
+"""Offloading the training state to host memory and back (common/offload.py).
+
+    .venv/bin/python -m pytest -q tests/test_offload.py
+
+A tiny Qwen2 trains 3 Adam steps twice: straight, and with its whole training state (params,
+grad buffers, Adam state, main params) offloaded and reloaded after every step. With fp32
+and bf16 models, with megatron's distributed optimizer and without, in 1 process and under
+torchrun DP=2 (the optimizer state sharded): the losses and final params must be
+bit-identical, the tensors' storages must be empty while offloaded, and the bytes moved must
+be what the dtypes say. A plain frozen model (train_grpo.py's reference) gives the same logits
+after a round trip. On a CPU the "device" memory is host memory (include_cpu=True);
+the same test on a GPU machine moves CUDA memory to pinned host buffers and also checks that
+torch's allocated GPU memory dropped by the bytes moved (tests/gpu/run_all.sh runs it).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_torchrun
+
+WORKER = "tests/offload_worker.py"
+# bytes per parameter moved: params + grad buffer (fp32, grad_reduce_in_fp32) + Adam (2 x fp32)
+# + fp32 main params when the model is bf16 (for an fp32 model they are the params themselves)
+BYTES_PER_PARAM = {"float32": 4 + 4 + 8, "bfloat16": 2 + 4 + 8 + 4}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from tests.tiny_models import save_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("offload") / "qwen2"
+    save_tiny_hf_model("qwen2", str(path))
+    return path
+
+
+def parse(proc):
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def check(result, dp):
+    reference = result.pop("reference")  # a plain frozen model (train_grpo.py's reference)
+    assert reference["equal"] and reference["left"] == 0 and reference["moved"] == reference["param_bytes"], reference
+    assert set(result) == {"float32_distopt", "float32_ddp", "bfloat16_distopt", "bfloat16_ddp"}
+    for name, r in result.items():
+        assert r["losses"] == r["losses_offloaded"], name
+        assert r["max_param_diff"] == 0.0, name
+        assert all(left == 0 for left in r["left"]), (name, r["left"])  # storages empty while offloaded
+        dtype, kind = name.split("_")
+        per_param = BYTES_PER_PARAM[dtype]
+        if kind == "distopt":  # Adam state (+ the fp32 main params of a bf16 model) sharded over DP
+            per_param = per_param - (8 + (4 if dtype == "bfloat16" else 0)) * (1 - 1 / dp)
+        expected = r["numel"] * per_param
+        # megatron pads its flat buffers (to 128-element multiples per bucket, per DP shard)
+        assert expected <= r["moved"][-1] <= 1.05 * expected + 64 * 1024, (name, r["moved"], expected)
+        if on_gpu():  # the GPU memory was released (torch's allocator; empty_cache gave it back)
+            assert r["freed_gpu"][-1] >= 0.95 * r["moved"][-1], (name, r["freed_gpu"], r["moved"])
+
+
+def on_gpu():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_offload_roundtrip_one_process(hf_dir):
+    proc = subprocess.run([sys.executable, WORKER, str(hf_dir)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    check(parse(proc), dp=1)
+
+
+def test_offload_roundtrip_dp2(hf_dir):
+    import torch
+
+    if on_gpu() and torch.cuda.device_count() < 2:
+        pytest.skip("DP=2 on a GPU machine needs 2 GPUs")
+    check(parse(run_torchrun(WORKER, 2, hf_dir)), dp=2)
