@@ -1,0 +1,172 @@
+"""Benchmark the per-step weight sync Megatron -> colocated vLLM, and vLLM's sleep/wake.
+
+    python bench/sync.py --shape qwen2-7b                                              # 1 GPU
+    torchrun --nproc_per_node 2 bench/sync.py --shape qwen2-7b --tp 2 --rollout-tp 1   # 2 GPUs
+    torchrun --nproc_per_node 2 bench/sync.py --shape qwen2-7b --tp 2 --rollout-tp 2
+    python bench/sync.py --shape tiny --engine hf --reps 2                             # CPU smoke run
+
+Random bf16 weights of a Qwen2 shape (bench/shapes.py) in a Megatron GPTModel at --tp/--pp, and
+a VLLMEngine (common/rollout_vllm.py) on the same GPUs started with load_format="dummy". Each
+repetition is the engine part of train_grpo.py's step, every phase timed on its own (CUDA
+synchronised, max over ranks):
+  sleep         engine.sleep(): vLLM sleep(level=2), weights and KV cache freed
+  wake weights  engine.wake_weights(): the weight memory re-allocated
+  sync          engine.update_weights(export_hf_weights(model, bucket_mb)): the PP broadcast /
+                TP all-gather of Megatron's shards in flat buckets, the split back to HF
+                tensors, and vLLM's load_weights (its fused layout, its own TP shard)
+  wake KV       engine.wake_kv_cache() (+ the prefix cache reset)
+and, once per repetition, "export only": the same generator consumed without vLLM, to
+separate the Megatron side from vLLM's load_weights.
+Baseline, in the same run: a device-to-device copy of the bytes vLLM holds per GPU
+(model bytes / rollout TP), i.e. the floor of any sync that writes every weight once.
+Targets (issue 7): 7B sync <= 0.1 s on one GPU, <= 0.2 s at Megatron TP=2 on two;
+sleep + wake <= 0.5 s per step at 7B.
+
+Output: a table on rank 0 and one `BENCH_JSON {...}` line (medians over --reps after one
+warm-up repetition).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from shapes import SHAPES, write_config_dir  # noqa: E402
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="model shape (bench/shapes.py)")
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
+    p.add_argument("--engine", choices=["vllm", "hf"], default=None, help="rollout engine (default: vllm on a GPU, hf on a CPU)")
+    p.add_argument("--sync-bucket-mb", type=int, default=512, help="export bucket size, MB of full tensors")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of each GPU")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start-up)")
+    return p
+
+
+def timed(fn, on_gpu):
+    """Seconds of fn(), the slowest rank's (every rank calls this)."""
+    if on_gpu:
+        torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                           device="cuda" if on_gpu else "cpu")
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
+
+
+def main():
+    args = build_parser().parse_args()
+    from common.bridge import expected_hf_names, expected_hf_shape
+    from common.dist import init_distributed, print0
+    from common.model import build_model, export_hf_weights, load_hf_spec
+
+    info = init_distributed(tp=args.tp, pp=args.pp)
+    on_gpu = info.device.type == "cuda"
+    engine_kind = args.engine or ("vllm" if on_gpu else "hf")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    # a config.json-only model dir: random Megatron init; vLLM gets every weight from the sync
+    tmp = tempfile.mkdtemp(prefix="bench_sync_") if info.master_process else None
+    holder = [tmp]
+    dist.broadcast_object_list(holder)
+    hf_dir = holder[0]
+    if info.master_process:
+        write_config_dir(hf_dir, args.shape)
+        if engine_kind == "hf":  # HFEngine loads weights at start: give it random ones
+            import transformers
+
+            config = transformers.AutoConfig.from_pretrained(hf_dir)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    dist.barrier()
+    spec = load_hf_spec(hf_dir)
+    model = build_model(spec, tp=args.tp, pp=args.pp, dtype=dtype, init_weights=True)
+    model_bytes = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec)) * dtype.itemsize
+
+    if engine_kind == "vllm":
+        from common.rollout_vllm import VLLMEngine
+
+        engine = VLLMEngine(hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=2048, enforce_eager=args.enforce_eager, eos_token_ids=[])
+    else:
+        from common.rollout import HFEngine
+
+        engine = HFEngine(hf_dir, dtype=dtype, device=info.device, eos_token_ids=[])
+
+    def export():
+        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb)
+
+    def export_only():
+        for _ in export():
+            pass
+
+    rows = []
+    for rep in range(args.reps + 1):  # rep 0 warms up (allocator, NCCL communicators, kernels)
+        row = {}
+        row["sleep_s"] = timed(engine.sleep, on_gpu)
+        row["wake_weights_s"] = timed(engine.wake_weights, on_gpu)
+        row["sync_s"] = timed(lambda: engine.update_weights(export()), on_gpu)
+        row["wake_kv_s"] = timed(engine.wake_kv_cache, on_gpu)
+        row["export_only_s"] = timed(export_only, on_gpu)
+        # the engine must be usable after the cycle (one token of one prompt)
+        out = engine.generate([[5, 6, 7]], n=1, temperature=0.0, top_p=1.0, max_tokens=1, seed=rep)
+        assert len(out) == 1 and len(out[0].response_ids) == 1
+        if rep:
+            rows.append(row)
+        print0(f"rep {rep}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()) + ("  (warm-up)" if rep == 0 else ""))
+    result = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+    # baseline: one device-to-device copy of what vLLM holds per GPU
+    per_gpu = model_bytes // args.rollout_tp
+    src = torch.empty(per_gpu, dtype=torch.uint8, device=info.device)
+    dst = torch.empty_like(src)
+    copies = [timed(lambda: dst.copy_(src), on_gpu) for _ in range(5)]
+    del src, dst
+    result["baseline_copy_s"] = statistics.median(copies[1:])
+
+    settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
+                    world_size=info.world_size, tp=args.tp, pp=args.pp, rollout_tp=args.rollout_tp,
+                    engine=engine_kind, bucket_mb=args.sync_bucket_mb, model_gb=model_bytes / 1e9,
+                    reps=args.reps, date=time.strftime("%Y-%m-%d"))
+    result["sleep_wake_s"] = result["sleep_s"] + result["wake_weights_s"] + result["wake_kv_s"]
+    result["sync_vs_copy"] = result["sync_s"] / max(result["baseline_copy_s"], 1e-9)
+    result["sync_gb_per_s"] = model_bytes / 1e9 / result["sync_s"]
+    if info.master_process:
+        print(f"\nweight sync, {args.shape} ({model_bytes / 1e9:.2f} GB {str(dtype)[6:]}), {settings['device']} x "
+              f"{info.world_size}, Megatron TP={args.tp} PP={args.pp}, rollout TP={args.rollout_tp}, {engine_kind}")
+        print(f"  sync                {result['sync_s']:8.4f} s   ({result['sync_gb_per_s']:.1f} GB/s of HF tensors)")
+        print(f"  export only         {result['export_only_s']:8.4f} s")
+        print(f"  baseline D2D copy   {result['baseline_copy_s']:8.4f} s   ({per_gpu / 1e9:.2f} GB per GPU)  "
+              f"sync / copy = {result['sync_vs_copy']:.1f}x")
+        print(f"  sleep + wake        {result['sleep_wake_s']:8.4f} s   (sleep {result['sleep_s']:.4f}, wake weights "
+              f"{result['wake_weights_s']:.4f}, wake KV {result['wake_kv_s']:.4f})")
+        print("BENCH_JSON " + json.dumps(dict(settings, **{k: round(v, 5) for k, v in result.items()})))
+    dist.barrier()
+    if engine_kind == "vllm":  # vLLM's in-process engine can block interpreter exit
+        sys.stdout.flush()
+        os._exit(0)
+    from common.dist import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
