@@ -248,15 +248,16 @@ def main():
         # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
         store.copy_(B.all_reduce_sum(store, mpu.get_data_parallel_group(), info.device))
 
+    memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     progress = _progress(range(start_step, args.steps), info.master_process)
     for step in progress:
         times, t0 = {}, time.time()
-        timer, memory = Timer(times), PhaseMemory()  # seconds and GB per phase, for the metrics
+        timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
         # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
+        memory.start()
         if engine is not None:
-            memory.start()
             with timer("offload"):
                 if offload_optimizer:
                     optim_off.offload()  # Adam state and grads wait until the update
@@ -309,7 +310,6 @@ def main():
             return B.split_micro_batches({k: v[rows] for k, v in batch.items()}, args.micro_batch_size)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
-        memory.start()
         identity = torch.arange(num_rows)
         all_mine = [mb for m in range(rollout_batch // mini_batch) for mb in my_micro_batches(identity, m)]
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)

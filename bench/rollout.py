@@ -53,6 +53,8 @@ def build_parser():
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of each GPU")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="export bucket size, MB of full tensors")
     p.add_argument("--reps", type=int, default=2, help="timed rounds of each (after one warm-up round)")
+    p.add_argument("--ablate", action="store_true", help="also time llm.generate with each of ours' differences alone "
+                   "(per-request seeds; logprobs; one SamplingParams per request) to find what costs")
     return p
 
 
@@ -147,6 +149,28 @@ def main():
             results["ours_cycle"].append(our_tokens / total_s)
             results["cycle"].append(cycle_s)
     best = {k: (min(v) if k == "cycle" else max(v)) for k, v in results.items()}
+
+    ablation = {}
+    if args.ablate:  # which of ours' differences to the baseline costs throughput
+        rows = [{"prompt_token_ids": p} for p in mine for _ in range(n)]
+        common = dict(n=1, temperature=args.temperature, max_tokens=max_tokens, detokenize=False)
+        variants = {
+            "params_per_request": lambda: [SamplingParams(**common) for _ in rows],
+            "seed_per_request": lambda: [SamplingParams(**common, seed=i) for i in range(len(rows))],
+            "logprobs": lambda: [SamplingParams(**common, logprobs=0, flat_logprobs=True) for _ in rows],
+            "seed_and_logprobs": lambda: [SamplingParams(**common, seed=i, logprobs=0, flat_logprobs=True)
+                                          for i in range(len(rows))],
+        }
+        for name, make in variants.items():
+            params = make()
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            outputs = engine.llm.generate(rows, params, use_tqdm=False)
+            seconds = max_over_ranks(time.perf_counter() - t0)
+            tokens = sum_over_ranks(sum(len(o.outputs[0].token_ids) for o in outputs), args.rollout_tp)
+            ablation[name] = round(tokens / seconds)
+            print0(f"ablation {name:20s} {tokens / seconds:9.0f} tok/s  {tokens / seconds / best['baseline']:.3f}x baseline")
     if info.master_process:
         settings = dict(shape=args.shape, device=torch.cuda.get_device_name(), world_size=info.world_size,
                         tp=args.tp, rollout_tp=args.rollout_tp, num_prompts=args.num_prompts, n=n,
@@ -160,7 +184,7 @@ def main():
         print(f"  ours + sleep/wake/sync     {best['ours_cycle']:9.0f} tok/s   {ratio_cycle:.3f}x  (cycle {best['cycle']:.3f} s)")
         print("BENCH_JSON " + json.dumps(dict(settings, baseline_tok_s=round(best["baseline"]), ours_tok_s=round(best["ours"]),
                                               ours_cycle_tok_s=round(best["ours_cycle"]), cycle_s=round(best["cycle"], 4),
-                                              ratio=round(ratio, 4), ratio_with_cycle=round(ratio_cycle, 4))))
+                                              ratio=round(ratio, 4), ratio_with_cycle=round(ratio_cycle, 4), ablation=ablation)))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # vLLM's in-process engine can block interpreter exit

@@ -158,7 +158,7 @@ def main():
               f"sync / copy = {result['sync_vs_copy']:.1f}x")
         print(f"  sleep + wake        {result['sleep_wake_s']:8.4f} s   (sleep {result['sleep_s']:.4f}, wake weights "
               f"{result['wake_weights_s']:.4f}, wake KV {result['wake_kv_s']:.4f})")
-        print("BENCH_JSON " + json.dumps(dict(settings, **{k: round(v, 5) for k, v in result.items()})))
+        print("BENCH_JSON " + json.dumps(dict(settings, **{k: float(f"{v:.6g}") for k, v in result.items()})))
     dist.barrier()
     if engine_kind == "vllm":  # vLLM's in-process engine can block interpreter exit
         sys.stdout.flush()

@@ -1,0 +1,433 @@
+"""Benchmark one GRPO training step: tokens/s, seconds per step, peak GPU memory and MFU.
+
+    python bench/train.py --shape qwen2-1.5b                                    # 1 GPU, Qwen2-1.5B
+    torchrun --nproc_per_node 2 bench/train.py --shape qwen2-7b --tp 2          # nvidia-h200-x2, Qwen2-7B
+    torchrun --nproc_per_node 4 bench/train.py --shape qwen2-7b --tp 4          # nvidia-h200-x4 (or --tp 2: DP=2)
+    python bench/train.py --shape tiny --steps 2 --warmup 1                     # CPU smoke run (fp32)
+    torchrun --nproc_per_node 2 bench/train.py --shape tiny --tp 2 --steps 1 --warmup 1   # CPU, gloo
+
+What is timed: the part of train_grpo.py's step that runs on the trainer for one batch of
+--num-seqs sequences (global) of --seq-len tokens each, i.e.
+  1. old logprobs: a forward-only pass over every micro-batch (rl.vocab_parallel_logprobs,
+     copied to the host and summed over DP ranks, as train_grpo.py does);
+  2. forward/backward of the PPO loss over the same micro-batches (vocab_parallel_logprobs
+     with entropy -> rl.policy_loss -> rl.aggregate_loss "token_mean"), megatron DDP;
+  3. optimizer.step() (megatron Adam, fp32 main params, grad clipping) + scheduler step.
+Not timed: rollout, reward, weight sync, and the reference-model pass of --kl-coef > 0 (one
+more forward: add 1x forward FLOPs and its time if you run one). Random weights
+(build_model(init_weights=True)) and random token ids: the speed depends only on the shapes.
+Every row is a full --seq-len sequence (no padding, no sequence packing); the response mask
+covers the second half of each row, as a prompt of seq_len/2 tokens would.
+
+Two configurations run in the same process, one after the other, each for --warmup + --steps
+steps: the candidate (--attention, --recompute, ...) and a baseline, megatron-core's local spec
+as it comes (attention="local", no activation recompute), with the same batch geometry. The
+candidate/baseline ratios of tokens/s and peak memory are printed. A configuration that runs
+out of GPU memory is reported as OOM and the run goes on.
+
+The numbers:
+  tokens/s      num_seqs * seq_len * steps / wall seconds of the timed steps (all GPUs together)
+  s/step        mean seconds per step (min and max in the JSON line)
+  peak GiB      torch.cuda.max_memory_allocated over warmup + timed steps, the largest rank
+  MFU           model FLOPs per step / s per step / (num GPUs * peak dense bf16 FLOP/s)
+Model FLOPs (standard dense-transformer count; recompute is NOT counted, so this is MFU, not
+hardware FLOPs utilisation): forward per token = 2 * (matmul weights of every layer + the LM
+head) + attention score and value matmuls 2 * 2 * layers * seq_len * (heads * head_dim) * c,
+with c = 1/2 (causal: only the lower triangle is useful work, as Megatron-LM's current
+training.py num_floating_point_operations and NeMo count) for the headline MFU, and c = 1 (the
+full T x T, as PaLM's appendix B and older Megatron-LM releases count) for "MFU full attn".
+A step counts 4x forward FLOPs per token: 1x the logprob pass, 3x the forward/backward.
+The LM head uses the HF vocabulary (Megatron-LM uses the padded one: equal at TP=1 and for 7B at
+TP<=4; 151936 vs 152064 for 0.5B/1.5B at TP=2). Embedding lookups, norms, biases, rotary and the
+softmax are not counted.
+Peak FLOP/s: --peak-tflops, default from the device name (H100/H200 SXM: 989 dense bf16).
+Target (issue 7): MFU >= 0.45 for 1.5B on 1 GPU and 7B on 2-4 GPUs at 2k-4k tokens.
+
+Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
+"""
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from shapes import SHAPES  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
+
+# Dense (no sparsity) bf16 peak, TFLOP/s, from NVIDIA's data sheets; first match on the
+# device name wins, so the PCIe/NVL variants come before the SXM parts.
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0), ("H200", 989.0)]
+
+
+def forward_flops_per_token(spec, seq_len, causal):
+    """Model FLOPs of one forward pass, per token, for sequences of seq_len tokens.
+
+    2 FLOPs (multiply + add) per weight of every matmul: q/k/v, o, gate/up/down of each layer,
+    and the LM head (vocab x hidden; tied or not, the product is computed). Attention: QK^T and
+    (softmax)V each cost 2 * seq_len * heads * head_dim per token and layer over the full
+    T x T; causal=True counts the useful lower triangle only (half).
+    """
+    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    layer_weights = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * f  # qkv, o, gate+up+down
+    matmul_weights = spec.num_layers * layer_weights + spec.vocab_size * h
+    attention = 2 * 2 * spec.num_layers * seq_len * q_dim * (0.5 if causal else 1.0)
+    return 2 * matmul_weights + attention
+
+
+def default_peak_tflops(device_name):
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return tflops
+    return None
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --- model (random weights: the shape is all that matters)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="built-in config.json of the model to time")
+    p.add_argument("--config", default=None, help="an HF config.json to take the shape from instead of --shape")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    # --- candidate configuration (the baseline is always attention=local, no recompute)
+    p.add_argument("--attention", choices=["sdpa", "local", "te"], default="sdpa",
+                   help="core attention: torch SDPA (flash), megatron's local baddbmm+softmax, or TransformerEngine")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recompute: megatron's recompute_granularity (selective: --recompute-modules; "
+                        "full: whole layers, uniform method)")
+    p.add_argument("--recompute-modules", nargs="+", choices=["core_attn", "mlp", "layernorm"], default=["core_attn"],
+                   help="with --recompute selective: megatron's recompute_modules (layernorm needs TransformerEngine)")
+    p.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="with --recompute full: layers per recomputed chunk (recompute_method uniform)")
+    # --- batch geometry
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; 128 for --shape tiny)")
+    p.add_argument("--num-seqs", type=int, default=None, help="sequences per step, all ranks together (default 8; 4 for tiny)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass per rank (default 1; 2 for tiny)")
+    # --- parallelism (data parallelism is what is left: world / (tp * pp))
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="shard optimizer state over data-parallel ranks (as train_grpo.py does by default)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP gradient reduce with backward")
+    # --- measurement
+    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (allocator, optimizer state)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense TFLOP/s of one device for MFU (default: from the GPU name, H100/H200 989; "
+                        "required on other GPUs; on a CPU MFU is null unless given)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baseline (e.g. when it would not fit)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data")
+    return p
+
+
+def recompute_overrides(recompute, modules, num_layers):
+    """--recompute -> megatron TransformerConfig fields (megatron-core 0.16.1 checks: 'full'
+    needs recompute_method and recompute_num_layers; 'selective' must leave them unset)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        if "layernorm" in modules and importlib.util.find_spec("transformer_engine") is None:
+            # megatron-core 0.16.1 tensor_parallel/random.py: CheckpointWithoutOutput() sets
+            # self.fp8 = (fp8 is not None), True for its default fp8=False, and then calls TE's
+            # FP8GlobalStateManager, a NameError without TE.
+            raise SystemExit("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.16.1")
+        return dict(recompute_granularity="selective", recompute_modules=list(modules))
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=num_layers)
+
+
+def make_batch(spec, num_seqs, seq_len, seed):
+    """num_seqs rows of random tokens laid out exactly as train_grpo.py packs rollouts:
+    a prompt of seq_len/2 tokens, a response of seq_len/2 tokens, no padding.
+    Returns the dict of (N, T) tensors on the host, with one GRPO advantage per row."""
+    from common import batch as B
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, spec.vocab_size, (num_seqs, seq_len), generator=g)
+    prompt = seq_len // 2
+    samples = [SimpleNamespace(prompt_ids=row[:prompt].tolist(), response_ids=row[prompt:].tolist(),
+                               response_logprobs=[0.0] * (seq_len - prompt)) for row in ids]
+    batch = B.pack_sequences(samples, pad_id=0, length=seq_len)
+    batch["advantages"] = torch.randn(num_seqs, generator=g)[:, None] * batch["mask"]  # (N, T)
+    batch["row"] = torch.arange(num_seqs)
+    return batch
+
+
+def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
+    """Whether torch's flash-attention kernel accepts the call --attention sdpa makes on this rank
+    (causal, GQA without repeated k/v, this shape and dtype; GPU only). torch does not report
+    which kernel SDPA dispatched to: True says flash can run this call and is enabled, and
+    torch picks it when it can unless its priority list (version-dependent) puts another first.
+    To be sure, profile one step (torch.profiler: look for flash kernels)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, groups = spec.num_heads // tp, spec.num_kv_heads // tp
+    q = torch.zeros(micro_batch_size, heads, seq_len, spec.head_dim, dtype=dtype, device="cuda")
+    kv = torch.zeros(micro_batch_size, groups, seq_len, spec.head_dim, dtype=dtype, device="cuda")
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=heads != groups)
+        return True
+    except RuntimeError:  # "No available kernel"
+        return False
+
+
+def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, micro_batch_size, steps, warmup,
+               distributed_optimizer, overlap_grad_reduce):
+    """Build the model, run warmup + timed training steps, free everything.
+
+    All ranks call this. Returns dict(step_times, phase_times, peak_bytes) or dict(oom=True):
+    per timed step its seconds and [logprob pass, forward/backward, optimizer] seconds, each the
+    slowest rank's.
+    """
+    from common import batch as B
+    from common import rl
+    from common.model import build_model, setup_training
+    from megatron.core import parallel_state as mpu
+
+    on_gpu = info.device.type == "cuda"
+    num_rows, seq_len = batch["tokens"].shape
+    per_dp = num_rows // info.dp_size
+    my_rows = torch.arange(info.dp_rank * per_dp, (info.dp_rank + 1) * per_dp)  # this DP rank's rows
+    num_micro = per_dp // micro_batch_size
+    tp_group = mpu.get_tensor_model_parallel_group()
+    num_tokens = batch["mask"].sum()  # token_mean normaliser: valid tokens of the whole batch, all DP ranks
+    scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging (rl.aggregate_loss)
+
+    def my_micro_batches():
+        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items()}, micro_batch_size)
+
+    def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
+        logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
+        old_logprobs[mb["row"].cpu()] = logprobs.float().cpu()
+        return logprobs.sum() * 0, {}
+
+    def ppo_loss_fn(mb, logits):  # the train_grpo.py loss with --loss-agg token_mean, no KL
+        mask = mb["mask"]
+        logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
+                                                       compute_entropy=True)
+        per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"],
+                                            clip_low=0.2, clip_high=0.2)
+        loss = rl.aggregate_loss(per_token, mask, "token_mean", num_tokens=num_tokens)
+        metrics = {"policy_loss": loss.detach(), "entropy": rl.masked_sum(entropy.detach(), mask),
+                   "clip_frac": rl.masked_sum(clipped.float(), mask)}
+        return loss * scale, metrics
+
+    def training_step():
+        """One step; returns the seconds of its three phases (the device synchronised after each)."""
+        ticks = [time.perf_counter()]
+        # 1. old logprobs: forward only; each DP rank fills its rows, the sum gives all rows everywhere
+        old_logprobs.zero_()
+        with torch.no_grad():
+            B.run_micro_batches(model, my_micro_batches(), logprob_loss_fn, forward_only=True, device=info.device)
+        batch["old_logprobs"] = B.all_reduce_sum(old_logprobs, mpu.get_data_parallel_group(), info.device)
+        _sync(on_gpu)
+        ticks.append(time.perf_counter())
+        # 2. forward/backward of the PPO loss (DDP reduces the gradients at the end)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        B.run_micro_batches(model, my_micro_batches(), ppo_loss_fn, forward_only=False, device=info.device)
+        _sync(on_gpu)
+        ticks.append(time.perf_counter())
+        # 3. optimizer step (grad norm + clipping, Adam, bf16 params from the fp32 main params)
+        optimizer.step()
+        scheduler.step(1)
+        _sync(on_gpu)
+        ticks.append(time.perf_counter())
+        return [b - a for a, b in zip(ticks, ticks[1:])]
+
+    model = optimizer = scheduler = None
+    old_logprobs = torch.zeros(num_rows, seq_len)  # (N, T) on the host, as in train_grpo.py
+    batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
+    phase_times, oom = [], False  # per timed step: [logprob, fwd_bwd, optimizer] seconds
+    try:
+        chunks = build_model(spec, tp=tp, pp=pp, sequence_parallel=sp, dtype=dtype, init_weights=True,
+                             attention=attention, **overrides)
+        model, optimizer, scheduler = setup_training(
+            chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
+            overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
+        del chunks
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()  # from here: weights, grads, optimizer state, activations
+        for step in range(warmup + steps):
+            _sync(on_gpu)
+            phases = training_step()
+            if step >= warmup:
+                phase_times.append(phases)
+    except torch.OutOfMemoryError:  # the traceback (and its tensors) is dropped at the end of this block
+        oom = True
+    peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    model = optimizer = scheduler = None
+    batch.pop("old_logprobs")
+    gc.collect()  # megatron's DDP/optimizer objects hold reference cycles
+    if on_gpu:
+        torch.cuda.empty_cache()
+    # every rank must agree (an OOM on some ranks only would hang a collective before this; with
+    # identical shapes per rank they run out together)
+    oom = _all_reduce_max(float(oom), info.device) > 0
+    if oom:
+        return dict(oom=True)
+    return dict(step_times=[_all_reduce_max(sum(phases), info.device) for phases in phase_times],
+                phase_times=[[_all_reduce_max(t, info.device) for t in phases] for phases in phase_times],
+                peak_bytes=_all_reduce_max(peak, info.device) if on_gpu else None)
+
+
+def _sync(on_gpu):
+    if on_gpu:
+        torch.cuda.synchronize()
+
+
+def _all_reduce_max(value, device):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, world_size, peak_flops):
+    """Measured step times -> the reported numbers (None where not defined)."""
+    if run.get("oom"):
+        return dict(status="oom")
+    times = run["step_times"]
+    step_s = sum(times) / len(times)
+    phase_s = [sum(column) / len(times) for column in zip(*run["phase_times"])]  # means
+    achieved = flops_per_step / step_s  # model FLOP/s, all devices together
+    mfu = achieved / (world_size * peak_flops) if peak_flops else None
+    mfu_full = flops_per_step_full / step_s / (world_size * peak_flops) if peak_flops else None
+    return dict(status="ok", tokens=tokens_per_step * len(times), seconds=sum(times),
+                tokens_per_s=tokens_per_step * len(times) / sum(times), step_s=step_s,
+                tokens_per_s_per_device=tokens_per_step * len(times) / sum(times) / world_size,
+                step_s_min=min(times), step_s_max=max(times),
+                logprob_s=phase_s[0], fwd_bwd_s=phase_s[1], optimizer_s=phase_s[2],
+                tflops_per_device=achieved / world_size / 1e12,
+                mfu=mfu, mfu_full_attn=mfu_full,
+                peak_mem_gib=run["peak_bytes"] / 2**30 if run["peak_bytes"] is not None else None)
+
+
+def main():
+    args = build_parser().parse_args()
+    from common.bridge import expected_hf_names, expected_hf_shape, parse_hf_config
+    from common.dist import destroy_distributed, init_distributed, print0
+
+    tiny = args.config is None and args.shape == "tiny"
+    seq_len = args.seq_len or (128 if tiny else 4096)
+    num_seqs = args.num_seqs or (4 if tiny else 8)
+    micro_batch_size = args.micro_batch_size or (2 if tiny else 1)
+    if args.config:
+        with open(args.config) as f:
+            config, shape_name = json.load(f), args.config
+    else:
+        config, shape_name = SHAPES[args.shape], args.shape
+    spec = parse_hf_config(config)
+    overrides = recompute_overrides(args.recompute, args.recompute_modules, args.recompute_num_layers)
+
+    info = init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
+    on_gpu = info.device.type == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
+    device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    peak_tflops = args.peak_tflops or (default_peak_tflops(device_name) if on_gpu else None)
+    if on_gpu and peak_tflops is None:
+        raise SystemExit(f"unknown peak FLOP/s of {device_name!r}: pass --peak-tflops (dense bf16 of one device)")
+    if num_seqs % (info.dp_size * micro_batch_size):
+        raise SystemExit(f"--num-seqs {num_seqs} must be a multiple of dp {info.dp_size} x "
+                         f"--micro-batch-size {micro_batch_size}")
+    if args.sp and seq_len % args.tp:
+        raise SystemExit(f"--sp needs --seq-len {seq_len} divisible by --tp {args.tp}")
+
+    # FLOPs of one step: 4 forward passes' worth per token (logprob pass 1x, fwd+bwd 3x)
+    tokens_per_step = num_seqs * seq_len
+    flops_per_step = 4 * forward_flops_per_token(spec, seq_len, causal=True) * tokens_per_step
+    flops_per_step_full = 4 * forward_flops_per_token(spec, seq_len, causal=False) * tokens_per_step
+    params = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec))
+    batch = make_batch(spec, num_seqs, seq_len, args.seed)
+    common = dict(dtype=dtype, tp=args.tp, pp=args.pp, sp=args.sp, micro_batch_size=micro_batch_size,
+                  steps=args.steps, warmup=args.warmup, distributed_optimizer=args.distributed_optimizer,
+                  overlap_grad_reduce=args.overlap_grad_reduce)
+    numbers = dict(tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
+                   flops_per_step_full=flops_per_step_full, world_size=info.world_size,
+                   peak_flops=peak_tflops * 1e12 if peak_tflops else None)
+    params_text = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params:,}"
+    print0(f"{shape_name}: {params_text} params, {seq_len} tokens x {num_seqs} sequences per step, "
+           f"micro-batch {micro_batch_size}, {str(dtype).replace('torch.', '')}, world {info.world_size} "
+           f"(tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}{' sp' if args.sp else ''}) on {device_name}")
+
+    flash = (sdpa_takes_flash(spec, args.tp, seq_len, micro_batch_size, dtype)
+             if on_gpu and args.attention == "sdpa" else None)
+
+    # ---- candidate, then baseline (megatron-core's local spec as it comes), same batch
+    candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides, **common),
+                          **numbers)
+    left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
+    if args.no_baseline:
+        baseline = dict(status="skipped")
+    else:
+        baseline = summarize(run_config(spec, info, batch, attention="local", overrides={}, **common), **numbers)
+
+    # ---- report
+    recompute_text = {"none": "none", "selective": "selective " + ",".join(args.recompute_modules),
+                      "full": f"full, uniform {args.recompute_num_layers} layer(s)"}[args.recompute]
+    rows = [(f"candidate: {args.attention}, recompute {recompute_text}", candidate),
+            ("baseline: local, recompute none", baseline)]
+
+    def fmt(value, pattern):
+        return "-" if value is None else pattern.format(value)
+
+    print0("step = old-logprob forward + PPO forward/backward + optimizer step; model FLOPs = 4x forward per token, "
+           "causal attention half (full T x T in MFU full)")
+    if flash is not None:
+        print0(f"SDPA: torch's flash-attention kernel {'accepts' if flash else 'does NOT accept'} this attention call")
+    print0(f"peak {fmt(peak_tflops, '{:.0f}')} TFLOP/s per device; {args.steps} timed steps after {args.warmup} warmup")
+    print0(f"{'':52s} {'tokens/s':>10s} {'s/step':>8s} {'TFLOP/s/dev':>11s} {'MFU':>6s} {'MFU full':>8s} {'peak GiB':>8s}")
+    for label, r in rows:
+        if r["status"] != "ok":
+            print0(f"{label:52s} {r['status'].upper()}")
+            continue
+        print0(f"{label:52s} {r['tokens_per_s']:10.0f} {r['step_s']:8.3f} {r['tflops_per_device']:11.2f} "
+               f"{fmt(r['mfu'], '{:.3f}'):>6s} {fmt(r['mfu_full_attn'], '{:.3f}'):>8s} {fmt(r['peak_mem_gib'], '{:.2f}'):>8s}")
+        print0(f"{'':4s}per step: logprob pass {r['logprob_s']:.3f} s, forward/backward {r['fwd_bwd_s']:.3f} s, "
+               f"optimizer {r['optimizer_s']:.3f} s")
+    both = candidate["status"] == "ok" and baseline["status"] == "ok"
+    ratio_tokens = candidate["tokens_per_s"] / baseline["tokens_per_s"] if both else None
+    ratio_mem = (candidate["peak_mem_gib"] / baseline["peak_mem_gib"]
+                 if both and candidate["peak_mem_gib"] is not None else None)
+    print0(f"candidate / baseline: tokens/s x{fmt(ratio_tokens, '{:.2f}')}, peak memory x{fmt(ratio_mem, '{:.2f}')}"
+           + (f"  (baseline: {baseline['status'].upper()})" if baseline["status"] != "ok" else ""))
+    if candidate["status"] == "ok" and candidate["mfu"] is not None:
+        print0(f"issue 7 target MFU >= 0.45: {'met' if candidate['mfu'] >= 0.45 else 'not met'} ({candidate['mfu']:.3f})")
+
+    from megatron.core import package_info
+
+    result = dict(
+        bench="train", device=device_name, torch=torch.__version__, megatron_core=package_info.__version__,
+        world_size=info.world_size, tp=info.tp_size, pp=info.pp_size, dp=info.dp_size, sp=args.sp,
+        shape=shape_name, params=params, seq_len=seq_len, num_seqs=num_seqs,
+        micro_batch_size=micro_batch_size, num_micro_batches=num_seqs // info.dp_size // micro_batch_size,
+        packing="none (every row a full seq_len sequence; response mask = second half)",
+        attention=args.attention, sdpa_flash=flash, recompute=args.recompute,
+        recompute_modules=args.recompute_modules if args.recompute == "selective" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute == "full" else None,
+        dtype=str(dtype).replace("torch.", ""), distributed_optimizer=args.distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce, steps=args.steps, warmup=args.warmup,
+        peak_tflops=peak_tflops, flops_per_step=flops_per_step, flops_per_step_full_attn=flops_per_step_full,
+        flop_convention="4x forward per token (logprob pass + fwd/bwd); forward = 2 x matmul weights incl. LM head "
+                        "+ 4 x layers x seq_len x heads*head_dim x 1/2 (causal); *_full_attn without the 1/2",
+        candidate=candidate, baseline=baseline, ratio_tokens_per_s=ratio_tokens, ratio_peak_mem=ratio_mem,
+        mem_left_before_baseline_gib=left_gib, args=vars(args),
+    )
+    print0("BENCH_JSON " + json.dumps(result))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""bench/train.py and bench/sync.py on the CPU: the numbers in their BENCH_JSON lines are consistent.
+
+    .venv/bin/python -m pytest -q tests/test_bench.py
+
+- 1 process: tokens = num_seqs * seq_len * steps, tokens/s = tokens / seconds, the model FLOPs
+  per step equal a count made by hand below from the tiny shape, MFU = FLOPs / s / peak, the
+  baseline (local attention) ran and the ratio is candidate / baseline;
+- torchrun, 2 processes, TP=2 on gloo: one JSON line (rank 0), the same checks at another
+  sequence length, MFU null without --peak-tflops on a CPU;
+- a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
+- every flag of --help has a help string;
+- bench/sync.py with the CPU engine: the cycle runs and the bytes synced match a hand count.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_torchrun
+
+SCRIPT = os.path.join("bench", "train.py")
+
+
+def bench_json(output):
+    lines = [line for line in output.splitlines() if line.startswith("BENCH_JSON ")]
+    assert len(lines) == 1, output[-3000:]  # rank 0 only
+    return json.loads(lines[0][len("BENCH_JSON "):])
+
+
+def run(*args, code=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, SCRIPT, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc.stdout
+
+
+def tiny_step_flops(seq_len, num_seqs, causal):
+    """Model FLOPs of one step for the "tiny" shape, counted by hand: hidden 64, ffn 192,
+    2 layers, 4 heads of 16 (q: 64 wide), 2 kv heads (k, v: 32 wide each), vocabulary 512."""
+    qkv = 64 * 64 + 64 * 32 + 64 * 32  # q, k, v projections
+    o = 64 * 64
+    mlp = 3 * 64 * 192  # gate, up, down
+    lm_head = 512 * 64
+    matmul_weights = 2 * (qkv + o + mlp) + lm_head  # = 131072
+    attention = 2 * 2 * 2 * seq_len * 64  # QK^T and AV: 2 FLOPs x layers x seq_len x q width, each
+    if causal:
+        attention //= 2
+    forward = 2 * matmul_weights + attention  # per token
+    return 4 * forward * num_seqs * seq_len  # logprob pass (1x) + forward/backward (3x)
+
+
+def check_run(r, *, seq_len, num_seqs, steps, world_size):
+    assert (r["seq_len"], r["num_seqs"], r["steps"], r["world_size"]) == (seq_len, num_seqs, steps, world_size)
+    assert r["flops_per_step"] == tiny_step_flops(seq_len, num_seqs, causal=True)
+    assert r["flops_per_step_full_attn"] == tiny_step_flops(seq_len, num_seqs, causal=False)
+    for name in ("candidate", "baseline"):
+        c = r[name]
+        assert c["status"] == "ok", r
+        assert c["tokens"] == num_seqs * seq_len * steps
+        assert c["tokens_per_s"] > 0
+        assert c["tokens_per_s"] == pytest.approx(c["tokens"] / c["seconds"], rel=1e-9)
+        assert c["step_s"] == pytest.approx(c["seconds"] / steps, rel=1e-9)
+        assert c["step_s_min"] <= c["step_s"] <= c["step_s_max"]
+        assert c["peak_mem_gib"] is None  # no GPU
+    assert r["ratio_tokens_per_s"] == pytest.approx(r["candidate"]["tokens_per_s"] / r["baseline"]["tokens_per_s"])
+
+
+def test_single_process():
+    out = run("--shape", "tiny", "--steps", 2, "--warmup", 1, "--peak-tflops", 0.001)
+    r = bench_json(out)
+    assert (r["shape"], r["attention"], r["recompute"], r["dtype"], r["device"]) == ("tiny", "sdpa", "none", "float32", "cpu")
+    # HF parameters: tied embedding, per layer q/k/v/o + q/k/v bias + MLP + 2 norms, final norm
+    assert r["params"] == 512 * 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + (64 + 32 + 32) + 3 * 64 * 192 + 2 * 64) + 64
+    check_run(r, seq_len=128, num_seqs=4, steps=2, world_size=1)
+    c = r["candidate"]
+    # MFU = model FLOP/s / (devices x peak); --peak-tflops 0.001 is 1e9 FLOP/s
+    assert c["mfu"] == pytest.approx(r["flops_per_step"] / c["step_s"] / 1e9, rel=1e-9)
+    assert c["mfu_full_attn"] == pytest.approx(r["flops_per_step_full_attn"] / c["step_s"] / 1e9, rel=1e-9)
+    assert "baseline: local, recompute none" in out and "candidate / baseline: tokens/s x" in out
+
+
+def test_torchrun_tp2():
+    proc = run_torchrun(SCRIPT, 2, "--shape", "tiny", "--tp", 2, "--steps", 1, "--warmup", 1, "--seq-len", 64)
+    r = bench_json(proc.stdout)
+    assert (r["tp"], r["dp"], r["pp"]) == (2, 1, 1)
+    check_run(r, seq_len=64, num_seqs=4, steps=1, world_size=2)
+    assert r["candidate"]["mfu"] is None and r["peak_tflops"] is None  # a CPU and no --peak-tflops
+
+
+def test_baseline_oom_is_reported():
+    # build_model raises the CUDA OOM error for the baseline's local attention
+    code = "\n".join([
+        "import runpy, sys, torch",
+        "import common.model",
+        "real = common.model.build_model",
+        "def build_model(spec, **kw):",
+        "    if kw.get('attention') == 'local':",
+        "        raise torch.OutOfMemoryError('CUDA out of memory (simulated by the test)')",
+        "    return real(spec, **kw)",
+        "common.model.build_model = build_model",
+        f"sys.argv = ['{SCRIPT}', '--shape', 'tiny', '--steps', '1', '--warmup', '1']",
+        f"runpy.run_path('{SCRIPT}', run_name='__main__')",
+    ])
+    out = run(code=code)
+    r = bench_json(out)
+    assert r["baseline"] == {"status": "oom"}
+    assert r["candidate"]["status"] == "ok" and r["candidate"]["tokens"] == 4 * 128
+    assert r["ratio_tokens_per_s"] is None and r["ratio_peak_mem"] is None
+    assert "(baseline: OOM)" in out
+
+
+def test_help_documents_every_flag():
+    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, SCRIPT))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for action in module.build_parser()._actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    assert "--peak-tflops" in run("--help")
+
+
+def test_sync_bench_cpu_smoke():
+    """bench/sync.py with the CPU engine (vLLM needs a GPU): the cycle runs, the engine still
+    generates after it, and the bytes synced are the tiny shape's, counted by hand."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    result = bench_json(proc.stdout)
+    # tiny: hidden 64, ffn 192, 2 layers, 4 heads x 16, 2 kv heads, vocab 512, tied, q/k/v bias
+    per_layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 192 + 2 * 64
+    params = 2 * per_layer + 512 * 64 + 64
+    assert round(result["model_gb"] * 1e9) == params * 4  # fp32 on a CPU
+    assert result["engine"] == "hf" and result["sync_s"] > 0 and result["export_only_s"] > 0
+    assert result["sync_vs_copy"] == pytest.approx(result["sync_s"] / result["baseline_copy_s"], rel=1e-2)
