@@ -21,6 +21,10 @@ state needed to resume a run exactly:
       rng/rank_00000.pt     per rank: python, numpy, torch (+CUDA) and megatron's
                             model-parallel RNG tracker states
       rl_meta.json, hf/     when the script passes meta (then merge_to_hf.py reads it too)
+      critic/               one subdirectory per model of `extra_models` (train_ppo.py's
+                            critic): its own dist_checkpointing of {"model", "optimizer"}
+                            (a separate save: its sharded keys are the same as the policy's),
+                            its scheduler in train_state.json under "extra_models"
       complete              written last: every file above with its size in bytes
 """
 import json
@@ -141,23 +145,68 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # megatron's default, fully_sharded_model_space (deprecated), fails in 0.16.1: it builds
 # ShardedTensors with flattened_range, which ShardedTensor itself now rejects.
 OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+_EXTRA_MODEL_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _check_extra_models(extra_models):
+    """{name: (ddp_chunks, optimizer, scheduler)}: names become subdirectories of the step dir."""
+    extra_models = dict(extra_models or {})
+    for name in extra_models:
+        if not _EXTRA_MODEL_NAME.match(name) or name in (RNG_DIR, HF_DIR):
+            raise ValueError(f"extra model name {name!r}: use lowercase letters, digits, _ (not {RNG_DIR!r}/{HF_DIR!r})")
+    return extra_models
+
+
+def _save_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
+    """One dist_checkpointing save of {"model", "optimizer"} into ckpt_dir (empty). Collective."""
+    from megatron.core import dist_checkpointing
+
+    _ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
+    model_sd = model_sharded_state_dict(ddp_chunks)
+    optim_sd = optimizer.sharded_state_dict(
+        model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": optimizer_sharding})
+    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
+
+
+def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
+    """Inverse of _save_model_and_optimizer, into the live objects. Collective."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {"distrib_optim_sharding_type": optimizer_sharding}  # as it was written
+    # A fresh torch Adam has no state until its first step; megatron's DistributedOptimizer
+    # reads it while building the sharded state dict for loading, so create zeros to load into.
+    _ensure_adam_state(optimizer)
+    model_sd = model_sharded_state_dict(ddp_chunks)
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
+    load_into_chunks(ddp_chunks, loaded["model"])
+    # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _load_scheduler(scheduler, state):
+    if scheduler is not None and state is not None:
+        scheduler.num_steps = 0  # load_state_dict *adds* the saved steps to num_steps
+        scheduler.load_state_dict(state)
 
 
 def save_training_checkpoint(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra=None, *,
                              keep_last=2, meta=None, hf_source_dir=None,
-                             optimizer_sharding="dp_reshardable"):
+                             optimizer_sharding="dp_reshardable", extra_models=None):
     """Save everything needed to resume at `step` into ckpt_root/step_{step:06d}. All ranks call this.
 
     extra: JSON-able dict the script wants back on resume (data position, best reward, ...).
+    extra_models: {name: (ddp_chunks, optimizer, scheduler)} of further trained models (the
+    PPO critic), each saved into the subdirectory `name` of the same step directory, before
+    the one complete marker: the step is complete with all its models or not at all.
     meta/hf_source_dir: when given, rl_meta.json and hf/ as in write_meta (merge_to_hf.py can
     then convert the step directory). keep_last: older step directories beyond the newest
     keep_last complete ones are deleted (never the one just written; newer ones are left alone).
     Returns the step directory. On return every rank sees it complete and `latest` names it.
     """
-    from megatron.core import dist_checkpointing
-
     if optimizer_sharding not in OPTIMIZER_SHARDINGS:
         raise ValueError(f"optimizer_sharding must be one of {OPTIMIZER_SHARDINGS}, not {optimizer_sharding!r}")
+    extra_models = _check_extra_models(extra_models)
     extra = dict(extra or {})
     json.dumps(extra)  # not JSON-able -> TypeError on every rank, before any collective
     rank = dist.get_rank()
@@ -171,11 +220,14 @@ def save_training_checkpoint(ckpt_root, step, ddp_chunks, optimizer, scheduler, 
         os.makedirs(tmp_dir)  # empty: dist_checkpointing warns about a non-empty directory
     barrier()
 
-    _ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
-    model_sd = model_sharded_state_dict(ddp_chunks)
-    optim_sd = optimizer.sharded_state_dict(
-        model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": optimizer_sharding})
-    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, tmp_dir)  # collective
+    _save_model_and_optimizer(tmp_dir, ddp_chunks, optimizer, optimizer_sharding)  # collective
+    # Each further model in its own empty subdirectory, by its own save: one save of both
+    # would collide (the critic's sharded keys, decoder.layers.0..., are the policy's).
+    for model_name, (chunks, model_optimizer, _) in extra_models.items():
+        if rank == 0:
+            os.makedirs(os.path.join(tmp_dir, model_name))
+        barrier()
+        _save_model_and_optimizer(os.path.join(tmp_dir, model_name), chunks, model_optimizer, optimizer_sharding)
 
     os.makedirs(os.path.join(tmp_dir, RNG_DIR), exist_ok=True)
     torch.save(rng_state, os.path.join(tmp_dir, RNG_DIR, f"rank_{rank:05d}.pt"))
@@ -183,6 +235,8 @@ def save_training_checkpoint(ckpt_root, step, ddp_chunks, optimizer, scheduler, 
         _write_atomic(os.path.join(tmp_dir, TRAIN_STATE_FILE), json.dumps({
             "step": step, "extra": extra, "optimizer_sharding": optimizer_sharding,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra_models": {model_name: {"scheduler": s.state_dict() if s is not None else None}
+                             for model_name, (_, _, s) in extra_models.items()},
             "layout": _layout()}, indent=1))
         if meta is not None:
             write_meta(tmp_dir, meta, hf_source_dir)
@@ -206,17 +260,21 @@ def save_training_checkpoint(ckpt_root, step, ddp_chunks, optimizer, scheduler, 
     return final_dir
 
 
-def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler):
+def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, extra_models=None):
     """Resume from the newest usable checkpoint in ckpt_root. All ranks call this, after
     setup_training and before the first step.
 
-    Restores model, optimizer, scheduler and RNG states; returns the `extra` dict given to
-    save_training_checkpoint, or None when ckpt_root holds no checkpoint (a fresh run).
-    A damaged newest checkpoint (no complete marker, a file missing or truncated, the load
-    failing) is reported and the previous one is used; if none is usable this raises.
+    Restores model, optimizer, scheduler and RNG states, and those of every model of
+    extra_models ({name: (ddp_chunks, optimizer, scheduler)}, as given to the save);
+    returns the `extra` dict given to save_training_checkpoint, or None when ckpt_root
+    holds no checkpoint (a fresh run).
+    A damaged newest checkpoint (no complete marker, a file missing or truncated, a
+    requested extra model missing, the load failing) is reported and the previous one is
+    used; if none is usable this raises.
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    extra_models = _check_extra_models(extra_models)
     rank = dist.get_rank()
     candidates = _broadcast_from_rank0(_candidates(ckpt_root) if rank == 0 else None)
     if not candidates:
@@ -226,10 +284,11 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler):
         step_dir = os.path.join(ckpt_root, name)
         # Rank 0 decides, everyone follows: a half-written directory on a network
         # filesystem may look different from different nodes.
-        problem = _broadcast_from_rank0(check_step_dir(step_dir) if rank == 0 else None)
+        problem = _broadcast_from_rank0(check_step_dir(step_dir, extra_models=list(extra_models))
+                                        if rank == 0 else None)
         if problem is None:
             try:
-                extra = _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler)
+                extra = _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models)
             # any failure means: not this checkpoint. torch's CheckpointException (a BaseException)
             # is how DCP reports a read error of any rank on all ranks.
             except (Exception, CheckpointException) as e:  # noqa: BLE001
@@ -251,25 +310,20 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler):
                        "\nMove the directory away to start a new run.")
 
 
-def _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler):
+def _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models):
     """Load one step directory into the live objects; returns its extra dict."""
-    from megatron.core import dist_checkpointing
-
     with open(os.path.join(step_dir, TRAIN_STATE_FILE)) as f:
         state = json.load(f)
-    metadata = {"distrib_optim_sharding_type": state["optimizer_sharding"]}  # as it was written
-    # A fresh torch Adam has no state until its first step; megatron's DistributedOptimizer
-    # reads it while building the sharded state dict for loading, so create zeros to load into.
-    _ensure_adam_state(optimizer)
-    model_sd = model_sharded_state_dict(ddp_chunks)
-    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
-    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, step_dir)  # collective
-    load_into_chunks(ddp_chunks, loaded["model"])
-    # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
-    optimizer.load_state_dict(loaded["optimizer"])
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.num_steps = 0  # load_state_dict *adds* the saved steps to num_steps
-        scheduler.load_state_dict(state["scheduler"])
+    saved_models = state.get("extra_models", {})
+    missing = sorted(set(extra_models) - set(saved_models))
+    if missing:  # before touching any live object
+        raise RuntimeError(f"the checkpoint has no {', '.join(missing)} (saved: {sorted(saved_models) or 'none'})")
+    _load_model_and_optimizer(step_dir, ddp_chunks, optimizer, state["optimizer_sharding"])  # collective
+    _load_scheduler(scheduler, state["scheduler"])
+    for model_name, (chunks, model_optimizer, model_scheduler) in extra_models.items():
+        _load_model_and_optimizer(os.path.join(step_dir, model_name), chunks, model_optimizer,
+                                  state["optimizer_sharding"])
+        _load_scheduler(model_scheduler, saved_models[model_name]["scheduler"])
     _restore_rng(step_dir, state["layout"])  # last: nothing after it may draw random numbers
     return state["extra"]
 
@@ -304,8 +358,9 @@ def _candidates(ckpt_root):
     return [latest] + [name for name in newest_first if steps[name] < int(match.group(1))]
 
 
-def check_step_dir(step_dir):
-    """None if step_dir looks complete, else why not (cheap: sizes, not checksums)."""
+def check_step_dir(step_dir, extra_models=()):
+    """None if step_dir looks complete (with the subdirectories of the named extra models),
+    else why not (cheap: sizes, not checksums)."""
     if not os.path.isdir(step_dir):
         return "the directory does not exist"
     marker = os.path.join(step_dir, COMPLETE_FILE)
@@ -316,7 +371,7 @@ def check_step_dir(step_dir):
             files = json.load(f)["files"]
     except (ValueError, KeyError) as e:
         return f"unreadable '{COMPLETE_FILE}' marker ({e})"
-    for required in ("metadata.json", TRAIN_STATE_FILE):
+    for required in ("metadata.json", TRAIN_STATE_FILE) + tuple(f"{name}/metadata.json" for name in extra_models):
         if required not in files:
             return f"{required} was never written"
     for relpath, size in files.items():

@@ -18,7 +18,8 @@ import os
 from common.dist import print0  # noqa: F401  (re-export: `from common.log import print0`)
 
 # Curves drawn in curves.png, one panel each, when present in the logged metrics.
-MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "response_len_mean"]
+MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "response_len_mean",
+               "value_loss", "explained_variance"]  # the last two: train_ppo.py
 
 
 def default_wandb_mode():

@@ -10,6 +10,9 @@
         Fresh model from the HF weights, load_training_checkpoint(R), then the remaining steps
         up to 5. With --break-copy: copy R to C, damage every checkpoint in it (the newest
         structurally, the older one so that only the load itself fails) and record the error.
+    --critic (both modes): also train a PPO critic (common/model.py build_critic, its own Adam
+        and schedule) on the same batches, saved and loaded as extra_models={"critic": ...};
+        resume --no-critic-root R2 first tries R2 (written without a critic) and records the error.
 
 Every step draws its batch from the global python, numpy and torch RNGs, so the losses
 after a resume only match if those RNG states were restored.
@@ -31,9 +34,11 @@ import torch.distributed as dist
 TOTAL_STEPS, GLOBAL_BATCH, SEQ_LEN = 5, 4, 16
 
 
-def train_step(ddp_chunks, optimizer, scheduler, vocab_size):
+def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
     """One optimizer step on a random global batch of GLOBAL_BATCH sequences; returns
-    (global mean loss, grad norm, lr used). Every rank draws the same global batch."""
+    (global mean loss, grad norm, lr used). Every rank draws the same global batch.
+    critic: (ddp_chunks, optimizer, scheduler) of a value model, also stepped on the batch
+    (regressing V(t) onto (token % 7) / 7); then (loss, grad norm, lr) of the critic follow."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -68,7 +73,37 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size):
     scheduler.step(1)
     loss = torch.stack([entry["loss"] for entry in losses]).mean()
     dist.all_reduce(loss, group=mpu.get_data_parallel_group())
-    return loss.item() / dp_size, float(grad_norm), lr
+    if critic is None:
+        return loss.item() / dp_size, float(grad_norm), lr
+    return (loss.item() / dp_size, float(grad_norm), lr) + critic_step(*critic, local, positions)
+
+
+def critic_step(ddp_chunks, optimizer, scheduler, local, positions):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator)
+        values = model(ids, positions, None).squeeze(-1)  # (1, T)
+
+        def loss_func(output):
+            loss = ((output - (ids % 7) / 7.0) ** 2).mean()
+            return loss, {"loss": loss.detach().clone()}
+
+        return values, loss_func
+
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    lr = optimizer.param_groups[0]["lr"]
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(local.split(1)), model=ddp_chunks,
+        num_microbatches=local.shape[0], seq_length=SEQ_LEN, micro_batch_size=1, forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(1)
+    loss = torch.stack([entry["loss"] for entry in losses]).mean()
+    dist.all_reduce(loss, group=mpu.get_data_parallel_group())
+    return loss.item() / mpu.get_data_parallel_world_size(), float(grad_norm), lr
 
 
 def rng_fingerprints():
@@ -99,12 +134,14 @@ def main():
     ap.add_argument("--root-full", help="train: second root, fully_reshardable, saved after step 3")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--break-copy", help="resume: copy --root here and damage all of it")
+    ap.add_argument("--critic", action="store_true", help="also train and checkpoint a critic")
+    ap.add_argument("--no-critic-root", help="resume --critic: first try this root, saved without a critic")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     from common.checkpoint import load_training_checkpoint, save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
+    from common.model import build_critic, build_model, load_critic_weights, load_hf_spec, load_hf_weights, setup_training
 
     info = init_distributed(tp=args.tp, seed=1234)
     spec = load_hf_spec(args.hf_dir)
@@ -117,26 +154,45 @@ def main():
     ddp_chunks, optimizer, scheduler = setup_training(
         chunks, lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=10, decay_style="cosine", clip_grad=1e3)
     result = {"losses": {}, "grad_norms": {}, "lrs": {}}
+    critic, extra_models = None, None
+    if args.critic:
+        critic_chunks = build_critic(spec, tp=info.tp_size)
+        load_critic_weights(critic_chunks, spec, args.hf_dir)
+        # another schedule than the policy's, so a scheduler mix-up shows in the LRs
+        critic = setup_training(critic_chunks, lr=3e-2, min_lr=0.0, warmup_steps=1, total_steps=8,
+                                decay_style="linear", clip_grad=1e3)
+        extra_models = {"critic": critic}
+        result.update(critic_losses={}, critic_grad_norms={}, critic_lrs={})
 
     first_step = 1
     if args.mode == "resume":
         # perturb every RNG so that only a restore can bring back the saved states
         random.seed(7), np.random.seed(7), torch.manual_seed(7)
-        extra = load_training_checkpoint(args.root, ddp_chunks, optimizer, scheduler)
+        if args.no_critic_root:
+            try:
+                load_training_checkpoint(args.no_critic_root, ddp_chunks, optimizer, scheduler,
+                                         extra_models=extra_models)
+                result["no_critic_error"] = None
+            except RuntimeError as e:
+                result["no_critic_error"] = str(e)
+        extra = load_training_checkpoint(args.root, ddp_chunks, optimizer, scheduler, extra_models=extra_models)
         result["extra"] = extra
         result["rng_after_load"] = gather(rng_fingerprints())
         first_step = extra["step"] + 1
 
     for step in range(first_step, TOTAL_STEPS + 1):
-        loss, grad_norm, lr = train_step(ddp_chunks, optimizer, scheduler, spec.vocab_size)
-        result["losses"][step], result["grad_norms"][step], result["lrs"][step] = loss, grad_norm, lr
+        out = train_step(ddp_chunks, optimizer, scheduler, spec.vocab_size, critic)
+        result["losses"][step], result["grad_norms"][step], result["lrs"][step] = out[:3]
+        if critic is not None:
+            result["critic_losses"][step], result["critic_grad_norms"][step], result["critic_lrs"][step] = out[3:]
         if args.mode == "train" and step in (2, 3, 4):
             extra = {"step": step, "samples_seen": step * GLOBAL_BATCH}
             save_training_checkpoint(args.root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=2,
-                                     meta={"written_by": "tests/checkpoint_worker.py"})
+                                     meta={"written_by": "tests/checkpoint_worker.py"}, extra_models=extra_models)
             if step == 3:
-                save_training_checkpoint(args.root_full, step, ddp_chunks, optimizer, scheduler, extra,
-                                         keep_last=1, optimizer_sharding="fully_reshardable")
+                if args.root_full:
+                    save_training_checkpoint(args.root_full, step, ddp_chunks, optimizer, scheduler, extra,
+                                             keep_last=1, optimizer_sharding="fully_reshardable")
                 result["rng_after_save"] = gather(rng_fingerprints())
 
     if args.break_copy:

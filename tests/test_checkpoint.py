@@ -11,9 +11,13 @@ must reproduce steps 4-5 of the uninterrupted run:
   - DP=2 -> TP=2 (fully_reshardable): losses within 1e-6 (TP changes the summation order).
 Every step draws its batch from the python, numpy and torch RNGs, so the losses after a
 resume only match if the RNG states were restored. Worker: tests/checkpoint_worker.py.
+With a second trained model (extra_models={"critic": ...}, train_ppo.py's critic): both
+models, optimizers and schedules resume bit-identically from the same step directory, and a
+checkpoint written without the critic is refused when the critic is asked for.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -168,3 +172,37 @@ def testcheck_step_dir_and_candidates(trained, tmp_path):
     os.remove(root / "latest")
     assert _candidates(str(root)) == ["step_000005", "step_000004", "step_000003"]
     assert _candidates(str(tmp_path / "nothing_here")) == []
+
+
+def test_extra_model_critic_saved_and_resumed_with_the_policy(trained):
+    """extra_models: a critic (value head model, own Adam + schedule) in step_N/critic/, under
+    the same complete marker; DP=2 resume from step 3 is bit-identical for both models."""
+    tmp = trained["tmp"]
+    root = tmp / "critic_root"
+    run_torchrun(WORKER, 2, "train", "--critic", "--hf-dir", trained["hf"], "--root", root,
+                 "--out", tmp / "critic_reference.json")
+    reference = json.loads((tmp / "critic_reference.json").read_text())
+    step_dir = root / "step_000004"
+    files = json.loads((step_dir / "complete").read_text())["files"]
+    assert {"metadata.json", "critic/metadata.json", "critic/.metadata"} <= set(files)
+    state = json.loads((step_dir / "train_state.json").read_text())
+    assert state["extra_models"]["critic"]["scheduler"]["num_steps"] == 4
+
+    # the critic is missing from step 4 (structurally) -> fall back to step 3
+    damaged = tmp / "critic_damaged"
+    shutil.copytree(root, damaged)
+    shutil.rmtree(damaged / "step_000004" / "critic")
+    proc = run_torchrun(WORKER, 2, "resume", "--critic", "--hf-dir", trained["hf"], "--root", damaged,
+                        "--no-critic-root", trained["root"], "--out", tmp / "critic_resumed.json")
+    result = json.loads((tmp / "critic_resumed.json").read_text())
+    assert re.search(r"critic_damaged/step_000004: critic/\S+ is missing", proc.stdout), proc.stdout
+    assert result["extra"]["step"] == 3
+    for key in ["losses", "grad_norms", "lrs", "critic_losses", "critic_grad_norms", "critic_lrs"]:
+        assert max_diff(result, reference, key) == 0.0, key
+    # the critic learns something (the comparison above is not of constants)
+    assert reference["critic_losses"]["5"] < reference["critic_losses"]["1"]
+    assert reference["critic_lrs"] != reference["lrs"]
+    # a root written without a critic: every step refused, by name
+    error = result["no_critic_error"]
+    assert error is not None and "no usable training checkpoint" in error
+    assert "critic/metadata.json was never written" in error

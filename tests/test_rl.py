@@ -157,6 +157,30 @@ def test_gae_hand_computed():
     close(ret1, [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0], [1.5, 0.0, 1.0]], 1e-6)
 
 
+def test_gae_packed_rows_lam_0_and_1():
+    # The layout of common/batch.py pack_sequences: prompt positions masked at the start of a
+    # row, the response, then right padding. Rows end at different positions (a 3-token
+    # response, a 1-token one, an empty row). Masked positions hold garbage (nan values, stray
+    # rewards) that must not leak into any valid token. gamma 0.5.
+    nan = float("nan")
+    rewards = torch.tensor([[9.0, 0.0, -0.1, 1.0, 5.0], [7.0, 0.0, 1.0, 3.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    values = torch.tensor([[nan, 0.2, 0.5, 0.8, nan], [nan, nan, 0.3, nan, nan], [nan] * 5])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0]])
+
+    # lam = 0: one-step TD, A_t = r_t + gamma V_next - V_t, V_next = 0 after the last token
+    # row 0: A3 = 1 - .8 = .2; A2 = -.1 + .5*.8 - .5 = -.2; A1 = 0 + .5*.5 - .2 = .05; row 1: 1 - .3
+    adv, ret = gae(rewards, values, mask, gamma=0.5, lam=0.0)
+    close(adv, [[0, 0.05, -0.2, 0.2, 0], [0, 0, 0.7, 0, 0], [0] * 5], 1e-6)
+    close(ret, [[0, 0.25, 0.3, 1.0, 0], [0, 0, 1.0, 0, 0], [0] * 5], 1e-6)
+
+    # lam = 1: returns are the discounted rewards-to-go, whatever the values
+    # row 0: R3 = 1, R2 = -.1 + .5 = .4, R1 = 0 + .5*.4 = .2; A = R - V
+    adv1, ret1 = gae(rewards, values, mask, gamma=0.5, lam=1.0)
+    close(ret1, [[0, 0.2, 0.4, 1.0, 0], [0, 0, 1.0, 0, 0], [0] * 5], 1e-6)
+    close(adv1, [[0, 0.0, -0.1, 0.2, 0], [0, 0, 0.7, 0, 0], [0] * 5], 1e-6)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret1).all()
+
+
 # -----------------------------------------------------------------------------
 # policy loss and aggregation
 

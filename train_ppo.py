@@ -1,0 +1,507 @@
+"""PPO with a learned critic and GAE on Megatron-Core, with a colocated rollout engine: the whole loop in one file.
+
+PPO for language models (Schulman et al. 2017; Ouyang et al. 2022, InstructGPT): sample
+responses, score them with a rule-based reward placed on the last response token, subtract
+a per-token KL penalty to a frozen reference (or put the KL in the loss), estimate each
+token's advantage with GAE (Schulman et al. 2015) from a learned value function (the
+critic: the same transformer with a scalar head), then take PPO-clipped policy steps and
+clipped value-regression steps. Not GRPO (no groups needed, no group-normalised reward:
+that is train_grpo.py), no reward model (the reward is a rule), no LoRA.
+
+Every rank runs this same program (SPMD): it builds its shard of the actor, the critic and
+the frozen reference (Megatron-Core GPTModels, sharded alike by TP/PP) from the HF
+config.json, hosts a rollout engine, and each step does: weight sync -> rollout -> reward
+-> old/ref logprobs and values -> token rewards -> GAE -> PPO epochs of actor and critic
+updates -> log -> checkpoint. The first --critic-warmup-steps steps train only the critic.
+
+Launch:
+  1 CPU, no downloads (embedded tiny model, synthetic task):
+      python train_ppo.py
+  1 GPU:
+      python train_ppo.py --model /models/Qwen2-1.5B --data gsm8k.parquet
+  8 GPUs (Megatron TP=4 x DP=2 for actor and critic; vLLM TP=2 x 4 replicas):
+      torchrun --nproc_per_node 8 train_ppo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4 --rollout-tp 2
+  Slurm, several nodes (same flags):
+      sbatch launch/slurm.sh train_ppo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
+  On CPUs, torchrun works the same on gloo: torchrun --nproc_per_node 2 train_ppo.py --tp 2
+"""
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
+               + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
+    # --- model and data
+    p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer); default: the embedded tiny model")
+    p.add_argument("--mcore-ckpt", default=None, help="start the actor and reference from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
+    p.add_argument("--critic-model", default=None, help="HF causal-LM dir to initialise the critic's body from (a score.weight/score.bias value head in it is used too); default: --model")
+    p.add_argument("--data", default=None, help="prompts: .jsonl / .parquet / datasets dir with prompt+answer fields; default: the synthetic arithmetic task")
+    p.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
+    p.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
+    p.add_argument("--system-prompt", default=None, help="system message put before every prompt")
+    p.add_argument("--raw-prompts", action="store_true", help="tokenize prompts as they are, without the chat template (always so for the synthetic task)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="prompts longer than this (in tokens) are dropped")
+    # --- parallelism (data parallelism is what is left: world / (tp * pp)); the critic is sharded like the actor
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    # --- rollout
+    p.add_argument("--rollout", choices=["auto", "vllm", "cpu"], default="auto", help="rollout engine; auto = vllm when a GPU and vllm are present, else the CPU engine")
+    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size (independent of --tp); world/rollout-tp replicas get different prompts")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step, global")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="responses sampled per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="response length budget")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)")
+    p.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
+    p.add_argument("--offload-params", action=argparse.BooleanOptionalAction, default=None, help="move Megatron's params (actor, critic, reference) to host memory while they idle (default: on with vLLM)")
+    p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None, help="move both Adam states + main params to host memory and free grad buffers between updates (default: on with vLLM)")
+    # --- algorithm: advantages
+    p.add_argument("--gamma", type=float, default=1.0, help="GAE discount (1: no discount within a response)")
+    p.add_argument("--lam", type=float, default=0.95, help="GAE lambda (1: Monte-Carlo returns, 0: one-step TD)")
+    p.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
+    p.add_argument("--kl-mode", choices=["reward", "loss"], default="reward", help="reward: -kl_coef * KL added to every token's reward (InstructGPT); loss: a KL term in the actor loss (GRPO-style)")
+    p.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default=None, help="per-token KL estimator; default k1 (log pi/ref) in the reward, k3 in the loss (k1's gradient as a loss is 0 in expectation)")
+    # --- algorithm: losses
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
+    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
+    p.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
+    p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="policy loss aggregation (the value loss is always token_mean)")
+    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
+    p.add_argument("--mini-batch-size", type=int, default=None, help="samples per optimizer step, global (default: the whole rollout batch)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass per rank")
+    p.add_argument("--critic-warmup-steps", type=int, default=0, help="the first N steps update only the critic (the actor is left unchanged)")
+    # --- optimisation (two optimizers: actor and critic)
+    p.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
+    p.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
+    p.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay (actor and critic)")
+    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps (actor and critic)")
+    p.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant", help="decay after warmup, to --min-lr at the last step")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
+    # --- run
+    p.add_argument("--steps", type=int, default=200, help="training steps (rollout batches)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of everything")
+    p.add_argument("--out", default="runs/ppo", help="output dir: metrics.jsonl, curves.png, checkpoints/")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoints/latest")
+    p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
+    p.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
+    p.add_argument("--run-name", default=None, help="wandb run name")
+    p.add_argument("--save-rollouts", default=None, help="write each step's samples and rewards to this dir")
+    p.add_argument("--load-rollouts", default=None, help="train on samples saved by --save-rollouts instead of generating (no engine)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.model is None:  # flags the user did not set take the embedded task's values
+        for name, value in EMBEDDED_DEFAULTS.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    if args.kl_estimator is None:
+        args.kl_estimator = {"reward": "k1", "loss": "k3"}[args.kl_mode]
+    return args
+
+
+# As train_grpo.py's (random-init tiny model: large steps, an entropy bonus, 4 optimizer
+# steps per rollout batch, one-token answers) plus the critic's learning rate, and
+# micro-batches of 32 (the same math; per-micro-batch overheads dominate a model this
+# small: 2.5x faster steps than 8). Measured: see docs/ppo_readme_section.md.
+EMBEDDED_DEFAULTS = dict(lr=3e-3, critic_lr=3e-3, entropy_coef=0.02, mini_batch_size=64, micro_batch_size=32,
+                         max_new_tokens=1, steps=100)
+
+
+def main():
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    from common import batch as B
+    from common import rl
+    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, write_meta
+    from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
+    from common.dist import destroy_distributed, init_distributed, print0
+    from common.embedded import write_embedded_model
+    from common.log import MetricsLogger, default_wandb_mode
+    from common.model import (build_critic, build_model, export_hf_weights, load_critic_weights, load_hf_spec,
+                              load_hf_weights, setup_training)
+    from common.offload import Offloader, PhaseMemory, Timer
+    from common.rewards import math_reward, synthetic_reward
+    from megatron.core import parallel_state as mpu
+
+    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
+    on_gpu = info.device.type == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
+    print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size} on {info.device}, {dtype}")
+    os.makedirs(args.out, exist_ok=True)
+
+    # ---- model source, tokenizer, prompts --------------------------------------------
+    hf_dir = args.model or os.path.join(args.out, "embedded_model")
+    if args.model is None and info.master_process:
+        write_embedded_model(hf_dir)  # a tiny HF model dir made in code (needs a shared --out across nodes)
+    dist.barrier()
+    spec = load_hf_spec(hf_dir)
+    critic_dir = args.critic_model or hf_dir
+    critic_spec = load_hf_spec(critic_dir)
+    if critic_spec.vocab_size < spec.vocab_size:  # the critic reads the policy's token ids
+        raise ValueError(f"--critic-model {critic_dir}: vocabulary {critic_spec.vocab_size} < the policy's {spec.vocab_size}")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if args.data:
+        items, reward_fn = load_prompts(args.data, args.prompt_key, args.answer_key), math_reward
+    else:
+        # the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right, else 0
+        items = synthetic_prompts(num_items=1000, seed=args.seed, num_terms=1)
+        reward_fn = functools.partial(synthetic_reward, format_credit=0.0)
+    if args.raw_prompts or not args.data:  # the synthetic task is not a chat: "7+5=" -> "12"
+        prompt_ids = [tokenizer.encode(it["prompt"], add_special_tokens=False) for it in items]
+    else:
+        prompt_ids = [apply_chat_template(tokenizer, it["prompt"], args.system_prompt) for it in items]
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= args.max_prompt_len]
+    if len(keep) < len(items):
+        print0(f"dropped {len(items) - len(keep)} prompts longer than --max-prompt-len {args.max_prompt_len}")
+    items, prompt_ids = [items[i] for i in keep], [prompt_ids[i] for i in keep]
+
+    # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
+    group = args.samples_per_prompt
+    rollout_batch = args.prompts_per_step * group  # samples per step, global
+    mini_batch = args.mini_batch_size or rollout_batch
+    per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
+    if rollout_batch % mini_batch or mini_batch % info.dp_size or per_dp % args.micro_batch_size:
+        raise ValueError(f"batch sizes do not divide: rollout batch {rollout_batch} (prompts x samples) must be a multiple of "
+                         f"--mini-batch-size {mini_batch}, which must be a multiple of dp {info.dp_size} x "
+                         f"--micro-batch-size {args.micro_batch_size}")
+    num_micro = per_dp // args.micro_batch_size
+    updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
+
+    # ---- actor (trained), critic (trained), reference (frozen) ------------------------
+    def load_model():
+        chunks = build_model(spec, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype)
+        if args.mcore_ckpt:
+            load_model_checkpoint(args.mcore_ckpt, chunks)
+        else:
+            load_hf_weights(chunks, spec, hf_dir)
+        return chunks
+
+    schedule = dict(min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                    warmup_steps=args.lr_warmup_steps, decay_style=args.lr_decay,
+                    use_distributed_optimizer=args.distributed_optimizer)
+    model, optimizer, scheduler = setup_training(
+        load_model(), lr=args.lr, total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step, **schedule)
+    # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
+    # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
+    critic_chunks = build_critic(critic_spec, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype)
+    load_critic_weights(critic_chunks, critic_spec, critic_dir)  # body from HF; head zero unless the dir has one
+    critic, critic_optimizer, critic_scheduler = setup_training(
+        critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **schedule)
+    reference = None
+    if args.kl_coef > 0:
+        reference = load_model()
+        for chunk in reference:
+            chunk.eval().requires_grad_(False)
+
+    # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
+    engine, rollout_tp = None, args.rollout_tp
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and _have_vllm())
+    if args.load_rollouts:
+        pass  # replaying saved samples: no engine
+    elif use_vllm:
+        from common.rollout_vllm import VLLMEngine
+
+        engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed)
+    else:
+        from common.rollout import HFEngine
+
+        engine, rollout_tp = HFEngine(hf_dir, dtype=torch.float32, device=info.device), 1
+    replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
+    # Memory choreography on a shared GPU (common/offload.py, as in train_grpo.py): the critic
+    # idles from its update until the next values pass, the reference but for its logprob
+    # pass, both Adam states but for the updates. No-ops for tensors already on the CPU.
+    offload_params = use_vllm if args.offload_params is None else args.offload_params
+    offload_optimizer = use_vllm if args.offload_optimizer is None else args.offload_optimizer
+    actor_off, critic_off = Offloader.of_model(model), Offloader.of_model(critic)
+    optim_offs = [Offloader.of_optimizer(optimizer, model), Offloader.of_optimizer(critic_optimizer, critic)]
+    reference_off = Offloader.of_model(reference) if reference is not None else None
+    if reference_off and offload_params:
+        reference_off.offload()
+    if args.prompts_per_step % num_replicas:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {num_replicas} rollout replicas")
+
+    # ---- logging, resume (the critic is saved in the actor's step directory) -------------
+    sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
+    ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
+    critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
+    if args.resume:
+        extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler, extra_models=critic_state)
+        if extra is None:
+            print0(f"--resume: no checkpoint in {ckpt_root}, starting from scratch")
+        else:
+            start_step = extra["step"]
+            sampler.load_state_dict(extra["sampler"])
+            print0(f"resumed from step {start_step}")
+    logger = MetricsLogger(args.out, vars(args), wandb_mode=args.wandb or default_wandb_mode(),
+                           project=args.wandb_project, run_name=args.run_name,
+                           enabled=info.master_process, resume=start_step > 0)
+    logger.truncate_after(start_step)
+    tp_group = mpu.get_tensor_model_parallel_group()
+    norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
+
+    def forward_pass(chunks, mbs, per_token_fn, store):
+        """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY rank.
+
+        Only the last pipeline stage computes them (loss_fn runs there only); unlike
+        train_grpo.py's logprob pass, which needs them on that stage only, PPO computes token
+        rewards, GAE and the logged value statistics from them on every rank (rank 0 logs). So
+        TP rank 0 of each last stage writes its data-parallel rank's rows and a sum over all
+        ranks gives every rank all rows (each row has exactly one writer: exact).
+        """
+        writer = mpu.get_tensor_model_parallel_rank() == 0
+
+        def loss_fn(mb, output):
+            per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
+            if writer:
+                store[mb["row"].cpu()] = per_token.float().cpu()
+            return per_token.sum() * 0, {}
+        with torch.no_grad():
+            B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
+        store.copy_(B.all_reduce_sum(store, None, info.device))
+
+    def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
+        return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
+
+    memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
+    progress = _progress(range(start_step, args.steps), info.master_process)
+    for step in progress:
+        times, t0 = {}, time.time()
+        timer = Timer(times)  # seconds per phase (*_s), for the metrics
+
+        # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
+        prompts_idx = sampler.next_batch()  # the same global prompts on every rank
+        memory.start()
+        if engine is not None:
+            with timer("offload"):
+                if offload_params:
+                    critic_off.offload()  # idle until the values pass
+                if offload_optimizer:
+                    for off in optim_offs:
+                        off.offload()  # Adam states and grads wait until the updates
+            with timer("wake"):
+                engine.wake_weights()  # weights first: the KV cache is not needed while syncing
+            with timer("sync"):
+                engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
+                                                        bucket_mb=args.sync_bucket_mb))
+            with timer("offload"):
+                if offload_params:
+                    actor_off.offload()  # its weights now live in the engine
+            with timer("wake"):
+                engine.wake_kv_cache()
+            memory.end("sync")
+
+            # ---- 2. rollout: each replica samples its share of the prompts
+            with timer("rollout"):
+                mine = prompts_idx[replica::num_replicas]
+                local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
+                                        top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica)
+            memory.end("rollout")
+            with timer("sleep"):
+                engine.sleep()  # level 2: weights and KV cache freed, nothing copied
+            with timer("reload"):
+                actor_off.reload()
+            with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
+                samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
+            answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+            # ---- 3. reward: rule-based, on the decoded response
+            with timer("reward"):
+                rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                                        for s, a in zip(samples, answers)], dtype=torch.float32)
+        else:
+            saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
+            samples, rewards = saved["samples"], saved["rewards"]
+        if args.save_rollouts and info.master_process:
+            os.makedirs(args.save_rollouts, exist_ok=True)
+            torch.save({"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt"))
+
+        batch = B.pack_sequences(samples, pad_id, length_multiple=8 * args.tp)  # (N, T) tensors
+        batch["row"] = torch.arange(len(samples))
+        num_rows, seq_len = batch["tokens"].shape
+        mask = batch["mask"]  # (N, T): 1 where the target is a response token
+
+        # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
+        def my_micro_batches(order, m):
+            rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
+            return B.split_micro_batches({k: v[rows] for k, v in batch.items()}, args.micro_batch_size)
+
+        # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
+        identity = torch.arange(num_rows)
+        all_mine = [mb for m in range(rollout_batch // mini_batch) for mb in my_micro_batches(identity, m)]
+        batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
+        with timer("old_logprob"):
+            forward_pass(model, all_mine, logprobs_of, batch["old_logprobs"])
+        batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
+        if reference is not None:
+            with timer("ref"):
+                reference_off.reload()
+                forward_pass(reference, all_mine, logprobs_of, batch["ref_logprobs"])
+                if offload_params:
+                    reference_off.offload()
+        batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
+        with timer("values"):
+            critic_off.reload()  # back for its values pass and its update
+            forward_pass(critic, all_mine, lambda mb, values: values.squeeze(-1), batch["old_values"])
+        memory.end("logprob")
+        batch["is_weights"] = (rl.truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
+                               if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
+
+        # ---- 5. token rewards and GAE. The score sits on the last response token (the episode's
+        # end); with --kl-mode reward every response token also gets -kl_coef * its KL(pi_old || ref).
+        token_rewards = torch.zeros(num_rows, seq_len)
+        last = seq_len - 1 - mask.flip(1).argmax(1)  # (N,) position of each row's last response token
+        token_rewards[identity, last] = rewards * (mask.sum(1) > 0)
+        if reference is not None:
+            kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask  # (N, T)
+            if args.kl_mode == "reward":
+                token_rewards -= args.kl_coef * kl
+        advantages, batch["returns"] = rl.gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
+        # whitened over the whole rollout batch: every rank holds all rows, so all agree exactly
+        batch["advantages"] = rl.masked_whiten(advantages, mask)
+
+        # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
+        with timer("reload"):
+            for off in optim_offs:
+                off.reload()
+        tick = time.time()
+        train_actor = step >= args.critic_warmup_steps  # critic warmup: the actor is left as it is
+        train_metrics, grad_norms, critic_grad_norms = [], [], []
+        for epoch in range(args.ppo_epochs):
+            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
+            for m in range(rollout_batch // mini_batch):
+                rows = order[m * mini_batch:(m + 1) * mini_batch]
+                # global normalisers of this mini-batch (all DP ranks, all micro-batches)
+                norm = dict(num_tokens=mask[rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
+                scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
+
+                def actor_loss_fn(mb, logits):
+                    mb_mask = mb["mask"]
+                    logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
+                                                                   args.temperature, compute_entropy=True)
+                    per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
+                                                        args.clip_high, is_weights=mb["is_weights"])
+                    loss = rl.aggregate_loss(per_token, mb_mask, args.loss_agg, **norm)
+                    if reference is not None and args.kl_mode == "loss":
+                        kl_loss = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
+                        loss = loss + args.kl_coef * rl.aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm)
+                    if args.entropy_coef:
+                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mb_mask, args.loss_agg, **norm)
+                    n = mb_mask.sum()
+                    return loss * scale, {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
+                                          "entropy": rl.masked_sum(entropy.detach(), mb_mask), "entropy__n": n,
+                                          "clip_frac": rl.masked_sum(clipped.float(), mb_mask), "clip_frac__n": n}
+
+                def critic_loss_fn(mb, values):  # values: (b, T, 1) from the value head
+                    mb_mask = mb["mask"]
+                    per_token, clipped = rl.value_loss(values.squeeze(-1).float(), mb["old_values"], mb["returns"],
+                                                       mb_mask, clip=args.vf_clip)
+                    loss = rl.aggregate_loss(per_token, mb_mask, "token_mean", num_tokens=norm["num_tokens"])
+                    n = mb_mask.sum()
+                    return loss * scale, {"value_loss": loss.detach(), "value_loss__n": n / norm["num_tokens"],
+                                          "vf_clip_frac": rl.masked_sum(clipped.float(), mb_mask), "vf_clip_frac__n": n}
+
+                if train_actor:
+                    for chunk in model:
+                        chunk.zero_grad_buffer()
+                    optimizer.zero_grad()
+                    train_metrics += B.run_micro_batches(model, my_micro_batches(order, m), actor_loss_fn,
+                                                         forward_only=False, device=info.device)
+                    _, grad_norm, _ = optimizer.step()
+                    scheduler.step(1)
+                    grad_norms.append(grad_norm or 0.0)
+
+                for chunk in critic:
+                    chunk.zero_grad_buffer()
+                critic_optimizer.zero_grad()
+                train_metrics += B.run_micro_batches(critic, my_micro_batches(order, m), critic_loss_fn,
+                                                     forward_only=False, device=info.device)
+                _, grad_norm, _ = critic_optimizer.step()
+                critic_scheduler.step(1)
+                critic_grad_norms.append(grad_norm or 0.0)
+        times["train_s"] = time.time() - tick
+        memory.end("train")
+
+        # ---- 7. log (every rank joins the metric reduction), then checkpoint
+        metrics = B.reduce_metrics(train_metrics, info.device)
+        metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
+                       critic_grad_norm=sum(critic_grad_norms) / len(critic_grad_norms),
+                       critic_lr=critic_optimizer.param_groups[0]["lr"], lr=optimizer.param_groups[0]["lr"],
+                       value_mean=rl.masked_mean(batch["old_values"], mask).item(),
+                       return_mean=rl.masked_mean(batch["returns"], mask).item(),
+                       logprob_mismatch=rl.masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), mask).item(),
+                       response_len_mean=batch["response_len"].mean().item(),
+                       truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
+        explained = rl.explained_variance(batch["old_values"], batch["returns"], mask)
+        if math.isfinite(explained):  # nan when all returns are equal (e.g. no reward yet): left out
+            metrics["explained_variance"] = explained
+        if reference is not None:
+            metrics["kl"] = rl.masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
+        if train_actor:
+            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+            tick = time.time()
+            save_training_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
+                                     extra={"step": step + 1, "sampler": sampler.state_dict()},
+                                     keep_last=args.keep_checkpoints, extra_models=critic_state)
+            if info.master_process:
+                write_meta(os.path.join(ckpt_root, f"step_{step + 1:06d}"),
+                           {"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1}, hf_dir)
+            times["save_s"] = time.time() - tick
+        times["step_s"] = time.time() - t0
+        metrics.update(times, **memory.metrics)
+        logger.log(step, metrics)
+        if info.master_process:
+            progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}")
+
+    logger.close()
+    if start_step < args.steps:  # a resume of a finished run trains no step
+        print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+    if use_vllm and engine is not None:
+        # vLLM 0.26's in-process engine can block interpreter exit (docs/gpu.md): leave once
+        # every rank is here; everything is written.
+        dist.barrier()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    destroy_distributed()
+
+
+def _have_vllm():
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _progress(iterable, enabled):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc="ppo", disable=not enabled, dynamic_ncols=True)
+
+
+if __name__ == "__main__":
+    main()
