@@ -14,13 +14,16 @@ Each rollout replica (world / rollout TP) takes its share of the prompts, as in 
              same LLM object (vLLM allows one engine per process, and the same object keeps
              KV-cache size, CUDA graphs and kernels identical);
   ours       train_grpo.py's rollout: engine.generate (one request per sample with its own
-             seed, the sampled token's logprob returned) after the step's sleep -> wake
-             weights -> sync -> wake KV cycle;
+             seed; the sampled token's logprob for --logprob-samples samples per prompt, as
+             --rollout-logprobs one-per-prompt does) after the step's sleep -> wake weights ->
+             sync -> wake KV cycle;
   ours+cycle the same, including that cycle and the sleep after generation.
 tokens/s counts generated tokens (all replicas) over the slowest replica's seconds. The two
 alternate for --reps rounds after a warm-up; the best round of each is reported.
-Target (issue 7): ours >= 0.95x baseline. Reference points from the issue (standalone vLLM,
-H200, 256 prompts x 128 -> 512 tokens, T=1): 44.8k tok/s at 1.5B, 23.3k tok/s at 7B.
+Default geometry: a GRPO batch, 32 prompts x 8 samples x 128 -> 512 tokens, T=1 (256
+sequences). Target (issue 7): ours >= 0.95x baseline. Reference points from the issue
+(standalone vLLM, H200, 256 prompts x 1 x 128 -> 512 tokens, T=1): 44.8k tok/s at 1.5B,
+23.3k tok/s at 7B (--num-prompts 256 --samples-per-prompt 1 --logprob-samples 1).
 """
 import argparse
 import json
@@ -45,8 +48,10 @@ def build_parser():
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="model shape (bench/shapes.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
-    p.add_argument("--num-prompts", type=int, default=256, help="prompts per round, global")
-    p.add_argument("--samples-per-prompt", type=int, default=1, help="samples per prompt (n)")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per round, global")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="samples per prompt (n, the GRPO group)")
+    p.add_argument("--logprob-samples", type=int, default=1, help="samples per prompt that ask vLLM for logprobs "
+                   "(train_grpo.py's default --rollout-logprobs one-per-prompt: 1; all: --samples-per-prompt)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
@@ -112,7 +117,8 @@ def main():
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
     def ours(round_):
-        samples = engine.generate(mine, n=n, temperature=args.temperature, top_p=1.0, max_tokens=max_tokens, seed=round_)
+        samples = engine.generate(mine, n=n, temperature=args.temperature, top_p=1.0, max_tokens=max_tokens, seed=round_,
+                                  logprob_samples=args.logprob_samples)
         return sum(len(s.response_ids) for s in samples)
 
     cycle()  # the first weights
@@ -175,6 +181,7 @@ def main():
         settings = dict(shape=args.shape, device=torch.cuda.get_device_name(), world_size=info.world_size,
                         tp=args.tp, rollout_tp=args.rollout_tp, num_prompts=args.num_prompts, n=n,
                         prompt_len=args.prompt_len, max_new_tokens=max_tokens, temperature=args.temperature,
+                        logprob_samples=args.logprob_samples,
                         date=time.strftime("%Y-%m-%d"))
         ratio, ratio_cycle = best["ours"] / best["baseline"], best["ours_cycle"] / best["baseline"]
         print(f"\nrollout, {args.shape}, {settings['device']} x {info.world_size}, rollout TP={args.rollout_tp}, "

@@ -32,8 +32,10 @@ def gather_samples(local_samples, group=None):
 def pack_sequences(samples, pad_id, length=None, length_multiple=8):
     """Right-pad prompt+response of each sample into (B, T) tensors.
 
-    Returns dict(tokens, positions, targets, mask, rollout_logprobs), all (B, T), plus
-    response_len (B,). T is `length` if given, else the longest sequence rounded up
+    Returns dict(tokens, positions, targets, mask, rollout_logprobs, rollout_mask), all (B, T),
+    plus response_len (B,). A sample whose engine returned no logprobs (NaN, see
+    RolloutEngine.generate's logprob_samples) has rollout_logprobs 0 and rollout_mask 0;
+    elsewhere rollout_mask == mask. T is `length` if given, else the longest sequence rounded up
     to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
     T for all micro-batches of a step).
     """
@@ -52,8 +54,10 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8):
         rollout_logprobs[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs, dtype=torch.float)
     targets = torch.roll(tokens, shifts=-1, dims=1)
     positions = torch.arange(length).expand(batch, length)
+    rollout_mask = mask * torch.isfinite(rollout_logprobs)
     return dict(tokens=tokens, positions=positions, targets=targets, mask=mask,
-                rollout_logprobs=rollout_logprobs, response_len=mask.sum(1))
+                rollout_logprobs=rollout_logprobs.nan_to_num(0.0), rollout_mask=rollout_mask,
+                response_len=mask.sum(1))
 
 
 def split_micro_batches(batch: dict, micro_batch_size):

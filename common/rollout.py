@@ -41,10 +41,13 @@ class RolloutEngine:
     """The interface every rollout engine implements (HFEngine here; VLLMEngine on GPUs)."""
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: int) -> list[Sample]:
+                 max_tokens: int, seed: int, logprob_samples: int | None = None) -> list[Sample]:
         """Sample n responses per prompt (token ids). Returns len(prompts) * n Samples in
         prompt-major order: samples[i * n + j] is the j-th sample of prompt i.
-        Deterministic for a given seed (on one engine, batch and software stack)."""
+        Deterministic for a given seed (on one engine, batch and software stack).
+        logprob_samples: only the first logprob_samples samples of each prompt must carry
+        response_logprobs (None: all); an engine may return NaNs for the others when
+        logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/benchmarks.md)."""
         raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -113,7 +116,8 @@ class HFEngine(RolloutEngine):
         self.pad_id = self.eos_token_ids[0] if self.eos_token_ids else 0
 
     @torch.inference_mode()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
+        # logprob_samples is ignored: the logprobs are a by-product of the sampling here
         from transformers import DynamicCache
 
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]  # prompt-major

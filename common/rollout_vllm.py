@@ -31,6 +31,7 @@ Logprobs (must equal common/rollout.py's HFEngine semantics, log_softmax(logits 
     (a warning is printed once).
 """
 import json
+import math
 import os
 import random
 import warnings
@@ -189,13 +190,16 @@ class VLLMEngine(RolloutEngine):
             self.wake_kv_cache()                  # awake: just resets the prefix cache
 
     # ---- sampling ------------------------------------------------------------------------
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
         """Sample n responses per prompt; prompt-major, as RolloutEngine.generate says.
 
         Every (prompt, sample) is its own request with n=1 and its own seed (vLLM rejects
         n > 1 when greedy, and one seed per request keeps samples independent: vLLM's
         Gumbel noise is a function of (seed, position)). The seeds derive from (seed, this
         replica), so replicas draw differently and the ranks of one replica identically.
+        Only the first logprob_samples samples of each prompt (None: all) ask vLLM for the
+        sampled token's logprob; the others get NaNs (measured on an H200, Qwen2-1.5B: asking
+        for logprobs costs 19% of the generation throughput, per-request seeds nothing).
         """
         from vllm import SamplingParams
 
@@ -209,15 +213,19 @@ class VLLMEngine(RolloutEngine):
         if not rows:
             return []
         base = random.Random(f"{seed}/{self.replica}").getrandbits(48)
+        with_logprobs = [logprob_samples is None or i % n < logprob_samples for i in range(len(rows))]
         params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 seed=base + i, logprobs=0, flat_logprobs=True, detokenize=False,
-                                 stop_token_ids=self.eos_token_ids)
-                  for i in range(len(rows))]
+                                 seed=base + i, logprobs=0 if with_lp else None, flat_logprobs=True,
+                                 detokenize=False, stop_token_ids=self.eos_token_ids)
+                  for i, with_lp in enumerate(with_logprobs)]
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
         samples = []
-        for row, out in zip(rows, outputs):     # vLLM returns outputs in input order
+        for row, out, with_lp in zip(rows, outputs, with_logprobs):  # vLLM keeps the input order
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
+            if not with_lp:
+                samples.append(Sample(row, tokens, [math.nan] * len(tokens), completion.finish_reason))
+                continue
             flat = completion.logprobs           # FlatLogprobs: the sampled token comes first
             starts = flat.start_indices
             assert [flat.token_ids[s] for s in starts] == tokens, "logprobs do not follow the tokens"
