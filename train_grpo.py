@@ -133,7 +133,8 @@ def main():
     from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
-    from common.log import MetricsLogger, default_wandb_mode
+    from common.rollout import vllm_available
+    from common.log import MetricsLogger, default_wandb_mode, progress_bar
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, setup_training
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
@@ -200,7 +201,7 @@ def main():
 
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
     engine, rollout_tp = None, args.rollout_tp
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and _have_vllm())
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
     if args.load_rollouts:
         pass  # replaying saved samples: no engine
     elif use_vllm:
@@ -254,7 +255,7 @@ def main():
         store.copy_(B.all_reduce_sum(store, mpu.get_data_parallel_group(), info.device))
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
-    progress = _progress(range(start_step, args.steps), info.master_process)
+    progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     for step in progress:
         times, t0 = {}, time.time()
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
@@ -411,18 +412,6 @@ def main():
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
     destroy_distributed()
-
-
-def _have_vllm():
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def _progress(iterable, enabled):
-    from tqdm import tqdm
-
-    return tqdm(iterable, desc="grpo", disable=not enabled, dynamic_ncols=True)
 
 
 if __name__ == "__main__":

@@ -128,10 +128,8 @@ def parse_args(argv=None):
     return args
 
 
-# As train_grpo.py's (random-init tiny model: large steps, an entropy bonus, 4 optimizer
-# steps per rollout batch, one-token answers) plus the critic's learning rate, and
-# micro-batches of 32 (the same math; per-micro-batch overheads dominate a model this
-# small: 2.5x faster steps than 8). Measured: see docs/ppo_readme_section.md.
+# As train_grpo.py's, plus the critic's learning rate and micro-batches of 32 (the same math;
+# per-micro-batch overheads dominate a model this small: 2.5x faster steps). See the README.
 EMBEDDED_DEFAULTS = dict(lr=3e-3, critic_lr=3e-3, entropy_coef=0.02, mini_batch_size=64, micro_batch_size=32,
                          max_new_tokens=1, steps=100)
 
@@ -146,9 +144,10 @@ def main():
     from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
-    from common.log import MetricsLogger, default_wandb_mode
-    from common.model import (build_critic, build_model, export_hf_weights, load_critic_weights, load_hf_spec,
-                              load_hf_weights, setup_training)
+    from common.rollout import vllm_available
+    from common.log import MetricsLogger, default_wandb_mode, progress_bar
+    from common.critic import build_critic, load_critic_weights
+    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, setup_training
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
     from megatron.core import parallel_state as mpu
@@ -226,7 +225,7 @@ def main():
 
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
     engine, rollout_tp = None, args.rollout_tp
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and _have_vllm())
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
     if args.load_rollouts:
         pass  # replaying saved samples: no engine
     elif use_vllm:
@@ -272,14 +271,10 @@ def main():
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
     def forward_pass(chunks, mbs, per_token_fn, store):
-        """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY rank.
-
-        Only the last pipeline stage computes them (loss_fn runs there only); unlike
-        train_grpo.py's logprob pass, which needs them on that stage only, PPO computes token
-        rewards, GAE and the logged value statistics from them on every rank (rank 0 logs). So
-        TP rank 0 of each last stage writes its data-parallel rank's rows and a sum over all
-        ranks gives every rank all rows (each row has exactly one writer: exact).
-        """
+        """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY
+        rank (token rewards, GAE and the logged statistics are computed everywhere): TP rank 0
+        of each last pipeline stage writes its DP rank's rows, then a sum over all ranks (one
+        writer per row: exact) gives every rank all rows."""
         writer = mpu.get_tensor_model_parallel_rank() == 0
 
         def loss_fn(mb, output):
@@ -295,7 +290,7 @@ def main():
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
-    progress = _progress(range(start_step, args.steps), info.master_process)
+    progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     for step in progress:
         times, t0 = {}, time.time()
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
@@ -497,18 +492,6 @@ def main():
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
     destroy_distributed()
-
-
-def _have_vllm():
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def _progress(iterable, enabled):
-    from tqdm import tqdm
-
-    return tqdm(iterable, desc="ppo", disable=not enabled, dynamic_ncols=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ Output: a table on rank 0 and one `BENCH_JSON {...}` line (medians over --reps a
 warm-up repetition).
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -138,7 +139,7 @@ def main():
     per_gpu = model_bytes // args.rollout_tp
     src = torch.empty(per_gpu, dtype=torch.uint8, device=info.device)
     dst = torch.empty_like(src)
-    copies = [timed(lambda: dst.copy_(src), on_gpu) for _ in range(5)]
+    copies = [timed(functools.partial(dst.copy_, src), on_gpu) for _ in range(5)]
     del src, dst
     result["baseline_copy_s"] = statistics.median(copies[1:])
 

@@ -42,6 +42,13 @@ def default_wandb_mode():
     return "disabled"
 
 
+def progress_bar(iterable, desc, enabled=True):
+    """tqdm over the training steps, on the master process only (the others pass enabled=False)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
 def _to_number(value):
     """One-element tensors / numpy scalars -> python numbers (json can't serialise them)."""
     if hasattr(value, "item"):

@@ -37,6 +37,13 @@ class Sample:
     finish_reason: str               # "stop" (eos sampled) | "length" (max_tokens reached)
 
 
+def vllm_available():
+    """Whether vllm can be imported here (without importing it: it is slow and GPU-only)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 class RolloutEngine:
     """The interface every rollout engine implements (HFEngine here; VLLMEngine on GPUs)."""
 

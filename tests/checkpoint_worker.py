@@ -10,7 +10,7 @@
         Fresh model from the HF weights, load_training_checkpoint(R), then the remaining steps
         up to 5. With --break-copy: copy R to C, damage every checkpoint in it (the newest
         structurally, the older one so that only the load itself fails) and record the error.
-    --critic (both modes): also train a PPO critic (common/model.py build_critic, its own Adam
+    --critic (both modes): also train a PPO critic (common/critic.py build_critic, its own Adam
         and schedule) on the same batches, saved and loaded as extra_models={"critic": ...};
         resume --no-critic-root R2 first tries R2 (written without a critic) and records the error.
 
@@ -40,7 +40,6 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
     critic: (ddp_chunks, optimizer, scheduler) of a value model, also stepped on the batch
     (regressing V(t) onto (token % 7) / 7); then (loss, grad norm, lr) of the critic follow."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tokens = torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ_LEN))  # torch RNG
     order = list(range(GLOBAL_BATCH))
@@ -62,25 +61,14 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
 
         return per_token_loss, loss_func
 
-    for chunk in ddp_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    lr = optimizer.param_groups[0]["lr"]
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(local.split(1)), model=ddp_chunks,
-        num_microbatches=local.shape[0], seq_length=SEQ_LEN, micro_batch_size=1, forward_only=False)
-    _, grad_norm, _ = optimizer.step()
-    scheduler.step(1)
-    loss = torch.stack([entry["loss"] for entry in losses]).mean()
-    dist.all_reduce(loss, group=mpu.get_data_parallel_group())
+    result = optimizer_step(ddp_chunks, optimizer, scheduler, forward_step, local)
     if critic is None:
-        return loss.item() / dp_size, float(grad_norm), lr
-    return (loss.item() / dp_size, float(grad_norm), lr) + critic_step(*critic, local, positions)
+        return result
+    return result + critic_step(*critic, local, positions)
 
 
 def critic_step(ddp_chunks, optimizer, scheduler, local, positions):
-    from megatron.core import parallel_state as mpu
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    """One step of the value model: V(t) regressed onto (token % 7) / 7."""
 
     def forward_step(data_iterator, model):
         ids = next(data_iterator)
@@ -91,6 +79,15 @@ def critic_step(ddp_chunks, optimizer, scheduler, local, positions):
             return loss, {"loss": loss.detach().clone()}
 
         return values, loss_func
+
+    return optimizer_step(ddp_chunks, optimizer, scheduler, forward_step, local)
+
+
+def optimizer_step(ddp_chunks, optimizer, scheduler, forward_step, local):
+    """forward/backward of this rank's micro-batches (one sequence each), one optimizer and
+    scheduler step; returns (global mean loss, grad norm, lr used)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
@@ -141,7 +138,8 @@ def main():
 
     from common.checkpoint import load_training_checkpoint, save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_critic, build_model, load_critic_weights, load_hf_spec, load_hf_weights, setup_training
+    from common.critic import build_critic, load_critic_weights
+    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
 
     info = init_distributed(tp=args.tp, seed=1234)
     spec = load_hf_spec(args.hf_dir)

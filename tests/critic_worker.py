@@ -44,7 +44,8 @@ def main():
 
     from common import batch as Bt
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_critic, load_critic_weights, load_hf_spec
+    from common.critic import build_critic, load_critic_weights
+    from common.model import load_hf_spec
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp)

@@ -1,4 +1,4 @@
-"""The PPO critic (common/model.py build_critic / load_critic_weights) against transformers.
+"""The PPO critic (common/critic.py build_critic / load_critic_weights) against transformers.
 
     .venv/bin/python -m pytest -q tests/test_critic.py
 
