@@ -141,15 +141,15 @@ def main():
     from common import batch as B
     from common import rl
     from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, write_meta
+    from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
-    from common.rollout import vllm_available
     from common.log import MetricsLogger, default_wandb_mode, progress_bar
-    from common.critic import build_critic, load_critic_weights
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, setup_training
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
+    from common.rollout import vllm_available
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
