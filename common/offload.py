@@ -10,9 +10,10 @@ How: every tensor involved keeps its identity, only its *storage* is emptied
 filled on reload. Views into a storage stay valid through this, which matters because
 megatron is made of views: DDP maps each param.data and param.main_grad into one flat
 buffer per dtype, the distributed optimizer keeps views of those buffers, and the
-optimizer's param_groups hold the main params. (megatron-core 0.16 has its own
-offload_to_cpu methods, but its optimizer one replaces `p.data` with an unpinned CPU tensor,
-which both breaks the distributed optimizer's views and copies at pageable-memory speed.)
+optimizer's param_groups hold the main params. (megatron-core 0.16.1 has its own
+offload_to_cpu methods; from reading its code, not measured: the optimizer's replaces `p.data`
+with a new unpinned CPU tensor, so copies go through pageable memory, and for an fp32 model
+the distributed optimizer's main-param shards stop being views of the model's buffer.)
 
 Contents that are dead between steps are freed, not copied: gradient buffers (zeroed before
 each optimizer step anyway, and zeroed again on reload) and the optimizer's main-param
