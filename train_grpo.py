@@ -247,7 +247,7 @@ def main():
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only)."""
         def loss_fn(mb, logits):
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
-            store[mb["row"].cpu()] = logprobs.float().cpu()
+            store[mb["row"].cpu(), :logprobs.shape[1]] = logprobs.float().cpu()  # (b, T_mb), T_mb <= T
             return logprobs.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
@@ -314,7 +314,10 @@ def main():
         # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
         def my_micro_batches(order, m):
             rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
-            return B.split_micro_batches({k: v[rows] for k, v in batch.items()}, args.micro_batch_size)
+            # rows ordered by length, each micro-batch cut after its longest row (one length
+            # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
+            return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
+                                   same_length=args.pp > 1)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here

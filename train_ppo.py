@@ -280,7 +280,7 @@ def main():
         def loss_fn(mb, output):
             per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
             if writer:
-                store[mb["row"].cpu()] = per_token.float().cpu()
+                store[mb["row"].cpu(), :per_token.shape[1]] = per_token.float().cpu()  # T_mb <= T
             return per_token.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
@@ -350,7 +350,10 @@ def main():
         # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
         def my_micro_batches(order, m):
             rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
-            return B.split_micro_batches({k: v[rows] for k, v in batch.items()}, args.micro_batch_size)
+            # rows ordered by length, each micro-batch cut after its longest row (one length
+            # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
+            return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
+                                   same_length=args.pp > 1)
 
         # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here

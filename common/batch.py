@@ -2,6 +2,7 @@
 
   gather_samples(local)            every rank gets the global list (rollout replicas differ)
   pack_sequences(samples, ...)     prompt+response, right-padded, with the response mask
+  micro_batches(batch, rows, ...)  a rank's rows -> micro-batches of similar lengths, padding cut
   run_micro_batches(...)           megatron's forward(-backward) schedule over micro-batches
   reduce_metrics(...)              per-micro-batch sums -> global means on every rank
 
@@ -66,6 +67,36 @@ def split_micro_batches(batch: dict, micro_batch_size):
     return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
+def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_length=False):
+    """Rows `rows` of a packed batch -> micro-batches with as little padding as possible.
+
+    The rows are ordered by length (stable), so each micro-batch holds sequences of similar
+    length, and every (B, T) tensor of a micro-batch is cut after its longest row's last
+    predicted position, rounded up to length_multiple (sequence parallelism needs T % tp == 0).
+    Cutting right padding changes no valid position's output (causal attention), and the
+    losses use global normalisers (rl.aggregate_loss), so neither the grouping nor the cut
+    changes the math: it only skips the padding's FLOPs (a GRPO batch whose responses run from
+    a few tokens to --max-new-tokens would otherwise compute everything at the longest).
+    same_length: cut every micro-batch at the longest of them all (megatron's pipeline
+    schedules exchange activations of one shape: PP > 1 or VPP).
+    """
+    mask = batch["mask"]
+    width = mask.shape[1]
+    # position after each row's last predicted token (0 for a row with none)
+    ends = torch.where(mask.any(1), width - mask.flip(1).argmax(1), 0)  # (N,)
+    rows = rows[torch.argsort(ends[rows], stable=True)]
+    cuts = []
+    for i in range(0, len(rows), micro_batch_size):
+        longest = int(ends[rows[i:i + micro_batch_size]].max()) if len(rows) else 0
+        cuts.append(min(width, max(length_multiple, -(-longest // length_multiple) * length_multiple)))
+    if same_length:
+        cuts = [max(cuts, default=width)] * len(cuts)
+    return [{k: (v[rows[i * micro_batch_size:(i + 1) * micro_batch_size], :cut] if v.dim() == 2 and v.shape[1] == width
+                 else v[rows[i * micro_batch_size:(i + 1) * micro_batch_size]])
+             for k, v in batch.items()}
+            for i, cut in enumerate(cuts)]
+
+
 def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device):
     """Run megatron's pipeline schedule (1F1B / interleaved / no-pipelining) over micro-batches.
 
@@ -82,7 +113,10 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
         logits = model(mb["tokens"], mb["positions"], None)  # last stage: (B, T, V/tp)
         return logits, lambda output: loss_fn(mb, output)
 
-    seq_length, micro_batch_size = micro_batches[0]["tokens"].shape[1], micro_batches[0]["tokens"].shape[0]
+    # the pipeline schedules need one shape (micro_batches(same_length=True)); without a
+    # pipeline every micro-batch may have its own length
+    seq_length = max(mb["tokens"].shape[1] for mb in micro_batches)
+    micro_batch_size = micro_batches[0]["tokens"].shape[0]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[iter(micro_batches) for _ in model_chunks],  # one iterator per virtual stage

@@ -1,0 +1,67 @@
+"""Worker of tests/test_batch.py: the same logprobs and gradients with padding cut.
+
+    python tests/batch_worker.py HF_DIR
+
+A tiny Qwen2 (fp32) scores a batch of samples of very different lengths twice: micro-batches
+at the batch's full width (split_micro_batches) and length-sorted micro-batches cut after
+their longest row (micro_batches). Prints JSON: max |logprob difference| on response tokens,
+max |gradient difference| of the token-mean loss, and the tokens each way processed.
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    from common import batch as B
+    from common import rl
+    from common.dist import init_distributed
+    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
+    from common.rollout import Sample
+
+    hf_dir = sys.argv[1]
+    init_distributed()
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, dtype=torch.float32)
+    load_hf_weights(chunks, spec, hf_dir)
+    model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(12):  # responses of 1 to 40 tokens: widths from 8 to 48 after rounding
+        p, r = 2 + i % 4, 1 + (i * 7) % 40
+        ids = torch.randint(3, spec.vocab_size, (p + r,), generator=gen).tolist()
+        samples.append(Sample(ids[:p], ids[p:], [0.0] * r, "stop"))
+    batch = B.pack_sequences(samples, pad_id=0, length_multiple=8)
+    batch["row"] = torch.arange(len(samples))
+    num_tokens = batch["mask"].sum()
+
+    def run(mbs):
+        store = torch.zeros_like(batch["mask"])
+
+        def loss_fn(mb, logits):
+            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+            store[mb["row"], :logprobs.shape[1]] = logprobs.detach()
+            loss = rl.aggregate_loss(-logprobs, mb["mask"], "token_mean", num_tokens=num_tokens)
+            return loss * len(mbs), {}
+
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=torch.device("cpu"))
+        grads = torch.cat([p.main_grad.flatten().clone() for p in model[0].parameters()])
+        return store, grads, sum(mb["tokens"].numel() for mb in mbs)
+
+    full_lp, full_grad, full_tokens = run(B.split_micro_batches(batch, 4))
+    cut_lp, cut_grad, cut_tokens = run(B.micro_batches(batch, torch.arange(len(samples)), 4, length_multiple=8))
+    mask = batch["mask"].bool()
+    print("RESULT " + json.dumps(dict(
+        logprob_diff=float((full_lp - cut_lp)[mask].abs().max()),
+        grad_diff=float((full_grad - cut_grad).abs().max()), grad_max=float(full_grad.abs().max()),
+        full_tokens=full_tokens, cut_tokens=cut_tokens, width=batch["tokens"].shape[1])))
+
+
+if __name__ == "__main__":
+    main()
