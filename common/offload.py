@@ -138,15 +138,17 @@ def _model_tensors(chunks):
 def _optimizer_tensors(optimizer, chunks):
     optimizer.zero_grad()  # main-param grads (fp32 copies of the last step's) are dead: free them
     tensors = [(buffer.grad_data, False) for chunk in chunks for buffer in _ddp_buffers(chunk)]
+    # For an fp32 model the main params ARE the model's params (or views of its DDP buffer):
+    # those storages belong to the model's Offloader, or the weight sync that runs after the
+    # optimizer's offload would read freed memory.
+    model_storages = {t.untyped_storage().data_ptr() for t, _ in _model_tensors(chunks)}
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)    # the torch.optim.Adam megatron wraps
         if inner is None:
             continue
         for group in inner.param_groups:
-            # main params: fp32 copies for a bf16 model, else views of the model's own params
-            # (then sharing their storage, which the model's Offloader may also move: fine,
-            # whichever comes first moves it, the other sees an empty storage and skips it)
-            tensors += [(p, True) for p in group["params"]]
+            # main params: fp32 copies for a bf16 model, else the model's own (skipped)
+            tensors += [(p, True) for p in group["params"] if p.untyped_storage().data_ptr() not in model_storages]
         for state in inner.state.values():
             tensors += [(v, True) for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
     return tensors

@@ -27,7 +27,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     device = torch.device("cuda" if on_gpu else "cpu")
     model_off = Offloader.of_model(model, include_cpu=not on_gpu)
     optim_off = Offloader.of_optimizer(optimizer, model, include_cpu=not on_gpu)
-    losses, moved, left, freed_gpu = [], [], [], []
+    losses, moved, left, freed_gpu, intact = [], [], [], [], []
     for step in range(3):
         gen = torch.Generator().manual_seed(100 * step + mpu.get_data_parallel_rank())
         tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=gen)
@@ -47,6 +47,8 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
             # the order of train_grpo.py: optimizer + grads first, then the params
             allocated = torch.cuda.memory_allocated() if on_gpu else 0
             optim_off.offload()
+            # the weight sync runs here in train_grpo.py: the model must still be whole
+            intact.append(all(p.untyped_storage().nbytes() > 0 for p in model[0].parameters()))
             model_off.offload()
             freed_gpu.append(allocated - (torch.cuda.memory_allocated() if on_gpu else 0))
             moved.append(model_off.nbytes + optim_off.nbytes)
@@ -55,7 +57,8 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
             model_off.reload()
             optim_off.reload()
     params = torch.cat([p.detach().float().flatten() for p in model[0].parameters()])
-    return dict(losses=losses, moved=moved, left=left, params=params.cpu(), numel=params.numel(), freed_gpu=freed_gpu)
+    return dict(losses=losses, moved=moved, left=left, params=params.cpu(), numel=params.numel(), freed_gpu=freed_gpu,
+                intact=intact)
 
 
 def optimizer_states(optimizer):
@@ -77,7 +80,7 @@ def main():
                 losses=plain["losses"], losses_offloaded=offloaded["losses"],
                 max_param_diff=float((plain["params"] - offloaded["params"]).abs().max()),
                 moved=offloaded["moved"], left=offloaded["left"], numel=offloaded["numel"],
-                freed_gpu=offloaded["freed_gpu"])
+                freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"])
     result["reference"] = frozen_model_roundtrip(hf_dir)
     if info.rank == 0:
         print("RESULT " + json.dumps(result))

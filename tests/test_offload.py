@@ -5,12 +5,14 @@
 A tiny Qwen2 trains 3 Adam steps twice: straight, and with its whole training state (params,
 grad buffers, Adam state, main params) offloaded and reloaded after every step. With fp32
 and bf16 models, with megatron's distributed optimizer and without, in 1 process and under
-torchrun DP=2 (the optimizer state sharded): the losses and final params must be
-bit-identical, the tensors' storages must be empty while offloaded, and the bytes moved must
-be what the dtypes say. A plain frozen model (train_grpo.py's reference) gives the same logits
-after a round trip. On a CPU the "device" memory is host memory (include_cpu=True);
-the same test on a GPU machine moves CUDA memory to pinned host buffers and also checks that
-torch's allocated GPU memory dropped by the bytes moved (tests/gpu/run_all.sh runs it).
+torchrun DP=2 (the optimizer state sharded): the losses and final params must be bit-
+identical, the tensors' storages must be empty while offloaded, the model's params must
+survive the optimizer's offload (fp32: the main params are the model's own; the weight sync
+runs between the two offloads), and the bytes moved must be what the dtypes say. A plain
+frozen model (train_grpo.py's reference) gives the same logits after a round trip. On a CPU
+the "device" memory is host memory (include_cpu=True); the same test on a GPU machine moves
+CUDA memory to pinned host buffers and also checks that torch's allocated GPU memory dropped
+by the bytes moved (tests/gpu/run_all.sh runs it).
 """
 import json
 import os
@@ -49,6 +51,7 @@ def check(result, dp):
         assert r["losses"] == r["losses_offloaded"], name
         assert r["max_param_diff"] == 0.0, name
         assert all(left == 0 for left in r["left"]), (name, r["left"])  # storages empty while offloaded
+        assert all(r["intact"]), name  # the optimizer's offload leaves the model's params alone (fp32)
         dtype, kind = name.split("_")
         per_param = BYTES_PER_PARAM[dtype]
         if kind == "distopt":  # Adam state (+ the fp32 main params of a bf16 model) sharded over DP
