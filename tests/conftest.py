@@ -23,6 +23,24 @@ def run_torchrun(script, nproc, *args, timeout=600):
     return proc
 
 
+def run_script(script, *args, timeout=900):
+    """Run `python script args...` from the repo root on one CPU thread, wandb off; fails the
+    test with the output tail when it exits non-zero. Returns the CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc
+
+
+def read_metrics(out_dir):
+    """The step records of a training run's metrics.jsonl."""
+    import json
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory):
     """Every tiny HF model of tests/tiny_models.py saved once per session (qwen3 sharded)."""

@@ -22,12 +22,11 @@
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, read_metrics, run_script, run_torchrun
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
          "--mini-batch-size", "16", "--max-new-tokens", "4", "--critic-warmup-steps", "1"]
@@ -38,16 +37,10 @@ ACTOR_KEYS = ["policy_loss", "grad_norm", "entropy", "clip_frac"]  # absent duri
 
 
 def run(*args, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "train_ppo.py", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc
+    return run_script("train_ppo.py", *args, timeout=timeout)
 
 
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+metrics = read_metrics
 
 
 def assert_same(a, b, rel, abs_):
