@@ -4,7 +4,7 @@
     python bench/rollout.py --shape qwen2-7b
     torchrun --nproc_per_node 2 bench/rollout.py --shape qwen2-7b --tp 2 --rollout-tp 2
 
-Random bf16 weights of a Qwen2 shape (bench/shapes.py): a Megatron GPTModel, and a VLLMEngine
+Random bf16 weights of a Qwen2 shape (bench/harness.py): a Megatron GPTModel, and a VLLMEngine
 (common/rollout_vllm.py) on the same GPUs that gets its weights from the sync. Prompts: random
 token ids, --num-prompts x --prompt-len, --max-new-tokens each, temperature --temperature.
 Each rollout replica (world / rollout TP) takes its share of the prompts, as in training.
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,13 +38,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from shapes import SHAPES, write_config_dir  # noqa: E402
+from harness import SHAPES, max_over_ranks, shared_config_dir  # noqa: E402
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="model shape (bench/shapes.py)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="model shape (bench/harness.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per round, global")
@@ -61,12 +60,6 @@ def build_parser():
     p.add_argument("--ablate", action="store_true", help="also time llm.generate with each of ours' differences alone "
                    "(per-request seeds; logprobs; one SamplingParams per request) to find what costs")
     return p
-
-
-def max_over_ranks(seconds):
-    t = torch.tensor([seconds], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def sum_over_ranks(count, rollout_tp):
@@ -86,12 +79,7 @@ def main():
 
     info = init_distributed(tp=args.tp)
     assert info.device.type == "cuda", "bench/rollout.py needs a GPU and vLLM"
-    holder = [tempfile.mkdtemp(prefix="bench_rollout_") if info.master_process else None]
-    dist.broadcast_object_list(holder)
-    hf_dir = holder[0]
-    if info.master_process:
-        write_config_dir(hf_dir, args.shape)
-    dist.barrier()
+    hf_dir = shared_config_dir(args.shape, "bench_rollout_", info.master_process)
     spec = load_hf_spec(hf_dir)
     model = build_model(spec, tp=args.tp, dtype=torch.bfloat16, init_weights=True)
     engine = VLLMEngine(hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -128,7 +116,7 @@ def main():
         dist.barrier()
         t0 = time.perf_counter()
         tokens = baseline(round_)
-        base_s = max_over_ranks(time.perf_counter() - t0)
+        base_s = max_over_ranks(time.perf_counter() - t0, info.device)
         base_tokens = sum_over_ranks(tokens, args.rollout_tp)
 
         dist.barrier()
@@ -141,8 +129,8 @@ def main():
         gen_s = time.perf_counter() - t1
         engine.sleep()
         torch.cuda.synchronize()
-        total_s = max_over_ranks(time.perf_counter() - t0)
-        gen_s, cycle_s = max_over_ranks(gen_s), max_over_ranks(cycle_s)
+        total_s = max_over_ranks(time.perf_counter() - t0, info.device)
+        gen_s, cycle_s = max_over_ranks(gen_s, info.device), max_over_ranks(cycle_s, info.device)
         our_tokens = sum_over_ranks(tokens, args.rollout_tp)
         engine.wake()  # the next baseline round needs valid weights: sleep(level 2) discarded them
         engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16, bucket_mb=args.sync_bucket_mb))
@@ -173,7 +161,7 @@ def main():
             dist.barrier()
             t0 = time.perf_counter()
             outputs = engine.llm.generate(rows, params, use_tqdm=False)
-            seconds = max_over_ranks(time.perf_counter() - t0)
+            seconds = max_over_ranks(time.perf_counter() - t0, info.device)
             tokens = sum_over_ranks(sum(len(o.outputs[0].token_ids) for o in outputs), args.rollout_tp)
             ablation[name] = round(tokens / seconds)
             print0(f"ablation {name:20s} {tokens / seconds:9.0f} tok/s  {tokens / seconds / best['baseline']:.3f}x baseline")

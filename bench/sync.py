@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 bench/sync.py --shape qwen2-7b --tp 2 --rollout-tp 2
     python bench/sync.py --shape tiny --engine hf --reps 2                             # CPU smoke run
 
-Random bf16 weights of a Qwen2 shape (bench/shapes.py) in a Megatron GPTModel at --tp/--pp, and
+Random bf16 weights of a Qwen2 shape (bench/harness.py) in a Megatron GPTModel at --tp/--pp, and
 a VLLMEngine (common/rollout_vllm.py) on the same GPUs started with load_format="dummy". Each
 repetition is the engine part of train_grpo.py's step, every phase timed on its own (CUDA
 synchronised, max over ranks):
@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +40,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from shapes import SHAPES, write_config_dir  # noqa: E402
+from harness import SHAPES, shared_config_dir, timed  # noqa: E402
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="model shape (bench/shapes.py)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="model shape (bench/harness.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
@@ -57,21 +56,6 @@ def build_parser():
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start-up)")
     return p
-
-
-def timed(fn, on_gpu):
-    """Seconds of fn(), the slowest rank's (every rank calls this)."""
-    if on_gpu:
-        torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    if on_gpu:
-        torch.cuda.synchronize()
-    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                           device="cuda" if on_gpu else "cpu")
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return seconds.item()
 
 
 def main():
@@ -86,18 +70,8 @@ def main():
     dtype = torch.bfloat16 if on_gpu else torch.float32
 
     # a config.json-only model dir: random Megatron init; vLLM gets every weight from the sync
-    tmp = tempfile.mkdtemp(prefix="bench_sync_") if info.master_process else None
-    holder = [tmp]
-    dist.broadcast_object_list(holder)
-    hf_dir = holder[0]
-    if info.master_process:
-        write_config_dir(hf_dir, args.shape)
-        if engine_kind == "hf":  # HFEngine loads weights at start: give it random ones
-            import transformers
-
-            config = transformers.AutoConfig.from_pretrained(hf_dir)
-            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
-    dist.barrier()
+    # (HFEngine loads weights at start: give it random ones)
+    hf_dir = shared_config_dir(args.shape, "bench_sync_", info.master_process, with_weights=engine_kind == "hf")
     spec = load_hf_spec(hf_dir)
     model = build_model(spec, tp=args.tp, pp=args.pp, dtype=dtype, init_weights=True)
     model_bytes = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec)) * dtype.itemsize
@@ -122,11 +96,11 @@ def main():
     rows = []
     for rep in range(args.reps + 1):  # rep 0 warms up (allocator, NCCL communicators, kernels)
         row = {}
-        row["sleep_s"] = timed(engine.sleep, on_gpu)
-        row["wake_weights_s"] = timed(engine.wake_weights, on_gpu)
-        row["sync_s"] = timed(lambda: engine.update_weights(export()), on_gpu)
-        row["wake_kv_s"] = timed(engine.wake_kv_cache, on_gpu)
-        row["export_only_s"] = timed(export_only, on_gpu)
+        row["sleep_s"] = timed(engine.sleep, info.device)
+        row["wake_weights_s"] = timed(engine.wake_weights, info.device)
+        row["sync_s"] = timed(lambda: engine.update_weights(export()), info.device)
+        row["wake_kv_s"] = timed(engine.wake_kv_cache, info.device)
+        row["export_only_s"] = timed(export_only, info.device)
         # the engine must be usable after the cycle (one token of one prompt)
         out = engine.generate([[5, 6, 7]], n=1, temperature=0.0, top_p=1.0, max_tokens=1, seed=rep)
         assert len(out) == 1 and len(out[0].response_ids) == 1
@@ -139,7 +113,7 @@ def main():
     per_gpu = model_bytes // args.rollout_tp
     src = torch.empty(per_gpu, dtype=torch.uint8, device=info.device)
     dst = torch.empty_like(src)
-    copies = [timed(functools.partial(dst.copy_, src), on_gpu) for _ in range(5)]
+    copies = [timed(functools.partial(dst.copy_, src), info.device) for _ in range(5)]
     del src, dst
     result["baseline_copy_s"] = statistics.median(copies[1:])
 

@@ -58,10 +58,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from shapes import SHAPES  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
+from harness import SHAPES, max_over_ranks  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
 
 # Dense (no sparsity) bf16 peak, TFLOP/s, from NVIDIA's data sheets; first match on the
 # device name wins, so the PCIe/NVL variants come before the SXM parts.
@@ -274,25 +273,17 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
         torch.cuda.empty_cache()
     # every rank must agree (an OOM on some ranks only would hang a collective before this; with
     # identical shapes per rank they run out together)
-    oom = _all_reduce_max(float(oom), info.device) > 0
+    oom = max_over_ranks(float(oom), info.device) > 0
     if oom:
         return dict(oom=True)
-    return dict(step_times=[_all_reduce_max(sum(phases), info.device) for phases in phase_times],
-                phase_times=[[_all_reduce_max(t, info.device) for t in phases] for phases in phase_times],
-                peak_bytes=_all_reduce_max(peak, info.device) if on_gpu else None)
+    return dict(step_times=[max_over_ranks(sum(phases), info.device) for phases in phase_times],
+                phase_times=[[max_over_ranks(t, info.device) for t in phases] for phases in phase_times],
+                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None)
 
 
 def _sync(on_gpu):
     if on_gpu:
         torch.cuda.synchronize()
-
-
-def _all_reduce_max(value, device):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, world_size, peak_flops):
