@@ -129,7 +129,7 @@ def main():
 
     from common import batch as B
     from common import rl
-    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, write_meta
+    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint
     from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
@@ -374,13 +374,10 @@ def main():
                         metrics.update(logprob_mismatch=rl.masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
-                for chunk in model:
-                    chunk.zero_grad_buffer()
-                optimizer.zero_grad()
-                train_metrics += B.run_micro_batches(model, my_micro_batches(order, m), loss_fn, forward_only=False, device=info.device)
-                _, grad_norm, _ = optimizer.step()
-                scheduler.step(1)
-                grad_norms.append(grad_norm or 0.0)
+                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, my_micro_batches(order, m),
+                                                     loss_fn, info.device)
+                train_metrics += mb_metrics
+                grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick
         memory.end("train")
 
@@ -394,10 +391,8 @@ def main():
             tick = time.time()
             save_training_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
                                      extra={"step": step + 1, "sampler": sampler.state_dict()},
-                                     keep_last=args.keep_checkpoints)
-            if info.master_process:
-                write_meta(os.path.join(ckpt_root, f"step_{step + 1:06d}"),
-                           {"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1}, hf_dir)
+                                     keep_last=args.keep_checkpoints, hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
+                                     meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1})
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
         metrics.update(times, **memory.metrics)

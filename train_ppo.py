@@ -140,7 +140,7 @@ def main():
 
     from common import batch as B
     from common import rl
-    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, write_meta
+    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint
     from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
     from common.dist import destroy_distributed, init_distributed, print0
@@ -432,23 +432,14 @@ def main():
                                           "vf_clip_frac": rl.masked_sum(clipped.float(), mb_mask), "vf_clip_frac__n": n}
 
                 if train_actor:
-                    for chunk in model:
-                        chunk.zero_grad_buffer()
-                    optimizer.zero_grad()
-                    train_metrics += B.run_micro_batches(model, my_micro_batches(order, m), actor_loss_fn,
-                                                         forward_only=False, device=info.device)
-                    _, grad_norm, _ = optimizer.step()
-                    scheduler.step(1)
-                    grad_norms.append(grad_norm or 0.0)
-
-                for chunk in critic:
-                    chunk.zero_grad_buffer()
-                critic_optimizer.zero_grad()
-                train_metrics += B.run_micro_batches(critic, my_micro_batches(order, m), critic_loss_fn,
-                                                     forward_only=False, device=info.device)
-                _, grad_norm, _ = critic_optimizer.step()
-                critic_scheduler.step(1)
-                critic_grad_norms.append(grad_norm or 0.0)
+                    mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, my_micro_batches(order, m),
+                                                         actor_loss_fn, info.device)
+                    train_metrics += mb_metrics
+                    grad_norms.append(grad_norm)
+                mb_metrics, grad_norm = B.train_step(critic, critic_optimizer, critic_scheduler,
+                                                     my_micro_batches(order, m), critic_loss_fn, info.device)
+                train_metrics += mb_metrics
+                critic_grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick
         memory.end("train")
 
@@ -474,10 +465,9 @@ def main():
             tick = time.time()
             save_training_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
                                      extra={"step": step + 1, "sampler": sampler.state_dict()},
-                                     keep_last=args.keep_checkpoints, extra_models=critic_state)
-            if info.master_process:
-                write_meta(os.path.join(ckpt_root, f"step_{step + 1:06d}"),
-                           {"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1}, hf_dir)
+                                     keep_last=args.keep_checkpoints, extra_models=critic_state,
+                                     hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
+                                     meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1})
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
         metrics.update(times, **memory.metrics)

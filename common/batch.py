@@ -4,6 +4,7 @@
   pack_sequences(samples, ...)     prompt+response, right-padded, with the response mask
   micro_batches(batch, rows, ...)  a rank's rows -> micro-batches of similar lengths, padding cut
   run_micro_batches(...)           megatron's forward(-backward) schedule over micro-batches
+  train_step(...)                  zero grads, forward-backward, optimizer + scheduler step
   reduce_metrics(...)              per-micro-batch sums -> global means on every rank
 
 Sequence layout (one row per sample, right-padded to a common length T):
@@ -126,6 +127,21 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, device):
+    """One optimizer step over micro-batches: zero the DDP grad buffers and the optimizer's
+    grads, forward-backward (run_micro_batches: DDP reduces the gradients at the end), the
+    optimizer step (grad clipping inside) and one scheduler step. All ranks call this.
+    Returns (the metrics dicts of run_micro_batches, the grad norm; 0.0 where megatron
+    reports none)."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    metrics = run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only=False, device=device)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(1)
+    return metrics, grad_norm or 0.0
 
 
 def all_reduce_sum(tensor, group, device):
