@@ -33,6 +33,12 @@ def run_script(script, *args, timeout=900):
     return proc
 
 
+def assert_every_flag_documented(parser):
+    """Every argparse action of a public script has a non-empty help string."""
+    for action in parser._actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+
+
 def read_metrics(out_dir):
     """The step records of a training run's metrics.jsonl."""
     import json

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun
 
 SCRIPT = os.path.join("bench", "train.py")
 
@@ -117,8 +117,7 @@ def test_help_documents_every_flag():
     spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, SCRIPT))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for action in module.build_parser()._actions:
-        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    assert_every_flag_documented(module.build_parser())
     assert "--peak-tflops" in run("--help")
 
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics, run_script, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_torchrun
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
          "--mini-batch-size", "16", "--max-new-tokens", "4"]
@@ -31,9 +31,7 @@ def test_help_documents_every_flag():
     sys.path.insert(0, ROOT)
     from train_grpo import build_parser
 
-    parser = build_parser()
-    for action in parser._actions:
-        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    assert_every_flag_documented(build_parser())
     proc = run("--help")
     assert "--prompts-per-step" in proc.stdout and "--load-rollouts" in proc.stdout
 

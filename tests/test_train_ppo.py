@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics, run_script, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_torchrun
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
          "--mini-batch-size", "16", "--max-new-tokens", "4", "--critic-warmup-steps", "1"]
@@ -56,9 +56,7 @@ def test_help_documents_every_flag():
     sys.path.insert(0, ROOT)
     from train_ppo import build_parser
 
-    parser = build_parser()
-    for action in parser._actions:
-        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    assert_every_flag_documented(build_parser())
     proc = run("--help")
     for flag in ["--critic-lr", "--critic-model", "--critic-warmup-steps", "--vf-clip", "--gamma", "--lam",
                  "--kl-mode", "--load-rollouts"]:
