@@ -140,7 +140,7 @@ def main():
 
     from common import batch as B
     from common import rl
-    from common.checkpoint import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint
+    from common.checkpoint import load_model_checkpoint
     from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
     from common.dist import destroy_distributed, init_distributed, print0
@@ -150,6 +150,7 @@ def main():
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
     from common.rollout import vllm_available
+    from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)

@@ -1,4 +1,4 @@
-"""Worker for tests/test_checkpoint.py (gloo, CPU). Two modes:
+"""Worker for tests/test_train_checkpoint.py (gloo, CPU). Two modes:
 
     torchrun --nproc_per_node 2 tests/checkpoint_worker.py train --hf-dir D --root R --root-full F --out A.json
         5 Adam steps at DP=2 from the HF weights (the uninterrupted run). Saves a training
@@ -136,7 +136,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from common.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
     from common.critic import build_critic, load_critic_weights
     from common.model import build_model, load_hf_spec, load_hf_weights, setup_training

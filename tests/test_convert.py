@@ -149,7 +149,8 @@ def test_merge_training_checkpoint(tiny_models_dir, tmp_path, capsys):
     """merge_to_hf.py reads only the model part of a training checkpoint (model + distributed
     optimizer), given the checkpoints root (`latest`) or a step directory; the HF files come
     from --hf-files or the run directory's hf/."""
-    from common.checkpoint import copy_hf_small_files, save_training_checkpoint
+    from common.checkpoint import copy_hf_small_files
+    from common.train_checkpoint import save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
     from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
 

@@ -1,6 +1,6 @@
-"""Training checkpoints (common/checkpoint.py): exact resume, resharding, damaged checkpoints.
+"""Training checkpoints (common/train_checkpoint.py): exact resume, resharding, damaged checkpoints.
 
-    .venv/bin/python -m pytest tests/test_checkpoint.py -q
+    .venv/bin/python -m pytest tests/test_train_checkpoint.py -q
 
 One uninterrupted 5-step Adam run at DP=2 (torchrun, gloo, distributed optimizer) saves
 checkpoints after steps 2, 3, 4 (keep_last=2); fresh processes then resume from step 3 and
@@ -151,7 +151,7 @@ def test_resume_tp2_fully_reshardable(trained):
 
 def testcheck_step_dir_and_candidates(trained, tmp_path):
     """The structural checks, without any process group."""
-    from common.checkpoint import _candidates, check_step_dir
+    from common.train_checkpoint import _candidates, check_step_dir
 
     root = tmp_path / "root"
     shutil.copytree(trained["root"], root)
