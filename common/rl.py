@@ -18,6 +18,8 @@ right-padded), V_local = this tensor-parallel rank's slice of the (padded) vocab
 import torch
 import torch.distributed as dist
 
+from common.fused import on_gpu_compiled
+
 # -----------------------------------------------------------------------------
 # Log-probabilities and entropy from vocab-parallel logits
 
@@ -28,6 +30,57 @@ def _tp_size_rank(tp_group):
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
+# The elementwise + reduction math over the (B, T, V_local) logits lives in three pure
+# functions that common/fused.py compiles on a GPU into one or two kernels each: they read the
+# bf16 logits and keep fp32 values in registers instead of writing (B, T, V_local) fp32 copies
+# (at 4096 tokens x 152k vocabulary one fp32 copy is 2.5 GB). On a CPU they run eagerly.
+
+
+def _shifted(logits, max_x, temperature):
+    """x - max over the shard, in fp32 (fp64 input stays fp64, for gradcheck)."""
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    return logits.to(compute_dtype) / temperature - max_x.unsqueeze(-1)
+
+
+@on_gpu_compiled
+def _shard_max(logits, n_valid: int, temperature: float):
+    """(B, T, V_local) -> (B, T): max of logits / temperature over the shard's real columns
+    ([n_valid:] is vocabulary padding; -inf on an all-padding shard, fixed by the all-reduce)."""
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    valid = torch.arange(logits.shape[-1], device=logits.device) < n_valid
+    return torch.where(valid, logits.to(compute_dtype) / temperature, float("-inf")).amax(dim=-1)
+
+
+@on_gpu_compiled
+def _shard_sums(logits, max_x, n_valid: int, temperature: float, compute_entropy: bool):
+    """(B, T, V_local) -> (2 or 3, B, T) partial sums over the shard's real columns, with
+    x = logits / temperature - max: sum_j e^x_j, 0 (the target slot, filled by the caller) and,
+    for the entropy, sum_j e^x_j * x_j."""
+    x = _shifted(logits, max_x, temperature)
+    valid = torch.arange(logits.shape[-1], device=logits.device) < n_valid
+    exp_x = torch.where(valid, torch.exp(x), 0.0)  # 0 on padding (its logits are finite numbers)
+    sums = [exp_x.sum(dim=-1), torch.zeros_like(max_x)]
+    if compute_entropy:
+        sums.append((exp_x * x).sum(dim=-1))
+    return torch.stack(sums)
+
+
+@on_gpu_compiled
+def _shard_grad(logits, local_target, target_weight, max_x, log_z, grad_logprobs, grad_entropy, mean_x,
+                n_valid: int, temperature: float):
+    """d loss / d logits on the shard, in the logits' dtype (see _VocabParallelLogprobs):
+        grad_x_j = -p_j * (g_logp + g_H * (x_j - E_p[x])) + g_logp * 1[j == target]
+    target_weight is g_logp where the target is in this shard, else 0; grad_entropy None: no H term."""
+    x = _shifted(logits, max_x, temperature)
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    probs = torch.where(columns < n_valid, torch.exp(x - log_z.unsqueeze(-1)), 0.0)  # p = softmax(x), (B, T, V_local)
+    coef = grad_logprobs.unsqueeze(-1)
+    if grad_entropy is not None:
+        coef = coef + grad_entropy.unsqueeze(-1) * (x - mean_x.unsqueeze(-1))
+    one_hot = torch.where(columns == local_target.unsqueeze(-1), target_weight.unsqueeze(-1), 0.0)
+    return ((one_hot - probs * coef) / temperature).to(logits.dtype)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """log_softmax(logits / temperature)[target] and the softmax entropy, with the vocabulary
     split over the TP group. Every rank returns the same (B, T) values; only (B, T)-sized
@@ -36,10 +89,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     Backward needs no communication: with p = softmax(x), x = logits / temperature,
         d logp[target] / dx_j = 1[j == target] - p_j
         d H / dx_j            = -p_j (x_j - E_p[x])          (H = logZ - E_p[x])
-    and p_j, E_p[x] follow from the local logits plus the saved (B, T) max / sum-exp / E_p[x].
+    and p_j, E_p[x] follow from the local logits plus the saved (B, T) max / log Z / E_p[x].
     We save the input logits (already alive as the output layer's result) and recompute p,
     instead of keeping a (B, T, V_local) fp32 softmax, as megatron's vocab_parallel_cross_entropy
-    does; the trade is one extra exp over the shard in backward for half or less the memory.
+    does: the fused backward reads the logits once and writes the gradient once.
     """
 
     @staticmethod
@@ -48,68 +101,45 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         v_local = logits.shape[-1]
         vocab_start = tp_rank * v_local
         # columns [n_valid:] of this shard are vocabulary padding (global id >= vocab_size):
-        # they get -inf, i.e. probability 0. A rank can be all padding (n_valid = 0).
+        # probability 0. A rank can be all padding (n_valid = 0).
         n_valid = max(0, min(v_local, vocab_size - vocab_start))
-        # fp32 at least, whatever the model's dtype (bf16 logsumexp over 150k entries is too coarse);
-        # float64 input stays float64 so torch.autograd.gradcheck can be used in the tests.
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        ctx.set_materialize_grads(False)  # an unused entropy output gets grad None, not zeros
 
-        x = logits.to(compute_dtype) / temperature  # (B, T, V_local), a fresh tensor we may edit in place
-        x[..., n_valid:] = float("-inf")
-        max_x = x.max(dim=-1).values  # (B, T); -inf on an all-padding shard, fixed by the all-reduce
+        max_x = _shard_max(logits, n_valid, temperature)  # (B, T)
         if tp_size > 1:
             dist.all_reduce(max_x, op=dist.ReduceOp.MAX, group=tp_group)
-        x -= max_x.unsqueeze(-1)  # shifted, <= 0: exp cannot overflow
-        exp_x = torch.exp(x)  # (B, T, V_local), 0 on padding
-
+        sums = _shard_sums(logits, max_x, n_valid, temperature, compute_entropy)  # (2 or 3, B, T)
         # the target logit lives on exactly one rank; the others contribute 0 to the sum
         in_shard = (targets >= vocab_start) & (targets < vocab_start + v_local)  # (B, T)
         local_target = (targets - vocab_start).clamp(0, v_local - 1)
-        target_x = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
-
-        sums = [exp_x.sum(dim=-1), target_x]  # (B, T) each
-        if compute_entropy:
-            x[..., n_valid:] = 0.0  # 0 * -inf would be nan; p = 0 there anyway
-            sums.append((exp_x * x).sum(dim=-1))  # sum_j e^x_j * x_j
-        sums = torch.stack(sums)  # (2 or 3, B, T): one all-reduce for all sums
-        if tp_size > 1:
+        target_x = _shifted(logits.gather(-1, local_target.unsqueeze(-1)), max_x, temperature)  # (B, T, 1)
+        sums[1] = target_x.squeeze(-1).masked_fill(~in_shard, 0.0)
+        if tp_size > 1:  # one all-reduce for all sums
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         sum_exp, target_x = sums[0], sums[1]
         log_z = torch.log(sum_exp)  # log-partition of the shifted logits, (B, T)
         logprobs = target_x - log_z  # (B, T)
 
-        ctx.vocab_start, ctx.n_valid = vocab_start, n_valid
-        ctx.temperature, ctx.compute_entropy = temperature, compute_entropy
+        ctx.n_valid, ctx.temperature, ctx.compute_entropy = n_valid, temperature, compute_entropy
+        mean_x = sums[2] / sum_exp if compute_entropy else None  # E_p[x - max], (B, T)
+        ctx.save_for_backward(logits, local_target, in_shard, max_x, log_z, mean_x)
         if not compute_entropy:
-            ctx.save_for_backward(logits, targets, max_x, sum_exp)
             return logprobs
-        mean_x = sums[2] / sum_exp  # E_p[x - max], (B, T)
         entropy = log_z - mean_x  # H = -sum p log p = log Z - E_p[x]
-        ctx.save_for_backward(logits, targets, max_x, sum_exp, mean_x)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
-        logits, targets, max_x, sum_exp = ctx.saved_tensors[:4]
-        n_valid, vocab_start, v_local = ctx.n_valid, ctx.vocab_start, logits.shape[-1]
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-
-        x = logits.to(compute_dtype) / ctx.temperature  # recompute p = softmax(x) on this shard
-        x[..., n_valid:] = float("-inf")
-        x -= max_x.unsqueeze(-1)
-        probs = torch.exp(x).div_(sum_exp.unsqueeze(-1))  # (B, T, V_local), 0 on padding
-
-        # grad_x_j = -p_j * (g_logp + g_H * (x_j - E_p[x]))  +  g_logp * 1[j == target]
-        coef = grad_logprobs.to(compute_dtype).unsqueeze(-1)  # (B, T, 1)
-        if ctx.compute_entropy:
-            mean_x = ctx.saved_tensors[4]
-            x[..., n_valid:] = 0.0
-            coef = coef + grad_entropy.to(compute_dtype).unsqueeze(-1) * (x - mean_x.unsqueeze(-1))
-        grad_x = probs.mul_(coef).neg_()
-        in_shard = (targets >= vocab_start) & (targets < vocab_start + v_local)
-        local_target = (targets - vocab_start).clamp(0, v_local - 1)
-        grad_x.scatter_add_(-1, local_target.unsqueeze(-1), (grad_logprobs * in_shard).unsqueeze(-1).to(compute_dtype))
-        grad_logits = (grad_x / ctx.temperature).to(logits.dtype)
+        logits, local_target, in_shard, max_x, log_z, mean_x = ctx.saved_tensors
+        compute_dtype = max_x.dtype
+        if grad_logprobs is None:  # only the entropy is used
+            grad_logprobs = torch.zeros_like(max_x)
+        grad_logprobs = grad_logprobs.to(compute_dtype)
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(compute_dtype)
+        target_weight = grad_logprobs * in_shard
+        grad_logits = _shard_grad(logits, local_target, target_weight, max_x, log_z, grad_logprobs,
+                                  grad_entropy, mean_x, ctx.n_valid, ctx.temperature)
         return grad_logits, None, None, None, None, None
 
 

@@ -70,6 +70,42 @@ def test_logprobs_bf16_input_is_computed_in_fp32():
     close(ent, ref_ent, 1e-5)
 
 
+def test_logprobs_one_output_used():
+    # entropy computed but only logprobs in the loss (and the other way round): the backward
+    # gets None for the unused output and must give that output's gradient alone
+    torch.manual_seed(3)
+    full = 3 * torch.randn(2, 5, 12)
+    targets = torch.randint(0, 10, (2, 5))
+    w = torch.randn(2, 5)
+    for pick in (0, 1):
+        ref_full = full.clone().requires_grad_(True)
+        (reference_logprobs(ref_full, targets, 10, 0.9)[pick] * w).sum().backward()
+        logits = full.clone().requires_grad_(True)
+        (vocab_parallel_logprobs(logits, targets, 10, temperature=0.9, compute_entropy=True)[pick] * w).sum().backward()
+        close(logits.grad, ref_full.grad, 1e-5)
+
+
+def test_logprobs_kernels_compile_like_eager():
+    # On a GPU the three helpers run torch.compile'd (common/fused.py: fullgraph, dynamic shapes).
+    # Compile them here with inductor's CPU backend: they must trace as one graph each, give the
+    # eager values, and take a second shape without failing (micro-batches differ in length).
+    from common import rl
+    from common.fused import compile_fn
+    torch.manual_seed(4)
+    for B, T in [(2, 5), (3, 9)]:
+        logits = (3 * torch.randn(B, T, 40)).bfloat16()
+        g = [torch.randn(B, T) for _ in range(4)]
+        targets = torch.randint(0, 40, (B, T))
+        max_x = rl._shard_max(logits, 37, 0.7)
+        close(compile_fn(rl._shard_max.eager)(logits, 37, 0.7), max_x, 0)
+        for entropy in (True, False):
+            close(compile_fn(rl._shard_sums.eager)(logits, max_x, 37, 0.7, entropy),
+                  rl._shard_sums(logits, max_x, 37, 0.7, entropy), 1e-5)
+        for grad_entropy in (g[2], None):
+            args = (logits, targets, g[0], max_x, g[1], g[0], grad_entropy, g[3], 37, 0.7)
+            close(compile_fn(rl._shard_grad.eager)(*args).float(), rl._shard_grad(*args).float(), 1e-2)  # bf16 output
+
+
 def test_logprobs_gradcheck_float64():
     # finite differences on the custom backward, both outputs, with padding and temperature
     torch.manual_seed(2)
