@@ -22,15 +22,37 @@ Contract (megatron-core 0.16.1, transformer/attention.py SelfAttention):
      -> (sq, b, heads/tp * head_dim)
 Masking follows the local DotProductAttention's torch path: with a causal mask type and
 no mask, causal attention; a given mask is used as is (it is not combined with causal).
+
+RoPE: with `rotary` (megatron RotaryEmbedding keywords), q and k are rotated here, by one
+fused kernel each (common/fused.py), and the GPTModel is built with
+position_embedding_type="none" (common/model.py) so megatron does not rotate them first. The
+same rotation, but megatron-core 0.16.1 applies it without TransformerEngine as ~10 separate
+elementwise kernels per tensor (rope_utils._apply_rotary_pos_emb_bshd: cos, sin, casts, two
+products, a cat for rotate_half, a sum, a cat with the empty non-rotary part), forward and
+backward, in every layer. Positions are 0..T-1 of each row: right-padded rows, no packing
+(the layout of common/batch.py).
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
+from common.fused import on_gpu_compiled
+
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+
+@on_gpu_compiled
+def apply_rope(t, freqs):
+    """t (s, b, heads, head_dim) rotated by the angles freqs (s, 1, 1, head_dim), fp32 math with one
+    rounding to t's dtype. Layout of HF and megatron ("rotate_half"): dimension j < d/2 pairs with
+    j + d/2, i.e. out = t * cos + cat(-t[d/2:], t[:d/2]) * sin."""
+    x = t.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * torch.cos(freqs) + rotated * torch.sin(freqs)).to(t.dtype)
 
 
 class SDPAttention(MegatronModule):
@@ -42,7 +64,7 @@ class SDPAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, rotary=None):
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -70,6 +92,12 @@ class SDPAttention(MegatronModule):
         # multiplies it back (an fp16 overflow guard): the function is unchanged, so it is
         # ignored here. softmax_scale None means 1/sqrt(head_dim), as in megatron and HF.
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+        self.rotary = None  # RoPE angles per position, cached per sequence length by megatron's module
+        if rotary is not None:
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            self.rotary = RotaryEmbedding(kv_channels=self.head_dim, rotary_percent=1.0,
+                                          use_cpu_initialization=config.use_cpu_initialization, **rotary)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -80,6 +108,11 @@ class SDPAttention(MegatronModule):
         sq, b = query.shape[:2]
         sk = key.shape[0]
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self.rotary is not None:
+            if sq != sk:
+                raise NotImplementedError("SDPAttention: RoPE for decoding with a KV cache is not implemented")
+            freqs = self.rotary(sq)  # (sq, 1, 1, head_dim) fp32, positions 0..sq-1
+            query, key = apply_rope(query, freqs), apply_rope(key, freqs)
 
         # (s, b, heads, d) -> (b, heads, s, d): strided views, the head_dim stays contiguous
         # (all the kernels need).

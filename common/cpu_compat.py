@@ -77,28 +77,7 @@ def apply():
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
-    # 3. The local spec's norm (transformer/torch_norm.py:32) asserts not sequence_parallel,
-    #    because TE/apex norms are the ones that tag their weights for the SP all-reduce.
-    #    Allow SP and tag the weights the same way, so finalize_model_grads all-reduces
-    #    their grads over the TP group exactly as it does on a GPU.
-    from megatron.core.transformer import torch_norm
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def norm_new(cls, config, hidden_size, *args, **kwargs):
-        sequence_parallel = config.sequence_parallel
-        config.sequence_parallel = False
-        try:
-            norm = original_new(cls, config, hidden_size, *args, **kwargs)
-        finally:
-            config.sequence_parallel = sequence_parallel
-        for p in norm.parameters():
-            p.sequence_parallel = sequence_parallel
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = norm_new
-
-    # 4. The optimizer and grad clipping select parameters by Tensor.type() string
+    # 3. The optimizer and grad clipping select parameters by Tensor.type() string
     #    ('torch.cuda.FloatTensor': optimizer/clip_grads.py, optimizer.py, distrib_optimizer.py).
     #    Report CPU float tensors under their CUDA names, to megatron callers only.
     original_type = torch.Tensor.type
@@ -116,7 +95,7 @@ def apply():
 
     torch.Tensor.type = tensor_type
 
-    # 5. Distributed-optimizer checkpoint load on the torch.optim.Adam path (no apex/TE,
+    # 4. Distributed-optimizer checkpoint load on the torch.optim.Adam path (no apex/TE,
     #    the same path a GPU without TE takes, but on a GPU we never patch):
     #    distrib_optimizer.py:937 copies every key of the live Adam state, including 'step',
     #    from checkpoint tensors that have no 'step' (KeyError), outside no_grad.

@@ -6,6 +6,7 @@
                                           all-gathered and PP stages broadcast, in flat buckets
 The name/shape mapping itself lives in common/bridge.py.
 """
+import functools
 import json
 import os
 
@@ -37,6 +38,25 @@ def load_hf_spec(hf_dir) -> HFModelSpec:
 ATTENTION_CHOICES = ("sdpa", "local", "te")
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """The local spec's norm, usable under sequence parallelism.
+
+    megatron-core 0.16.1 builds the local spec's norms as WrappedTorchNorm, which asserts
+    `not config.sequence_parallel` (transformer/torch_norm.py) because only TE/apex norms tag
+    their weights for the SP gradient all-reduce. This is the same torch.nn.RMSNorm (same
+    parameter names, so checkpoints and the bridge are unchanged) with the tag set: under SP
+    each TP rank sees a slice of the sequence, and finalize_model_grads sums the weight's
+    gradient over the TP group for every parameter with `sequence_parallel` True.
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-5, **unused):  # megatron passes normalization=, ...
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"RMSNorm built for normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec(spec: HFModelSpec, attention=None):
     """The megatron layer spec: RMSNorm, q/k norm for Qwen3, and the core attention.
 
@@ -62,12 +82,21 @@ def layer_spec(spec: HFModelSpec, attention=None):
             raise ImportError("attention='te' needs TransformerEngine; use 'sdpa' without it") from e
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    # every norm of the layer (the final one: build_model) is RMSNorm above: SP works without TE/apex
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    if spec.qk_norm:
+        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if attention == "sdpa":
         from common.attention import SDPAttention
 
         # A fresh spec object per call, so this swap touches nothing shared. SelfAttention
-        # calls submodules.core_attention(config=..., ...) directly: a class, not a ModuleSpec.
-        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        # calls submodules.core_attention(config=..., ...) directly: a class (or a partial of
+        # one), not a ModuleSpec. SDPAttention applies RoPE itself, fused: build_model turns
+        # megatron's off (position_embedding_type="none").
+        rope = {k: v for k, v in gpt_model_kwargs(spec).items()
+                if k in ("rotary_base", "rope_scaling", "rope_scaling_factor")}
+        layer.submodules.self_attention.submodules.core_attention = functools.partial(SDPAttention, rotary=rope)
     return layer
 
 
@@ -82,6 +111,7 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=Fa
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp)
     on_gpu = torch.cuda.is_available()
@@ -91,13 +121,21 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=Fa
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(vp_stage=vp_stage) if vpp else {}
+        block = layer_spec(spec, attention)
+        if attention != "te":  # a block spec, to choose the final norm too (megatron's default: WrappedTorchNorm)
+            block = TransformerBlockSubmodules(
+                layer_specs=[block] * get_num_layers_to_build(config, vp_stage=vp_stage if vpp else None),
+                layer_norm=RMSNorm)
+        model_kwargs = gpt_model_kwargs(spec, tp=tp)
+        if (attention or "sdpa") == "sdpa":
+            model_kwargs["position_embedding_type"] = "none"  # SDPAttention applies RoPE (fused)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec, attention),
+            transformer_layer_spec=block,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage),
             parallel_output=True,  # logits stay vocab-parallel: (B, T, V_padded/tp)
-            **gpt_model_kwargs(spec, tp=tp),
+            **model_kwargs,
             **stage,
         )
         # The local spec's norms (torch.nn.RMSNorm) are created in fp32 whatever params_dtype

@@ -10,7 +10,9 @@ fp32 on the CPU, against megatron's own DotProductAttention and against transfor
     q/k/v bias, Llama's scaled rope) at TP=1 in-process and at TP=2 (+SP) under torchrun:
     logits equal to transformers and to the local spec (<= 1e-5), every parameter gradient
     equal to the local spec's (<= 1e-5 relative to that tensor's largest gradient);
-  - the state dict (what checkpoints and the HF bridge see) is the same for both specs.
+  - the state dict (what checkpoints and the HF bridge see) is the same for both specs;
+  - apply_rope (SDPAttention's RoPE) equals megatron's unfused rotation, values and gradients,
+    and compiles (inductor on the CPU: what runs on a GPU) to the same numbers.
 The GPU (bf16, flash kernels, speed) is tests/gpu/test_sdpa_gpu.py.
 """
 import json
@@ -163,6 +165,9 @@ def test_same_state_dict_and_spec_choices(dist_world_of_one, attention_models_di
         return {k: getattr(v, "shape", v) for k, v in model.state_dict().items()}
 
     assert shapes(local) == shapes(sdpa)
+    # RoPE: megatron's on the local spec; on the SDPA spec SDPAttention's own, megatron's off
+    assert local.rotary_pos_emb is not None and not hasattr(sdpa, "rotary_pos_emb")
+    assert sdpa.decoder.layers[0].self_attention.core_attention.rotary is not None
     # the swap builds a new spec each call: megatron's own local spec is untouched
     assert layer_spec(spec, "local").submodules.self_attention.submodules.core_attention is not SDPAttention
     with pytest.raises(ValueError, match="flash"):
@@ -172,3 +177,30 @@ def test_same_state_dict_and_spec_choices(dist_world_of_one, attention_models_di
     except ImportError:
         with pytest.raises(ImportError, match="TransformerEngine"):
             layer_spec(spec, "te")
+
+
+def test_apply_rope_matches_megatron_and_compiles():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from common.attention import apply_rope
+    from common.fused import compile_fn
+
+    torch.manual_seed(0)
+    for s in (7, 12):  # two lengths: the compiled kernel takes dynamic shapes
+        t = torch.randn(s, 2, 3, 16, requires_grad=True)
+        freqs = torch.rand(s, 1, 1, 8) * 10
+        freqs = torch.cat((freqs, freqs), dim=-1)  # megatron's layout: each angle twice
+        w = torch.randn(s, 2, 3, 16)
+        ours = apply_rope(t, freqs)
+        (grad,) = torch.autograd.grad((ours * w).sum(), t)
+        ref = _apply_rotary_pos_emb_bshd(t, freqs)
+        (ref_grad,) = torch.autograd.grad((ref * w).sum(), t)
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
+        assert (ours - t).abs().max() > 0.1  # the rotation did something
+        compiled = compile_fn(apply_rope.eager)(t, freqs)
+        torch.testing.assert_close(compiled, ours, atol=1e-6, rtol=0)
+        (compiled_grad,) = torch.autograd.grad((compiled * w).sum(), t)
+        torch.testing.assert_close(compiled_grad, grad, atol=1e-6, rtol=0)
+        bf16 = apply_rope(t.detach().bfloat16(), freqs)
+        assert bf16.dtype == torch.bfloat16 and (bf16.float() - ours).abs().max() < 0.05
