@@ -81,6 +81,9 @@ def build_parser():
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     p.add_argument("--mini-batch-size", type=int, default=None, help="samples per optimizer step, global (default: the whole rollout batch)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass per rank")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="instead of --micro-batch-size, fill each forward pass with length-sorted samples up to this many "
+                        "tokens per rank (samples x padded length; 0 = off): fewer, fuller passes (docs/benchmarks.md)")
     # --- optimisation
     p.add_argument("--lr", type=float, default=1e-6, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay")
@@ -175,11 +178,10 @@ def main():
     rollout_batch = args.prompts_per_step * group  # samples per step, global
     mini_batch = args.mini_batch_size or rollout_batch
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
-    if rollout_batch % mini_batch or mini_batch % info.dp_size or per_dp % args.micro_batch_size:
+    if rollout_batch % mini_batch or mini_batch % info.dp_size or (not args.micro_batch_tokens and per_dp % args.micro_batch_size):
         raise ValueError(f"batch sizes do not divide: rollout batch {rollout_batch} (prompts x G) must be a multiple of "
                          f"--mini-batch-size {mini_batch}, which must be a multiple of dp {info.dp_size} x "
                          f"--micro-batch-size {args.micro_batch_size}")
-    num_micro = per_dp // args.micro_batch_size
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
     def load_model():
@@ -246,14 +248,16 @@ def main():
 
     def logprob_pass(chunks, mbs, store):
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only)."""
+        on_device = torch.zeros(store.shape, device=info.device)  # filled without a host sync per micro-batch
+
         def loss_fn(mb, logits):
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
-            store[mb["row"].cpu(), :logprobs.shape[1]] = logprobs.float().cpu()  # (b, T_mb), T_mb <= T
+            on_device[mb["row"], :logprobs.shape[1]] = logprobs.float()  # (b, T_mb), T_mb <= T
             return logprobs.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
         # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
-        store.copy_(B.all_reduce_sum(store, mpu.get_data_parallel_group(), info.device))
+        store.copy_(B.all_reduce_sum(on_device, mpu.get_data_parallel_group(), info.device))
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
@@ -318,7 +322,7 @@ def main():
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
             return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
-                                   same_length=args.pp > 1)
+                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
@@ -349,7 +353,8 @@ def main():
                 rows = order[m * mini_batch:(m + 1) * mini_batch]
                 # global normalisers of this mini-batch (all DP ranks, all micro-batches)
                 norm = dict(num_tokens=batch["mask"][rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
-                scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
+                mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
+                scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def loss_fn(mb, logits):
                     mask = mb["mask"]
@@ -375,7 +380,7 @@ def main():
                         metrics.update(logprob_mismatch=rl.masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
-                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, my_micro_batches(order, m),
+                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs,
                                                      loss_fn, info.device)
                 train_metrics += mb_metrics
                 grad_norms.append(grad_norm)

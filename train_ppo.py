@@ -88,6 +88,9 @@ def build_parser():
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
     p.add_argument("--mini-batch-size", type=int, default=None, help="samples per optimizer step, global (default: the whole rollout batch)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass per rank")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="instead of --micro-batch-size, fill each forward pass with length-sorted samples up to this many "
+                        "tokens per rank (samples x padded length; 0 = off): fewer, fuller passes (docs/benchmarks.md)")
     p.add_argument("--critic-warmup-steps", type=int, default=0, help="the first N steps update only the critic (the actor is left unchanged)")
     # --- optimisation (two optimizers: actor and critic)
     p.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
@@ -191,11 +194,10 @@ def main():
     rollout_batch = args.prompts_per_step * group  # samples per step, global
     mini_batch = args.mini_batch_size or rollout_batch
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
-    if rollout_batch % mini_batch or mini_batch % info.dp_size or per_dp % args.micro_batch_size:
+    if rollout_batch % mini_batch or mini_batch % info.dp_size or (not args.micro_batch_tokens and per_dp % args.micro_batch_size):
         raise ValueError(f"batch sizes do not divide: rollout batch {rollout_batch} (prompts x samples) must be a multiple of "
                          f"--mini-batch-size {mini_batch}, which must be a multiple of dp {info.dp_size} x "
                          f"--micro-batch-size {args.micro_batch_size}")
-    num_micro = per_dp // args.micro_batch_size
     updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
 
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
@@ -277,15 +279,16 @@ def main():
         of each last pipeline stage writes its DP rank's rows, then a sum over all ranks (one
         writer per row: exact) gives every rank all rows."""
         writer = mpu.get_tensor_model_parallel_rank() == 0
+        on_device = torch.zeros(store.shape, device=info.device)  # filled without a host sync per micro-batch
 
         def loss_fn(mb, output):
             per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
             if writer:
-                store[mb["row"].cpu(), :per_token.shape[1]] = per_token.float().cpu()  # T_mb <= T
+                on_device[mb["row"], :per_token.shape[1]] = per_token.float()  # T_mb <= T
             return per_token.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
-        store.copy_(B.all_reduce_sum(store, None, info.device))
+        store.copy_(B.all_reduce_sum(on_device, None, info.device))
 
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
@@ -354,7 +357,7 @@ def main():
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
             return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
-                                   same_length=args.pp > 1)
+                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens)
 
         # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
@@ -404,7 +407,8 @@ def main():
                 rows = order[m * mini_batch:(m + 1) * mini_batch]
                 # global normalisers of this mini-batch (all DP ranks, all micro-batches)
                 norm = dict(num_tokens=mask[rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
-                scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
+                mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
+                scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def actor_loss_fn(mb, logits):
                     mb_mask = mb["mask"]
@@ -433,12 +437,12 @@ def main():
                                           "vf_clip_frac": rl.masked_sum(clipped.float(), mb_mask), "vf_clip_frac__n": n}
 
                 if train_actor:
-                    mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, my_micro_batches(order, m),
+                    mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs,
                                                          actor_loss_fn, info.device)
                     train_metrics += mb_metrics
                     grad_norms.append(grad_norm)
                 mb_metrics, grad_norm = B.train_step(critic, critic_optimizer, critic_scheduler,
-                                                     my_micro_batches(order, m), critic_loss_fn, info.device)
+                                                     mbs, critic_loss_fn, info.device)
                 train_metrics += mb_metrics
                 critic_grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick

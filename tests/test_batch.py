@@ -69,6 +69,32 @@ def test_micro_batches_sort_and_cut_by_hand():
     assert [mb["tokens"].shape[1] for mb in same] == [16, 16]  # a pipeline needs one shape
 
 
+def test_micro_batches_token_budget_by_hand():
+    # ends 2, 5, 9, 13 (rows 1, 0, 3, 2 ascending), length_multiple 4 -> cuts 4, 8, 12, 16
+    samples = [Sample([1, 2], [3, 4, 5, 6], [0.0] * 4, "stop"), Sample([1, 2], [3], [0.0], "stop"),
+               Sample([1, 2], [3] * 12, [0.0] * 12, "length"), Sample([1, 2], [3] * 8, [0.0] * 8, "stop")]
+    b = pack_sequences(samples, pad_id=0, length_multiple=4)
+    b["row"] = torch.arange(4)
+    rows = torch.tensor([0, 1, 2, 3])
+
+    def layout(**kw):
+        mbs = micro_batches(b, rows, micro_batch_size=99, length_multiple=4, **kw)
+        return [(mb["row"].tolist(), mb["tokens"].shape[1]) for mb in mbs]
+
+    # budget 16: [1] cut 4, + row 0 -> 2 x 8 = 16 fits; + row 3 -> 3 x 12 = 36 no;
+    # [3] 12, + row 2 -> 2 x 16 = 32 no; [2] 16
+    assert layout(max_tokens=16) == [([1, 0], 8), ([3], 12), ([2], 16)]
+    assert layout(max_tokens=24) == [([1, 0], 8), ([3], 12), ([2], 16)]  # 3 x 12 = 36 > 24
+    assert layout(max_tokens=36) == [([1, 0, 3], 12), ([2], 16)]
+    assert layout(max_tokens=64) == [([1, 0, 3, 2], 16)]
+    assert layout(max_tokens=1) == [([1], 4), ([0], 8), ([3], 12), ([2], 16)]  # a row never waits
+    # with one length for all (a pipeline), every row costs the longest cut, 16: 2 rows per 32
+    assert layout(max_tokens=32, same_length=True) == [([1, 0], 16), ([3, 2], 16)]
+    # every row lands exactly once, whatever the budget
+    for budget in range(1, 70, 3):
+        assert sorted(r for rs, _ in layout(max_tokens=budget) for r in rs) == [0, 1, 2, 3]
+
+
 def test_cut_padding_same_logprobs_and_grads(tmp_path):
     """A tiny Qwen2 forward/backward on cut micro-batches equals the full-width one."""
     from tests.tiny_models import save_tiny_hf_model

@@ -6,6 +6,8 @@
 - --resume: 3 steps, then resume to 6 == 6 steps in one go (metrics of steps 4-6 equal);
 - layouts: rollouts saved from a 1-process run, replayed (--load-rollouts) under torchrun
   with DP=2, TP=2 (+SP) and PP=2, give the same losses, grad norms, entropy and KL;
+- --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
+  the losses and grad norms of fixed-size micro-batches in one process;
 - every flag of --help has a help string.
 """
 import os
@@ -74,3 +76,26 @@ def test_layouts_match_single_process(layout, saved_rollouts, tmp_path):
     for a, b in zip(reference, replayed):
         for key in TRAIN_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
+
+
+def test_token_budget_matches_fixed_micro_batches(tmp_path):
+    import glob
+
+    import torch
+
+    from common import batch as B
+
+    geometry = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--mini-batch-size", "16",
+                "--max-new-tokens", "24"]  # responses of 1 to 24 tokens: lengths vary
+    run(*geometry, "--micro-batch-size", "4", "--steps", 2, "--out", tmp_path / "fixed",
+        "--save-rollouts", tmp_path / "rollouts")
+    # the test means something only if the budget gives the two ranks different counts
+    samples = torch.load(sorted(glob.glob(str(tmp_path / "rollouts" / "*.pt")))[0], weights_only=False)["samples"]
+    packed = B.pack_sequences(samples, pad_id=0)
+    counts = [len(B.micro_batches(packed, torch.arange(dp * 8, dp * 8 + 8), 4, max_tokens=48)) for dp in range(2)]
+    assert counts[0] != counts[1], counts
+    run_torchrun("train_grpo.py", 2, *geometry, "--micro-batch-tokens", "48", "--steps", 2, "--out", tmp_path / "budget",
+                 "--load-rollouts", tmp_path / "rollouts")
+    for a, b in zip(metrics(tmp_path / "fixed"), metrics(tmp_path / "budget"), strict=True):
+        for key in TRAIN_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
