@@ -79,3 +79,115 @@ def timed(fn, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     return max_over_ranks(time.perf_counter() - t0, device)
+
+
+# ---------------------------------------------------------------------------------------
+# Where the device time goes: one call of fn under torch.profiler, kernels by category
+
+# first match wins, on the lower-cased kernel name: flash kernels also carry "sm90" in their
+# names, so attention comes before matmul; inductor's fused kernels are named triton_*
+KERNEL_CATEGORIES = [
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("communication", ("nccl",)),
+    ("fused (triton)", ("triton",)),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("norm", ("norm",)),
+    ("reduction", ("reduce",)),
+    ("copy / fill", ("memcpy", "memset", "copy", "fill", "cat", "index", "gather", "scatter")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+]
+
+
+def kernel_category(name):
+    lower = name.lower()
+    for category, keys in KERNEL_CATEGORIES:
+        if any(k in lower for k in keys):
+            return category
+    return "other"
+
+
+def summarize_kernels(kernels, wall_us, top=15):
+    """kernels: (name, start_us, duration_us) of every device kernel in a window of wall_us.
+    Returns dict(wall_ms, busy_ms (union of kernel intervals: time the device was doing
+    anything), idle_frac, categories {name: ms}, top [(ms, count, name)])."""
+    by_category, by_name, intervals = {}, {}, []
+    for name, start, duration in kernels:
+        category = kernel_category(name)
+        by_category[category] = by_category.get(category, 0.0) + duration / 1e3
+        total, count = by_name.get(name, (0.0, 0))
+        by_name[name] = (total + duration / 1e3, count + 1)
+        intervals.append((start, start + duration))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):  # union of [start, end) intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    ranked = sorted(((ms, count, name) for name, (ms, count) in by_name.items()), reverse=True)[:top]
+    return dict(wall_ms=wall_us / 1e3, busy_ms=busy / 1e3, idle_frac=1 - busy / wall_us if wall_us else None,
+                categories=dict(sorted(by_category.items(), key=lambda kv: -kv[1])), top=ranked)
+
+
+def profile_kernels(fn, device):
+    """Run fn() once under torch.profiler; summarize_kernels of the device kernels it ran (on a
+    CPU, of the CPU ops instead: the same bookkeeping, for the tests)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    if on_gpu:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == kind]
+    summary = summarize_kernels(kernels, wall_us)
+    # host side: the ops that cost the CPU most of its own time (launch overhead shows up here)
+    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in host]
+    summary["host_ms"] = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
+    return summary
+
+
+def host_syncs(fn):
+    """Run fn() once with torch.cuda.set_sync_debug_mode("warn"): every operation that makes the
+    CPU wait for the GPU (a .item(), a copy to pageable host memory, a mask index needing
+    nonzero, ...) warns from its Python line. Returns [(count, "file:line")], most frequent first.
+    Each such wait drains the GPU's queue, which then idles while the CPU launches again."""
+    import collections
+    import warnings
+
+    counts = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+    return [(n, where) for where, n in counts.most_common()]
+
+
+def format_kernel_summary(summary):
+    """Lines of text: the busy/idle split, ms per category, the top kernels."""
+    lines = [f"profile of one step: wall {summary['wall_ms']:.1f} ms, device busy {summary['busy_ms']:.1f} ms "
+             f"(idle {100 * summary['idle_frac']:.1f}%)"]
+    total = sum(summary["categories"].values()) or 1.0
+    lines += [f"  {name:16s} {ms:9.1f} ms  {100 * ms / total:5.1f}%" for name, ms in summary["categories"].items()]
+    lines.append("  top kernels:")
+    lines += [f"  {ms:9.1f} ms x{count:<5d} {name[:110]}" for ms, count, name in summary["top"]]
+    if "host_top" in summary:
+        lines.append(f"  host: {summary['host_ms']:.1f} ms of op self time on the CPU; top ops:")
+        lines += [f"  {ms:9.1f} ms x{count:<5d} {name[:110]}" for ms, count, name in summary["host_top"]]
+    if summary.get("syncs") is not None:
+        lines.append(f"  host waits for the device (torch.cuda.set_sync_debug_mode): {sum(n for n, _ in summary['syncs'])}")
+        lines += [f"  {n:6d} x {where}" for n, where in summary["syncs"][:15]]
+    return lines

@@ -154,6 +154,9 @@ def main():
             "logprobs": lambda: [SamplingParams(**common, logprobs=0, flat_logprobs=True) for _ in rows],
             "seed_and_logprobs": lambda: [SamplingParams(**common, seed=i, logprobs=0, flat_logprobs=True)
                                           for i in range(len(rows))],
+            # what --rollout-logprobs one-per-prompt asks for: a logprob on 1 request in n
+            "seed_and_logprobs_1_in_n": lambda: [SamplingParams(**common, seed=i, logprobs=0 if i % n == 0 else None,
+                                                                flat_logprobs=True) for i in range(len(rows))],
         }
         for name, make in variants.items():
             params = make()

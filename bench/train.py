@@ -43,6 +43,12 @@ softmax are not counted.
 Peak FLOP/s: --peak-tflops, default from the device name (H100/H200 SXM: 989 dense bf16).
 Target (issue 7): MFU >= 0.45 for 1.5B on 1 GPU and 7B on 2-4 GPUs at 2k-4k tokens.
 
+--kernels eager runs the candidate without common/fused.py's compiled kernels (the baseline
+never uses them). --profile adds, for the candidate: device time per kernel category and the
+top kernels of one profiled step, the device's idle share, the host's top ops, the source
+lines where the host waited for the device (torch.cuda.set_sync_debug_mode), and the logprob
+kernels timed alone.
+
 Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
 """
 import argparse
@@ -60,7 +66,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from harness import SHAPES, max_over_ranks  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
+from harness import SHAPES, format_kernel_summary, max_over_ranks  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
 
 # Dense (no sparsity) bf16 peak, TFLOP/s, from NVIDIA's data sheets; first match on the
 # device name wins, so the PCIe/NVL variants come before the SXM parts.
@@ -99,6 +105,9 @@ def build_parser():
     # --- candidate configuration (the baseline is always attention=local, no recompute)
     p.add_argument("--attention", choices=["sdpa", "local", "te"], default="sdpa",
                    help="core attention: torch SDPA (flash), megatron's local baddbmm+softmax, or TransformerEngine")
+    p.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
+                   help="common/fused.py's kernels (vocabulary logprobs, SDPAttention's RoPE): torch.compile'd, as "
+                        "training runs them on a GPU, or eager (the baseline always runs eager; on a CPU both are eager)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recompute: megatron's recompute_granularity (selective: --recompute-modules; "
                         "full: whole layers, uniform method)")
@@ -124,6 +133,9 @@ def build_parser():
                    help="peak dense TFLOP/s of one device for MFU (default: from the GPU name, H100/H200 989; "
                         "required on other GPUs; on a CPU MFU is null unless given)")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (e.g. when it would not fit)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the candidate's timed steps, profile one more step (torch.profiler, rank 0) and print "
+                        "device time per kernel category and the top kernels, plus the logprob kernels timed alone")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data")
     return p
 
@@ -181,18 +193,20 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
 
 
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, micro_batch_size, steps, warmup,
-               distributed_optimizer, overlap_grad_reduce):
+               distributed_optimizer, overlap_grad_reduce, compiled_kernels=False, profile=False):
     """Build the model, run warmup + timed training steps, free everything.
 
-    All ranks call this. Returns dict(step_times, phase_times, peak_bytes) or dict(oom=True):
+    All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
     per timed step its seconds and [logprob pass, forward/backward, optimizer] seconds, each the
-    slowest rank's.
+    slowest rank's; profile: harness.profile_kernels of one more step (rank 0's) or None.
     """
     from common import batch as B
-    from common import rl
+    from common import fused, rl
     from common.model import build_model, setup_training
+    from harness import host_syncs, profile_kernels
     from megatron.core import parallel_state as mpu
 
+    fused.COMPILE = compiled_kernels
     on_gpu = info.device.type == "cuda"
     num_rows, seq_len = batch["tokens"].shape
     per_dp = num_rows // info.dp_size
@@ -207,7 +221,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
 
     def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
-        old_logprobs[mb["row"].cpu()] = logprobs.float().cpu()
+        old_logprobs[mb["row"].to(old_logprobs.device)] = logprobs.float()  # on the device: no sync per micro-batch
         return logprobs.sum() * 0, {}
 
     def ppo_loss_fn(mb, logits):  # the train_grpo.py loss with --loss-agg token_mean, no KL
@@ -228,7 +242,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
         old_logprobs.zero_()
         with torch.no_grad():
             B.run_micro_batches(model, my_micro_batches(), logprob_loss_fn, forward_only=True, device=info.device)
-        batch["old_logprobs"] = B.all_reduce_sum(old_logprobs, mpu.get_data_parallel_group(), info.device)
+        batch["old_logprobs"] = B.all_reduce_sum(old_logprobs, mpu.get_data_parallel_group(), info.device).cpu()
         _sync(on_gpu)
         ticks.append(time.perf_counter())
         # 2. forward/backward of the PPO loss (DDP reduces the gradients at the end)
@@ -246,9 +260,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
         return [b - a for a, b in zip(ticks, ticks[1:])]
 
     model = optimizer = scheduler = None
-    old_logprobs = torch.zeros(num_rows, seq_len)  # (N, T) on the host, as in train_grpo.py
+    old_logprobs = torch.zeros(num_rows, seq_len, device=info.device)  # (N, T), as in train_grpo.py
     batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
-    phase_times, oom = [], False  # per timed step: [logprob, fwd_bwd, optimizer] seconds
+    phase_times, oom, kernels = [], False, None  # per timed step: [logprob, fwd_bwd, optimizer] seconds
     try:
         chunks = build_model(spec, tp=tp, pp=pp, sequence_parallel=sp, dtype=dtype, init_weights=True,
                              attention=attention, **overrides)
@@ -263,6 +277,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
             phases = training_step()
             if step >= warmup:
                 phase_times.append(phases)
+        if profile:
+            kernels = profile_kernels(training_step, info.device)
+            kernels["syncs"] = host_syncs(training_step) if on_gpu else None
     except torch.OutOfMemoryError:  # the traceback (and its tensors) is dropped at the end of this block
         oom = True
     peak = torch.cuda.max_memory_allocated() if on_gpu else None
@@ -278,7 +295,44 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
         return dict(oom=True)
     return dict(step_times=[max_over_ranks(sum(phases), info.device) for phases in phase_times],
                 phase_times=[[max_over_ranks(t, info.device) for t in phases] for phases in phase_times],
-                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None)
+                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None, profile=kernels)
+
+
+def time_logprob_kernels(num_tokens, v_local, dtype, device, reps=5):
+    """Milliseconds of rl.vocab_parallel_logprobs alone on random (1, num_tokens, v_local) logits
+    (one TP rank's shard, no communication): logprobs forward, and forward + backward with the
+    entropy as in the PPO loss; eager and torch.compile'd. Median of `reps` after a warm-up."""
+    from common import fused, rl
+
+    def median_ms(fn):
+        times = []
+        for _ in range(reps + 1):
+            _sync(True)
+            t0 = time.perf_counter()
+            fn()
+            _sync(True)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times[1:])[reps // 2]
+
+    logits = torch.randn(1, num_tokens, v_local, device=device).mul_(3).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, v_local, (1, num_tokens), device=device)
+    weights = torch.randn(1, num_tokens, device=device)
+
+    def forward():
+        with torch.no_grad():
+            rl.vocab_parallel_logprobs(logits, targets, v_local)
+
+    def forward_backward():
+        logprobs, entropy = rl.vocab_parallel_logprobs(logits, targets, v_local, compute_entropy=True)
+        ((logprobs + 0.01 * entropy) * weights).sum().backward()
+        logits.grad = None
+
+    result = {}
+    for mode in ("eager", "compiled"):
+        fused.COMPILE = mode == "compiled"
+        result[f"{mode}_fwd_ms"] = median_ms(forward)
+        result[f"{mode}_fwd_bwd_ms"] = median_ms(forward_backward)
+    return result
 
 
 def _sync(on_gpu):
@@ -296,7 +350,7 @@ def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, worl
     achieved = flops_per_step / step_s  # model FLOP/s, all devices together
     mfu = achieved / (world_size * peak_flops) if peak_flops else None
     mfu_full = flops_per_step_full / step_s / (world_size * peak_flops) if peak_flops else None
-    return dict(status="ok", tokens=tokens_per_step * len(times), seconds=sum(times),
+    return dict(status="ok", profile=run.get("profile"), tokens=tokens_per_step * len(times), seconds=sum(times),
                 tokens_per_s=tokens_per_step * len(times) / sum(times), step_s=step_s,
                 tokens_per_s_per_device=tokens_per_step * len(times) / sum(times) / world_size,
                 step_s_min=min(times), step_s_max=max(times),
@@ -308,7 +362,7 @@ def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, worl
 
 def main():
     args = build_parser().parse_args()
-    from common.bridge import expected_hf_names, expected_hf_shape, parse_hf_config
+    from common.bridge import expected_hf_names, expected_hf_shape, padded_vocab_size, parse_hf_config
     from common.dist import destroy_distributed, init_distributed, print0
 
     tiny = args.config is None and args.shape == "tiny"
@@ -357,7 +411,8 @@ def main():
              if on_gpu and args.attention == "sdpa" else None)
 
     # ---- candidate, then baseline (megatron-core's local spec as it comes), same batch
-    candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides, **common),
+    candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides,
+                                     compiled_kernels=args.kernels == "compiled", profile=args.profile, **common),
                           **numbers)
     left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
     if args.no_baseline:
@@ -388,6 +443,15 @@ def main():
                f"{fmt(r['mfu'], '{:.3f}'):>6s} {fmt(r['mfu_full_attn'], '{:.3f}'):>8s} {fmt(r['peak_mem_gib'], '{:.2f}'):>8s}")
         print0(f"{'':4s}per step: logprob pass {r['logprob_s']:.3f} s, forward/backward {r['fwd_bwd_s']:.3f} s, "
                f"optimizer {r['optimizer_s']:.3f} s")
+        if r.get("profile"):
+            for line in format_kernel_summary(r["profile"]):
+                print0(f"{'':4s}{line}")
+    logprob_kernels = None
+    if args.profile and on_gpu:  # the vocabulary part of the loss alone, one micro-batch's worth
+        v_local = padded_vocab_size(spec.vocab_size, args.tp) // args.tp
+        logprob_kernels = time_logprob_kernels(micro_batch_size * seq_len, v_local, dtype, info.device)
+        print0(f"rl.vocab_parallel_logprobs alone, {micro_batch_size * seq_len} tokens x {v_local} vocabulary columns: "
+               + ", ".join(f"{k} {v:.2f}" for k, v in logprob_kernels.items()))
     both = candidate["status"] == "ok" and baseline["status"] == "ok"
     ratio_tokens = candidate["tokens_per_s"] / baseline["tokens_per_s"] if both else None
     ratio_mem = (candidate["peak_mem_gib"] / baseline["peak_mem_gib"]
@@ -405,7 +469,7 @@ def main():
         shape=shape_name, params=params, seq_len=seq_len, num_seqs=num_seqs,
         micro_batch_size=micro_batch_size, num_micro_batches=num_seqs // info.dp_size // micro_batch_size,
         packing="none (every row a full seq_len sequence; response mask = second half)",
-        attention=args.attention, sdpa_flash=flash, recompute=args.recompute,
+        attention=args.attention, sdpa_flash=flash, kernels=args.kernels, logprob_kernels=logprob_kernels, recompute=args.recompute,
         recompute_modules=args.recompute_modules if args.recompute == "selective" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute == "full" else None,
         dtype=str(dtype).replace("torch.", ""), distributed_optimizer=args.distributed_optimizer,

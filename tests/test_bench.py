@@ -83,6 +83,30 @@ def test_single_process():
     assert "baseline: local, recompute none" in out and "candidate / baseline: tokens/s x" in out
 
 
+def test_summarize_kernels_by_hand():
+    # overlapping intervals count once in the busy time; categories by name, attention first
+    # (flash kernels carry "sm90" too)
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from harness import summarize_kernels
+    s = summarize_kernels([("sm90_xmma_gemm_bf16", 0, 40), ("flash_fwd_sm90_kernel", 30, 20),
+                           ("vectorized_elementwise_kernel", 100, 10), ("triton_red_fused_0", 150, 5),
+                           ("sm90_xmma_gemm_bf16", 160, 40)], wall_us=400)
+    assert s["busy_ms"] == pytest.approx((50 + 10 + 5 + 40) / 1e3)
+    assert s["idle_frac"] == pytest.approx(1 - 105 / 400)
+    assert s["categories"] == pytest.approx({"matmul": 0.08, "attention": 0.02, "elementwise": 0.01,
+                                             "fused (triton)": 0.005})
+    assert s["top"][0] == (pytest.approx(0.08), 2, "sm90_xmma_gemm_bf16")
+
+
+def test_profile_flag_cpu():
+    out = run("--shape", "tiny", "--steps", 1, "--warmup", 1, "--no-baseline", "--profile", "--kernels", "eager")
+    r = bench_json(out)
+    p = r["candidate"]["profile"]
+    assert r["kernels"] == "eager" and p["busy_ms"] > 0 and p["wall_ms"] >= p["busy_ms"] and p["top"]
+    assert "profile of one step: wall" in out
+
+
 def test_torchrun_tp2():
     proc = run_torchrun(SCRIPT, 2, "--shape", "tiny", "--tp", 2, "--steps", 1, "--warmup", 1, "--seq-len", 64)
     r = bench_json(proc.stdout)
