@@ -148,9 +148,9 @@ def profile_kernels(fn, device):
                if e.device_type == kind]
     summary = summarize_kernels(kernels, wall_us)
     # host side: the ops that cost the CPU most of its own time (launch overhead shows up here)
-    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in host]
-    summary["host_ms"] = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in ops[:10]]
+    summary["host_ms"] = sum(e.self_cpu_time_total for e in ops) / 1e3
     return summary
 
 

@@ -66,7 +66,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from harness import SHAPES, format_kernel_summary, max_over_ranks  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
+from harness import SHAPES, format_kernel_summary, max_over_ranks, timed  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
 
 # Dense (no sparsity) bf16 peak, TFLOP/s, from NVIDIA's data sheets; first match on the
 # device name wins, so the PCIe/NVL variants come before the SXM parts.
@@ -221,7 +221,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
 
     def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
-        old_logprobs[mb["row"].to(old_logprobs.device)] = logprobs.float()  # on the device: no sync per micro-batch
+        old_logprobs[mb["row"]] = logprobs.float()  # on the device (as mb): no sync per micro-batch
         return logprobs.sum() * 0, {}
 
     def ppo_loss_fn(mb, logits):  # the train_grpo.py loss with --loss-agg token_mean, no KL
@@ -301,17 +301,12 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
 def time_logprob_kernels(num_tokens, v_local, dtype, device, reps=5):
     """Milliseconds of rl.vocab_parallel_logprobs alone on random (1, num_tokens, v_local) logits
     (one TP rank's shard, no communication): logprobs forward, and forward + backward with the
-    entropy as in the PPO loss; eager and torch.compile'd. Median of `reps` after a warm-up."""
+    entropy as in the PPO loss; eager and torch.compile'd. Median of `reps` after a warm-up (the
+    slowest rank's, harness.timed)."""
     from common import fused, rl
 
-    def median_ms(fn):
-        times = []
-        for _ in range(reps + 1):
-            _sync(True)
-            t0 = time.perf_counter()
-            fn()
-            _sync(True)
-            times.append((time.perf_counter() - t0) * 1e3)
+    def median_ms(fn):  # harness.timed: synchronised, the slowest rank's seconds
+        times = [timed(fn, device) * 1e3 for _ in range(reps + 1)]
         return sorted(times[1:])[reps // 2]
 
     logits = torch.randn(1, num_tokens, v_local, device=device).mul_(3).to(dtype).requires_grad_(True)

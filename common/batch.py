@@ -102,8 +102,9 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
     groups = []  # lists of positions in `rows`, ascending length
     for i in range(len(rows)):
         cut = longest_cut if same_length else cut_of(ends[rows[i]])  # rows ascend: row i is the group's longest
-        fits = (max_tokens > 0 and (len(groups[-1]) + 1) * cut <= max_tokens) if groups else False
-        if groups and (fits if max_tokens > 0 else len(groups[-1]) < micro_batch_size):
+        joins = bool(groups) and ((len(groups[-1]) + 1) * cut <= max_tokens if max_tokens > 0
+                                  else len(groups[-1]) < micro_batch_size)
+        if joins:
             groups[-1].append(i)
         else:
             groups.append([i])
