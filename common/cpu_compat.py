@@ -95,42 +95,5 @@ def apply():
 
     torch.Tensor.type = tensor_type
 
-    # 4. Distributed-optimizer checkpoint load on the torch.optim.Adam path (no apex/TE,
-    #    the same path a GPU without TE takes, but on a GPU we never patch):
-    #    distrib_optimizer.py:937 copies every key of the live Adam state, including 'step',
-    #    from checkpoint tensors that have no 'step' (KeyError), outside no_grad.
-    from megatron.core.optimizer import distrib_optimizer
-
-    dist_opt = distrib_optimizer.DistributedOptimizer
-    original_set_states = dist_opt._set_main_param_and_optimizer_states
-
-    def set_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            with torch.no_grad():
-                return original_set_states(self, model_param, tensors)
-        group_index, order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][order]
-        targets = {"param": main_param, **self.optimizer.state[main_param]}
-        with torch.no_grad():
-            for key, target in targets.items():
-                if key in tensors and key != "step":  # step comes from param_groups
-                    target.copy_(tensors[key])
-
-    dist_opt._set_main_param_and_optimizer_states = set_states
-
-    #    distrib_optimizer.py:818 gives every param the same 'step' tensor object after a
-    #    load; torch Adam increments it in place once per param, so the step would race
-    #    ahead (Adam bias correction drifts ~1e-3). Give each param its own copy.
-    original_load = dist_opt.load_state_dict
-
-    def load_state_dict(self, state_dict):
-        result = original_load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-        return result
-
-    dist_opt.load_state_dict = load_state_dict
-
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True

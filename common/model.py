@@ -406,6 +406,14 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
         ),
         ddp_chunks,
     )
+    # Without TE/apex megatron falls back to torch.optim.AdamW in its default multi-tensor
+    # (foreach) mode: ~10 passes over the fp32 params and moments per step. torch's fused
+    # kernel makes one (docs/benchmarks.md). Set before the first step, which creates the
+    # step counters (on the device for fused).
+    for adam in torch_adams(optimizer):
+        for group in adam.param_groups:
+            group.update(fused=True, foreach=False)
+        adam.defaults.update(fused=True, foreach=False)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=max(total_steps, warmup_steps + 1),
@@ -414,3 +422,9 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
     )
     return ddp_chunks, optimizer, scheduler
 
+
+def torch_adams(optimizer):
+    """The torch Adam/AdamW instances inside a megatron optimizer (megatron's choice without
+    TE/apex); TE / apex FusedAdam keep their state their own way and are not listed."""
+    inners = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [inner for inner in inners if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))]

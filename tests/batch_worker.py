@@ -1,11 +1,18 @@
-"""Worker of tests/test_batch.py: the same logprobs and gradients with padding cut.
+"""Worker of tests/test_batch.py: the same logprobs and gradients with padding cut; and
+train_step's optimizer against Adam written out by hand.
 
-    python tests/batch_worker.py HF_DIR
+    python tests/batch_worker.py HF_DIR          # padding cut
+    python tests/batch_worker.py HF_DIR adam     # two optimizer steps
 
 A tiny Qwen2 (fp32) scores a batch of samples of very different lengths twice: micro-batches
 at the batch's full width (split_micro_batches) and length-sorted micro-batches cut after
 their longest row (micro_batches). Prints JSON: max |logprob difference| on response tokens,
 max |gradient difference| of the token-mean loss, and the tokens each way processed.
+In `adam` mode: setup_training's optimizer (distributed, fp32) takes two train_step's and
+each parameter is compared with AdamW computed here from the same gradients (the DDP
+buffer's main_grad): decoupled weight decay on matrices only (megatron's default: none on
+biases and norms), bias-corrected moments. Prints whether torch's fused kernel was on and
+the largest |difference| over all parameters.
 """
 import json
 import os
@@ -63,5 +70,46 @@ def main():
         full_tokens=full_tokens, cut_tokens=cut_tokens, width=batch["tokens"].shape[1])))
 
 
+def adam():
+    from common import batch as B
+    from common import rl
+    from common.dist import init_distributed
+    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training, torch_adams
+
+    hf_dir = sys.argv[1]
+    init_distributed()
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, dtype=torch.float32)
+    load_hf_weights(chunks, spec, hf_dir)
+    lr, weight_decay, (beta1, beta2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
+    model, optimizer, scheduler = setup_training(chunks, lr=lr, weight_decay=weight_decay, adam_betas=(beta1, beta2),
+                                                 adam_eps=eps, clip_grad=0.0)
+    fused = all(g["fused"] for adam in torch_adams(optimizer) for g in adam.param_groups)
+    named = list(model[0].named_parameters())
+    expected = {n: p.detach().clone() for n, p in named}
+    m = {n: torch.zeros_like(p) for n, p in named}
+    v = {n: torch.zeros_like(p) for n, p in named}
+    gen = torch.Generator().manual_seed(1)
+    errors = []
+    for t in (1, 2):
+        tokens = torch.randint(3, spec.vocab_size, (2, 16), generator=gen)
+        mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
+
+        def loss_fn(mb, logits):
+            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+            return -logprobs.mean(), {}
+
+        B.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
+        for n, p in named:
+            g = p.main_grad
+            m[n] = beta1 * m[n] + (1 - beta1) * g
+            v[n] = beta2 * v[n] + (1 - beta2) * g * g
+            decay = 0.0 if n.endswith(".bias") or p.dim() == 1 else weight_decay
+            update = (m[n] / (1 - beta1 ** t)) / ((v[n] / (1 - beta2 ** t)).sqrt() + eps)
+            expected[n] = expected[n] * (1 - lr * decay) - lr * update
+            errors.append(float((p.detach() - expected[n]).abs().max()))
+    print("RESULT " + json.dumps(dict(fused=fused, max_err=max(errors), params=len(named))))
+
+
 if __name__ == "__main__":
-    main()
+    adam() if sys.argv[2:] == ["adam"] else main()
