@@ -184,9 +184,11 @@ def main():
         prompt_ids = [tokenizer.encode(it["prompt"], add_special_tokens=False) for it in items]
     else:
         prompt_ids = [apply_chat_template(tokenizer, it["prompt"], args.system_prompt) for it in items]
-    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= args.max_prompt_len]
+    # a prompt must leave room for one new token within the model's positions
+    max_prompt_len = min(args.max_prompt_len, spec.max_position_embeddings - 1)
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= max_prompt_len]
     if len(keep) < len(items):
-        print0(f"dropped {len(items) - len(keep)} prompts longer than --max-prompt-len {args.max_prompt_len}")
+        print0(f"dropped {len(items) - len(keep)} prompts longer than {max_prompt_len} tokens (--max-prompt-len)")
     items, prompt_ids = [items[i] for i in keep], [prompt_ids[i] for i in keep]
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches

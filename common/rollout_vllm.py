@@ -85,6 +85,9 @@ class VLLMEngine(RolloutEngine):
         (weights + activations + KV cache); that much must be free when the engine starts,
         or vLLM raises (v1/worker/utils.py:request_memory), so start it before the optimizer
         state exists or size the fraction to what the trainer leaves.
+        max_model_len: prompt + response tokens per request, capped at config.json's
+        max_position_embeddings (vLLM refuses a longer context; a request that reaches the cap
+        ends with finish_reason "length").
         llm_kwargs reach vllm.LLM unchanged (e.g. max_num_seqs, enable_prefix_caching)."""
         # flashinfer is not shipped with our GPU stack, and vLLM's sampler probes for it
         # unless told not to (shared/device/README.md). Must be set before vllm is imported.
@@ -101,6 +104,13 @@ class VLLMEngine(RolloutEngine):
         self.replica, self.num_replicas = rollout_replica(self.rank, rollout_tp)
         self.eos_token_ids = eos_token_ids_of(hf_dir) if eos_token_ids is None else list(eos_token_ids)
         self.enable_sleep = enable_sleep
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            max_positions = json.load(f).get("max_position_embeddings")
+        if max_positions and max_model_len > max_positions:
+            if self.rank == 0:
+                print(f"[vllm] max_model_len {max_model_len} capped at the model's max_position_embeddings "
+                      f"{max_positions}", flush=True)
+            max_model_len = max_positions
         self.llm = LLM(
             model=hf_dir,
             tensor_parallel_size=rollout_tp,

@@ -104,10 +104,10 @@ def engine(monkeypatch, tmp_path):
     fake.LLM = FakeLLM
     fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "max_position_embeddings": 256}))
     from common.rollout_vllm import VLLMEngine
 
-    return VLLMEngine(str(tmp_path), rollout_tp=1)
+    return VLLMEngine(str(tmp_path), rollout_tp=1, max_model_len=1025)
 
 
 def test_engine_arguments(engine):
@@ -116,6 +116,9 @@ def test_engine_arguments(engine):
     assert kw["logprobs_mode"] == "processed_logprobs"    # temperature applied, see the docstring
     assert kw["skip_tokenizer_init"] and kw["enable_sleep_mode"] and kw["load_format"] == "dummy"
     assert engine.eos_token_ids == [2] and (engine.replica, engine.num_replicas) == (0, 1)
+    # asked 1025 (train_grpo.py's default budget), but the model has 256 positions: vLLM
+    # refuses more than that (the embedded model on a GPU failed to start before the cap)
+    assert kw["max_model_len"] == 256
 
 
 def test_generate_and_weights_state_machine(engine):
