@@ -60,6 +60,12 @@ def test_resume_is_exact(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
 
 
+def test_rollout_logprobs_none_logs_no_mismatch(tmp_path):
+    run(*SMALL, "--steps", 1, "--rollout-logprobs", "none", "--out", tmp_path)
+    (row,) = metrics(tmp_path)
+    assert "logprob_mismatch" not in row and "policy_loss" in row  # not a 0.0 from zero samples
+
+
 @pytest.fixture(scope="module")
 def saved_rollouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay")
