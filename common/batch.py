@@ -129,7 +129,10 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
-        mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        # from pageable host memory a "non_blocking" copy still waits for the GPU's queue to
+        # drain first; from pinned memory it does not (the host keeps launching ahead)
+        mb = {k: (v.pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True)
+              for k, v in next(data_iterator).items()}
         logits = model(mb["tokens"], mb["positions"], None)  # last stage: (B, T, V/tp)
         return logits, lambda output: loss_fn(mb, output)
 

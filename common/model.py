@@ -100,6 +100,36 @@ def layer_spec(spec: HFModelSpec, attention=None):
     return layer
 
 
+_LOGITS_AS_VIEW = object()  # the `labels` marker of _gpt_model_class
+
+
+@functools.cache
+def _gpt_model_class():
+    """megatron's GPTModel, except that the last stage returns its logits (B, T, V/tp) as a
+    view of the (T, B, V/tp) tensor the output layer computes.
+
+    Given no labels, megatron-core 0.16.1's GPTModel._postprocess returns
+    logits.transpose(0, 1).contiguous(): a copy of the step's largest tensor, and one more of
+    its gradient in the backward (52 ms of a 1.0 s Qwen2-1.5B training step at micro-batch 4 on
+    an H200, docs/benchmarks.md). Given labels it returns compute_language_model_loss(labels,
+    logits) instead, with the (T, B, V/tp) logits: this class passes a marker as labels and
+    returns the transposed view there. rl.vocab_parallel_logprobs computes in that memory
+    order. With B = 1 the two are the same tensor layout. Real labels work as in megatron.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    class GPTModelLogitsView(GPTModel):
+        def forward(self, *args, labels=None, **kwargs):
+            return super().forward(*args, labels=_LOGITS_AS_VIEW if labels is None else labels, **kwargs)
+
+        def compute_language_model_loss(self, labels, logits):
+            if labels is _LOGITS_AS_VIEW:
+                return logits.transpose(0, 1)  # (T, B, V/tp) -> (B, T, V/tp), no copy
+            return super().compute_language_model_loss(labels, logits)
+
+    return GPTModelLogitsView
+
+
 def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=False,
                 dtype=torch.float32, init_weights=False, attention=None, **config_overrides):
     """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
@@ -110,7 +140,6 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=Fa
     Only the last pipeline stage has an output layer (and so logits).
     """
     from megatron.core import parallel_state as mpu
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp)
@@ -129,12 +158,12 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=Fa
         model_kwargs = gpt_model_kwargs(spec, tp=tp)
         if (attention or "sdpa") == "sdpa":
             model_kwargs["position_embedding_type"] = "none"  # SDPAttention applies RoPE (fused)
-        model = GPTModel(
+        model = _gpt_model_class()(  # megatron's GPTModel, logits without a transposing copy
             config=config,
             transformer_layer_spec=block,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage),
-            parallel_output=True,  # logits stay vocab-parallel: (B, T, V_padded/tp)
+            parallel_output=True,  # logits stay vocab-parallel: (B, T, V_padded/tp), a view of (T, B, .)
             **model_kwargs,
             **stage,
         )

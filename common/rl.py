@@ -97,6 +97,13 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_size, tp_group, temperature, compute_entropy):
+        # common/model.py's GPTModel hands over its logits as a (B, T, V) view of the (T, B, V)
+        # tensor megatron computes (no transposing copy): work in that memory order, and give
+        # the gradient back in it, so the output layer's backward needs no copy either.
+        ctx.time_major = logits.dim() == 3 and logits.stride(0) < logits.stride(1)
+        if ctx.time_major:
+            # the (T, B) tensors contiguous too: elementwise results follow their inputs' layout
+            logits, targets = logits.transpose(0, 1), targets.transpose(0, 1).contiguous()  # (T, B, V), (T, B)
         tp_size, tp_rank = _tp_size_rank(tp_group)
         v_local = logits.shape[-1]
         vocab_start = tp_rank * v_local
@@ -123,15 +130,18 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         ctx.n_valid, ctx.temperature, ctx.compute_entropy = n_valid, temperature, compute_entropy
         mean_x = sums[2] / sum_exp if compute_entropy else None  # E_p[x - max], (B, T)
         ctx.save_for_backward(logits, local_target, in_shard, max_x, log_z, mean_x)
-        if not compute_entropy:
-            return logprobs
-        entropy = log_z - mean_x  # H = -sum p log p = log Z - E_p[x]
-        return logprobs, entropy
+        entropy = log_z - mean_x if compute_entropy else None  # H = -sum p log p = log Z - E_p[x]
+        if ctx.time_major:  # (T, B) -> (B, T) views
+            logprobs, entropy = logprobs.transpose(0, 1), entropy.transpose(0, 1) if compute_entropy else None
+        return (logprobs, entropy) if compute_entropy else logprobs
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
         logits, local_target, in_shard, max_x, log_z, mean_x = ctx.saved_tensors
         compute_dtype = max_x.dtype
+        if ctx.time_major:  # (B, T) grads -> the (T, B) order of the saved tensors
+            grad_logprobs = grad_logprobs.transpose(0, 1).contiguous() if grad_logprobs is not None else None
+            grad_entropy = grad_entropy.transpose(0, 1).contiguous() if grad_entropy is not None else None
         if grad_logprobs is None:  # only the entropy is used
             grad_logprobs = torch.zeros_like(max_x)
         grad_logprobs = grad_logprobs.to(compute_dtype)
@@ -140,6 +150,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         target_weight = grad_logprobs * in_shard
         grad_logits = _shard_grad(logits, local_target, target_weight, max_x, log_z, grad_logprobs,
                                   grad_entropy, mean_x, ctx.n_valid, ctx.temperature)
+        if ctx.time_major:
+            grad_logits = grad_logits.transpose(0, 1)  # (B, T, V) view of (T, B, V) memory, as the input
         return grad_logits, None, None, None, None, None
 
 

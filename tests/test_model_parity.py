@@ -9,6 +9,8 @@ Qwen3 with q/k norm and head_dim != hidden/heads, Mistral; Qwen3 as a sharded ch
   - export back to HF names: every tensor bit-identical, nothing missing or extra;
   - two deliberately wrong mappings (k/v swapped; fc1 as a plain chunk of [gate; up] at
     TP>1) are far above the tolerance, so the comparison can fail.
+build_model's GPTModel returns its logits as a view (no transposing copy) holding exactly
+megatron's own forward's values.
 """
 import json
 
@@ -45,3 +47,31 @@ def test_parity(layout, tiny_models_dir, tmp_path):
             assert row["control_kv_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags:
                 assert row["control_naive_fc1"] > 100 * TOLERANCE, where
+
+
+def test_logits_are_a_view_of_megatrons_values(tiny_models_dir):
+    """common/model.py's GPTModel gives the (B, T, V) logits as a view of the output layer's
+    (T, B, V) tensor; megatron's own forward (the base class's) copies them into (B, T, V)
+    memory. Same numbers, bit for bit, and no copy."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from common.dist import destroy_distributed, init_distributed
+    from common.model import build_model, load_hf_spec, load_hf_weights
+
+    hf_dir = str(tiny_models_dir / "qwen2")
+    init_distributed()
+    try:
+        spec = load_hf_spec(hf_dir)
+        (model,) = build_model(spec)
+        load_hf_weights([model], spec, hf_dir)
+        tokens = torch.randint(0, spec.vocab_size, (3, 11))
+        positions = torch.arange(11).expand(3, 11)
+        with torch.no_grad():
+            ours = model(tokens, positions, None)
+            megatrons = GPTModel.forward(model, tokens, positions, None)
+    finally:
+        destroy_distributed()
+    assert ours.shape == megatrons.shape == (3, 11, model.output_layer.weight.shape[0])
+    assert megatrons.is_contiguous() and ours.transpose(0, 1).is_contiguous()  # (T, B, V) memory
+    assert torch.equal(ours, megatrons)

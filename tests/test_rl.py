@@ -85,6 +85,29 @@ def test_logprobs_one_output_used():
         close(logits.grad, ref_full.grad, 1e-5)
 
 
+def test_logprobs_of_time_major_logits_view():
+    # common/model.py's GPTModel returns its logits as a (B, T, V) view of (T, B, V) memory (no
+    # transposing copy): same values as contiguous logits, and the gradient comes back in the
+    # input's memory order (so the output layer's backward copies nothing either)
+    torch.manual_seed(5)
+    time_major = 3 * torch.randn(7, 3, 30)  # (T, B, V)
+    targets = torch.randint(0, 28, (3, 7))
+    w = [torch.randn(3, 7), torch.randn(3, 7)]
+    view = time_major.clone().requires_grad_(True)
+    contiguous = time_major.transpose(0, 1).contiguous().requires_grad_(True)
+    outs, grad_strides = [], []
+    for logits in (view.transpose(0, 1), contiguous):
+        logits.register_hook(lambda grad: grad_strides.append(grad.stride()))  # the gradient as returned
+        lp, ent = vocab_parallel_logprobs(logits, targets, 28, temperature=0.8, compute_entropy=True)
+        (lp * w[0] + ent * w[1]).sum().backward()
+        outs.append((lp, ent))
+    close(outs[0][0], outs[1][0], 1e-6)
+    close(outs[0][1], outs[1][1], 1e-6)
+    assert outs[0][0].shape == (3, 7)
+    close(view.grad.transpose(0, 1), contiguous.grad, 1e-6)
+    assert grad_strides == [view.transpose(0, 1).stride(), contiguous.stride()]  # each in its input's order
+
+
 def test_logprobs_kernels_compile_like_eager():
     # On a GPU the three helpers run torch.compile'd (common/fused.py: fullgraph, dynamic shapes).
     # Compile them here with inductor's CPU backend: they must trace as one graph each, give the
