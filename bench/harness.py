@@ -138,19 +138,27 @@ def profile_kernels(fn, device):
     kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
     if on_gpu:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         t0 = time.perf_counter()
         fn()
         if on_gpu:
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
+    # record_function ranges (e.g. "Optimizer.step#AdamW.step") also appear on the device
+    # timeline: they span kernels, they are not kernels
     kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
-               if e.device_type == kind]
+               if e.device_type == kind and not getattr(e, "is_user_annotation", False)]
     summary = summarize_kernels(kernels, wall_us)
     # host side: the ops that cost the CPU most of its own time (launch overhead shows up here)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in ops[:10]]
     summary["host_ms"] = sum(e.self_cpu_time_total for e in ops) / 1e3
+    # which op (and input shapes) launched the device time: tells a transpose copy of the
+    # logits from a weight-gradient accumulation, which the kernel names do not
+    self_time = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    shaped = sorted((e for e in prof.key_averages(group_by_input_shape=True)  # host ops, not the kernels
+                     if e.self_cpu_time_total > 0 and self_time(e) > 0), key=self_time, reverse=True)
+    summary["op_shapes_top"] = [(self_time(e) / 1e3, e.count, e.key, str(e.input_shapes)[:120]) for e in shaped[:20]]
     return summary
 
 
@@ -187,6 +195,9 @@ def format_kernel_summary(summary):
     if "host_top" in summary:
         lines.append(f"  host: {summary['host_ms']:.1f} ms of op self time on the CPU; top ops:")
         lines += [f"  {ms:9.1f} ms x{count:<5d} {name[:110]}" for ms, count, name in summary["host_top"]]
+    if summary.get("op_shapes_top"):
+        lines.append("  ops by their own device time, with input shapes:")
+        lines += [f"  {ms:9.1f} ms x{count:<5d} {name} {shapes}" for ms, count, name, shapes in summary["op_shapes_top"]]
     if summary.get("syncs") is not None:
         lines.append(f"  host waits for the device (torch.cuda.set_sync_debug_mode): {sum(n for n, _ in summary['syncs'])}")
         lines += [f"  {n:6d} x {where}" for n, where in summary["syncs"][:15]]

@@ -44,7 +44,8 @@ Peak FLOP/s: --peak-tflops, default from the device name (H100/H200 SXM: 989 den
 Target (issue 7): MFU >= 0.45 for 1.5B on 1 GPU and 7B on 2-4 GPUs at 2k-4k tokens.
 
 --kernels eager runs the candidate without common/fused.py's compiled kernels (the baseline
-never uses them). --profile adds, for the candidate: device time per kernel category and the
+never uses them); --kernels no-rope compiles the logprob kernels but leaves SDPAttention's RoPE
+eager (the RoPE fusion's own gain). --profile adds, for the candidate: device time per kernel category and the
 top kernels of one profiled step, the device's idle share, the host's top ops, the source
 lines where the host waited for the device (torch.cuda.set_sync_debug_mode), and the logprob
 kernels timed alone.
@@ -105,9 +106,10 @@ def build_parser():
     # --- candidate configuration (the baseline is always attention=local, no recompute)
     p.add_argument("--attention", choices=["sdpa", "local", "te"], default="sdpa",
                    help="core attention: torch SDPA (flash), megatron's local baddbmm+softmax, or TransformerEngine")
-    p.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
+    p.add_argument("--kernels", choices=["compiled", "eager", "no-rope"], default="compiled",
                    help="common/fused.py's kernels (vocabulary logprobs, SDPAttention's RoPE): torch.compile'd, as "
-                        "training runs them on a GPU, or eager (the baseline always runs eager; on a CPU both are eager)")
+                        "training runs them on a GPU, or eager, or no-rope: all compiled but the RoPE (the baseline "
+                        "always runs eager; on a CPU all are eager)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recompute: megatron's recompute_granularity (selective: --recompute-modules; "
                         "full: whole layers, uniform method)")
@@ -193,7 +195,7 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
 
 
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, micro_batch_size, steps, warmup,
-               distributed_optimizer, overlap_grad_reduce, compiled_kernels=False, profile=False):
+               distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
@@ -206,7 +208,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
     from harness import host_syncs, profile_kernels
     from megatron.core import parallel_state as mpu
 
-    fused.COMPILE = compiled_kernels
+    fused.COMPILE = kernels != "eager"
+    fused.EAGER = {"apply_rope"} if kernels == "no-rope" else set()
     on_gpu = info.device.type == "cuda"
     num_rows, seq_len = batch["tokens"].shape
     per_dp = num_rows // info.dp_size
@@ -407,7 +410,7 @@ def main():
 
     # ---- candidate, then baseline (megatron-core's local spec as it comes), same batch
     candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides,
-                                     compiled_kernels=args.kernels == "compiled", profile=args.profile, **common),
+                                     kernels=args.kernels, profile=args.profile, **common),
                           **numbers)
     left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
     if args.no_baseline:

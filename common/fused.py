@@ -9,13 +9,15 @@ copies; inductor fuses each such function into one or two Triton kernels that re
 once (numbers: docs/benchmarks.md). Eager mode runs the very same function, so the CPU tests
 check its math, and tests/gpu/ compares the compiled kernels with eager/float64 references.
 
-COMPILE = False turns compilation off everywhere (bench/train.py --kernels eager).
+COMPILE = False turns compilation off everywhere (bench/train.py --kernels eager); a function
+named in EAGER stays eager (bench/train.py --kernels no-rope measures one fusion's gain).
 """
 import functools
 
 import torch
 
 COMPILE = True
+EAGER = set()  # names of decorated functions to run eagerly even on a GPU
 
 
 def compile_fn(fn):
@@ -29,7 +31,7 @@ def on_gpu_compiled(fn):
 
     @functools.wraps(fn)
     def call(x, *args):
-        if not (COMPILE and x.is_cuda):
+        if not (COMPILE and x.is_cuda) or fn.__name__ in EAGER:
             return fn(x, *args)
         if not compiled:
             compiled.append(compile_fn(fn))

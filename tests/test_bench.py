@@ -105,6 +105,9 @@ def test_profile_flag_cpu():
     p = r["candidate"]["profile"]
     assert r["kernels"] == "eager" and p["busy_ms"] > 0 and p["wall_ms"] >= p["busy_ms"] and p["top"]
     assert "profile of one step: wall" in out
+    # the op that launched the most time, with its input shapes: a matmul of the tiny model
+    ms, count, op, shapes = p["op_shapes_top"][0]
+    assert ms > 0 and count > 0 and op.startswith("aten::") and shapes.startswith("[")
 
 
 def test_torchrun_tp2():
