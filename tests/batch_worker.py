@@ -23,18 +23,25 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main():
-    from common import batch as B
-    from common import rl
+def tiny_model(hf_dir):
+    """(spec, fp32 model chunks with the HF weights), in a fresh world of one process."""
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
-    from common.rollout import Sample
+    from common.model import build_model, load_hf_spec, load_hf_weights
 
-    hf_dir = sys.argv[1]
     init_distributed()
     spec = load_hf_spec(hf_dir)
     chunks = build_model(spec, dtype=torch.float32)
     load_hf_weights(chunks, spec, hf_dir)
+    return spec, chunks
+
+
+def main():
+    from common import batch as B
+    from common import rl
+    from common.model import setup_training
+    from common.rollout import Sample
+
+    spec, chunks = tiny_model(sys.argv[1])
     model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -73,14 +80,9 @@ def main():
 def adam():
     from common import batch as B
     from common import rl
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training, torch_adams
+    from common.model import setup_training, torch_adams
 
-    hf_dir = sys.argv[1]
-    init_distributed()
-    spec = load_hf_spec(hf_dir)
-    chunks = build_model(spec, dtype=torch.float32)
-    load_hf_weights(chunks, spec, hf_dir)
+    spec, chunks = tiny_model(sys.argv[1])
     lr, weight_decay, (beta1, beta2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
     model, optimizer, scheduler = setup_training(chunks, lr=lr, weight_decay=weight_decay, adam_betas=(beta1, beta2),
                                                  adam_eps=eps, clip_grad=0.0)
