@@ -45,10 +45,11 @@ Target (issue 7): MFU >= 0.45 for 1.5B on 1 GPU and 7B on 2-4 GPUs at 2k-4k toke
 
 --kernels eager runs the candidate without common/fused.py's compiled kernels (the baseline
 never uses them); --kernels no-rope compiles the logprob kernels but leaves SDPAttention's RoPE
-eager (the RoPE fusion's own gain). --profile adds, for the candidate: device time per kernel category and the
-top kernels of one profiled step, the device's idle share, the host's top ops, the source
-lines where the host waited for the device (torch.cuda.set_sync_debug_mode), and the logprob
-kernels timed alone.
+eager (the RoPE fusion's own gain). --profile adds, for the candidate: device time per kernel
+category and the top kernels of one profiled step, the device's idle share, the host's top ops,
+the host ops that launched the most device time (with input shapes), the source lines where
+the host waited for the device (torch.cuda.set_sync_debug_mode), and the logprob kernels timed
+alone.
 
 Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
 """
