@@ -105,9 +105,10 @@ def test_profile_flag_cpu():
     p = r["candidate"]["profile"]
     assert r["kernels"] == "eager" and p["busy_ms"] > 0 and p["wall_ms"] >= p["busy_ms"] and p["top"]
     assert "profile of one step: wall" in out
-    # the op that launched the most time, with its input shapes: a matmul of the tiny model
-    ms, count, op, shapes = p["op_shapes_top"][0]
-    assert ms > 0 and count > 0 and op.startswith("aten::") and shapes.startswith("[")
+    # the ops that launched the most time, most first, with input shapes: the tiny model's matmuls among them
+    ops = p["op_shapes_top"]
+    assert [row[0] for row in ops] == sorted((row[0] for row in ops), reverse=True) and ops[-1][0] > 0
+    assert any(op == "aten::mm" and shapes.startswith("[[") for _, _, op, shapes in ops)
 
 
 def test_torchrun_tp2():
