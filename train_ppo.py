@@ -149,11 +149,12 @@ def main():
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
     from common.log import MetricsLogger, default_wandb_mode, progress_bar
-    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, setup_training
+    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
     from common.rollout import vllm_available
     from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
+    from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)

@@ -205,7 +205,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
     """
     from common import batch as B
     from common import fused, rl
-    from common.model import build_model, setup_training
+    from common.model import build_model
+    from common.training import setup_training
     from harness import host_syncs, profile_kernels
     from megatron.core import parallel_state as mpu
 

@@ -127,7 +127,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         log_z = torch.log(sum_exp)  # log-partition of the shifted logits, (B, T)
         logprobs = target_x - log_z  # (B, T)
 
-        ctx.n_valid, ctx.temperature, ctx.compute_entropy = n_valid, temperature, compute_entropy
+        ctx.n_valid, ctx.temperature = n_valid, temperature
         mean_x = sums[2] / sum_exp if compute_entropy else None  # E_p[x - max], (B, T)
         ctx.save_for_backward(logits, local_target, in_shard, max_x, log_z, mean_x)
         entropy = log_z - mean_x if compute_entropy else None  # H = -sum p log p = log Z - E_p[x]

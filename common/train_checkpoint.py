@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
-from common.model import torch_adams
+from common.training import torch_adams
 
 
 def barrier():

@@ -38,8 +38,8 @@ def tiny_model(hf_dir):
 def main():
     from common import batch as B
     from common import rl
-    from common.model import setup_training
     from common.rollout import Sample
+    from common.training import setup_training
 
     spec, chunks = tiny_model(sys.argv[1])
     model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
@@ -80,7 +80,7 @@ def main():
 def adam():
     from common import batch as B
     from common import rl
-    from common.model import setup_training, torch_adams
+    from common.training import setup_training, torch_adams
 
     spec, chunks = tiny_model(sys.argv[1])
     lr, weight_decay, (beta1, beta2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8

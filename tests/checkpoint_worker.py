@@ -139,7 +139,8 @@ def main():
     from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
     from common.critic import build_critic, load_critic_weights
-    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
+    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.training import setup_training
 
     info = init_distributed(tp=args.tp, seed=1234)
     spec = load_hf_spec(args.hf_dir)

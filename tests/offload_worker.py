@@ -15,8 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def train(hf_dir, dtype, distributed_optimizer, offload):
     from common import batch as B
-    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
+    from common.model import build_model, load_hf_spec, load_hf_weights
     from common.offload import Offloader
+    from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
     spec = load_hf_spec(hf_dir)

@@ -152,7 +152,8 @@ def test_merge_training_checkpoint(tiny_models_dir, tmp_path, capsys):
     from common.checkpoint import copy_hf_small_files
     from common.train_checkpoint import save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights, setup_training
+    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.training import setup_training
 
     hf_dir = tiny_models_dir / "llama"
     init_distributed()
