@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
-from common.training import torch_adams
+from common.training import ensure_adam_state, load_optimizer_state
 
 
 def barrier():
@@ -67,7 +67,7 @@ def _save_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_shardin
     """One dist_checkpointing save of {"model", "optimizer"} into ckpt_dir (empty). Collective."""
     from megatron.core import dist_checkpointing
 
-    _ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
+    ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
     model_sd = model_sharded_state_dict(ddp_chunks)
     optim_sd = optimizer.sharded_state_dict(
         model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": optimizer_sharding})
@@ -81,13 +81,13 @@ def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_shardin
     metadata = {"distrib_optim_sharding_type": optimizer_sharding}  # as it was written
     # A fresh torch Adam has no state until its first step; megatron's DistributedOptimizer
     # reads it while building the sharded state dict for loading, so create zeros to load into.
-    _ensure_adam_state(optimizer)
+    ensure_adam_state(optimizer)
     model_sd = model_sharded_state_dict(ddp_chunks)
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
     load_into_chunks(ddp_chunks, loaded["model"])
     # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
-    _load_optimizer_state(optimizer, loaded["optimizer"])
+    load_optimizer_state(optimizer, loaded["optimizer"])
 
 
 def _load_scheduler(scheduler, state):
@@ -306,65 +306,6 @@ def _prune(ckpt_root, step, keep_last):
             keep -= 1
         else:
             shutil.rmtree(path)
-
-
-# --- optimizer state --------------------------------------------------------------------
-def _step_tensor(value, group, param):
-    # where torch Adam itself keeps the step: on the param's device for fused/capturable, else host
-    on_device = group.get("fused") or group.get("capturable")
-    return torch.tensor(float(value), dtype=torch.float32, device=param.device if on_device else "cpu")
-
-
-def _load_optimizer_state(optimizer, state_dict):
-    """optimizer.load_state_dict for megatron's DistributedOptimizer over torch Adam (the GPU
-    stack without TE/apex, and every CPU run). megatron-core 0.16.1's method, called as it is,
-    fails on that path (distrib_optimizer.py):
-      - its per-parameter loaders copy every key of the live Adam state into place, 'step'
-        included, from checkpoint tensors that have no 'step' (KeyError, line 940);
-      - the dp_reshardable loader runs with autograd on and copies into the fp32 main params,
-        which require grad ("a view of a leaf Variable ... in-place operation");
-      - it gives every parameter one shared 'step' tensor (line 825), which torch Adam would
-        then increment once per parameter.
-    So: no_grad, and a load hook on each torch Adam takes 'step' out of its state right after
-    torch's own load_state_dict (before megatron's parameter loaders run); each parameter then
-    gets its own step tensor back. Nothing of megatron is patched (STYLE.md rule 6).
-    tests/test_train_checkpoint.py checks exact resumes at DP=2 -> 1 and TP=2."""
-    steps, hooks = {}, []
-
-    def take_steps(inner):
-        for state in inner.state.values():
-            if "step" in state:
-                steps[id(state)] = state.pop("step")
-
-    for inner in torch_adams(optimizer):
-        hooks.append(inner.register_load_state_dict_post_hook(take_steps))
-    try:
-        with torch.no_grad():
-            optimizer.load_state_dict(state_dict)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for inner in torch_adams(optimizer):
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if id(state) in steps:
-                    state["step"] = _step_tensor(steps[id(state)], group, param)
-
-
-def _ensure_adam_state(optimizer):
-    """Give torch Adam/AdamW (megatron's optimizer without TE/apex) zero state for every
-    parameter that has none yet, exactly what Adam itself creates on its first step."""
-    for inner in torch_adams(optimizer):
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if not state:
-                    state["step"] = _step_tensor(0, group, param)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 # --- RNG ----------------------------------------------------------------------------------
