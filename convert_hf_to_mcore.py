@@ -32,7 +32,6 @@ Exit codes: 0 done, 1 --verify failed, 2 bad input or disk full (a one-paragraph
 no traceback), 130 interrupted. Everything is written to <out>.incomplete and renamed to
 <out> at the very end, so an interrupted run never leaves something that looks complete.
 """
-import argparse
 import io
 import json
 import os
@@ -42,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, check_output_dir, finish_output, read_hf_spec,
-                        run_cli, temporary_output)
+from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, finish_output,
+                        read_hf_spec, run_cli, temporary_output)
+from common.preflight import TOKENIZER_FILES
 from common.dist import print0
 from common.bridge import expected_hf_names, expected_hf_shape, param_rule, shard_from_hf
 
@@ -397,7 +397,7 @@ def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp):
 # main
 # ---------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     # input / output
     ap.add_argument("--hf", required=True, help="HF model directory: config.json + *.safetensors "
                     "(+ tokenizer files, generation_config.json, copied along)")
@@ -406,6 +406,9 @@ def parse_args(argv=None):
                     help="stored dtype; auto = the dtype of the HF weights (float16 becomes bf16)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out that holds an earlier "
                     "checkpoint of this script; it is removed only after the new one is complete")
+    ap.add_argument("--no-tokenizer", action="store_true", help="convert a --hf directory that has no tokenizer "
+                    "files (the checkpoint then carries none: training from it and merge_to_hf.py's output need "
+                    "them added by hand)")
     ap.add_argument("--no-fsync", action="store_true", help="do not fsync the written files (faster on slow "
                     "disks; a machine crash right after the run may then leave a damaged checkpoint)")
     # verification
@@ -424,6 +427,10 @@ def run(args, created):
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     # -- cheap checks first: nothing is written and megatron is not even imported if they fail
     spec = read_hf_spec(args.hf)
+    if not args.no_tokenizer and not any(os.path.isfile(os.path.join(args.hf, name)) for name in TOKENIZER_FILES):
+        raise ConversionError(f"{args.hf} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): the checkpoint "
+                              "would carry none, so neither training from it nor merge_to_hf.py's output would have a "
+                              "tokenizer. Copy the model's tokenizer files into it, or pass --no-tokenizer.")
     out = check_output_dir(args.out, args.force, [args.hf],
                            lambda d: os.path.isfile(os.path.join(d, "metadata.json")))
     files = SafetensorsDir(args.hf)

@@ -26,7 +26,6 @@ The HF side files (config.json, tokenizer, generation_config.json) come from the
 Exit codes: 0 done, 2 bad input or disk full (a one-paragraph message, no traceback), 130
 interrupted. The output is written to <out>.incomplete and renamed to <out> at the end.
 """
-import argparse
 import json
 import os
 import shutil
@@ -34,8 +33,8 @@ import sys
 
 import torch
 
-from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, check_output_dir, finish_output, read_hf_spec,
-                        root_cause, run_cli, temporary_output)
+from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, finish_output,
+                        read_hf_spec, root_cause, run_cli, temporary_output)
 from common.dist import print0
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -118,7 +117,7 @@ def write_safetensors(path, tensors):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     # input / output
     ap.add_argument("--ckpt", required=True, help="converted checkpoint, training checkpoint step, or "
                     "training checkpoint root (the step named by its `latest` file)")
@@ -185,7 +184,7 @@ def run(args, created):
     dist.barrier()
 
     # -- stream every HF tensor; rank 0 writes a shard whenever the next tensor would overflow it
-    shard, shard_bytes, files, weight_map, total_bytes = {}, 0, [], {}, 0
+    shard, shard_bytes, files, weight_map, total_bytes, non_finite = {}, 0, [], {}, 0, []
 
     def flush():
         name = f"model-{len(files) + 1:05d}.safetensors"  # renamed to -of-N below
@@ -196,7 +195,9 @@ def run(args, created):
 
     with tqdm(total=len(expected_hf_names(spec)), unit="tensor", disable=rank != 0) as progress:
         for name, tensor in export_hf_weights(chunks, spec, dtype=dtype, bucket_mb=args.bucket_mb):
-            if rank != 0:  # every rank consumes the generator (it runs collectives)
+            if not torch.isfinite(tensor).all():  # every rank holds the full tensor: all refuse alike
+                non_finite.append(name)
+            if rank != 0 or non_finite:  # every rank consumes the generator (it runs collectives)
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + nbytes > max_shard_bytes:
@@ -207,9 +208,14 @@ def run(args, created):
             shard_bytes += nbytes
             total_bytes += nbytes
             progress.update(1)
-        if rank == 0 and shard:
+        if rank == 0 and shard and not non_finite:
             flush()
     del chunks
+    if non_finite:
+        raise ConversionError(f"{ckpt} holds NaN/Inf values in {len(non_finite)} tensors ({', '.join(non_finite[:5])}"
+                              f"{', ...' if len(non_finite) > 5 else ''}); nothing was written. Such a model cannot "
+                              "be used: export an earlier checkpoint (the training scripts stop before a "
+                              "non-finite update, so their checkpoints hold none).")
 
     # -- index, config, generation config, tokenizer, then the final name
     if rank == 0:

@@ -34,10 +34,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.cli import Parser, parse_with_defaults, run_training
+from common.preflight import check_training_run
+
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(
+        description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
                + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
     # --- model and data
@@ -95,9 +98,11 @@ def build_parser():
     p.add_argument("--steps", type=int, default=200, help="training steps (rollout batches)")
     p.add_argument("--seed", type=int, default=1234, help="seed of everything")
     p.add_argument("--out", default="runs/grpo", help="output dir: metrics.jsonl, curves.png, checkpoints/")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: by time only); the last step and a stop signal always save")
+    p.add_argument("--save-every-minutes", type=float, default=30.0, help="checkpoint when this many minutes passed since the last save (0: off)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
-    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoints/latest")
+    p.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"], default=None, help="continue the run in --out from its latest checkpoint (refused when there is none); --resume auto: continue if there is a checkpoint, else start over (launch/slurm.sh's requeue)")
+    p.add_argument("--start-over", action="store_true", help="start a new run in a non-empty --out: its old contents are moved to <out>.old-<time>")
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
     p.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
     p.add_argument("--run-name", default=None, help="wandb run name")
@@ -108,15 +113,13 @@ def build_parser():
 
 def parse_args(argv=None):
     p = build_parser()
-    args = p.parse_args(argv)
+    # without --model, the flags the user did not give take the embedded task's values
+    args = parse_with_defaults(p, argv, lambda known: EMBEDDED_DEFAULTS if known.model is None else None)
     if args.rollout_logprobs is None:
         args.rollout_logprobs = "all" if args.tis_cap > 0 else "one-per-prompt"
     if args.tis_cap > 0 and args.rollout_logprobs != "all":
         p.error("--tis-cap needs the rollout logprobs of every sample: --rollout-logprobs all")
-    if args.model is None:  # flags the user did not set take the embedded task's values
-        for name, value in EMBEDDED_DEFAULTS.items():
-            if getattr(args, name) == p.get_default(name):
-                setattr(args, name, value)
+    check_training_run(p, args, min_group=2)  # every mistake found here, before anything is built
     return args
 
 
@@ -133,9 +136,10 @@ def main():
     from common import batch as B
     from common import rl
     from common.checkpoint import load_model_checkpoint
-    from common.data import PromptSampler, apply_chat_template, load_prompts, synthetic_prompts
+    from common.data import PromptSampler, task_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
+    from common.guard import RunControl, check_finite
     from common.log import MetricsLogger, default_wandb_mode, progress_bar
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
@@ -159,32 +163,19 @@ def main():
     spec = load_hf_spec(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if args.data:
-        items, reward_fn = load_prompts(args.data, args.prompt_key, args.answer_key), math_reward
-    else:
-        # the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right, else 0
-        items = synthetic_prompts(num_items=1000, seed=args.seed, num_terms=1)
-        reward_fn = functools.partial(synthetic_reward, format_credit=0.0)
-    if args.raw_prompts or not args.data:  # the synthetic task is not a chat: "7+5=" -> "12"
-        prompt_ids = [tokenizer.encode(it["prompt"], add_special_tokens=False) for it in items]
-    else:
-        prompt_ids = [apply_chat_template(tokenizer, it["prompt"], args.system_prompt) for it in items]
-    # a prompt must leave room for one new token within the model's positions
-    max_prompt_len = min(args.max_prompt_len, spec.max_position_embeddings - 1)
-    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= max_prompt_len]
-    if len(keep) < len(items):
-        print0(f"dropped {len(items) - len(keep)} prompts longer than {max_prompt_len} tokens (--max-prompt-len)")
-    items, prompt_ids = [items[i] for i in keep], [prompt_ids[i] for i in keep]
+    # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
+    items, prompt_ids = task_prompts(tokenizer, args.data, prompt_key=args.prompt_key, answer_key=args.answer_key,
+                                     raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
+                                     max_prompt_len=args.max_prompt_len,
+                                     max_positions=spec.max_position_embeddings, seed=args.seed)
+    reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
-    # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
+    # ---- batch geometry (checked in common/preflight.py): rollout batch -> mini-batches
+    # (optimizer steps) -> micro-batches
     group = args.samples_per_prompt
     rollout_batch = args.prompts_per_step * group  # samples per step, global
     mini_batch = args.mini_batch_size or rollout_batch
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
-    if rollout_batch % mini_batch or mini_batch % info.dp_size or (not args.micro_batch_tokens and per_dp % args.micro_batch_size):
-        raise ValueError(f"batch sizes do not divide: rollout batch {rollout_batch} (prompts x G) must be a multiple of "
-                         f"--mini-batch-size {mini_batch}, which must be a multiple of dp {info.dp_size} x "
-                         f"--micro-batch-size {args.micro_batch_size}")
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
     def load_model():
@@ -228,20 +219,15 @@ def main():
     reference_off = Offloader.of_model(reference) if reference is not None else None
     if reference_off and offload_params:
         reference_off.offload()  # needed only for its logprob pass
-    if args.prompts_per_step % num_replicas:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {num_replicas} rollout replicas")
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
-    if args.resume:
+    if args.resume:  # common/preflight.py made sure there is a checkpoint
         extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler)
-        if extra is None:
-            print0(f"--resume: no checkpoint in {ckpt_root}, starting from scratch")
-        else:
-            start_step = extra["step"]
-            sampler.load_state_dict(extra["sampler"])
-            print0(f"resumed from step {start_step}")
+        start_step = extra["step"]
+        sampler.load_state_dict(extra["sampler"])
+        print0(f"resumed from step {start_step}")
     logger = MetricsLogger(args.out, vars(args), wandb_mode=args.wandb or default_wandb_mode(),
                            project=args.wandb_project, run_name=args.run_name,
                            enabled=info.master_process, resume=start_step > 0)
@@ -263,6 +249,8 @@ def main():
         store.copy_(B.all_reduce_sum(on_device, mpu.get_data_parallel_group(), info.device))
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
+    # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
+    control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     for step in progress:
         times, t0 = {}, time.time()
@@ -308,6 +296,7 @@ def main():
         else:
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
+        check_finite("rewards", rewards, step=step)
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)
             torch.save({"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt"))
@@ -334,11 +323,13 @@ def main():
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         with timer("old_logprob"):
             logprob_pass(model, all_mine, batch["old_logprobs"])
+        check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:
             with timer("ref"):
                 reference_off.reload()
                 logprob_pass(reference, all_mine, batch["ref_logprobs"])
+                check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
                 if offload_params:
                     reference_off.offload()
         memory.end("logprob")
@@ -383,8 +374,8 @@ def main():
                         metrics.update(logprob_mismatch=rl.masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
-                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs,
-                                                     loss_fn, info.device)
+                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device,
+                                                     step=step)  # no update from a NaN/Inf loss or grad
                 train_metrics += mb_metrics
                 grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick
@@ -396,7 +387,8 @@ def main():
                        grad_norm=sum(grad_norms) / len(grad_norms), lr=optimizer.param_groups[0]["lr"],
                        response_len_mean=batch["response_len"].mean().item(),
                        truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+        save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal
+        if save:
             tick = time.time()
             save_training_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
                                      extra={"step": step + 1, "sampler": sampler.state_dict()},
@@ -408,6 +400,10 @@ def main():
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
+        if stop:
+            print0(f"\nstopped by {control.signal_name or 'a signal on another rank'} after step {step + 1}; "
+                   f"checkpoint saved. Continue with the same command plus --resume")
+            break
 
     logger.close()
     if start_step < args.steps:  # a resume of a finished run trains no step
@@ -422,4 +418,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_training(main)

@@ -191,7 +191,7 @@ def main():
         for label, out_dir, extra in runs:
             shutil.rmtree(out_dir, ignore_errors=True)
             stdout, wall, rss = measure(launcher + ["convert_hf_to_mcore.py", "--hf", hf_dir, "--out", out_dir,
-                                                    "--dtype", "bf16", *extra])
+                                                    "--dtype", "bf16", "--no-tokenizer", *extra])
             shutil.rmtree(out_dir, ignore_errors=True)
             seconds = float(re.search(r"wrote \S+ GB in (\S+) s", stdout).group(1))
             rows.append((label + (f", {args.nproc} procs" if args.nproc > 1 else ""), seconds, wall, rss))

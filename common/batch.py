@@ -21,6 +21,8 @@ masks) are all aligned on this "target" axis, shape (B, T).
 import torch
 import torch.distributed as dist
 
+from common.guard import check_finite_update
+
 
 def gather_samples(local_samples, group=None):
     """All-gather Python objects (e.g. rollout Samples) in rank order. All ranks call this."""
@@ -130,8 +132,9 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
 
     def forward_step(data_iterator, model):
         # from pageable host memory a "non_blocking" copy still waits for the GPU's queue to
-        # drain first; from pinned memory it does not (the host keeps launching ahead)
-        mb = {k: (v.pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True)
+        # drain first; from pinned memory it does not (the host keeps launching ahead). An
+        # expand()ed tensor cannot be pinned as it is: contiguous() first (a no-op otherwise).
+        mb = {k: (v.contiguous().pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True)
               for k, v in next(data_iterator).items()}
         logits = model(mb["tokens"], mb["positions"], None)  # last stage: (B, T, V/tp)
         return logits, lambda output: loss_fn(mb, output)
@@ -151,16 +154,19 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
     )
 
 
-def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, device):
+def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, device, step=None):
     """One optimizer step over micro-batches: zero the DDP grad buffers and the optimizer's
-    grads, forward-backward (run_micro_batches: DDP reduces the gradients at the end), the
-    optimizer step (grad clipping inside) and one scheduler step. All ranks call this.
+    grads, forward-backward (run_micro_batches: DDP reduces the gradients at the end), a check
+    that the loss and the gradients are finite (else guard.NonFiniteError naming `step`, and
+    no update), the optimizer step (grad clipping inside) and one scheduler step. All ranks
+    call this.
     Returns (the metrics dicts of run_micro_batches, the grad norm; 0.0 where megatron
     reports none)."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only=False, device=device)
+    check_finite_update(model_chunks, metrics, device, step)
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
     return metrics, grad_norm or 0.0

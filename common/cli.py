@@ -1,12 +1,19 @@
-"""What the offline tools (convert_hf_to_mcore.py, merge_to_hf.py) share: output
-directories that never lose data (refuse a non-empty --out unless --force, write to
-<out>.incomplete, rename at the end), the failures a user can fix turned into one-paragraph
-messages with an exit code, and reading config.json with such messages.
+"""What the command-line scripts share.
+
+All four: `Parser`, an argparse parser whose errors are one line from rank 0 only (torchrun
+starts N copies of a script: N usage blocks would bury the message), exit code 2; its help
+lists each default once.
+The offline tools (convert_hf_to_mcore.py, merge_to_hf.py): output directories that never
+lose data (refuse a non-empty --out unless --force, write to <out>.incomplete, rename at the
+end), the failures a user can fix turned into one-paragraph messages with an exit code, and
+reading config.json with such messages.
 """
+import argparse
 import errno
 import json
 import os
 import shutil
+import sys
 
 import torch
 
@@ -15,6 +22,41 @@ from common.dist import destroy_distributed, print0
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless the help already speaks of its default or
+    there is none to show (None, False): each default is said once."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one error line, printed by global rank 0 only; exit code 2 on every rank."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def parse_with_defaults(parser, argv, defaults_if):
+    """parser.parse_args(argv), where `defaults_if(known_args)` may return other defaults (a
+    dict) that apply to the flags the user did not give; a flag given on the command line
+    keeps its value even when it equals the usual default."""
+    known, _ = parser.parse_known_args(argv)
+    other = defaults_if(known)
+    if other:
+        parser.set_defaults(**other)
+    return parser.parse_args(argv)
 
 
 class ConversionError(Exception):
@@ -143,3 +185,25 @@ def run_cli(run, args):
         if owns_process_group and torch.distributed.is_initialized():
             destroy_distributed()
     return code
+
+
+def run_training(main):
+    """Run a training script's main(). A mistake found after start-up (common.preflight's
+    UsageError: all prompts too long, ...) or a non-finite loss, gradient or logprob
+    (common.guard's NonFiniteError) ends the run with one message from rank 0 and exit code
+    2 or 3; every rank raises these alike, so every rank leaves. Bugs keep their traceback."""
+    from common.guard import NonFiniteError
+    from common.preflight import UsageError
+
+    prog = os.path.basename(sys.argv[0])
+    try:
+        main()
+        return
+    except UsageError as e:
+        code, message = 2, f"{prog}: error: {e}"
+    except NonFiniteError as e:
+        code, message = 3, f"{prog}: stopped: {e}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)  # not sys.exit: an in-process vLLM engine can block interpreter exit

@@ -3,6 +3,8 @@
   load_prompts(path, prompt_key=None, answer_key=None) -> [dict(prompt=..., answer=str)]
                         from .jsonl / .json / .parquet or a `datasets` save_to_disk directory
   apply_chat_template(tokenizer, prompt, system_prompt=None) -> prompt token ids
+  task_prompts(tokenizer, data, ...) -> (items, prompt token ids): what the training scripts
+                        sample from (--data, or the synthetic task), too-long prompts dropped
   PromptSampler         deterministic epoch-wise shuffling with state_dict() for resume
   SyntheticArithmetic   "3+4=" -> "7" with difficulty knobs: the task of the embedded default
 
@@ -148,6 +150,39 @@ def apply_chat_template(tokenizer, prompt, system_prompt=None):
         return list(tokenizer.encode(text, add_special_tokens=False))
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def task_prompts(tokenizer, data, *, prompt_key=None, answer_key=None, raw_prompts=False, system_prompt=None,
+                 max_prompt_len, max_positions, seed=0):
+    """(items, prompt token ids) of a training run: --data's rows (chat-formatted unless
+    raw_prompts), or without data the embedded task (repeat the digit: "7=" -> "7"; not a
+    chat). Prompts longer than max_prompt_len, or leaving no room for one new token within
+    the model's max_positions, are dropped; a dataset with none left is a UsageError."""
+    from common.dist import print0
+    from common.preflight import UsageError
+
+    if data:
+        try:
+            items = load_prompts(data, prompt_key, answer_key)
+        except ValueError as e:
+            raise UsageError(f"--data {data}: {e}") from None
+    else:
+        items = synthetic_prompts(num_items=1000, seed=seed, num_terms=1)
+    if raw_prompts or not data:
+        prompt_ids = [tokenizer.encode(it["prompt"], add_special_tokens=False) for it in items]
+    else:
+        prompt_ids = [apply_chat_template(tokenizer, it["prompt"], system_prompt) for it in items]
+    if any(len(ids) == 0 for ids in prompt_ids):
+        raise UsageError(f"--data {data}: a prompt encodes to no tokens (row {next(i for i, ids in enumerate(prompt_ids) if not ids)})")
+    limit = min(max_prompt_len, max_positions - 1)
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= limit]
+    if not keep:
+        raise UsageError(f"every prompt of {data or 'the task'} is longer than {limit} tokens (--max-prompt-len "
+                         f"{max_prompt_len}, model positions {max_positions}); the shortest has "
+                         f"{min(map(len, prompt_ids))}: raise --max-prompt-len")
+    if len(keep) < len(items):
+        print0(f"dropped {len(items) - len(keep)} of {len(items)} prompts longer than {limit} tokens (--max-prompt-len)")
+    return [items[i] for i in keep], [prompt_ids[i] for i in keep]
 
 
 # -----------------------------------------------------------------------------

@@ -54,7 +54,12 @@ def make_tiny_hf_model(name, seed=0):
 
 
 def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None):
+    """A complete HF model dir: weights, config.json and the embedded byte-level tokenizer
+    (259 tokens, within every tiny model's vocabulary of 300)."""
+    from common.embedded import build_tokenizer
+
     model = make_tiny_hf_model(name, seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
+    build_tokenizer().save_pretrained(out_dir)
     return model

@@ -1,0 +1,275 @@
+"""Checks of a training run's arguments and inputs, before anything heavy is built.
+
+    args = parser.parse_args(argv)
+    check_training_run(parser, args, min_group=2, critic_model=None)   # exits 2 on a mistake
+
+A mistake a user can make on the command line ends the run here, in a second, with one line
+that says what is wrong and how to fix it (rank 0 prints it; exit code 2, as argparse),
+instead of a per-rank traceback after the models and the engine were built. Every rank runs
+the same checks on the same files, so every rank exits alike: no collective, no hang.
+
+Also here: the output directory's rules, so that no run ever loses a user's file:
+  - --out may not be, be inside, or contain --model, --mcore-ckpt, --data, --critic-model
+    or --load-rollouts;
+  - a non-empty --out is refused unless --resume (continue it) or --start-over (it is moved
+    aside to <out>.old-<time>, nothing is deleted);
+  - --resume needs a checkpoint in --out/checkpoints (it never silently starts over);
+    --resume auto (for requeued jobs) resumes when there is one, else acts as --start-over.
+"""
+import json
+import math
+import os
+import time
+
+from common.bridge import UnsupportedModelError, check_parallel_layout, parse_hf_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# What a run writes into --out before its first step: a re-run over such a directory loses nothing.
+RUN_START_FILES = {"embedded_model", "config.json", "metrics.jsonl"}
+
+
+class UsageError(ValueError):
+    """A mistake in the arguments or inputs that the user can fix; the message says how."""
+
+
+def world_size():
+    """The launcher's world size, known before torch.distributed starts (common/dist.py)."""
+    env = os.environ
+    if "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    return int(env.get("SLURM_NTASKS", "1")) if "SLURM_PROCID" in env else 1
+
+
+def check_training_run(parser, args, *, min_group=1, critic_model=None):
+    """Validate train_grpo.py / train_ppo.py arguments and inputs; parser.error() (one line on
+    rank 0, exit 2) on the first problem. With args.start_over, rank 0 moves a non-empty
+    --out aside (after every check passed)."""
+    try:
+        _check_numbers(args, min_group)
+        spec = _check_model(args, critic_model)
+        _check_layout(args, spec)
+        _check_inputs(args)
+        _check_out(args, critic_model)
+    except UsageError as e:
+        parser.error(str(e))
+    if args.start_over and _has_run(args.out) and int(os.environ.get("RANK", "0")) == 0:
+        aside = base = f"{os.path.abspath(args.out)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in range(2, 1000):  # two starts over within a second
+            if not os.path.exists(aside):
+                break
+            aside = f"{base}-{n}"
+        os.rename(args.out, aside)
+        print(f"--start-over: the previous contents of {args.out} are now in {aside}", flush=True)
+    return spec
+
+
+def _check_numbers(args, min_group):
+    a = vars(args)
+    positive = ["tp", "pp", "rollout_tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps",
+                "micro_batch_size", "ppo_epochs", "keep_checkpoints", "sync_bucket_mb", "max_prompt_len"]
+    for name in positive:
+        if a[name] < 1:
+            raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
+    for name in ("vpp", "mini_batch_size"):
+        if a[name] is not None and a[name] < 1:
+            raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
+    non_negative = ["save_every", "save_every_minutes", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
+                    "kl_coef", "entropy_coef", "tis_cap", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
+                    "critic_lr", "critic_warmup_steps", "vf_clip"]
+    for name in non_negative:
+        if name in a and not (a[name] >= 0 and math.isfinite(a[name])):
+            raise UsageError(f"--{_flag(name)} must be a finite number >= 0, not {a[name]}")
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise UsageError(f"--temperature must be > 0, not {args.temperature}: the policy gradient needs a "
+                         "sampling distribution (logprobs are of logits / temperature; greedy decoding has none)")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], not {args.gpu_memory_utilization}")
+    if args.samples_per_prompt < min_group:
+        raise UsageError(f"--samples-per-prompt must be >= {min_group}, not {args.samples_per_prompt}: group-"
+                         "normalised advantages of a group of one are all zero (nothing would be learned)")
+    if args.resume and args.start_over:
+        raise UsageError("--resume continues the run in --out, --start-over begins a new one there: pass one")
+
+
+def _check_model(args, critic_model):
+    """The HFModelSpec of --model (the embedded model's without it), after checking the dir."""
+    if args.model is None:
+        from common.embedded import DEFAULT_CONFIG
+
+        spec = parse_hf_config(dict(DEFAULT_CONFIG, architectures=["Qwen2ForCausalLM"]))
+    else:
+        spec = _check_model_dir(args.model, "--model", need_weights=args.mcore_ckpt is None, need_tokenizer=True)
+    if critic_model is not None:
+        critic = _check_model_dir(critic_model, "--critic-model", need_weights=True, need_tokenizer=False)
+        if critic.vocab_size < spec.vocab_size:  # the critic reads the policy's token ids
+            raise UsageError(f"--critic-model {critic_model}: vocabulary {critic.vocab_size} < the policy's "
+                             f"{spec.vocab_size}; the critic must read every token id of the policy")
+    if args.mcore_ckpt is not None:
+        _check_mcore_ckpt(args.mcore_ckpt, spec)
+    return spec
+
+
+def _check_model_dir(path, flag, need_weights, need_tokenizer):
+    if not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: no such directory (pass a local HuggingFace model directory)")
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise UsageError(f"{flag} {path} has no config.json: pass a HuggingFace model directory")
+    try:
+        with open(config) as f:
+            spec = parse_hf_config(json.load(f))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{config} is not valid JSON ({e})") from None
+    except KeyError as e:
+        raise UsageError(f"{config} lacks the field {e}, which the bridge needs") from None
+    except UnsupportedModelError as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
+    files = set(os.listdir(path))
+    if need_tokenizer and not files & set(TOKENIZER_FILES):
+        raise UsageError(f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+                         "tokenizer files of the model into it")
+    if need_weights and not any(name.endswith(".safetensors") for name in files):
+        bins = any(name.endswith(".bin") for name in files)
+        raise UsageError(f"{flag} {path} has no *.safetensors weights"
+                         + (" (only .bin files: re-save it with save_pretrained(..., safe_serialization=True))"
+                            if bins else "") + "; or pass --mcore-ckpt")
+    return spec
+
+
+def _check_mcore_ckpt(path, spec):
+    """--mcore-ckpt: a model checkpoint of this architecture and size (by its hf/config.json)."""
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        hint = (" (it holds training checkpoints: pass one step directory, e.g. "
+                f"{os.path.join(path, 'step_000100')})" if os.path.isfile(os.path.join(path, "latest")) else "")
+        raise UsageError(f"--mcore-ckpt {path} is not a megatron checkpoint (no metadata.json){hint}")
+    config = os.path.join(path, "hf", "config.json")
+    if not os.path.isfile(config):
+        return  # written elsewhere: megatron's loader still checks every tensor's shape
+    with open(config) as f:
+        saved = parse_hf_config(json.load(f))
+    fields = ("architecture", "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings")
+    differ = [f"{name} {getattr(saved, name)} vs {getattr(spec, name)}" for name in fields
+              if getattr(saved, name) != getattr(spec, name)]
+    if differ:
+        raise UsageError(f"--mcore-ckpt {path} is of another model than --model: {'; '.join(differ)} "
+                         "(checkpoint vs model)")
+
+
+def _check_layout(args, spec):
+    world = world_size()
+    model_parallel = args.tp * args.pp
+    if world % model_parallel:
+        raise UsageError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} = {model_parallel}: "
+                         "start a multiple of tp*pp processes")
+    if args.vpp is not None and args.pp == 1:
+        raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
+    try:
+        check_parallel_layout(spec, tp=args.tp, pp=args.pp, vpp=args.vpp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    dp = world // model_parallel
+    rollout_batch = args.prompts_per_step * args.samples_per_prompt
+    mini_batch = args.mini_batch_size or rollout_batch
+    if rollout_batch % mini_batch:
+        raise UsageError(f"the rollout batch ({args.prompts_per_step} prompts x {args.samples_per_prompt} samples = "
+                         f"{rollout_batch}) must be a multiple of --mini-batch-size {mini_batch}")
+    if mini_batch % dp:
+        raise UsageError(f"--mini-batch-size {mini_batch} must be a multiple of the data-parallel size {dp} "
+                         f"(world {world} / (tp {args.tp} x pp {args.pp}))")
+    if not args.micro_batch_tokens and (mini_batch // dp) % args.micro_batch_size:
+        raise UsageError(f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple of "
+                         f"--micro-batch-size {args.micro_batch_size}")
+    rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
+    if world % rollout_tp:
+        raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")
+    replicas = world // rollout_tp
+    if args.load_rollouts is None and args.prompts_per_step % replicas:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {replicas} rollout "
+                         f"replicas (world {world} / rollout tp {rollout_tp})")
+    if args.max_new_tokens >= spec.max_position_embeddings:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the model's "
+                         f"{spec.max_position_embeddings} positions (max_position_embeddings)")
+
+
+def _uses_vllm(args):
+    if args.rollout != "auto":
+        return args.rollout == "vllm"
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def _check_inputs(args):
+    if args.data is not None and not os.path.exists(args.data):
+        raise UsageError(f"--data {args.data}: no such file or directory")
+    if args.load_rollouts is not None:
+        last = os.path.join(args.load_rollouts, f"step_{args.steps - 1:06d}.pt")
+        if not os.path.isfile(last):
+            have = len([n for n in os.listdir(args.load_rollouts) if n.startswith("step_")]) \
+                if os.path.isdir(args.load_rollouts) else 0
+            raise UsageError(f"--load-rollouts {args.load_rollouts} has {have} saved steps, not the {args.steps} "
+                             f"--steps asks for (no {os.path.basename(last)})")
+
+
+def _check_out(args, critic_model):
+    out = os.path.abspath(args.out)
+    for flag, path in (("--model", args.model), ("--mcore-ckpt", args.mcore_ckpt), ("--data", args.data),
+                       ("--critic-model", critic_model), ("--load-rollouts", args.load_rollouts)):
+        if path is None:
+            continue
+        path = os.path.abspath(path)
+        if path == out or path.startswith(out + os.sep) or out.startswith(path + os.sep):
+            raise UsageError(f"--out {args.out} overlaps {flag} {path}: a run writes into --out; choose a "
+                             "directory outside your inputs")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    ckpt_root = os.path.join(out, "checkpoints")
+    if args.resume == "auto":  # a requeued job: continue if the first attempt saved, else begin
+        args.resume, args.start_over = ("yes", False) if _has_checkpoint(ckpt_root) else (None, True)
+    if args.resume:
+        if not _has_checkpoint(ckpt_root):
+            raise UsageError(f"--resume: there is no checkpoint in {ckpt_root} (none was saved yet), so there "
+                             "is nothing to continue; nothing was changed. Run without --resume and with "
+                             "--start-over to begin again")
+    elif _has_run(out) and not args.start_over:
+        raise UsageError(f"--out {args.out} already holds a run ({', '.join(sorted(os.listdir(out))[:4])}); nothing "
+                         "was changed. Pass --resume to continue it, --start-over to begin a new run there (the old "
+                         "one is moved to <out>.old-<time>), or choose another --out")
+
+
+def _has_checkpoint(ckpt_root):
+    return os.path.isdir(ckpt_root) and any(name == "latest" or name.startswith("step_") and not name.endswith(".tmp")
+                                            for name in os.listdir(ckpt_root))
+
+
+def _has_run(out):
+    """Whether --out holds anything a new run would overwrite: anything but what a run writes
+    before its first step (the embedded model, its config.json run record, an empty
+    metrics.jsonl)."""
+    if not os.path.isdir(out):
+        return False
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if name not in RUN_START_FILES or (name == "metrics.jsonl" and os.path.getsize(path) > 0) \
+                or (name == "config.json" and not _is_run_record(path)):
+            return True
+    return False
+
+
+def _is_run_record(path):
+    """config.json as a training run writes it (common/log.py), not, say, a model's."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and ("args" in record or "out" in record) and "architectures" not in record
+
+
+def _flag(name):
+    return name.replace("_", "-")

@@ -1,0 +1,247 @@
+"""Run safety of the training scripts on the CPU (issue 16): a run does what was asked or
+stops with one line saying what to fix, and never loses a file.
+
+    .venv/bin/python -m pytest -q tests/test_run_safety.py
+
+- argument and input mistakes: exit 2 and one stderr line, before anything is built
+  (parse_args in this process: no model, no process group);
+- a flag the user gave is never replaced by the embedded model's defaults;
+- --out: never overlaps the inputs, a non-empty one is refused without --resume or
+  --start-over (which moves it aside), --resume refuses when there is nothing to resume;
+- a NaN (lr 1e30) stops the run with exit 3 naming the step, and no checkpoint is written;
+- SIGTERM mid-run (one process) and SIGUSR1 through torchrun (two ranks): the step finishes,
+  a checkpoint is saved, exit 0; --resume then gives the metrics of an uninterrupted run;
+- merge_to_hf.py refuses a checkpoint with NaN weights and names the tensors.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, read_metrics, run_script
+
+import train_grpo  # noqa: E402  (the repo root is on sys.path via conftest)
+import train_ppo  # noqa: E402
+
+SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
+         "--mini-batch-size", "16", "--max-new-tokens", "4"]
+TRAIN_KEYS = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "reward_mean", "logprob_mismatch", "lr"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A complete tiny model dir and broken copies of it, a too-small model's checkpoint stub,
+    a dataset."""
+    from common.embedded import DEFAULT_CONFIG, write_embedded_model
+
+    root = tmp_path_factory.mktemp("inputs")
+    good = write_embedded_model(str(root / "model"))
+    for name, drop in (("no_tokenizer", ("tokenizer.json", "tokenizer_config.json")),
+                       ("no_weights", ("model.safetensors",)), ("no_config", ("config.json",))):
+        shutil.copytree(good, root / name)
+        for f in drop:
+            os.remove(root / name / f)
+    other = root / "other_ckpt"  # what preflight reads of a checkpoint: metadata.json + hf/config.json
+    (other / "hf").mkdir(parents=True)
+    (other / "metadata.json").write_text("{}")
+    config = json.load(open(os.path.join(good, "config.json")))
+    json.dump(dict(config, hidden_size=2 * DEFAULT_CONFIG["hidden_size"]), open(other / "hf" / "config.json", "w"))
+    with open(root / "data.jsonl", "w") as f:
+        f.write(json.dumps({"prompt": "What is 1+1? " * 40, "answer": "2"}) + "\n")
+    return root
+
+
+def parse_error(capsys, parse, argv, monkeypatch=None, world=None):
+    if monkeypatch is not None and world is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert len(err.splitlines()) == 1, err  # one line, no usage block, no traceback
+    return err
+
+
+def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    out = ["--out", str(tmp_path / "run")]
+    cases = [  # (argv, world size, what the line must say)
+        (["--temperature", "0"], 1, "--temperature must be > 0"),
+        (["--steps", "0"], 1, "--steps must be >= 1"),
+        (["--max-new-tokens", "0"], 1, "--max-new-tokens must be >= 1"),
+        (["--samples-per-prompt", "1"], 1, "advantages of a group of one are all zero"),
+        (["--micro-batch-size", "0"], 1, "--micro-batch-size must be >= 1"),
+        (["--prompts-per-step", "0"], 1, "--prompts-per-step must be >= 1"),
+        (["--max-new-tokens", "256"], 1, "model's 256 positions"),
+        (["--prompts-per-step", "3", "--samples-per-prompt", "4", "--mini-batch-size", "8"], 1, "multiple of --mini-batch-size 8"),
+        (["--tp", "2"], 3, "world size 3 is not divisible by --tp 2"),
+        (["--mini-batch-size", "32", "--micro-batch-size", "32"], 2, "16 samples of a mini-batch, not a multiple of --micro-batch-size 32"),
+        (["--pp", "3"], 3, "num_hidden_layers=2 must be divisible by pp*vpp=3"),
+        (["--prompts-per-step", "3", "--samples-per-prompt", "4", "--mini-batch-size", "12", "--micro-batch-size", "2"], 2,
+         "multiple of the 2 rollout replicas"),
+        (["--model", str(inputs / "model")], 1, "--max-new-tokens 1024 leaves no room"),
+        (["--model", str(inputs / "missing")], 1, "no such directory"),
+        (["--model", str(inputs / "no_tokenizer")], 1, "has no tokenizer"),
+        (["--model", str(inputs / "no_weights")], 1, "has no *.safetensors weights"),
+        (["--model", str(inputs / "no_config")], 1, "has no config.json"),
+        (["--model", str(inputs / "model"), "--mcore-ckpt", str(inputs / "other_ckpt")], 1, "hidden_size 128 vs 64"),
+        (["--data", str(inputs / "missing.jsonl")], 1, "no such file"),
+        (["--load-rollouts", str(inputs)], 1, "has 0 saved steps"),
+        (["--resume", "--start-over"], 1, "pass one"),
+        (["--resume"], 1, "there is no checkpoint"),
+    ]
+    for argv, world, says in cases:
+        err = parse_error(capsys, train_grpo.parse_args, argv + out, monkeypatch, world)
+        assert says in err and ": error: " in err, (argv, err)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    # PPO shares the checks; its critic is checked too
+    assert "has no config.json" in parse_error(capsys, train_ppo.parse_args, ["--critic-model", str(inputs / "no_config")] + out)
+    assert "--temperature must be > 0" in parse_error(capsys, train_ppo.parse_args, ["--temperature", "0"] + out)
+
+
+def test_out_never_overlaps_inputs_or_an_earlier_run(inputs, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model = str(inputs / "model")
+    for out in (model, os.path.join(model, "run"), str(inputs)):  # equal, inside, containing
+        assert "overlaps --model" in parse_error(capsys, train_grpo.parse_args, ["--model", model, "--out", out,
+                                                                                 "--max-new-tokens", "4"])
+    assert "overlaps --data" in parse_error(capsys, train_grpo.parse_args, ["--data", str(inputs / "data.jsonl"),
+                                                                             "--out", str(inputs)])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "notes.txt").write_text("precious")
+    assert "already holds a run" in parse_error(capsys, train_grpo.parse_args, ["--out", str(run)])
+    assert (run / "notes.txt").read_text() == "precious"
+    # a directory holding only what a run writes before its first step is not "a run"
+    fresh = tmp_path / "fresh"
+    (fresh / "embedded_model").mkdir(parents=True)
+    (fresh / "metrics.jsonl").write_text("")
+    train_grpo.parse_args(["--out", str(fresh)])
+    # --start-over: the old run is moved aside, nothing deleted
+    train_grpo.parse_args(["--out", str(run), "--start-over"])
+    assert not run.exists()
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert (aside / "notes.txt").read_text() == "precious" and (aside / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    # --resume auto (a requeued job): no checkpoint -> a fresh start, with the old files moved aside
+    (run / "metrics.jsonl").parent.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    args = train_grpo.parse_args(["--out", str(run), "--resume", "auto"])
+    assert args.resume is None and args.start_over and not run.exists()
+
+
+def test_flags_the_user_gave_are_kept(tmp_path, monkeypatch):
+    """Without --model the embedded defaults apply only to flags not given, even when the
+    given value equals the generic default."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = ["--out", str(tmp_path / "a")]
+    given = train_grpo.parse_args(["--steps", "200", "--entropy-coef", "0", "--lr", "1e-6"] + out)
+    assert (given.steps, given.entropy_coef, given.lr) == (200, 0.0, 1e-6)
+    default = train_grpo.parse_args(out)
+    assert (default.steps, default.entropy_coef, default.lr) == (100, 0.02, 3e-3)
+    ppo = train_ppo.parse_args(["--micro-batch-size", "8", "--critic-lr", "1e-5"] + out)
+    assert (ppo.micro_batch_size, ppo.critic_lr, ppo.lr) == (8, 1e-5, 3e-3)
+
+
+def test_help_says_each_default_once():
+    text = train_grpo.build_parser().format_help()
+    assert "(default: None)" not in text and "default: the embedded tiny model (default" not in text
+    assert "(default: 1234)" in text  # --seed: defaults are still shown
+
+
+def test_mistakes_found_after_start_up_are_one_line(inputs, tmp_path):
+    """Every prompt too long: found after the tokenizer is loaded, still one line and exit 2."""
+    proc = subprocess.run([sys.executable, "train_grpo.py", "--model", str(inputs / "model"), "--data",
+                           str(inputs / "data.jsonl"), "--max-prompt-len", "16", "--max-new-tokens", "4",
+                           "--out", str(tmp_path / "r")],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "every prompt of" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nan_stops_the_run_before_the_update(tmp_path):
+    proc = subprocess.run([sys.executable, "train_grpo.py", *SMALL, "--lr", "1e30", "--steps", "4", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled"))
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "step 1: " in last and "NaN/Inf" in last and "no optimizer step was applied" in last, last
+    assert not (tmp_path / "checkpoints").exists()  # nothing non-finite was saved
+
+
+def _popen(cmd, out, **env):
+    return subprocess.Popen(cmd + ["--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                                                WANDB_MODE="disabled", **env))
+
+
+def _signal_after(proc, out, sig, steps_logged, timeout=300):
+    """Send sig once metrics.jsonl has steps_logged lines; returns (exit code, output)."""
+    deadline = time.time() + timeout
+    path = out / "metrics.jsonl"
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= steps_logged):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, output
+
+
+def test_signal_saves_and_resume_continues_exactly(tmp_path):
+    steps = ["--steps", "10"]
+    run_script("train_grpo.py", *SMALL, *steps, "--out", tmp_path / "straight")
+    code, output = _signal_after(_popen([sys.executable, "train_grpo.py", *SMALL, *steps], tmp_path / "stopped"),
+                                 tmp_path / "stopped", signal.SIGTERM, steps_logged=3)
+    assert code == 0, output[-3000:]
+    assert "SIGTERM received" in output and "--resume" in output
+    stopped_at = len(read_metrics(tmp_path / "stopped"))
+    assert 3 <= stopped_at < 10, output[-2000:]
+    assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
+    run_script("train_grpo.py", *SMALL, *steps, "--out", tmp_path / "stopped", "--resume")
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "stopped")
+    assert [m["step"] for m in resumed] == list(range(10))
+    for a, b in zip(straight, resumed):
+        for key in TRAIN_KEYS + ["response_len_mean", "reward_std"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
+
+
+def test_torchrun_forwards_sigusr1_and_every_rank_stops_after_the_same_step(tmp_path):
+    """launch/slurm.sh's path: torchrun told to forward SIGUSR1 (PET_SIGNALS_TO_HANDLE)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_grpo.py",
+           *SMALL, "--steps", "40"]
+    _, output = _signal_after(_popen(cmd, tmp_path, PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"),
+                              tmp_path, signal.SIGUSR1, steps_logged=2)
+    # (torchrun itself exits 1 after forwarding a signal; the ranks exit 0)
+    assert "SIGUSR1 received" in output and "stopped by SIGUSR1" in output, output[-3000:]
+    saved = len(read_metrics(tmp_path))
+    assert 2 <= saved < 40
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
+    assert "complete" in os.listdir(tmp_path / "checkpoints" / f"step_{saved:06d}")
+
+
+def test_merge_refuses_non_finite_weights(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import convert_hf_to_mcore
+    import merge_to_hf
+    from tests.tiny_models import save_tiny_hf_model
+
+    src = tmp_path / "src"
+    save_tiny_hf_model("qwen2", str(src))
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert convert_hf_to_mcore.main(["--hf", str(src), "--out", str(tmp_path / "ckpt"), "--dtype", "fp32"]) == 0
+    assert merge_to_hf.main(["--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 2
+    text = capsys.readouterr().out
+    assert "NaN/Inf" in text and "model.layers.1.mlp.down_proj.weight" in text, text
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.incomplete").exists()
+    assert torch.isnan(tensors["model.layers.1.mlp.down_proj.weight"]).sum() == 1
