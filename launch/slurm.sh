@@ -14,6 +14,15 @@
 #   CONTAINER_MOUNTS=/data:/data extra mounts for the container (the submit dir is always mounted)
 #   GPUS_PER_NODE=8              ranks per node (defaults to the GPUs Slurm gave each node)
 #   MASTER_PORT=29500            rendezvous port on the first node
+#   STOP_GRACE_S=280             how long the ranks get to finish their step and save after the
+#                                stop signal (keep it below --signal's lead time)
+#
+# Time limits and preemption: 300 s before the time limit Slurm sends SIGUSR1 to this script
+# (--signal=B:USR1@300); it is passed to the ranks (through srun and torchrun), which finish
+# the current step, save a checkpoint and exit; then the job requeues itself. A preempted job
+# (SIGTERM from Slurm) saves the same way and is requeued by Slurm. A requeued job runs the
+# same command with `--resume auto` added: it continues from the newest checkpoint in --out.
+# Choose the lead time above one step plus one checkpoint save.
 #
 #SBATCH --job-name=mcore-rl
 #SBATCH --nodes=2
@@ -21,6 +30,9 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 
 if [ "$#" -eq 0 ]; then
@@ -41,6 +53,10 @@ export MASTER_ADDR MASTER_PORT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Keep the NCCL errors visible instead of hanging until the watchdog timeout.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# torchrun forwards these signals to the ranks (SIGUSR1 is not among its defaults) and waits
+# this long for them to exit before it kills them.
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-280}
 
 if [ -n "${VENV:-}" ]; then
     # shellcheck disable=SC1091
@@ -53,8 +69,12 @@ if [ -n "${CONTAINER_IMAGE:-}" ]; then
     SRUN_ARGS+=(--container-image "$CONTAINER_IMAGE" --container-mounts "$MOUNTS" --container-workdir "$PWD")
 fi
 
-echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT"
-echo "command: $*"
+ARGS=("$@")
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then  # requeued: continue where the last attempt saved
+    ARGS+=(--resume auto)
+fi
+echo "job $SLURM_JOB_ID (attempt $((${SLURM_RESTART_COUNT:-0} + 1))): $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT"
+echo "command: ${ARGS[*]}"
 
 srun "${SRUN_ARGS[@]}" torchrun \
     --nnodes "$SLURM_NNODES" \
@@ -62,4 +82,18 @@ srun "${SRUN_ARGS[@]}" torchrun \
     --rdzv_backend c10d \
     --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
     --rdzv_id "$SLURM_JOB_ID" \
-    "$@"
+    "${ARGS[@]}" &
+SRUN_PID=$!
+REQUEUE=0
+# The time limit is near: pass the signal on (srun forwards it to torchrun, torchrun to the
+# ranks), let them save, then put the job back in the queue.
+trap 'echo "time limit near: the ranks finish their step, save and exit; then the job requeues"; REQUEUE=1; kill -USR1 "$SRUN_PID"' USR1
+set +e
+wait "$SRUN_PID"; RC=$?
+while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; RC=$?; done  # a trap interrupts wait
+set -e
+if [ "$REQUEUE" = 1 ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$RC"

@@ -61,3 +61,34 @@ def test_local_forwards_args(tmp_path):
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["ARG<-m>", "ARG<torch.distributed.run>", "ARG<--standalone>",
                                 "ARG<--nproc_per_node>", "ARG<8>", "ARG<train_grpo.py>", "ARG<--tp>", "ARG<4>"]
+
+
+def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):
+    """SIGUSR1 to the batch script (Slurm's --signal=B:USR1@300) reaches srun, and the job
+    requeues itself once srun has exited; a requeued attempt adds `--resume auto`."""
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "log"
+    # srun: records its arguments and a USR1, then exits like ranks that saved and stopped
+    stub(bin_dir / "srun", f'trap \'echo GOT_USR1 >> {log}; exit 0\' USR1\nprintf "ARG<%s>\\n" "$@" >> {log}\n'
+                           f'echo READY >> {log}\nfor i in $(seq 600); do sleep 0.1; done\n')
+    stub(bin_dir / "scontrol", f'[ "$1" = requeue ] && echo "REQUEUE $2" >> {log}\n'
+                               '[ "$1 $2" = "show hostnames" ] && echo gpu-01\nexit 0\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "GPUS_PER", "MASTER_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="gpu-01", SLURM_NNODES="1",
+               SLURM_JOB_ID="77", SLURM_GPUS_ON_NODE="8", SLURM_RESTART_COUNT="1")
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "launch/slurm.sh"), "train_grpo.py", "--out", "runs/x"],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 30
+    while time.time() < deadline and not (log.exists() and "READY" in log.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    lines = log.read_text().splitlines()
+    assert proc.returncode == 0, out
+    assert "GOT_USR1" in lines and "REQUEUE 77" in lines, (lines, out)
+    args = [line[4:-1] for line in lines if line.startswith("ARG<")]
+    assert args[-5:] == ["train_grpo.py", "--out", "runs/x", "--resume", "auto"]
