@@ -146,7 +146,7 @@ def main():
     from common.rewards import math_reward, synthetic_reward
     from common.rollout import vllm_available
     from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
-    from common.training import setup_training
+    from common.training import ensure_adam_state, setup_training
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
@@ -248,6 +248,11 @@ def main():
         # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
         store.copy_(B.all_reduce_sum(on_device, mpu.get_data_parallel_group(), info.device))
 
+    if offload_optimizer:  # every pinned host buffer now: the first steps would pay seconds for them
+        ensure_adam_state(optimizer)  # (Adam's state would only appear at the first update)
+        optim_off.allocate()
+    if offload_params:
+        policy_off.allocate()
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)

@@ -158,7 +158,7 @@ def main():
     from common.rewards import math_reward, synthetic_reward
     from common.rollout import vllm_available
     from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
-    from common.training import setup_training
+    from common.training import ensure_adam_state, setup_training
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
@@ -283,6 +283,12 @@ def main():
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
+    if offload_optimizer:  # every pinned host buffer now: the first steps would pay seconds for them
+        for opt, off in zip((optimizer, critic_optimizer), optim_offs):
+            ensure_adam_state(opt)  # (Adam's state would only appear at the first update)
+            off.allocate()
+    if offload_params:
+        actor_off.allocate(), critic_off.allocate()
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)

@@ -17,7 +17,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     from common import batch as B
     from common.model import build_model, load_hf_spec, load_hf_weights
     from common.offload import Offloader
-    from common.training import setup_training
+    from common.training import ensure_adam_state, setup_training
     from megatron.core import parallel_state as mpu
 
     spec = load_hf_spec(hf_dir)
@@ -29,6 +29,10 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     model_off = Offloader.of_model(model, include_cpu=not on_gpu)
     optim_off = Offloader.of_optimizer(optimizer, model, include_cpu=not on_gpu)
     losses, moved, left, freed_gpu, intact = [], [], [], [], []
+    if offload:  # as the scripts do: Adam state and every host buffer before the first step
+        ensure_adam_state(optimizer)
+        optim_off.allocate(), model_off.allocate()
+        buffers = {id(b) for off in (model_off, optim_off) for b in off._host.values()}
     for step in range(3):
         gen = torch.Generator().manual_seed(100 * step + mpu.get_data_parallel_rank())
         tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=gen)
@@ -58,8 +62,10 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
             model_off.reload()
             optim_off.reload()
     params = torch.cat([p.detach().float().flatten() for p in model[0].parameters()])
+    # host buffers an offload had to create after allocate() (each costs a pinning on a GPU)
+    late = len({id(b) for off in (model_off, optim_off) for b in off._host.values()} - buffers) if offload else 0
     return dict(losses=losses, moved=moved, left=left, params=params.cpu(), numel=params.numel(), freed_gpu=freed_gpu,
-                intact=intact)
+                intact=intact, late_buffers=late)
 
 
 def optimizer_states(optimizer):
@@ -81,7 +87,7 @@ def main():
                 losses=plain["losses"], losses_offloaded=offloaded["losses"],
                 max_param_diff=float((plain["params"] - offloaded["params"]).abs().max()),
                 moved=offloaded["moved"], left=offloaded["left"], numel=offloaded["numel"],
-                freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"])
+                freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"], late_buffers=offloaded["late_buffers"])
     result["reference"] = frozen_model_roundtrip(hf_dir)
     if info.rank == 0:
         print("RESULT " + json.dumps(result))

@@ -12,7 +12,8 @@ runs between the two offloads), and the bytes moved must be what the dtypes say.
 frozen model (train_grpo.py's reference) gives the same logits after a round trip. On a CPU
 the "device" memory is host memory (include_cpu=True); the same test on a GPU machine moves
 CUDA memory to pinned host buffers and also checks that torch's allocated GPU memory dropped
-by the bytes moved (tests/gpu/run_all.sh runs it).
+by the bytes moved (tests/gpu/run_all.sh runs it). Host buffers are made once, by allocate()
+before the first step (Adam's state created first, as the scripts do): no offload makes one.
 """
 import json
 import os
@@ -52,6 +53,7 @@ def check(result, dp):
         assert r["max_param_diff"] == 0.0, name
         assert all(left == 0 for left in r["left"]), (name, r["left"])  # storages empty while offloaded
         assert all(r["intact"]), name  # the optimizer's offload leaves the model's params alone (fp32)
+        assert r["late_buffers"] == 0, name  # allocate() made every host buffer before the first step
         dtype, kind = name.split("_")
         per_param = BYTES_PER_PARAM[dtype]
         if kind == "distopt":  # Adam state (+ the fp32 main params of a bf16 model) sharded over DP
