@@ -9,7 +9,8 @@ Only global rank 0 writes (the caller passes enabled=master_process); on the oth
 method is a no-op. `print0` lives in common/dist.py and is re-exported here for convenience.
 
 Naming convention the plot relies on: keys ending in `_s` are seconds spent in one phase of the
-step (rollout_s, sync_s, train_s, ...) and are stacked; name throughputs `*_per_sec`, not `*_s`.
+step (rollout_s, sync_s, train_s, ...) and are stacked; `step_s` is the whole step, drawn as a
+line over the stack; name throughputs `*_per_sec`, not `*_s`.
 """
 import json
 import math
@@ -20,6 +21,29 @@ from common.dist import print0  # noqa: F401  (re-export: `from common.log impor
 # Curves drawn in curves.png, one panel each, when present in the logged metrics.
 MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "response_len_mean",
                "value_loss", "explained_variance"]  # the last two: train_ppo.py
+TOTAL_TIME_KEY = "step_s"   # the whole step: a line over the stacked phases, never stacked itself
+
+
+# ---- curves.png ------------------------------------------------------------------------
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def time_stack(history):
+    """What the "seconds per step" panel draws: (steps, phases, total).
+
+    steps: every logged step that timed anything; phases: {key: [seconds at each step]} for
+    every `*_s` key but step_s, a phase a step did not log counted 0 there (save_s exists only
+    on checkpoint steps, and must not hide the other steps); total: step_s at each step (nan
+    where absent), drawn as a line, so the gap above the stack is the step's untimed work."""
+    phase_keys = sorted({k for r in history for k, v in r.items()
+                         if k.endswith("_s") and k != TOTAL_TIME_KEY and _is_number(v)})
+    rows = [r for r in history if any(_is_number(r.get(k)) for k in (*phase_keys, TOTAL_TIME_KEY))]
+    steps = [r["step"] for r in rows]
+    phases = {k: [r[k] if _is_number(r.get(k)) else 0.0 for r in rows] for k in phase_keys}
+    total = [r[TOTAL_TIME_KEY] if _is_number(r.get(TOTAL_TIME_KEY)) else math.nan for r in rows]
+    return steps, phases, total
 
 
 def default_wandb_mode():
@@ -115,23 +139,25 @@ class MetricsLogger:
 
     def plot(self):
         """Redraw out_dir/curves.png: one panel per MAIN_CURVES key present, plus the per-phase
-        seconds (`*_s` keys) stacked in one panel."""
+        seconds (`*_s` keys) stacked in one panel with step_s as a line (time_stack).
+        Returns the matplotlib Figure (None when there is nothing to draw)."""
         if not self.enabled or not self.history:
-            return
+            return None
         # Figure + Agg canvas directly, not pyplot: no global backend switch, no GUI, no leaks.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
         def series(key):
-            points = [(r["step"], r[key]) for r in self.history
-                      if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+            points = [(r["step"], r[key]) for r in self.history if _is_number(r.get(key))]
             return [p[0] for p in points], [p[1] for p in points]
 
         keys = [k for k in MAIN_CURVES if any(k in r for r in self.history)]
-        time_keys = sorted({k for r in self.history for k in r if k.endswith("_s")})
-        panels = len(keys) + (1 if time_keys else 0)
+        steps, phases, total = time_stack(self.history)
+        # The time panel takes two cells: the stack, and its legend in the cell after it, so
+        # the legend never covers data (phase names are long, and a run logs about 10 of them).
+        panels = len(keys) + (2 if steps else 0)
         if panels == 0:
-            return
+            return None
         cols = min(3, panels)
         rows = math.ceil(panels / cols)
         fig = Figure(figsize=(4.5 * cols, 3.2 * rows))
@@ -142,16 +168,23 @@ class MetricsLogger:
             ax.set_title(key)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-        if time_keys:
-            ax = axes[len(keys)]
-            # Stack only steps that logged every phase, so the areas line up.
-            rows_t = [r for r in self.history if all(isinstance(r.get(k), (int, float)) for k in time_keys)]
-            if rows_t:
-                ax.stackplot([r["step"] for r in rows_t], *[[r[k] for r in rows_t] for k in time_keys],
-                             labels=time_keys)
-                ax.legend(loc="upper left", fontsize="small")
+        if steps:
+            ax, legend_ax = axes[len(keys)], axes[len(keys) + 1]
+            if phases:
+                from matplotlib import colormaps   # tab10 repeats its colours past 10 phases
+
+                cmap = colormaps["tab10" if len(phases) <= 10 else "tab20"]
+                ax.stackplot(steps, *phases.values(), labels=list(phases),
+                             colors=[cmap(i) for i in range(len(phases))])
+            if any(not math.isnan(t) for t in total):
+                ax.plot(steps, total, color="black", linewidth=1.2, label=f"{TOTAL_TIME_KEY} (total)")
             ax.set_title("seconds per step")
             ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            handles, labels = ax.get_legend_handles_labels()
+            legend_ax.axis("off")
+            legend_ax.legend(handles[::-1], labels[::-1], loc="upper left", fontsize="small",
+                             title="seconds per step")   # reversed: top of the list = top of the stack
         for ax in axes[panels:]:
             ax.set_visible(False)
         # Fixed margins (in inches / figure height): constrained layout costs ~2x the drawing time.
@@ -162,6 +195,7 @@ class MetricsLogger:
         tmp = os.path.join(self.out_dir, ".curves.png.tmp")
         fig.savefig(tmp, format="png", dpi=80)
         os.replace(tmp, os.path.join(self.out_dir, "curves.png"))
+        return fig
 
     def close(self):
         if not self.enabled:

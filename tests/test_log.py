@@ -1,14 +1,17 @@
-"""Tests of common/log.py: metrics.jsonl content, curves.png, wandb offline, truncate on resume.
+"""Tests of common/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
+and truncate on resume.
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
 import json
+import math
 import os
 
 import numpy as np
+import pytest
 import torch
 
-from common.log import MetricsLogger, default_wandb_mode
+from common.log import MetricsLogger, default_wandb_mode, time_stack
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -69,6 +72,56 @@ def test_truncate_after_resume(tmp_path):
     logger.log(0, {"reward_mean": 0.5})
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.5}]
+
+
+def test_time_stack_counts_missing_phases_as_zero():
+    # save_s only on checkpoint steps (1 and 3), step_s missing on step 2, a step without times
+    history = [
+        {"step": 0, "reward_mean": 0.1, "rollout_s": 1.0, "train_s": 2.0, "step_s": 3.5},
+        {"step": 1, "rollout_s": 1.5, "train_s": 2.5, "save_s": 4.0, "step_s": 8.5},
+        {"step": 2, "rollout_s": 0.5, "train_s": 1.0},
+        {"step": 3, "rollout_s": 1.0, "train_s": 2.0, "save_s": 3.0, "step_s": 6.5, "tag_s": "x"},
+        {"step": 4, "reward_mean": 0.2},
+    ]
+    steps, phases, total = time_stack(history)
+    assert steps == [0, 1, 2, 3]
+    # save_s counted 0 where missing
+    assert phases == {"rollout_s": [1.0, 1.5, 0.5, 1.0], "save_s": [0.0, 4.0, 0.0, 3.0],
+                      "train_s": [2.0, 2.5, 1.0, 2.0]}
+    assert "step_s" not in phases   # the total is drawn as a line, never stacked on its parts
+    assert total[:2] == [3.5, 8.5] and math.isnan(total[2]) and total[3] == 6.5
+
+
+def test_plot_draws_the_time_stack(tmp_path):
+    """curves.png's time panel holds time_stack's series: the top of the stack at each step is
+    the sum of that step's phases, step_s is a separate line, the legend sits outside the panel."""
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    for step in range(6):
+        times = {"rollout_s": 1.0 + step, "train_s": 2.0}
+        if step % 3 == 2:
+            times["save_s"] = 5.0
+        logger.log(step, {"reward_mean": step / 10, **times, "step_s": sum(times.values()) + 0.5})
+    fig = logger.plot()
+    ax = next(a for a in fig.axes if a.get_title() == "seconds per step")
+    stacked = [c for c in ax.collections]   # one PolyCollection per stacked phase
+    assert len(stacked) == 3
+    tops = {}   # the upper edge of the last band (its outline holds both edges): max y per step
+    for x, y in stacked[-1].get_paths()[0].vertices:
+        tops[x] = max(tops.get(x, -math.inf), y)
+    for step in range(6):
+        expected = 1.0 + step + 2.0 + (5.0 if step % 3 == 2 else 0.0)
+        assert tops[step] == pytest.approx(expected)
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("step_s")]
+    assert list(line.get_ydata()) == pytest.approx([1.0 + s + 2.0 + (5.0 if s % 3 == 2 else 0.0) + 0.5
+                                                    for s in range(6)])
+    legend = next(a.get_legend() for a in fig.axes if a.get_legend() is not None)
+    assert sorted(t.get_text() for t in legend.get_texts()) == [
+        "rollout_s", "save_s", "step_s (total)", "train_s"]
+    # outside the data area: the legend's box does not overlap the panel's
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    logger.close()
 
 
 def test_wandb_offline_run_dir(tmp_path, monkeypatch):
