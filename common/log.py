@@ -8,6 +8,9 @@
 Only global rank 0 writes (the caller passes enabled=master_process); on the other ranks every
 method is a no-op. `print0` lives in common/dist.py and is re-exported here for convenience.
 
+Files in out_dir: metrics.jsonl (one line per step), metrics.replaced.jsonl (the lines a resume
+replaced, kept), config.json, curves.png, wandb_run_id.
+
 Naming convention the plot relies on: keys ending in `_s` are seconds spent in one phase of the
 step (rollout_s, sync_s, train_s, ...) and are stacked; `step_s` is the whole step, drawn as a
 line over the stack; name throughputs `*_per_sec`, not `*_s`.
@@ -15,6 +18,7 @@ line over the stack; name throughputs `*_per_sec`, not `*_s`.
 import json
 import math
 import os
+import time
 
 from common.dist import print0  # noqa: F401  (re-export: `from common.log import print0`)
 
@@ -22,6 +26,17 @@ from common.dist import print0  # noqa: F401  (re-export: `from common.log impor
 MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "response_len_mean",
                "value_loss", "explained_variance"]  # the last two: train_ppo.py
 TOTAL_TIME_KEY = "step_s"   # the whole step: a line over the stacked phases, never stacked itself
+REPLACED_FILE = "metrics.replaced.jsonl"
+
+
+def _move_aside(path):
+    """Rename path to path.old-<timestamp> (a free name) and return the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = f"{path}.old-{stamp}", 1
+    while os.path.exists(target):   # two moves in the same second
+        target, n = f"{path}.old-{stamp}-{n}", n + 1
+    os.replace(path, target)
+    return target
 
 
 # ---- curves.png ------------------------------------------------------------------------
@@ -85,9 +100,17 @@ def _to_number(value):
 class MetricsLogger:
     def __init__(self, out_dir, config: dict, wandb_mode: str = "disabled", project: str = "mcore-rl",
                  run_name: str | None = None, enabled: bool = True, plot_every: int = 10,
-                 resume: bool = False):
-        """resume=False starts metrics.jsonl (and the wandb run) afresh in out_dir; resume=True
-        appends to them (then call truncate_after(resume_step) to drop the steps redone)."""
+                 resume: bool = False, overwrite: bool = False):
+        """config: what config.json holds; it also goes to wandb.
+
+        resume=True appends to out_dir's metrics.jsonl (and continues its wandb run); then call
+        truncate_after(resume_step) to set aside the steps that will be redone.
+        resume=False starts a new run and never destroys an earlier one: a non-empty
+        metrics.jsonl raises FileExistsError, unless overwrite=True, which renames it (and the
+        old config.json) to *.old-<timestamp> first. The scripts refuse a used --out before
+        this; this is the last line of defence.
+
+        A resumed run's previous config.json is kept as config.json.old-<timestamp>."""
         assert wandb_mode in ("online", "offline", "disabled"), wandb_mode
         self.enabled, self.plot_every = enabled, plot_every
         self.out_dir = str(out_dir)
@@ -96,14 +119,26 @@ class MetricsLogger:
         self.wandb_run = None
         if not enabled:
             return
+        config_path = os.path.join(self.out_dir, "config.json")
+        has_metrics = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        if has_metrics and not resume:
+            if not overwrite:
+                raise FileExistsError(
+                    f"{self.path} already holds the metrics of an earlier run; refusing to start a "
+                    "new run over it. Resume that run (resume=True, --resume), choose another output "
+                    "directory, or pass overwrite=True to move the old file aside.")
+            _move_aside(self.path)
+        if os.path.exists(config_path) and (resume or has_metrics):
+            _move_aside(config_path)   # the earlier start's record, kept next to the new one
         os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+        with open(config_path, "w") as f:
             json.dump(config, f, indent=2, default=str)
         # A resumed run appends to the existing file; keep its lines so the plot covers them.
         if resume and os.path.exists(self.path):
             with open(self.path) as f:
                 self.history = [json.loads(line) for line in f if line.strip()]
-        self.file = open(self.path, "a" if resume else "w")
+        # "a" in both cases: a fresh run's file is absent or empty here (checked above)
+        self.file = open(self.path, "a")
         if wandb_mode != "disabled":
             import wandb   # lazy: a disabled run never imports it (slow import, spawns a service)
 
@@ -128,13 +163,29 @@ class MetricsLogger:
             self.plot()
 
     def truncate_after(self, step: int):
-        """Keep only lines with step < `step` (call on resume from checkpoint `step`)."""
+        """Keep in metrics.jsonl only lines with step < `step` (call on resume from checkpoint
+        `step`: the steps from there on are redone and logged again).
+
+        Nothing logged is lost: the lines removed are appended to metrics.replaced.jsonl in
+        out_dir, each as {"replaced_by_resume_at": step, **original line}, in their original
+        order. (They differ from the redone steps when the run was not bit-exact, or when it
+        ran past its last checkpoint before it stopped.)"""
         if not self.enabled:
             return
+        dropped = [r for r in self.history if r["step"] >= step]
+        if not dropped:
+            return
+        # The side file first: a crash between the two writes duplicates lines, never loses them.
+        with open(os.path.join(self.out_dir, REPLACED_FILE), "a") as f:
+            f.writelines(json.dumps({"replaced_by_resume_at": int(step), **r}) + "\n" for r in dropped)
+            f.flush()
+            os.fsync(f.fileno())
         self.history = [r for r in self.history if r["step"] < step]
         self.file.close()
-        with open(self.path, "w") as f:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
+        os.replace(tmp, self.path)   # readers see the old or the new file, never half of one
         self.file = open(self.path, "a")
 
     def plot(self):

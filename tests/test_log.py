@@ -1,5 +1,5 @@
 """Tests of common/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
-and truncate on resume.
+and resume (truncate keeps the replaced lines, a fresh run never destroys one).
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
@@ -52,13 +52,17 @@ def test_disabled_rank_writes_nothing(tmp_path):
 
 
 def test_truncate_after_resume(tmp_path):
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    logger = MetricsLogger(tmp_path, {"start": 1}, enabled=True, plot_every=0)
     for step in range(5):
         logger.log(step, {"reward_mean": step / 10})
     logger.close()
     # resume from a checkpoint at step 3: steps 3, 4 are redone
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger = MetricsLogger(tmp_path, {"start": 2}, enabled=True, plot_every=0, resume=True)
     logger.truncate_after(3)
+    # config.json is the resumed start's record; the first start's is kept beside it
+    assert json.load(open(tmp_path / "config.json")) == {"start": 2}
+    (old_config,) = [n for n in os.listdir(tmp_path) if n.startswith("config.json.old-")]
+    assert json.load(open(tmp_path / old_config)) == {"start": 1}
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     logger.log(3, {"reward_mean": 0.9})
     logger.close()
@@ -67,11 +71,58 @@ def test_truncate_after_resume(tmp_path):
         {"step": 2, "reward_mean": 0.2}, {"step": 3, "reward_mean": 0.9}]
     assert [r["step"] for r in logger.history] == [0, 1, 2, 3]   # the plot covers the resumed part
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)  # close() draws
-    # a fresh (not resumed) run in the same dir starts the file over
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    # the lines the resume replaced are kept, tagged, in their order
+    assert read_jsonl(tmp_path / "metrics.replaced.jsonl") == [
+        {"replaced_by_resume_at": 3, "step": 3, "reward_mean": 0.3},
+        {"replaced_by_resume_at": 3, "step": 4, "reward_mean": 0.4}]
+    # a second resume, from step 1, appends to the side file: nothing logged is ever lost
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger.truncate_after(1)
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.0}]
+    assert read_jsonl(tmp_path / "metrics.replaced.jsonl")[2:] == [
+        {"replaced_by_resume_at": 1, "step": 1, "reward_mean": 0.1},
+        {"replaced_by_resume_at": 1, "step": 2, "reward_mean": 0.2},
+        {"replaced_by_resume_at": 1, "step": 3, "reward_mean": 0.9}]
+    # resuming at a step past the end replaces nothing and leaves the side file alone
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger.truncate_after(5)
+    logger.close()
+    assert len(read_jsonl(tmp_path / "metrics.replaced.jsonl")) == 5
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.0}]
+
+
+def test_fresh_run_never_destroys_metrics(tmp_path):
+    logger = MetricsLogger(tmp_path, {"run": 1}, enabled=True, plot_every=0)
     logger.log(0, {"reward_mean": 0.5})
     logger.close()
+    before = sorted(os.listdir(tmp_path))
+    # resume=False over a non-empty metrics.jsonl: refused, nothing touched
+    with pytest.raises(FileExistsError, match="metrics.jsonl"):
+        MetricsLogger(tmp_path, {"run": 2}, enabled=True, plot_every=0)
+    assert sorted(os.listdir(tmp_path)) == before
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.5}]
+    assert json.load(open(tmp_path / "config.json")) == {"run": 1}
+    # overwrite=True: the old files are moved aside, byte for byte, and the new run starts empty
+    logger = MetricsLogger(tmp_path, {"run": 2}, enabled=True, plot_every=0, overwrite=True)
+    logger.log(0, {"reward_mean": 0.25})
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.25}]
+    assert json.load(open(tmp_path / "config.json")) == {"run": 2}
+    old_metrics = [n for n in os.listdir(tmp_path) if n.startswith("metrics.jsonl.old-")]
+    old_config = [n for n in os.listdir(tmp_path) if n.startswith("config.json.old-")]
+    assert len(old_metrics) == 1 and len(old_config) == 1
+    assert read_jsonl(tmp_path / old_metrics[0]) == [{"step": 0, "reward_mean": 0.5}]
+    assert json.load(open(tmp_path / old_config[0])) == {"run": 1}
+    # a second overwrite in the same second does not clobber the first one's copy
+    MetricsLogger(tmp_path, {"run": 3}, enabled=True, plot_every=0, overwrite=True).close()
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("metrics.jsonl.old-")]) == 2
+    # an empty metrics.jsonl (a run that died before its first step) is no run to protect
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    MetricsLogger(empty, {}, enabled=True, plot_every=0).close()
+    assert sorted(os.listdir(empty)) == ["config.json", "metrics.jsonl"]
 
 
 def test_time_stack_counts_missing_phases_as_zero():
