@@ -1,7 +1,8 @@
-"""Logging of training metrics: metrics.jsonl (the source of truth), wandb, and a PNG of curves.
+"""Logging of training metrics: metrics.jsonl (the source of truth), wandb, and a PNG of curves;
+and the run record (config.json).
 
-    logger = MetricsLogger(out_dir, vars(args), wandb_mode=args.wandb_mode, project="mcore-rl",
-                           run_name=args.run_name, enabled=master_process)
+    logger = MetricsLogger(out_dir, run_record(vars(args), layout), wandb_mode=args.wandb_mode,
+                           project="mcore-rl", run_name=args.run_name, enabled=master_process)
     logger.log(step, {"reward_mean": r, "kl": kl, "rollout_s": t_rollout, ...})
     logger.close()
 
@@ -9,16 +10,21 @@ Only global rank 0 writes (the caller passes enabled=master_process); on the oth
 method is a no-op. `print0` lives in common/dist.py and is re-exported here for convenience.
 
 Files in out_dir: metrics.jsonl (one line per step), metrics.replaced.jsonl (the lines a resume
-replaced, kept), config.json, curves.png, wandb_run_id.
+replaced, kept), config.json (run_record), curves.png, wandb_run_id.
 
 Naming convention the plot relies on: keys ending in `_s` are seconds spent in one phase of the
 step (rollout_s, sync_s, train_s, ...) and are stacked; `step_s` is the whole step, drawn as a
 line over the stack; name throughputs `*_per_sec`, not `*_s`.
 """
+import importlib.metadata
 import json
 import math
 import os
+import platform
+import socket
+import subprocess
 import time
+from datetime import datetime
 
 from common.dist import print0  # noqa: F401  (re-export: `from common.log import print0`)
 
@@ -27,6 +33,58 @@ MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "resp
                "value_loss", "explained_variance"]  # the last two: train_ppo.py
 TOTAL_TIME_KEY = "step_s"   # the whole step: a line over the stacked phases, never stacked itself
 REPLACED_FILE = "metrics.replaced.jsonl"
+
+
+# ---- run record (config.json) ------------------------------------------------------------
+
+# Distributions whose versions explain a difference between two runs. Read from package
+# metadata, not by importing: importing vllm takes seconds and initialises CUDA state.
+VERSIONED_PACKAGES = ("torch", "megatron-core", "transformers", "vllm", "numpy", "wandb")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_state(repo_dir=REPO_ROOT):
+    """{"commit": sha, "dirty": bool} of the checkout the code runs from, or None when it is not
+    a git checkout or git is missing (a pip-installed copy, a container without git).
+    dirty = tracked files differ from the commit; untracked files (runs/, data) do not count."""
+    def git(*cmd):
+        return subprocess.run(["git", "-C", repo_dir, *cmd], capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):   # no git binary, not a repo, git too slow
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def package_versions(names=VERSIONED_PACKAGES):
+    """{"python": ..., name: version or None when not installed} from importlib.metadata."""
+    versions = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def run_record(args: dict, layout: dict) -> dict:
+    """What config.json holds, enough to reproduce or explain a run: the resolved arguments
+    (vars(args) after parse_args filled the defaults), the code's git commit, the library
+    versions, the host, the start time and the parallel layout (world size, tp, pp, dp, ...).
+
+    Plain JSON types only (values json cannot hold become strings), so the record reads back
+    equal to what was written."""
+    record = {
+        "args": args,
+        "git": git_state(),
+        "versions": package_versions(),
+        "hostname": socket.gethostname(),
+        "start_time": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "layout": layout,
+    }
+    return json.loads(json.dumps(record, default=str))
 
 
 def _move_aside(path):
@@ -101,7 +159,7 @@ class MetricsLogger:
     def __init__(self, out_dir, config: dict, wandb_mode: str = "disabled", project: str = "mcore-rl",
                  run_name: str | None = None, enabled: bool = True, plot_every: int = 10,
                  resume: bool = False, overwrite: bool = False):
-        """config: what config.json holds; it also goes to wandb.
+        """config: what config.json holds (run_record(...)); it also goes to wandb.
 
         resume=True appends to out_dir's metrics.jsonl (and continues its wandb run); then call
         truncate_after(resume_step) to set aside the steps that will be redone.

@@ -1,17 +1,24 @@
 """Tests of common/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
-and resume (truncate keeps the replaced lines, a fresh run never destroys one).
+resume (truncate keeps the replaced lines, a fresh run never destroys one) and the run record.
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
+import importlib.metadata
 import json
 import math
 import os
+import platform
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from common.log import MetricsLogger, default_wandb_mode, time_stack
+from common.log import MetricsLogger, default_wandb_mode, run_record, time_stack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -206,3 +213,41 @@ def test_default_wandb_mode(tmp_path, monkeypatch):
     assert default_wandb_mode() == "online"
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert default_wandb_mode() == "offline"
+
+
+def test_run_record(tmp_path):
+    layout = {"world_size": 2, "tp": 2, "pp": 1, "dp": 1}
+    record = run_record({"lr": 1e-6, "out": tmp_path, "steps": 3}, layout)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.strip())
+    assert record["git"] == {"commit": head, "dirty": dirty}
+    for name in ("torch", "megatron-core", "transformers", "numpy"):
+        assert record["versions"][name] == importlib.metadata.version(name)
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    assert record["versions"]["vllm"] == vllm_version
+    assert "vllm" not in sys.modules   # read from metadata, never imported
+    assert record["versions"]["python"] == platform.python_version()
+    assert record["hostname"] == socket.gethostname()
+    assert record["layout"] == layout
+    assert record["args"] == {"lr": 1e-6, "out": str(tmp_path), "steps": 3}   # a Path becomes a str
+    assert json.loads(json.dumps(record)) == record
+    # MetricsLogger writes it as config.json, unchanged
+    MetricsLogger(tmp_path / "run", record, enabled=True, plot_every=0).close()
+    assert json.load(open(tmp_path / "run" / "config.json")) == record
+
+
+def test_run_record_without_git(monkeypatch):
+    """No git binary on PATH (a bare container): the record says None instead of failing."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert run_record({}, {})["git"] is None
+
+
+def test_run_record_outside_a_checkout(tmp_path):
+    from common.log import git_state
+
+    assert git_state(str(tmp_path)) is None
