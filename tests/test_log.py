@@ -1,5 +1,6 @@
 """Tests of common/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
-resume (truncate keeps the replaced lines, a fresh run never destroys one) and the run record.
+resume (truncate keeps the replaced lines, a fresh run never destroys one), the run record,
+and the warning filters.
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
@@ -11,12 +12,13 @@ import platform
 import socket
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from common.log import MetricsLogger, default_wandb_mode, run_record, time_stack
+from common.log import MetricsLogger, default_wandb_mode, quiet_known_warnings, run_record, time_stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -251,3 +253,112 @@ def test_run_record_outside_a_checkout(tmp_path):
     from common.log import git_state
 
     assert git_state(str(tmp_path)) is None
+
+
+def _known_warning(message, category, module):
+    """Emit a warning attributed to `module`, as if that module had called warnings.warn."""
+    warnings.warn_explicit(message, category, filename=module.replace(".", "/") + ".py", lineno=1,
+                           module=module)
+
+
+def test_quiet_known_warnings_filters_only_known(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=0, on_gpu=False)
+        _known_warning("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+                       UserWarning, "megatron.core.transformer.transformer_config")
+        _known_warning("When using async grad allreduce it is recommended to set the environment variable "
+                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
+                       "megatron.core.tensor_parallel.layers")
+        warnings.warn("something new went wrong", UserWarning)
+        # a known message from another module is not the known warning: it shows
+        _known_warning("Apex is not installed. Falling back to Torch Norm", UserWarning, "mylib.norms")
+    assert [str(w.message) for w in caught] == ["something new went wrong",
+                                               "Apex is not installed. Falling back to Torch Norm"]
+    # on a GPU the CUDA_DEVICE_MAX_CONNECTIONS hint is real advice: it shows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=0, on_gpu=True)
+        _known_warning("When using async grad allreduce it is recommended to set the environment variable "
+                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
+                       "megatron.core.tensor_parallel.layers")
+    assert len(caught) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS" in str(caught[0].message)
+
+
+def test_quiet_known_warnings_other_ranks_silent(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setenv("RANK", "1")   # as torchrun sets it, before init_process_group
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("something new went wrong", UserWarning)
+    assert caught == []
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    monkeypatch.setenv("RANK", "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("something new went wrong", UserWarning)
+    assert len(caught) == 1
+
+
+def test_quiet_known_warnings_defers_to_user_filters(monkeypatch):
+    """-W / PYTHONWARNINGS given: the user's filters alone decide."""
+    monkeypatch.setattr(sys, "warnoptions", ["default"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=1)
+        warnings.warn("something new went wrong", UserWarning)
+    assert len(caught) == 1
+
+
+# The real third-party calls behind each KNOWN_HARMLESS_WARNINGS entry, in a fresh process (some
+# warn at import, once per process), plus an unknown warning and the grad-access message
+# triggered from this script itself, which must still show.
+REAL_WARNINGS_SCRIPT = """
+import sys, warnings
+import torch
+import torch.distributed as dist
+if sys.argv[1] == "quiet":
+    from common.log import quiet_known_warnings
+    quiet_known_warnings(rank=0, on_gpu=False)
+import megatron.core.optimizer                      # TE/apex fallback notices (import time)
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.optimizer.optimizer import _zero_grad_group_helper
+from megatron.core.transformer import TransformerConfig
+gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")   # Apex norm fallback
+TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)  # cuda_graph_scope "full"
+leaf = torch.ones(2, requires_grad=True)
+_zero_grad_group_helper([leaf * 2], set_to_none=True)   # megatron reads .grad of a non-leaf
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+dist.all_gather_into_tensor(torch.zeros(2), torch.ones(2))
+dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
+dist.destroy_process_group()
+warnings.warn("something new went wrong")
+(leaf * 2).grad   # the same message as megatron's, from this script: a real mistake, shows
+"""
+
+
+def _warnings_printed(tmp_path, mode):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", REAL_WARNINGS_SCRIPT, mode, str(tmp_path / f"store-{mode}")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # "path:line: Category: message" lines of the default warning printer
+    return [line.split("Warning: ", 1)[1] for line in proc.stderr.splitlines() if "Warning: " in line]
+
+
+def test_real_third_party_warnings_filtered(tmp_path):
+    loud = _warnings_printed(tmp_path, "loud")
+    quiet = _warnings_printed(tmp_path, "quiet")
+    # without the filters, every known warning prints (else this test could not fail)
+    for start in ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back",
+                  "full scope is deprecated", "`torch.distributed.all_gather_into_tensor` is deprecated",
+                  "`torch.distributed.reduce_scatter_tensor` is deprecated",
+                  "The .grad attribute of a Tensor that is not a leaf"):
+        assert any(m.startswith(start) for m in loud), (start, loud)
+    grad_message = [m for m in loud if m.startswith("The .grad attribute")][0]
+    assert quiet == ["something new went wrong", grad_message]
