@@ -161,3 +161,15 @@ def print0(*args, **kwargs):
     """print on global rank 0 only."""
     if is_master():
         print(*args, **kwargs, flush=True)
+
+
+def launcher_rank():
+    """This process's global rank as its launcher set it, readable before init_distributed and
+    without its side effects: torchrun's RANK, else srun's SLURM_PROCID (several tasks), else 0.
+    For what must happen before the process group exists (quieting warnings on ranks != 0)."""
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return int(env["SLURM_PROCID"])
+    return 0

@@ -17,6 +17,9 @@
 #
 #   bash launch/local.sh train_grpo.py
 #   NPROC=8 bash launch/local.sh train_grpo.py --model /models/Qwen2-7B --tp 4
+#
+# The python it runs (torchrun too, as `python -m torch.distributed.run`): $PYTHON if set, else
+# the repository's .venv/bin/python when it exists, else python3 from PATH.
 set -euo pipefail
 
 if [ "$#" -eq 0 ]; then
@@ -25,10 +28,20 @@ if [ "$#" -eq 0 ]; then
 fi
 
 NPROC=${NPROC:-1}
-PYTHON=${PYTHON:-python}
+# The repo's own environment first: a `python` on PATH may be another one without megatron-core
+# (or none at all: Debian/Ubuntu ship only python3).
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+    PY=$ROOT/.venv/bin/python
+else
+    PY=python3
+fi
 if [ "$NPROC" -eq 1 ]; then
-    exec "$PYTHON" "$@"
+    exec "$PY" "$@"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# --standalone: single-node rendezvous on a free local port.
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"
+# torchrun through the same python (not the first `torchrun` on PATH, which may belong to
+# another environment). --standalone: single-node rendezvous on a free local port.
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"

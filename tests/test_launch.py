@@ -1,4 +1,5 @@
-"""Tests of launch/*.sh: syntax, and the torchrun command slurm.sh runs (srun/scontrol stubbed).
+"""Tests of launch/*.sh: syntax, the torchrun command slurm.sh runs (srun/scontrol stubbed), and
+which python local.sh runs.
 
     .venv/bin/python -m pytest -q tests/test_launch.py
 """
@@ -61,6 +62,35 @@ def test_local_forwards_args(tmp_path):
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["ARG<-m>", "ARG<torch.distributed.run>", "ARG<--standalone>",
                                 "ARG<--nproc_per_node>", "ARG<8>", "ARG<train_grpo.py>", "ARG<--tp>", "ARG<4>"]
+
+
+def test_local_picks_repo_venv_then_python3(tmp_path):
+    """Without $PYTHON: the repository's .venv/bin/python when it exists (torchrun through it
+    too), else python3 from PATH. A copy of local.sh in a fake repo, so the real .venv is not used."""
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    script = repo / "launch" / "local.sh"
+    script.write_text(open(os.path.join(ROOT, "launch/local.sh")).read())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir / "python3", 'printf "PY3<%s>\\n" "$@"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NPROC")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+
+    def launch(**extra_env):
+        return subprocess.run(["bash", str(script), "train_grpo.py", "--tp", "2"], env=dict(env, **extra_env),
+                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
+
+    assert launch() == ["PY3<train_grpo.py>", "PY3<--tp>", "PY3<2>"]
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    stub(repo / ".venv" / "bin" / "python", 'printf "VENV<%s>\\n" "$@"\n')
+    assert launch() == ["VENV<train_grpo.py>", "VENV<--tp>", "VENV<2>"]
+    assert launch(NPROC="2") == ["VENV<-m>", "VENV<torch.distributed.run>", "VENV<--standalone>",
+                                      "VENV<--nproc_per_node>", "VENV<2>", "VENV<train_grpo.py>",
+                                      "VENV<--tp>", "VENV<2>"]
+    # an explicit PYTHON still wins
+    stub(bin_dir / "mypython", 'printf "MINE<%s>\\n" "$@"\n')
+    assert launch(PYTHON=str(bin_dir / "mypython"))[0] == "MINE<train_grpo.py>"
 
 
 def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):

@@ -1,14 +1,26 @@
-"""Tests of common/log.py: metrics.jsonl content, curves.png, wandb offline, truncate on resume.
+"""Tests of common/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
+resume (truncate keeps the replaced lines, a fresh run never destroys one), the run record,
+and the warning filters.
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
+import importlib.metadata
 import json
+import math
 import os
+import platform
+import socket
+import subprocess
+import sys
+import warnings
 
 import numpy as np
+import pytest
 import torch
 
-from common.log import MetricsLogger, default_wandb_mode
+from common.log import MetricsLogger, default_wandb_mode, quiet_known_warnings, run_record, time_stack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -49,13 +61,17 @@ def test_disabled_rank_writes_nothing(tmp_path):
 
 
 def test_truncate_after_resume(tmp_path):
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    logger = MetricsLogger(tmp_path, {"start": 1}, enabled=True, plot_every=0)
     for step in range(5):
         logger.log(step, {"reward_mean": step / 10})
     logger.close()
     # resume from a checkpoint at step 3: steps 3, 4 are redone
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger = MetricsLogger(tmp_path, {"start": 2}, enabled=True, plot_every=0, resume=True)
     logger.truncate_after(3)
+    # config.json is the resumed start's record; the first start's is kept beside it
+    assert json.load(open(tmp_path / "config.json")) == {"start": 2}
+    (old_config,) = [n for n in os.listdir(tmp_path) if n.startswith("config.json.old-")]
+    assert json.load(open(tmp_path / old_config)) == {"start": 1}
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     logger.log(3, {"reward_mean": 0.9})
     logger.close()
@@ -64,11 +80,108 @@ def test_truncate_after_resume(tmp_path):
         {"step": 2, "reward_mean": 0.2}, {"step": 3, "reward_mean": 0.9}]
     assert [r["step"] for r in logger.history] == [0, 1, 2, 3]   # the plot covers the resumed part
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)  # close() draws
-    # a fresh (not resumed) run in the same dir starts the file over
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    # the lines the resume replaced are kept, tagged, in their order
+    assert read_jsonl(tmp_path / "metrics.replaced.jsonl") == [
+        {"replaced_by_resume_at": 3, "step": 3, "reward_mean": 0.3},
+        {"replaced_by_resume_at": 3, "step": 4, "reward_mean": 0.4}]
+    # a second resume, from step 1, appends to the side file: nothing logged is ever lost
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger.truncate_after(1)
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.0}]
+    assert read_jsonl(tmp_path / "metrics.replaced.jsonl")[2:] == [
+        {"replaced_by_resume_at": 1, "step": 1, "reward_mean": 0.1},
+        {"replaced_by_resume_at": 1, "step": 2, "reward_mean": 0.2},
+        {"replaced_by_resume_at": 1, "step": 3, "reward_mean": 0.9}]
+    # resuming at a step past the end replaces nothing and leaves the side file alone
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
+    logger.truncate_after(5)
+    logger.close()
+    assert len(read_jsonl(tmp_path / "metrics.replaced.jsonl")) == 5
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.0}]
+
+
+def test_fresh_run_never_destroys_metrics(tmp_path):
+    logger = MetricsLogger(tmp_path, {"run": 1}, enabled=True, plot_every=0)
     logger.log(0, {"reward_mean": 0.5})
     logger.close()
+    before = sorted(os.listdir(tmp_path))
+    # resume=False over a non-empty metrics.jsonl: refused, nothing touched
+    with pytest.raises(FileExistsError, match="metrics.jsonl"):
+        MetricsLogger(tmp_path, {"run": 2}, enabled=True, plot_every=0)
+    assert sorted(os.listdir(tmp_path)) == before
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.5}]
+    assert json.load(open(tmp_path / "config.json")) == {"run": 1}
+    # overwrite=True: the old files are moved aside, byte for byte, and the new run starts empty
+    logger = MetricsLogger(tmp_path, {"run": 2}, enabled=True, plot_every=0, overwrite=True)
+    logger.log(0, {"reward_mean": 0.25})
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "reward_mean": 0.25}]
+    assert json.load(open(tmp_path / "config.json")) == {"run": 2}
+    old_metrics = [n for n in os.listdir(tmp_path) if n.startswith("metrics.jsonl.old-")]
+    old_config = [n for n in os.listdir(tmp_path) if n.startswith("config.json.old-")]
+    assert len(old_metrics) == 1 and len(old_config) == 1
+    assert read_jsonl(tmp_path / old_metrics[0]) == [{"step": 0, "reward_mean": 0.5}]
+    assert json.load(open(tmp_path / old_config[0])) == {"run": 1}
+    # a second overwrite in the same second does not clobber the first one's copy
+    MetricsLogger(tmp_path, {"run": 3}, enabled=True, plot_every=0, overwrite=True).close()
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("metrics.jsonl.old-")]) == 2
+    # an empty metrics.jsonl (a run that died before its first step) is no run to protect
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    MetricsLogger(empty, {}, enabled=True, plot_every=0).close()
+    assert sorted(os.listdir(empty)) == ["config.json", "metrics.jsonl"]
+
+
+def test_time_stack_counts_missing_phases_as_zero():
+    # save_s only on checkpoint steps (1 and 3), step_s missing on step 2, a step without times
+    history = [
+        {"step": 0, "reward_mean": 0.1, "rollout_s": 1.0, "train_s": 2.0, "step_s": 3.5},
+        {"step": 1, "rollout_s": 1.5, "train_s": 2.5, "save_s": 4.0, "step_s": 8.5},
+        {"step": 2, "rollout_s": 0.5, "train_s": 1.0},
+        {"step": 3, "rollout_s": 1.0, "train_s": 2.0, "save_s": 3.0, "step_s": 6.5, "tag_s": "x"},
+        {"step": 4, "reward_mean": 0.2},
+    ]
+    steps, phases, total = time_stack(history)
+    assert steps == [0, 1, 2, 3]
+    # save_s counted 0 where missing
+    assert phases == {"rollout_s": [1.0, 1.5, 0.5, 1.0], "save_s": [0.0, 4.0, 0.0, 3.0],
+                      "train_s": [2.0, 2.5, 1.0, 2.0]}
+    assert "step_s" not in phases   # the total is drawn as a line, never stacked on its parts
+    assert total[:2] == [3.5, 8.5] and math.isnan(total[2]) and total[3] == 6.5
+
+
+def test_plot_draws_the_time_stack(tmp_path):
+    """curves.png's time panel holds time_stack's series: the top of the stack at each step is
+    the sum of that step's phases, step_s is a separate line, the legend sits outside the panel."""
+    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
+    for step in range(6):
+        times = {"rollout_s": 1.0 + step, "train_s": 2.0}
+        if step % 3 == 2:
+            times["save_s"] = 5.0
+        logger.log(step, {"reward_mean": step / 10, **times, "step_s": sum(times.values()) + 0.5})
+    fig = logger.plot()
+    ax = next(a for a in fig.axes if a.get_title() == "seconds per step")
+    stacked = [c for c in ax.collections]   # one PolyCollection per stacked phase
+    assert len(stacked) == 3
+    tops = {}   # the upper edge of the last band (its outline holds both edges): max y per step
+    for x, y in stacked[-1].get_paths()[0].vertices:
+        tops[x] = max(tops.get(x, -math.inf), y)
+    for step in range(6):
+        expected = 1.0 + step + 2.0 + (5.0 if step % 3 == 2 else 0.0)
+        assert tops[step] == pytest.approx(expected)
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("step_s")]
+    assert list(line.get_ydata()) == pytest.approx([1.0 + s + 2.0 + (5.0 if s % 3 == 2 else 0.0) + 0.5
+                                                    for s in range(6)])
+    legend = next(a.get_legend() for a in fig.axes if a.get_legend() is not None)
+    assert sorted(t.get_text() for t in legend.get_texts()) == [
+        "rollout_s", "save_s", "step_s (total)", "train_s"]
+    # outside the data area: the legend's box does not overlap the panel's
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    logger.close()
 
 
 def test_wandb_offline_run_dir(tmp_path, monkeypatch):
@@ -102,3 +215,150 @@ def test_default_wandb_mode(tmp_path, monkeypatch):
     assert default_wandb_mode() == "online"
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert default_wandb_mode() == "offline"
+
+
+def test_run_record(tmp_path):
+    layout = {"world_size": 2, "tp": 2, "pp": 1, "dp": 1}
+    record = run_record({"lr": 1e-6, "out": tmp_path, "steps": 3}, layout)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.strip())
+    assert record["git"] == {"commit": head, "dirty": dirty}
+    for name in ("torch", "megatron-core", "transformers", "numpy"):
+        assert record["versions"][name] == importlib.metadata.version(name)
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    assert record["versions"]["vllm"] == vllm_version
+    assert "vllm" not in sys.modules   # read from metadata, never imported
+    assert record["versions"]["python"] == platform.python_version()
+    assert record["hostname"] == socket.gethostname()
+    assert record["layout"] == layout
+    assert record["args"] == {"lr": 1e-6, "out": str(tmp_path), "steps": 3}   # a Path becomes a str
+    assert json.loads(json.dumps(record)) == record
+    # MetricsLogger writes it as config.json, unchanged
+    MetricsLogger(tmp_path / "run", record, enabled=True, plot_every=0).close()
+    assert json.load(open(tmp_path / "run" / "config.json")) == record
+
+
+def test_run_record_without_git(monkeypatch):
+    """No git binary on PATH (a bare container): the record says None instead of failing."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert run_record({}, {})["git"] is None
+
+
+def test_run_record_outside_a_checkout(tmp_path):
+    from common.log import git_state
+
+    assert git_state(str(tmp_path)) is None
+
+
+def _known_warning(message, category, module):
+    """Emit a warning attributed to `module`, as if that module had called warnings.warn."""
+    warnings.warn_explicit(message, category, filename=module.replace(".", "/") + ".py", lineno=1,
+                           module=module)
+
+
+def test_quiet_known_warnings_filters_only_known(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=0, on_gpu=False)
+        _known_warning("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+                       UserWarning, "megatron.core.transformer.transformer_config")
+        _known_warning("When using async grad allreduce it is recommended to set the environment variable "
+                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
+                       "megatron.core.tensor_parallel.layers")
+        warnings.warn("something new went wrong", UserWarning)
+        # a known message from another module is not the known warning: it shows
+        _known_warning("Apex is not installed. Falling back to Torch Norm", UserWarning, "mylib.norms")
+    assert [str(w.message) for w in caught] == ["something new went wrong",
+                                               "Apex is not installed. Falling back to Torch Norm"]
+    # on a GPU the CUDA_DEVICE_MAX_CONNECTIONS hint is real advice: it shows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=0, on_gpu=True)
+        _known_warning("When using async grad allreduce it is recommended to set the environment variable "
+                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
+                       "megatron.core.tensor_parallel.layers")
+    assert len(caught) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS" in str(caught[0].message)
+
+
+def test_quiet_known_warnings_other_ranks_silent(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setenv("RANK", "1")   # as torchrun sets it, before init_process_group
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("something new went wrong", UserWarning)
+    assert caught == []
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    monkeypatch.setenv("RANK", "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("something new went wrong", UserWarning)
+    assert len(caught) == 1
+
+
+def test_quiet_known_warnings_defers_to_user_filters(monkeypatch):
+    """-W / PYTHONWARNINGS given: the user's filters alone decide."""
+    monkeypatch.setattr(sys, "warnoptions", ["default"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=1)
+        warnings.warn("something new went wrong", UserWarning)
+    assert len(caught) == 1
+
+
+# The real third-party calls behind each KNOWN_HARMLESS_WARNINGS entry, in a fresh process (some
+# warn at import, once per process), plus an unknown warning and the grad-access message
+# triggered from this script itself, which must still show.
+REAL_WARNINGS_SCRIPT = """
+import sys, warnings
+import torch
+import torch.distributed as dist
+if sys.argv[1] == "quiet":
+    from common.log import quiet_known_warnings
+    quiet_known_warnings(rank=0, on_gpu=False)
+import megatron.core.optimizer                      # TE/apex fallback notices (import time)
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.optimizer.optimizer import _zero_grad_group_helper
+from megatron.core.transformer import TransformerConfig
+gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")   # Apex norm fallback
+TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)  # cuda_graph_scope "full"
+leaf = torch.ones(2, requires_grad=True)
+_zero_grad_group_helper([leaf * 2], set_to_none=True)   # megatron reads .grad of a non-leaf
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+dist.all_gather_into_tensor(torch.zeros(2), torch.ones(2))
+dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
+dist.destroy_process_group()
+warnings.warn("something new went wrong")
+(leaf * 2).grad   # the same message as megatron's, from this script: a real mistake, shows
+"""
+
+
+def _warnings_printed(tmp_path, mode):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", REAL_WARNINGS_SCRIPT, mode, str(tmp_path / f"store-{mode}")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # "path:line: Category: message" lines of the default warning printer
+    return [line.split("Warning: ", 1)[1] for line in proc.stderr.splitlines() if "Warning: " in line]
+
+
+def test_real_third_party_warnings_filtered(tmp_path):
+    loud = _warnings_printed(tmp_path, "loud")
+    quiet = _warnings_printed(tmp_path, "quiet")
+    # without the filters, every known warning prints (else this test could not fail)
+    for start in ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back",
+                  "full scope is deprecated", "`torch.distributed.all_gather_into_tensor` is deprecated",
+                  "`torch.distributed.reduce_scatter_tensor` is deprecated",
+                  "The .grad attribute of a Tensor that is not a leaf"):
+        assert any(m.startswith(start) for m in loud), (start, loud)
+    grad_message = [m for m in loud if m.startswith("The .grad attribute")][0]
+    assert quiet == ["something new went wrong", grad_message]
