@@ -141,6 +141,9 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, critic_lr=3e-3, entropy_coef=0.02, mini_batch_
 
 
 def main():
+    from common.log import quiet_known_warnings
+
+    quiet_known_warnings()  # first: some fire while megatron is imported (common/log.py says which and why)
     args = parse_args()
     from transformers import AutoTokenizer
 
@@ -152,7 +155,7 @@ def main():
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
     from common.guard import RunControl, check_finite
-    from common.log import MetricsLogger, default_wandb_mode, progress_bar
+    from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
@@ -256,9 +259,11 @@ def main():
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])
         print0(f"resumed from step {start_step}")
-    logger = MetricsLogger(args.out, vars(args), wandb_mode=args.wandb or default_wandb_mode(),
+    layout = dict(world_size=info.world_size, tp=info.tp_size, pp=info.pp_size, vpp=info.vpp_size, cp=info.cp_size,
+                  ep=info.ep_size, dp=info.dp_size, device=str(info.device), dtype=str(dtype))
+    logger = MetricsLogger(args.out, run_record(vars(args), layout), wandb_mode=args.wandb or default_wandb_mode(),
                            project=args.wandb_project, run_name=args.run_name,
-                           enabled=info.master_process, resume=start_step > 0)
+                           enabled=info.master_process, resume=bool(args.resume))
     logger.truncate_after(start_step)
     tp_group = mpu.get_tensor_model_parallel_group()
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from common.bridge import UnsupportedModelError
-from common.dist import destroy_distributed, print0
+from common.dist import destroy_distributed, launcher_rank, print0
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -43,7 +43,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launcher_rank() == 0:
             print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -203,7 +203,7 @@ def run_training(main):
         code, message = 2, f"{prog}: error: {e}"
     except NonFiniteError as e:
         code, message = 3, f"{prog}: stopped: {e}"
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)  # not sys.exit: an in-process vLLM engine can block interpreter exit

@@ -22,6 +22,7 @@ import os
 import time
 
 from common.bridge import UnsupportedModelError, check_parallel_layout, parse_hf_config
+from common.dist import launcher_rank
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # What a run writes into --out before its first step: a re-run over such a directory loses nothing.
@@ -52,7 +53,7 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
         _check_out(args, critic_model)
     except UsageError as e:
         parser.error(str(e))
-    if args.start_over and _has_run(args.out) and int(os.environ.get("RANK", "0")) == 0:
+    if args.start_over and _has_run(args.out) and launcher_rank() == 0:
         aside = base = f"{os.path.abspath(args.out)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
         for n in range(2, 1000):  # two starts over within a second
             if not os.path.exists(aside):
