@@ -14,8 +14,9 @@ $(STAMP): requirements.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $(STAMP)
 
+# --start-over: a second `make demo` moves the first one's runs/grpo aside (runs/grpo.old-<time>)
 demo: $(STAMP)
-	$(VENV)/bin/python train_grpo.py
+	$(VENV)/bin/python train_grpo.py --start-over
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests
