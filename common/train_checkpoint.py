@@ -1,14 +1,20 @@
-"""Training checkpoints (save_training_checkpoint / load_training_checkpoint): the full
-state needed to resume a run exactly, written atomically. The model part is a model
-checkpoint of common/checkpoint.py.
+"""Training checkpoints: the full state needed to resume a run exactly, written atomically,
+resumable at any TP/PP/DP layout, optionally written in the background.
+
+  save_training_checkpoint(ckpt_root, step, ...)   synchronous, returns the step directory
+  writer = CheckpointWriter()                      in the background (see the class):
+      writer.save(ckpt_root, step, ...)            blocks for checks, planning, host copies
+      writer.poll()                                every step, all ranks: publishes it
+      writer.close()                               before exit: waits, ends helper processes
+  load_training_checkpoint(ckpt_root, ...)         the newest usable checkpoint -> live objects
 
   ckpt_root/
     latest                  text: the name of the newest complete step directory
     step_000010/            written as step_000010.tmp, renamed once complete
       metadata.json, *.distcp, .metadata, common.pt   dist_checkpointing of
-                            {"model": ..., "optimizer": <distributed optimizer state>}
-      train_state.json      step, the script's `extra` (data position, ...), the LR
-                            scheduler, the parallel layout it was written at
+                            {"model": ..., "optimizer": <megatron optimizer state>}
+      train_state.json      step, the script's `extra` (data position, ...), the LR scheduler,
+                            the parallel layout and optimizer kind it was written with
       rng/rank_00000.pt     per rank: python, numpy, torch (+CUDA) and megatron's
                             model-parallel RNG tracker states
       rl_meta.json, hf/     when the script passes meta (then merge_to_hf.py reads it too)
@@ -17,19 +23,22 @@ checkpoint of common/checkpoint.py.
                             (a separate save: its sharded keys are the same as the policy's),
                             its scheduler in train_state.json under "extra_models"
       complete              written last: every file above with its size in bytes
+The model part is a model checkpoint of common/checkpoint.py; the writing (background
+threads, the step-directory protocol) is in common/checkpoint_io.py.
 """
 import json
 import os
-import random
 import re
 import shutil
+import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from common import checkpoint_io
 from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
-from common.training import ensure_adam_state, load_optimizer_state
+from common.model import named_global_parameters
+from common.training import ensure_adam_state, load_optimizer_state, torch_adams
 
 
 def barrier():
@@ -37,21 +46,27 @@ def barrier():
         dist.barrier()
 
 
-LATEST_FILE = "latest"
-COMPLETE_FILE = "complete"
 TRAIN_STATE_FILE = "train_state.json"
 RNG_DIR = "rng"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 # How the distributed optimizer lays its state out on disk (megatron's names):
-#   dp_reshardable    each DP rank writes its own flat shard of the optimizer buckets: no
-#                     gather, fully parallel; resumable at another DP size but the same TP/PP.
-#   fully_reshardable the state is gathered (in host memory, on every DP rank) and written per
-#                     parameter in model shapes; resumable at any TP/PP/DP, costs host memory
-#                     ~ 3 fp32 copies of this rank's TPxPP slice of the model during the save.
-# megatron's default, fully_sharded_model_space (deprecated), fails in 0.16.1: it builds
+#   fully_reshardable (default) gathered over the DP group (inside save()'s blocking part) and
+#     written per parameter in model shapes, as a plain optimizer's: loads at any TP/PP/VPP/EP/DP.
+#     Cost: every DP rank builds fp32 main param + exp_avg + exp_avg_sq of its whole TPxPP slice
+#     in host memory (12 bytes/param, megatron's get_parameter_state_dp_zero) plus copies.
+#     Measured (CPU, fp32 57M-param model, DP=2; docs/checkpoints.md): peak extra host memory
+#     1.7 GB per rank (~30 B/param) vs 0.14-0.22 GB for dp_reshardable; save() blocking
+#     3.0-4.1 s vs 0.5-1.9 s. Qwen2-1.5B at TP=PP=1: >= 18 GB per DP rank, 8 ranks on a node.
+#   dp_reshardable: each DP rank writes its own flat shard of the optimizer buckets: no gather,
+#     no copy beyond the staging; loads at another DP size but only at the same TP/PP/VPP/EP
+#     (refused otherwise, naming both layouts). The choice for frequent background saves.
+# A plain (non-distributed) optimizer keeps per-parameter state: any layout, either way.
+# megatron's own default, fully_sharded_model_space (deprecated), fails in 0.16.1: it builds
 # ShardedTensors with flattened_range, which ShardedTensor itself now rejects.
-OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")
+DEFAULT_OPTIMIZER_SHARDING = "fully_reshardable"
 _EXTRA_MODEL_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# what dp_reshardable optimizer state depends on (the distributed optimizer's flat buffers)
+_DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep")
 
 
 def _check_extra_models(extra_models):
@@ -63,27 +78,53 @@ def _check_extra_models(extra_models):
     return extra_models
 
 
-def _save_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
-    """One dist_checkpointing save of {"model", "optimizer"} into ckpt_dir (empty). Collective."""
-    from megatron.core import dist_checkpointing
+def _is_distributed(ddp_chunks):
+    return bool(ddp_chunks[0].ddp_config.use_distributed_optimizer)
+
+
+def _optimizer_metadata(ddp_chunks, optimizer_sharding):
+    # only the distributed optimizer reads it; a plain one keeps per-parameter state regardless
+    return {"distrib_optim_sharding_type": optimizer_sharding} if _is_distributed(ddp_chunks) else None
+
+
+def _training_tensors(ddp_chunks, optimizer):
+    """(name, tensor) of this rank's model weights and the optimizer's fp32 main params, and
+    all tensors of the live training state (for checkpoint_io.live_storages)."""
+    named = [(name, p) for chunk in ddp_chunks for name, p in named_global_parameters(chunk)]
+    live = [p for _, p in named]
+    for adam in torch_adams(optimizer):
+        for group_index, group in enumerate(adam.param_groups):
+            for index, main in enumerate(group["params"]):
+                named.append((f"optimizer main param {group_index}.{index} {tuple(main.shape)}", main))
+                live += [main] + [v for v in adam.state.get(main, {}).values() if torch.is_tensor(v)]
+    return named, live
+
+
+def _start_model_save(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding, background):
+    """Plan one dist_checkpointing save of {"model", "optimizer"} into ckpt_dir (empty) and start
+    writing it. Collective; returns a checkpoint_io.PendingWrite."""
+    from megatron.core import parallel_state as mpu
 
     ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
     model_sd = model_sharded_state_dict(ddp_chunks)
-    optim_sd = optimizer.sharded_state_dict(
-        model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": optimizer_sharding})
-    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=False,
+                                            metadata=_optimizer_metadata(ddp_chunks, optimizer_sharding))
+    _, live = _training_tensors(ddp_chunks, optimizer)
+    return checkpoint_io.start_save({"model": model_sd, "optimizer": optim_sd}, ckpt_dir, background=background,
+                                    live=checkpoint_io.live_storages(live) if background else (),
+                                    parallel_group=mpu.get_data_parallel_group(with_context_parallel=True))
 
 
 def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
-    """Inverse of _save_model_and_optimizer, into the live objects. Collective."""
+    """Inverse of _start_model_save, into the live objects. Collective."""
     from megatron.core import dist_checkpointing
 
-    metadata = {"distrib_optim_sharding_type": optimizer_sharding}  # as it was written
     # A fresh torch Adam has no state until its first step; megatron's DistributedOptimizer
     # reads it while building the sharded state dict for loading, so create zeros to load into.
     ensure_adam_state(optimizer)
     model_sd = model_sharded_state_dict(ddp_chunks)
-    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,  # as it was written
+                                            metadata=_optimizer_metadata(ddp_chunks, optimizer_sharding))
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
     load_into_chunks(ddp_chunks, loaded["model"])
     # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
@@ -96,10 +137,86 @@ def _load_scheduler(scheduler, state):
         scheduler.load_state_dict(state)
 
 
+# --- save ---------------------------------------------------------------------------------
+class _PendingSave:
+    """A training checkpoint between its start and its publication (rename + `latest`)."""
+
+    def __init__(self, ckpt_root, step, keep_last):
+        self.step, self.keep_last, self.writes, self.started = step, keep_last, [], time.perf_counter()
+        self.final_dir = os.path.join(ckpt_root, f"step_{step:06d}")
+        self.tmp_dir = self.final_dir + ".tmp"
+
+
+def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, keep_last, meta,
+                hf_source_dir, optimizer_sharding, extra_models, background):
+    """Everything of a save up to the writing of the tensor files (started, or done when not
+    background). Collective."""
+    if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+        raise ValueError(f"optimizer_sharding must be one of {OPTIMIZER_SHARDINGS}, not {optimizer_sharding!r}")
+    extra_models = _check_extra_models(extra_models)
+    extra = dict(extra or {})
+    json.dumps(extra)  # not JSON-able -> TypeError on every rank, before any collective
+    rank = dist.get_rank()
+    rng_state = checkpoint_io.rng_state()  # first: nothing below may advance a generator before
+    models = {"": (ddp_chunks, optimizer, scheduler), **extra_models}  # "": the step directory itself
+    # A diverged run must not overwrite good checkpoints with NaNs (keep_last would prune them).
+    named = [(f"{model_name}/{name}" if model_name else name, t) for model_name, (chunks, opt, _) in models.items()
+             for name, t in _training_tensors(chunks, opt)[0]]
+    checkpoint_io.check_finite(named, f"the training checkpoint of step {step}")  # collective
+    save = _PendingSave(ckpt_root, step, keep_last)
+    if rank == 0:
+        if os.path.exists(save.tmp_dir):  # left by an interrupted save of this same step
+            shutil.rmtree(save.tmp_dir)
+        os.makedirs(save.tmp_dir)  # empty: dist_checkpointing warns about a non-empty directory
+    barrier()
+
+    # Each further model in its own subdirectory, by its own save: one save of both would
+    # collide (the critic's sharded keys, decoder.layers.0..., are the policy's).
+    for model_name, (chunks, model_optimizer, _) in models.items():
+        if model_name:
+            if rank == 0:
+                os.makedirs(os.path.join(save.tmp_dir, model_name))
+            barrier()
+        save.writes.append(_start_model_save(os.path.join(save.tmp_dir, model_name), chunks, model_optimizer,
+                                             optimizer_sharding, background))  # collective
+    os.makedirs(os.path.join(save.tmp_dir, RNG_DIR), exist_ok=True)
+    torch.save(rng_state, os.path.join(save.tmp_dir, RNG_DIR, f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        checkpoint_io.write_atomic(os.path.join(save.tmp_dir, TRAIN_STATE_FILE), json.dumps({
+            "step": step, "extra": extra, "optimizer_sharding": optimizer_sharding,
+            "distributed_optimizer": _is_distributed(ddp_chunks),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra_models": {model_name: {"scheduler": s.state_dict() if s is not None else None}
+                             for model_name, (_, _, s) in extra_models.items()},
+            "layout": _layout()}, indent=1))
+        if meta is not None:
+            write_meta(save.tmp_dir, meta, hf_source_dir)
+    return save
+
+
+def _publish(save):
+    """Finalize the tensor files (rank 0 writes their metadata), then publish the step
+    directory (marker, rename, `latest`, pruning). Collective, once every rank's files are
+    written; raises on every rank if any rank failed."""
+    checkpoint_io.finish(save.writes, f"the training checkpoint {save.tmp_dir}")  # collective
+    barrier()  # every rank's small files (rng/) are on disk too
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            checkpoint_io.publish(save.tmp_dir, save.final_dir, save.step, save.keep_last)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    error = _broadcast_from_rank0(error)  # also the barrier: on return every rank sees it published
+    if error is not None:
+        raise RuntimeError(f"publishing the training checkpoint {save.final_dir} failed on rank 0: {error}")
+    return save.final_dir
+
+
 def save_training_checkpoint(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra=None, *,
                              keep_last=2, meta=None, hf_source_dir=None,
-                             optimizer_sharding="dp_reshardable", extra_models=None):
-    """Save everything needed to resume at `step` into ckpt_root/step_{step:06d}. All ranks call this.
+                             optimizer_sharding=DEFAULT_OPTIMIZER_SHARDING, extra_models=None):
+    """Save everything needed to resume at `step` into ckpt_root/step_{step:06d}. All ranks call
+    this; on return every rank sees it complete and `latest` names it. Returns the step dir.
 
     extra: JSON-able dict the script wants back on resume (data position, best reward, ...).
     extra_models: {name: (ddp_chunks, optimizer, scheduler)} of further trained models (the
@@ -108,64 +225,82 @@ def save_training_checkpoint(ckpt_root, step, ddp_chunks, optimizer, scheduler, 
     meta/hf_source_dir: when given, rl_meta.json and hf/ as in write_meta (merge_to_hf.py can
     then convert the step directory). keep_last: older step directories beyond the newest
     keep_last complete ones are deleted (never the one just written; newer ones are left alone).
-    Returns the step directory. On return every rank sees it complete and `latest` names it.
+    optimizer_sharding: see OPTIMIZER_SHARDINGS. Raises RuntimeError before writing anything
+    if a weight or fp32 main param of any rank is not finite.
     """
-    if optimizer_sharding not in OPTIMIZER_SHARDINGS:
-        raise ValueError(f"optimizer_sharding must be one of {OPTIMIZER_SHARDINGS}, not {optimizer_sharding!r}")
-    extra_models = _check_extra_models(extra_models)
-    extra = dict(extra or {})
-    json.dumps(extra)  # not JSON-able -> TypeError on every rank, before any collective
-    rank = dist.get_rank()
-    rng_state = _rng_state()  # first, so nothing below can advance a generator before it is saved
-    name = f"step_{step:06d}"
-    final_dir = os.path.join(ckpt_root, name)
-    tmp_dir = final_dir + ".tmp"
-    if rank == 0:
-        if os.path.exists(tmp_dir):  # left by an interrupted save of this same step
-            shutil.rmtree(tmp_dir)
-        os.makedirs(tmp_dir)  # empty: dist_checkpointing warns about a non-empty directory
-    barrier()
-
-    _save_model_and_optimizer(tmp_dir, ddp_chunks, optimizer, optimizer_sharding)  # collective
-    # Each further model in its own empty subdirectory, by its own save: one save of both
-    # would collide (the critic's sharded keys, decoder.layers.0..., are the policy's).
-    for model_name, (chunks, model_optimizer, _) in extra_models.items():
-        if rank == 0:
-            os.makedirs(os.path.join(tmp_dir, model_name))
-        barrier()
-        _save_model_and_optimizer(os.path.join(tmp_dir, model_name), chunks, model_optimizer, optimizer_sharding)
-
-    os.makedirs(os.path.join(tmp_dir, RNG_DIR), exist_ok=True)
-    torch.save(rng_state, os.path.join(tmp_dir, RNG_DIR, f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        _write_atomic(os.path.join(tmp_dir, TRAIN_STATE_FILE), json.dumps({
-            "step": step, "extra": extra, "optimizer_sharding": optimizer_sharding,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "extra_models": {model_name: {"scheduler": s.state_dict() if s is not None else None}
-                             for model_name, (_, _, s) in extra_models.items()},
-            "layout": _layout()}, indent=1))
-        if meta is not None:
-            write_meta(tmp_dir, meta, hf_source_dir)
-    barrier()  # every rank's files are on disk
-
-    if rank == 0:
-        # The marker lists every file with its size, so a deleted or truncated file (a crash
-        # mid-write, a full disk, a careless rm) is caught before loading.
-        files = {}
-        for dirpath, _, filenames in os.walk(tmp_dir):
-            for filename in filenames:
-                path = os.path.join(dirpath, filename)
-                files[os.path.relpath(path, tmp_dir)] = os.path.getsize(path)
-        _write_atomic(os.path.join(tmp_dir, COMPLETE_FILE), json.dumps({"step": step, "files": files}, indent=1))
-        if os.path.exists(final_dir):  # e.g. a damaged step_N we fell back from, now redone
-            shutil.rmtree(final_dir)
-        os.rename(tmp_dir, final_dir)
-        _write_atomic(os.path.join(ckpt_root, LATEST_FILE), name + "\n")
-        _prune(ckpt_root, step, keep_last)
-    barrier()
-    return final_dir
+    save = _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=keep_last,
+                       meta=meta, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
+                       extra_models=extra_models, background=False)
+    checkpoint_io.all_written(save.writes, block=True)
+    return _publish(save)
 
 
+class CheckpointWriter:
+    """Training checkpoints written in the background, one at a time. All ranks make the same calls.
+
+        writer = CheckpointWriter()
+        for step in range(start_step, steps):
+            ...                                   # rollout, train, optimizer step
+            writer.poll()                         # every step: publishes a finished save
+            if (step + 1) % save_every == 0:
+                writer.save(ckpt_root, step + 1, model, optimizer, scheduler, extra=..., ...)
+        writer.close()                            # before exit: waits for the last save, ends helpers
+
+    save() blocks for the finite check, the planning and the copy of this rank's share to host
+    memory (and, for fully_reshardable, the distributed optimizer's gather: pass
+    optimizer_sharding="dp_reshardable" where blocking time matters more than resuming at
+    another TP/PP); threads write the files from those copies while training goes on. A save
+    first waits for the previous one. It is published (step_N.tmp renamed, `latest` updated)
+    by the poll/wait/close that finds every rank's files written; a write failure of any rank
+    is raised there, on every rank, and the step stays step_N.tmp (never loaded). Use one
+    writer for all saves of a run.
+    """
+
+    def __init__(self):
+        self.pending = None  # the save in flight (a _PendingSave)
+        self.last = {}  # the last published save: step, blocking_s, total_s (for the metrics)
+
+    def save(self, ckpt_root, step, ddp_chunks, optimizer, scheduler, extra=None, *, keep_last=2, meta=None,
+             hf_source_dir=None, optimizer_sharding=DEFAULT_OPTIMIZER_SHARDING, extra_models=None):
+        """save_training_checkpoint's arguments; returns once the files are being written."""
+        self.wait()
+        self.pending = _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=keep_last,
+                                   meta=meta, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
+                                   extra_models=extra_models, background=True)
+        self.pending.blocking_s = time.perf_counter() - self.pending.started
+
+    def poll(self):
+        """Publish the save in flight if every rank has written its files (one all_reduce while a
+        save is in flight, nothing otherwise). Returns the step directory published now, or None."""
+        return self._finish(block=False)
+
+    def wait(self):
+        """Block until the save in flight (if any) is written everywhere, and publish it."""
+        return self._finish(block=True)
+
+    def close(self):
+        """wait(), then end megatron's helper process (checkpoint_io.shutdown). Before exit."""
+        try:
+            self.wait()
+        finally:
+            checkpoint_io.shutdown()
+
+    def _finish(self, block):
+        if self.pending is None or not checkpoint_io.all_written(self.pending.writes, block):
+            return None
+        save, self.pending = self.pending, None  # a failed save is dropped, not retried
+        step_dir = _publish(save)
+        self.last = {"step": save.step, "blocking_s": save.blocking_s, "total_s": time.perf_counter() - save.started}
+        return step_dir
+
+
+def shutdown_checkpointing():
+    """End the helper process megatron's checkpoint writer starts (see common/checkpoint_io.py).
+    All ranks, before exit, when saving only with save_training_checkpoint."""
+    checkpoint_io.shutdown()
+
+
+# --- load ---------------------------------------------------------------------------------
 def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, extra_models=None):
     """Resume from the newest usable checkpoint in ckpt_root. All ranks call this, after
     setup_training and before the first step.
@@ -173,7 +308,9 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
     Restores model, optimizer, scheduler and RNG states, and those of every model of
     extra_models ({name: (ddp_chunks, optimizer, scheduler)}, as given to the save);
     returns the `extra` dict given to save_training_checkpoint, or None when ckpt_root
-    holds no checkpoint (a fresh run).
+    holds no checkpoint (a fresh run). Any TP/PP/VPP/EP/DP layout loads a fully_reshardable
+    or plain-optimizer checkpoint; a dp_reshardable one at another TP/PP/VPP/EP, or one of the
+    other optimizer kind, is refused (RuntimeError saying what to do), never skipped.
     A damaged newest checkpoint (no complete marker, a file missing or truncated, a
     requested extra model missing, the load failing) is reported and the previous one is
     used; if none is usable this raises.
@@ -182,7 +319,7 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
 
     extra_models = _check_extra_models(extra_models)
     rank = dist.get_rank()
-    candidates = _broadcast_from_rank0(_candidates(ckpt_root) if rank == 0 else None)
+    candidates = _broadcast_from_rank0(checkpoint_io.candidates(ckpt_root) if rank == 0 else None)
     if not candidates:
         return None
     rejected = []
@@ -193,6 +330,9 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
         problem = _broadcast_from_rank0(check_step_dir(step_dir, extra_models=list(extra_models))
                                         if rank == 0 else None)
         if problem is None:
+            refusal = _broadcast_from_rank0(_layout_refusal(step_dir, ddp_chunks) if rank == 0 else None)
+            if refusal is not None:  # a good checkpoint, not for this run: never fall back past it
+                raise RuntimeError(refusal)
             try:
                 extra = _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models)
             # any failure means: not this checkpoint. torch's CheckpointException (a BaseException)
@@ -216,6 +356,36 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
                        "\nMove the directory away to start a new run.")
 
 
+def _describe(layout):
+    return " ".join(f"{key.upper()}={layout.get(key) or 1}" for key in ("tp", "pp", "vpp", "ep", "cp", "dp")) + \
+        f" ({layout['world_size']} ranks)"
+
+
+def _layout_refusal(step_dir, ddp_chunks):
+    """Why the (complete) checkpoint step_dir cannot be loaded by this run, or None."""
+    try:
+        with open(os.path.join(step_dir, TRAIN_STATE_FILE)) as f:
+            state = json.load(f)
+        saved, sharding = state["layout"], state["optimizer_sharding"]
+    except (OSError, ValueError, KeyError):
+        return None  # unreadable: the load fails and calls it damaged
+    current, distributed = _layout(), _is_distributed(ddp_chunks)
+    saved_distributed = state.get("distributed_optimizer", distributed)  # not recorded before 2026-11
+    if saved_distributed != distributed:
+        kinds = {True: "the distributed optimizer", False: "a plain optimizer (--no-distributed-optimizer)"}
+        return (f"{step_dir} was written with {kinds[saved_distributed]}; this run uses {kinds[distributed]}. "
+                "Their optimizer states are stored differently: resume with the optimizer kind it was "
+                "written with.")
+    moved = any(saved.get(key, current[key]) != current[key] for key in _DP_RESHARDABLE_FIXED)
+    if distributed and sharding == "dp_reshardable" and moved:
+        return (f"{step_dir} holds distributed-optimizer state in optimizer_sharding='dp_reshardable', "
+                f"which only loads at the TP/PP/VPP/EP it was written at: saved at {_describe(saved)}, this "
+                f"run is at {_describe(current)}. Resume at the saved layout (DP may differ), or resume "
+                "there once and save with optimizer_sharding='fully_reshardable' (the default), which loads "
+                "at any layout.")
+    return None
+
+
 def _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models):
     """Load one step directory into the live objects; returns its extra dict."""
     with open(os.path.join(step_dir, TRAIN_STATE_FILE)) as f:
@@ -234,108 +404,25 @@ def _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models):
     return state["extra"]
 
 
-def _candidates(ckpt_root):
-    """Step directory names to try, preferred first: the one `latest` names, then older ones.
-
-    Directories newer than `latest` were never published (crash between rename and update of
-    `latest`, or a timeline we fell back from) and *.tmp directories are interrupted saves:
-    both are ignored."""
-    if not os.path.isdir(ckpt_root):
-        return []
-    steps = {}
-    for entry in os.listdir(ckpt_root):
-        match = _STEP_DIR.match(entry)
-        if match and os.path.isdir(os.path.join(ckpt_root, entry)):
-            steps[entry] = int(match.group(1))
-    newest_first = sorted(steps, key=steps.get, reverse=True)
-    latest_path = os.path.join(ckpt_root, LATEST_FILE)
-    if not os.path.isfile(latest_path):
-        if newest_first:
-            print(f"[checkpoint] WARNING: {latest_path} is missing; trying the step directories newest first",
-                  flush=True)
-        return newest_first
-    with open(latest_path) as f:
-        latest = f.read().strip()
-    match = _STEP_DIR.match(latest)
-    if not match:
-        print(f"[checkpoint] WARNING: {latest_path} holds {latest[:80]!r}, not a step directory name; "
-              "trying the step directories newest first", flush=True)
-        return newest_first
-    return [latest] + [name for name in newest_first if steps[name] < int(match.group(1))]
-
-
 def check_step_dir(step_dir, extra_models=()):
     """None if step_dir looks complete (with the subdirectories of the named extra models),
     else why not (cheap: sizes, not checksums)."""
-    if not os.path.isdir(step_dir):
-        return "the directory does not exist"
-    marker = os.path.join(step_dir, COMPLETE_FILE)
-    if not os.path.isfile(marker):
-        return f"no '{COMPLETE_FILE}' marker (the save did not finish)"
-    try:
-        with open(marker) as f:
-            files = json.load(f)["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable '{COMPLETE_FILE}' marker ({e})"
-    for required in ("metadata.json", TRAIN_STATE_FILE) + tuple(f"{name}/metadata.json" for name in extra_models):
-        if required not in files:
-            return f"{required} was never written"
-    for relpath, size in files.items():
-        path = os.path.join(step_dir, relpath)
-        if not os.path.isfile(path):
-            return f"{relpath} is missing"
-        if os.path.getsize(path) != size:
-            return f"{relpath} has {os.path.getsize(path)} bytes, {size} were written (truncated?)"
-    return None
+    required = ("metadata.json", TRAIN_STATE_FILE) + tuple(f"{name}/metadata.json" for name in extra_models)
+    return checkpoint_io.check_step_dir(step_dir, required)
 
 
-def _prune(ckpt_root, step, keep_last):
-    """Rank 0, after a save: keep the newest keep_last complete step dirs up to `step`; delete
-    older ones (and older damaged ones) and interrupted saves (*.tmp; none is in flight now)."""
-    older = []
-    for entry in os.listdir(ckpt_root):
-        path = os.path.join(ckpt_root, entry)
-        if entry.endswith(".tmp") and _STEP_DIR.match(entry[:-4]) and os.path.isdir(path):
-            shutil.rmtree(path)
-        elif _STEP_DIR.match(entry) and int(entry[5:]) < step:
-            older.append((int(entry[5:]), entry))
-    keep = max(keep_last, 1) - 1  # the one just written counts
-    for _, entry in sorted(older, reverse=True):
-        path = os.path.join(ckpt_root, entry)
-        if keep > 0 and check_step_dir(path) is None:
-            keep -= 1
-        else:
-            shutil.rmtree(path)
-
-
-# --- RNG ----------------------------------------------------------------------------------
+# --- layouts, RNG ------------------------------------------------------------------------
 def _layout():
     from megatron.core import parallel_state as mpu
 
     return {"world_size": dist.get_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
-            "pp": mpu.get_pipeline_model_parallel_world_size(), "cp": mpu.get_context_parallel_world_size(),
+            "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "vpp": mpu.get_virtual_pipeline_model_parallel_world_size(), "cp": mpu.get_context_parallel_world_size(),
             "ep": mpu.get_expert_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
 
 
-def _rng_coordinates():
-    """What megatron's RNG tracker seeds depend on (tensor_parallel/random.py)."""
-    from megatron.core import parallel_state as mpu
-
-    return {"tp": mpu.get_tensor_model_parallel_world_size(), "tp_rank": mpu.get_tensor_model_parallel_rank(),
-            "ep": mpu.get_expert_model_parallel_world_size(), "ep_rank": mpu.get_expert_model_parallel_rank()}
-
-
-def _rng_state():
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
-        "coordinates": _rng_coordinates(),
-    }
+def _same_layout(saved, current):
+    return all(saved.get(key, value) == value for key, value in current.items())  # vpp: recorded since 2026-11
 
 
 def _restore_rng(step_dir, saved_layout):
@@ -343,26 +430,17 @@ def _restore_rng(step_dir, saved_layout):
     takes the global generators (python/numpy/torch/CUDA) of one saved rank -- our scripts seed
     all ranks alike, so these are the same on every rank -- and megatron's tracker (TP-rank
     dependent dropout streams) only from a saved rank with the same TP/EP coordinates."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core import parallel_state as mpu
 
-    rank, layout, coordinates = dist.get_rank(), _layout(), _rng_coordinates()
-    if saved_layout == layout:
-        source = rank
-    else:  # megatron's default rank order puts TP innermost: saved rank t has tp_rank t
-        source = coordinates["tp_rank"] if saved_layout["tp"] == layout["tp"] else 0
+    rank, layout, same = dist.get_rank(), _layout(), _same_layout(saved_layout, _layout())
+    # megatron's default rank order puts TP innermost: saved rank t has tp_rank t
+    source = rank if same else mpu.get_tensor_model_parallel_rank() if saved_layout["tp"] == layout["tp"] else 0
     state = torch.load(os.path.join(step_dir, RNG_DIR, f"rank_{source:05d}.pt"), weights_only=False)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
-    tracker_restored = state["coordinates"] == coordinates
-    if tracker_restored:
-        get_cuda_rng_tracker().set_states(state["tracker"])
-    if saved_layout != layout and rank == 0:
-        print(f"[checkpoint] saved at {saved_layout}, resuming at {layout}: python/numpy/torch RNG states "
-              f"taken from saved rank {source}; megatron's model-parallel RNG tracker "
-              f"{'restored' if tracker_restored else 'NOT restored (TP/EP changed), kept freshly seeded'}",
+    tracker_restored = checkpoint_io.set_rng_state(state)
+    if not same and rank == 0:
+        print(f"[checkpoint] saved at {_describe(saved_layout)}, resuming at {_describe(layout)}: "
+              f"python/numpy/torch RNG states taken from saved rank {source}; megatron's model-parallel RNG "
+              f"tracker {'restored' if tracker_restored else 'NOT restored (TP/EP changed), kept freshly seeded'}",
               flush=True)
 
 
@@ -370,12 +448,3 @@ def _broadcast_from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _write_atomic(path, text):
-    """Readers see the old file or the new one, never half of one (rename is atomic on POSIX)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)

@@ -1,19 +1,29 @@
-"""Worker for tests/test_train_checkpoint.py (gloo, CPU). Two modes:
+"""Worker for tests/test_train_checkpoint.py (gloo, CPU): runs a list of jobs in one process.
 
-    torchrun --nproc_per_node 2 tests/checkpoint_worker.py train --hf-dir D --root R --root-full F --out A.json
-        5 Adam steps at DP=2 from the HF weights (the uninterrupted run). Saves a training
-        checkpoint into R (dp_reshardable, keep_last=2) after steps 2, 3 and 4, and into F
-        (fully_reshardable) after step 3. Records losses, grad norms, LRs and, after the
-        step-3 save, a fingerprint of every rank's RNG states.
-    torchrun --nproc_per_node N tests/checkpoint_worker.py resume --root R --tp T --out B.json [--break-copy C]
-    python tests/checkpoint_worker.py resume ...          (a single plain process: DP=1)
-        Fresh model from the HF weights, load_training_checkpoint(R), then the remaining steps
-        up to 5. With --break-copy: copy R to C, damage every checkpoint in it (the newest
-        structurally, the older one so that only the load itself fails) and record the error.
-    --critic (both modes): also train a PPO critic (common/critic.py build_critic, its own Adam
-        and schedule) on the same batches, saved and loaded as extra_models={"critic": ...};
-        resume --no-critic-root R2 first tries R2 (written without a critic) and records the error.
+    python tests/checkpoint_worker.py --hf-dir D --out-dir O --jobs JSON            (one process)
+    torchrun --nproc_per_node 2 tests/checkpoint_worker.py --tp 2 --hf-dir D --out-dir O --jobs JSON
 
+Each job builds a fresh model from the HF weights and its own DDP + optimizer + LR schedule
+(so one process can run several, with and without the distributed optimizer), then trains
+up to step TOTAL_STEPS, either from step 1 or after load_training_checkpoint(job["resume"]).
+Job keys (all optional but name):
+  name                  results in O/<name>.json, final full weights in O/<name>.pt (rank 0)
+  dist_opt (True)       use_distributed_optimizer
+  critic                also train a PPO critic (common/critic.py, own Adam and schedule) on the
+                        same batches, saved and loaded as extra_models={"critic": ...}
+  resume                checkpoint root to resume from (else: train from step 1)
+  try_first             roots to load before `resume`; each error message is recorded
+  saves                 [{step, root, sharding, keep_last, meta, background}] after that step;
+                        background saves go through one CheckpointWriter, polled every step
+  nan_save_at           at this step first try a save with a NaN in one weight of the last
+                        rank (must be refused on every rank, nothing written), then go on
+  fail_save_at          at this step a background save into O/<name>_fail on which the last
+                        rank's file writes fail (RLIMIT_FSIZE: "File too large"); records the
+                        error wait() raises on every rank
+  break_copy            after training, copy `resume` there, damage every checkpoint in it and
+                        record the error of loading it
+  exit_hard             (last job only) end like train_grpo.py with vLLM: shutdown_checkpointing
+                        (unless "no_shutdown"), then os._exit(0)
 Every step draws its batch from the global python, numpy and torch RNGs, so the losses
 after a resume only match if those RNG states were restored.
 """
@@ -21,9 +31,13 @@ import argparse
 import hashlib
 import json
 import os
+import pathlib
 import random
+import resource
 import shutil
+import signal
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,7 +65,7 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
     positions = torch.arange(SEQ_LEN).unsqueeze(0)
 
     def forward_step(data_iterator, model):
-        ids = next(data_iterator)
+        ids = next(data_iterator)  # on later pipeline stages only the labels are used
         per_token_loss = model(ids, positions, None, labels=torch.roll(ids, -1, 1))  # (1, T)
 
         def loss_func(output):
@@ -98,7 +112,9 @@ def optimizer_step(ddp_chunks, optimizer, scheduler, forward_step, local):
         num_microbatches=local.shape[0], seq_length=SEQ_LEN, micro_batch_size=1, forward_only=False)
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
-    loss = torch.stack([entry["loss"] for entry in losses]).mean()
+    # only the last pipeline stage has losses: the sum over the PP group carries them to all
+    loss = torch.stack([entry["loss"] for entry in losses]).mean() if losses else torch.zeros(())
+    dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
     dist.all_reduce(loss, group=mpu.get_data_parallel_group())
     return loss.item() / mpu.get_data_parallel_world_size(), float(grad_norm), lr
 
@@ -123,99 +139,211 @@ def gather(obj):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "resume"])
-    ap.add_argument("--hf-dir", required=True)
-    ap.add_argument("--root", required=True, help="training checkpoint root (dp_reshardable)")
-    ap.add_argument("--root-full", help="train: second root, fully_reshardable, saved after step 3")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--break-copy", help="resume: copy --root here and damage all of it")
-    ap.add_argument("--critic", action="store_true", help="also train and checkpoint a critic")
-    ap.add_argument("--no-critic-root", help="resume --critic: first try this root, saved without a critic")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def error_of(fn, *args, **kwargs):
+    """The message of the RuntimeError fn raises (None if it returns), and whether every rank
+    got the same one."""
+    try:
+        fn(*args, **kwargs)
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    return message, len(set(gather(message))) == 1
 
-    from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
-    from common.dist import destroy_distributed, init_distributed
+
+def run_job(job, args, info, spec, out_dir):
     from common.critic import build_critic, load_critic_weights
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.dist import set_seed
+    from common.model import build_model, export_hf_weights, load_hf_weights
+    from common.train_checkpoint import CheckpointWriter, load_training_checkpoint, save_training_checkpoint
     from common.training import setup_training
 
-    info = init_distributed(tp=args.tp, seed=1234)
-    spec = load_hf_spec(args.hf_dir)
-    chunks = build_model(spec, tp=info.tp_size)
+    set_seed(1234)  # as init_distributed: a job later in the process starts like a fresh process
+    chunks = build_model(spec, tp=info.tp_size, pp=info.pp_size)
     load_hf_weights(chunks, spec, args.hf_dir)
-    # warmup + cosine decay: a scheduler that is not restored gives a different LR.
-    # clip_grad high enough never to clip: megatron 0.16.1 leaves TP-sharded weights built
-    # with perform_initialization=False without their tensor_model_parallel attribute, so
-    # the grad norm (not the grads) is wrong at TP>1 and clipping would differ from TP=1.
+    # warmup + cosine decay: a scheduler that is not restored gives a different LR. clip_grad
+    # never clips: clipping would scale updates by a norm whose rounding depends on the layout.
     ddp_chunks, optimizer, scheduler = setup_training(
-        chunks, lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=10, decay_style="cosine", clip_grad=1e3)
-    result = {"losses": {}, "grad_norms": {}, "lrs": {}}
+        chunks, lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=10, decay_style="cosine",
+        clip_grad=1e3, use_distributed_optimizer=job.get("dist_opt", True))
+    result = {"losses": {}, "grad_norms": {}, "lrs": {}, "saves": {}}
     critic, extra_models = None, None
-    if args.critic:
+    if job.get("critic"):
         critic_chunks = build_critic(spec, tp=info.tp_size)
         load_critic_weights(critic_chunks, spec, args.hf_dir)
         # another schedule than the policy's, so a scheduler mix-up shows in the LRs
         critic = setup_training(critic_chunks, lr=3e-2, min_lr=0.0, warmup_steps=1, total_steps=8,
-                                decay_style="linear", clip_grad=1e3)
+                                decay_style="linear", clip_grad=1e3, use_distributed_optimizer=job.get("dist_opt", True))
         extra_models = {"critic": critic}
         result.update(critic_losses={}, critic_grad_norms={}, critic_lrs={})
 
     first_step = 1
-    if args.mode == "resume":
+    if job.get("resume"):
         # perturb every RNG so that only a restore can bring back the saved states
         random.seed(7), np.random.seed(7), torch.manual_seed(7)
-        if args.no_critic_root:
-            try:
-                load_training_checkpoint(args.no_critic_root, ddp_chunks, optimizer, scheduler,
-                                         extra_models=extra_models)
-                result["no_critic_error"] = None
-            except RuntimeError as e:
-                result["no_critic_error"] = str(e)
-        extra = load_training_checkpoint(args.root, ddp_chunks, optimizer, scheduler, extra_models=extra_models)
+        result["try_first"] = [error_of(load_training_checkpoint, root, ddp_chunks, optimizer, scheduler,
+                                        extra_models=extra_models) for root in job.get("try_first", [])]
+        extra = load_training_checkpoint(job["resume"], ddp_chunks, optimizer, scheduler, extra_models=extra_models)
         result["extra"] = extra
         result["rng_after_load"] = gather(rng_fingerprints())
         first_step = extra["step"] + 1
 
+    writer, hold_until, held_root, held_dir = CheckpointWriter(), None, None, None
     for step in range(first_step, TOTAL_STEPS + 1):
         out = train_step(ddp_chunks, optimizer, scheduler, spec.vocab_size, critic)
         result["losses"][step], result["grad_norms"][step], result["lrs"][step] = out[:3]
         if critic is not None:
             result["critic_losses"][step], result["critic_grad_norms"][step], result["critic_lrs"][step] = out[3:]
-        if args.mode == "train" and step in (2, 3, 4):
-            extra = {"step": step, "samples_seen": step * GLOBAL_BATCH}
-            save_training_checkpoint(args.root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=2,
-                                     meta={"written_by": "tests/checkpoint_worker.py"}, extra_models=extra_models)
-            if step == 3:
-                if args.root_full:
-                    save_training_checkpoint(args.root_full, step, ddp_chunks, optimizer, scheduler, extra,
-                                             keep_last=1, optimizer_sharding="fully_reshardable")
-                result["rng_after_save"] = gather(rng_fingerprints())
+        published = writer.poll()
+        if published:
+            result["saves"][f"published_at_{step}"] = published
+        if step == hold_until:  # the held writers (a slow disk) have missed the poll of this step
+            result["saves"]["while_held"] = {"poll": published, "latest": latest_of(held_root),
+                                             "step_dir_exists": os.path.exists(held_dir)}
+            HELD.set()
+        extra = {"step": step, "samples_seen": step * GLOBAL_BATCH}
+        if step == job.get("nan_save_at"):
+            result["nan"] = nan_save(ddp_chunks, optimizer, scheduler, extra, out_dir / f"{job['name']}_nan", step)
+        if step == job.get("fail_save_at"):
+            result["fail"] = failing_save(writer, ddp_chunks, optimizer, scheduler, extra,
+                                          out_dir / f"{job['name']}_fail", step)
+        for save in job.get("saves", []):
+            if save["step"] != step:
+                continue
+            kwargs = dict(keep_last=save.get("keep_last", 2), extra_models=extra_models,
+                          meta={"written_by": "tests/checkpoint_worker.py"} if save.get("meta") else None,
+                          **({"optimizer_sharding": save["sharding"]} if "sharding" in save else {}))
+            if save.get("background"):
+                before = latest_of(save["root"])
+                if save.get("hold_until"):
+                    HELD.clear()
+                    threading.settrace(hold_writers)  # for the threads the save starts
+                writer.save(save["root"], step, ddp_chunks, optimizer, scheduler, extra, **kwargs)
+                threading.settrace(None)
+                if save.get("hold_until"):
+                    hold_until, held_root = save["hold_until"], save["root"]
+                    held_dir = os.path.join(held_root, f"step_{step:06d}")
+                # nothing is published by save() itself: `latest` and step_N appear at a poll
+                result["saves"][f"{save['root']}@{step}"] = {
+                    "latest_unchanged": latest_of(save["root"]) == before,
+                    "step_dir_absent": not os.path.exists(os.path.join(save["root"], f"step_{step:06d}"))}
+            else:
+                save_training_checkpoint(save["root"], step, ddp_chunks, optimizer, scheduler, extra, **kwargs)
+        if step == 3:
+            result["rng_after_save"] = gather(rng_fingerprints())
+    published = writer.wait()
+    if published:
+        result["saves"]["published_at_end"] = published
 
-    if args.break_copy:
-        # Every checkpoint damaged: the newest one (already missing a file) structurally, the
-        # older one so that its files look complete but the load itself fails.
-        if info.rank == 0:
-            shutil.copytree(args.root, args.break_copy)
-            step3 = os.path.join(args.break_copy, "step_000003")
-            size = os.path.getsize(os.path.join(step3, ".metadata"))
-            with open(os.path.join(step3, ".metadata"), "wb") as f:
-                f.write(b"\0" * size)
-        dist.barrier()
-        try:
-            load_training_checkpoint(args.break_copy, ddp_chunks, optimizer, scheduler)
-            result["all_damaged_error"] = None
-        except RuntimeError as e:
-            result["all_damaged_error"] = str(e)
-        result["all_damaged_errors_agree"] = len(set(gather(result["all_damaged_error"]))) == 1
-
+    weights = {name: tensor.clone() for name, tensor in export_hf_weights(chunks, spec, dtype=torch.float32)}
+    if job.get("break_copy"):  # last: a failed load leaves the live objects half-loaded
+        result["all_damaged"] = break_and_load(job["resume"], job["break_copy"], ddp_chunks, optimizer, scheduler)
     if info.rank == 0:
-        with open(args.out, "w") as f:
+        torch.save(weights, out_dir / f"{job['name']}.pt")
+        with open(out_dir / f"{job['name']}.json", "w") as f:
             json.dump(result, f, indent=1)
+    return writer
+
+
+HELD = threading.Event()
+
+
+def hold_writers(frame, event, arg):
+    """Trace function (threading.settrace) that holds this rank's checkpoint writer threads
+    (common/checkpoint_io.py names them ckpt-write-*) of the last rank at their start until HELD
+    is set: a slow disk on demand, so that training goes on while a save is in flight."""
+    if threading.current_thread().name.startswith("ckpt-write") and dist.get_rank() == dist.get_world_size() - 1:
+        HELD.wait()
+    return None
+
+
+def latest_of(root):
+    path = os.path.join(root, "latest")
+    return open(path).read().strip() if os.path.isfile(path) else None
+
+
+def nan_save(ddp_chunks, optimizer, scheduler, extra, root, step):
+    """A NaN in one weight of the last rank: the save must be refused everywhere, before writing."""
+    from common.model import unwrap
+    from common.train_checkpoint import save_training_checkpoint
+
+    weight = unwrap(ddp_chunks[-1]).decoder.layers[-1].mlp.linear_fc2.weight
+    original = weight.detach().clone()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        with torch.no_grad():
+            weight[0, 0] = float("nan")
+    message, agree = error_of(save_training_checkpoint, str(root), step, ddp_chunks, optimizer, scheduler, extra)
+    with torch.no_grad():
+        weight.copy_(original)
+    return {"error": message, "errors_agree": agree, "root_exists": os.path.exists(root)}
+
+
+def failing_save(writer, ddp_chunks, optimizer, scheduler, extra, root, step):
+    """A background save whose file writes fail on the last rank only: files larger than 64 KiB
+    cannot be written by that process (RLIMIT_FSIZE with SIGXFSZ ignored -> EFBIG), which hits
+    its .distcp files (~0.3 MB) in the writer threads and nothing before."""
+    last = dist.get_rank() == dist.get_world_size() - 1
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if last:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        writer.save(str(root), step, ddp_chunks, optimizer, scheduler, extra)
+        message, agree = error_of(writer.wait)
+    finally:
+        if last:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return {"error": message, "errors_agree": agree, "listing": sorted(os.listdir(root))}
+
+
+def break_and_load(root, copy, ddp_chunks, optimizer, scheduler):
+    """Every checkpoint of a copy of root damaged: the newest one (already missing a file)
+    structurally, the older one so that its files look complete but the load itself fails."""
+    from common.train_checkpoint import load_training_checkpoint
+
+    if dist.get_rank() == 0:
+        shutil.copytree(root, copy)
+        step3 = os.path.join(copy, "step_000003")
+        size = os.path.getsize(os.path.join(step3, ".metadata"))
+        with open(os.path.join(step3, ".metadata"), "wb") as f:
+            f.write(b"\0" * size)
+    dist.barrier()
+    message, agree = error_of(load_training_checkpoint, copy, ddp_chunks, optimizer, scheduler)
+    return {"error": message, "errors_agree": agree}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf-dir", required=True)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--jobs", required=True, help="JSON list of jobs (see the module docstring)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    args = ap.parse_args()
+
+    from common.dist import destroy_distributed, init_distributed
+    from common.model import load_hf_spec
+    from common.train_checkpoint import shutdown_checkpointing
+
+    info = init_distributed(tp=args.tp, pp=args.pp, seed=1234)
+    spec = load_hf_spec(args.hf_dir)
+    jobs = json.loads(args.jobs)
+    for job in jobs:
+        writer = run_job(job, args, info, spec, pathlib.Path(args.out_dir))
+    if jobs[-1].get("exit_hard"):
+        # train_grpo.py's exit with vLLM: no interpreter shutdown, so no atexit handler runs
+        if not jobs[-1].get("no_shutdown"):
+            writer.close()
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        manager = getattr(filesystem_async._results_queue, "_manager", None)  # for the test to clean up
+        print(f"[worker] megatron's results-queue Manager: pid {manager._process.pid if manager else None}",
+              flush=True)
+        dist.barrier()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    shutdown_checkpointing()
     destroy_distributed()
 
 
-if __name__ == "__main__":  # dist_checkpointing's writer re-imports __main__
+if __name__ == "__main__":  # megatron's Manager process (spawned) re-imports __main__
     main()

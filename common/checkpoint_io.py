@@ -1,0 +1,351 @@
+"""The disk side of common/train_checkpoint.py: how the tensor files of a training checkpoint
+are written (in the background if asked), and the step-directory protocol that makes a
+checkpoint appear all at once (step_N.tmp -> `complete` marker -> rename -> `latest`).
+
+Tensor files. megatron's dist_checkpointing.save(..., async_sharded_save=True) splits a save:
+  1. planning (collective: plans gathered, global metadata built; common.pt by rank 0),
+     done inside the call, which returns an AsyncRequest;
+  2. writing this rank's __<rank>_<i>.distcp files: no communication at all;
+  3. finalize (collective): write results gathered, rank 0 writes .metadata and
+     metadata.json; a write error of any rank is raised on every rank.
+We run 1 and 3 on the main thread, so every collective stays in program order on every rank,
+and 2 in threads of this process (or inline, for a synchronous save), from host copies.
+Why threads and not megatron's own callers (AsyncCallsQueue): those fork a process per save
+(which forks a writer process per file) or keep a spawned worker alive. Forking a CUDA/NCCL
+process is delicate, and a spawned helper that outlives the program keeps the launcher's
+stdout open (`python train_grpo.py | tee log` never ended on the GPU machine). A thread dies
+with the program; the write itself (fsync'ed file I/O) runs mostly without the GIL.
+
+megatron still starts one helper process on the first save of a process, whatever the mode:
+the spawned multiprocessing Manager behind FileSystemWriterAsync's results queue
+(filesystem_async._get_write_results_queue). Its server does not watch its parent, so after
+os._exit (train_grpo.py's vLLM exit path) or a kill it runs on, holding stdout: shutdown()
+ends it. tests/test_train_checkpoint.py shows both (test_exit_closes_stdout).
+"""
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def device_for_collectives():
+    """Where a small tensor must live for a collective on the default group (NCCL: the GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def check_finite(named_tensors, what):
+    """Raise RuntimeError on every rank if any rank's tensor has a NaN/inf. All ranks call this.
+
+    named_tensors: (name, tensor) of this rank (local shards). One flag per tensor is computed
+    on the tensors' device and read back once; only when something is wrong are names exchanged."""
+    named_tensors = [(name, t) for name, t in named_tensors if t.numel() > 0]
+    if named_tensors:
+        flags = torch.stack([~torch.isfinite(t).all() for _, t in named_tensors]).cpu()
+        bad = [named_tensors[i][0] for i in flags.nonzero().flatten().tolist()]
+    else:
+        bad = []
+    count = torch.tensor([len(bad)], device=device_for_collectives())
+    dist.all_reduce(count)
+    if count.item() == 0:
+        return
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, bad)
+    listed = "; ".join(f"rank {rank}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                       for rank, names in enumerate(per_rank) if names)
+    raise RuntimeError(f"refusing to write {what}: non-finite values (NaN/inf) in {count.item()} tensor(s) "
+                       f"({listed}). Nothing was written; the run has diverged -- resume from an "
+                       "earlier checkpoint (e.g. with a lower learning rate).")
+
+
+def live_storages(tensors):
+    """data_ptr of the storage of each tensor: a staged tensor sharing one would change under
+    the training loop's feet."""
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel() > 0}
+
+
+class PendingWrite:
+    """One dist_checkpointing save of this rank between planning and finalize."""
+
+    def __init__(self, request, background, live):
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        self.request = request
+        self.results = queue.Queue()  # (bucket index, write results or the exception)
+        self.threads = []
+        self.buckets = []
+        if request.async_fn is None:  # nothing of this rank's is written (all replicas elsewhere)
+            return
+        # megatron-core 0.16.1: async_fn = partial(write_preloaded_data_multiproc, transforms, use_msc),
+        # args = [rank, write_buckets, results_queue]. We call its per-file writer ourselves.
+        fn = request.async_fn
+        if getattr(fn, "func", None) is not FileSystemWriterAsync.write_preloaded_data_multiproc:
+            raise RuntimeError(f"unexpected megatron AsyncRequest {fn!r}: common/checkpoint_io.py is written "
+                               "against megatron-core 0.16.1's FileSystemWriterAsync")
+        self.transforms = fn.args[0]
+        self.megatron_queue = request.async_fn_args[2]
+        # preload_fn copies GPU tensors to host (megatron's staging); CPU tensors come back as
+        # they are. megatron has already cloned CPU views (e.g. DDP-buffer params), but a CPU
+        # tensor that is live state (torch Adam moments on a CPU run or after offloading) would
+        # be written as the loop changes it: copy those too when writing in the background.
+        self.buckets = request.preload_fn()
+        if background:
+            self.buckets = [(path, name, (byte_items, [(item, t.clone() if t.untyped_storage().data_ptr() in live else t)
+                                                       for item, t in tensor_items]))
+                            for path, name, (byte_items, tensor_items) in self.buckets]
+        # One thread per file (megatron's default: 2 per rank), for a synchronous save too (joined
+        # at once). daemon: a program that dies mid-write is not kept alive by its checkpoint
+        # (the step directory then stays *.tmp and is never published).
+        for index, bucket in enumerate(self.buckets):
+            args = (self.transforms, index, bucket, self.results, _DoneCounter(), True)  # True: fsync
+            self.threads.append(threading.Thread(target=FileSystemWriterAsync.write_preloaded_data,
+                                                 args=args, name=f"ckpt-write-{index}", daemon=True))
+            self.threads[-1].start()
+
+    def written(self):
+        """True once this rank's files are written (or failed). Local, no communication."""
+        return not any(t.is_alive() for t in self.threads)
+
+    def join(self):
+        for t in self.threads:
+            t.join()
+
+    def error(self):
+        """None, or what went wrong writing this rank's files (after written())."""
+        self.outcomes = dict(self.results.get_nowait() for _ in range(self.results.qsize()))
+        failed = [f"{type(e).__name__}: {e}" for e in self.outcomes.values() if isinstance(e, BaseException)]
+        if len(self.outcomes) != len(self.buckets):
+            failed.append(f"{len(self.buckets) - len(self.outcomes)} file writer(s) gave no result")
+        return "; ".join(dict.fromkeys(failed)) or None  # each message once
+
+    def finalize(self):
+        """megatron's finalize: every rank's write results to rank 0, which writes .metadata,
+        then metadata.json. Collective; after error() was None on every rank."""
+        if self.buckets:
+            self.megatron_queue.put(self.outcomes)  # what FileSystemWriterAsync.retrieve_write_results reads
+        for fn in self.request.finalize_fns:
+            fn()
+
+
+class _DoneCounter:
+    """The count_queue megatron's per-file writer signals completion on (get + task_done);
+    one per writer, already holding its item."""
+
+    def get(self):
+        return 0
+
+    def task_done(self):
+        pass
+
+
+def start_save(sharded_state_dict, ckpt_dir, *, background, live=(), parallel_group=None):
+    """Plan the save (collective) and start writing this rank's files; returns a PendingWrite.
+
+    parallel_group: the ranks holding replicas of the same data (the data-parallel group):
+    megatron's FullyParallelSaveStrategyWrapper then spreads the writing of replicated tensors
+    over them (else the first replica of each, mostly DP rank 0, writes everything).
+    live: storage pointers of live training state (live_storages), copied when background."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy()  # torch_dist
+    if parallel_group is not None and dist.get_world_size(parallel_group) > 1:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, parallel_group)
+    request = dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=strategy,
+                                      async_sharded_save=True)
+    return PendingWrite(request, background, set(live))
+
+
+def all_written(writes, block):
+    """Whether every rank has written all its files of `writes`. Collective (one all_reduce).
+    block: wait for this rank's writers first."""
+    if block:
+        for write in writes:
+            write.join()
+    done = torch.tensor([int(all(write.written() for write in writes))], device=device_for_collectives())
+    dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    return bool(done.item())
+
+
+def finish(writes, what):
+    """After all_written: raise on every rank if any rank's write failed, else finalize each
+    write (rank 0 writes the metadata). Collective."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    local = "; ".join(e for e in (write.error() for write in writes) if e) or None
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, local)
+    if any(errors):
+        raise RuntimeError(f"writing {what} failed: " + "; ".join(
+            f"rank {rank}: {error}" for rank, error in enumerate(errors) if error))
+    try:
+        for write in writes:
+            write.finalize()
+    except CheckpointException as e:  # a BaseException: make it an ordinary error
+        raise RuntimeError(f"finalizing {what} failed: {e}") from e
+
+
+def shutdown():
+    """End the helper process megatron's dist_checkpointing started in this process (the
+    results-queue Manager, see the module docstring); a later save starts a new one.
+    Call on every rank before exit, after the last save was finished."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results_queue = filesystem_async._results_queue
+    if results_queue is not None:
+        results_queue._manager.shutdown()  # the proxy holds its Manager; this joins its process
+        filesystem_async._results_queue = None  # megatron's lazily created queue, now dead
+
+
+# --- the step-directory protocol -----------------------------------------------------------
+LATEST_FILE = "latest"
+COMPLETE_FILE = "complete"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def publish(tmp_dir, final_dir, step, keep_last):
+    """Rank 0, once every rank's files are in tmp_dir: the complete marker, the rename to
+    final_dir and `latest` (each atomic), then pruning of older step directories."""
+    # The marker lists every file with its size, so a deleted or truncated file (a crash
+    # mid-write, a full disk, a careless rm) is caught before loading.
+    files = {}
+    for dirpath, _, filenames in os.walk(tmp_dir):
+        for filename in filenames:
+            path = os.path.join(dirpath, filename)
+            files[os.path.relpath(path, tmp_dir)] = os.path.getsize(path)
+    write_atomic(os.path.join(tmp_dir, COMPLETE_FILE), json.dumps({"step": step, "files": files}, indent=1))
+    if os.path.exists(final_dir):  # e.g. a damaged step_N we fell back from, now redone
+        shutil.rmtree(final_dir)
+    os.rename(tmp_dir, final_dir)
+    ckpt_root = os.path.dirname(final_dir)
+    write_atomic(os.path.join(ckpt_root, LATEST_FILE), os.path.basename(final_dir) + "\n")
+    _prune(ckpt_root, step, keep_last)
+
+
+def candidates(ckpt_root):
+    """Step directory names to try, preferred first: the one `latest` names, then older ones.
+
+    Directories newer than `latest` were never published (crash between rename and update of
+    `latest`, or a timeline we fell back from) and *.tmp directories are interrupted saves:
+    both are ignored."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    steps = {}
+    for entry in os.listdir(ckpt_root):
+        match = STEP_DIR.match(entry)
+        if match and os.path.isdir(os.path.join(ckpt_root, entry)):
+            steps[entry] = int(match.group(1))
+    newest_first = sorted(steps, key=steps.get, reverse=True)
+    latest_path = os.path.join(ckpt_root, LATEST_FILE)
+    if not os.path.isfile(latest_path):
+        if newest_first:
+            print(f"[checkpoint] WARNING: {latest_path} is missing; trying the step directories newest first",
+                  flush=True)
+        return newest_first
+    with open(latest_path) as f:
+        latest = f.read().strip()
+    match = STEP_DIR.match(latest)
+    if not match:
+        print(f"[checkpoint] WARNING: {latest_path} holds {latest[:80]!r}, not a step directory name; "
+              "trying the step directories newest first", flush=True)
+        return newest_first
+    return [latest] + [name for name in newest_first if steps[name] < int(match.group(1))]
+
+
+def check_step_dir(step_dir, required=()):
+    """None if step_dir looks complete (its marker lists `required` files among others and every
+    listed file has its size), else why not (cheap: sizes, not checksums)."""
+    if not os.path.isdir(step_dir):
+        return "the directory does not exist"
+    marker = os.path.join(step_dir, COMPLETE_FILE)
+    if not os.path.isfile(marker):
+        return f"no '{COMPLETE_FILE}' marker (the save did not finish)"
+    try:
+        with open(marker) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable '{COMPLETE_FILE}' marker ({e})"
+    for relpath in required:
+        if relpath not in files:
+            return f"{relpath} was never written"
+    for relpath, size in files.items():
+        path = os.path.join(step_dir, relpath)
+        if not os.path.isfile(path):
+            return f"{relpath} is missing"
+        if os.path.getsize(path) != size:
+            return f"{relpath} has {os.path.getsize(path)} bytes, {size} were written (truncated?)"
+    return None
+
+
+def _prune(ckpt_root, step, keep_last):
+    """Keep the newest keep_last complete step dirs up to `step`; delete older ones (and older
+    damaged ones) and interrupted saves (*.tmp; none is in flight now)."""
+    older = []
+    for entry in os.listdir(ckpt_root):
+        path = os.path.join(ckpt_root, entry)
+        if entry.endswith(".tmp") and STEP_DIR.match(entry[:-4]) and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif STEP_DIR.match(entry) and int(entry[5:]) < step:
+            older.append((int(entry[5:]), entry))
+    keep = max(keep_last, 1) - 1  # the one just written counts
+    for _, entry in sorted(older, reverse=True):
+        path = os.path.join(ckpt_root, entry)
+        if keep > 0 and check_step_dir(path) is None:
+            keep -= 1
+        else:
+            shutil.rmtree(path)
+
+
+def write_atomic(path, text):
+    """Readers see the old file or the new one, never half of one (rename is atomic on POSIX)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+# --- RNG states (rng/rank_N.pt) ------------------------------------------------------------
+def _rng_coordinates():
+    """What megatron's RNG tracker seeds depend on (tensor_parallel/random.py)."""
+    from megatron.core import parallel_state as mpu
+
+    return {"tp": mpu.get_tensor_model_parallel_world_size(), "tp_rank": mpu.get_tensor_model_parallel_rank(),
+            "ep": mpu.get_expert_model_parallel_world_size(), "ep_rank": mpu.get_expert_model_parallel_rank()}
+
+
+def rng_state():
+    """This rank's python, numpy, torch (+CUDA) generators and megatron's model-parallel tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+        "coordinates": _rng_coordinates(),
+    }
+
+
+def set_rng_state(state):
+    """Restore a rng_state(): the global generators always, megatron's tracker only if it was
+    saved at this rank's TP/EP coordinates. Returns whether the tracker was restored."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    if state["coordinates"] != _rng_coordinates():
+        return False
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    return True
