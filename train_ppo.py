@@ -110,6 +110,7 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: by time only); the last step and a stop signal always save")
     p.add_argument("--save-every-minutes", type=float, default=30.0, help="checkpoint when this many minutes passed since the last save (0: off)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
+    p.add_argument("--save-any-layout", action=argparse.BooleanOptionalAction, default=True, help="write the distributed optimizer's state per parameter, so that the checkpoint resumes at any TP/PP/DP layout; --no-save-any-layout writes each DP rank's shard as it is: less blocking time and host memory, resumable at the same TP/PP only (any DP)")
     p.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"], default=None, help="continue the run in --out from its latest checkpoint (refused when there is none); --resume auto: continue if there is a checkpoint, else start over (launch/slurm.sh's requeue)")
     p.add_argument("--start-over", action="store_true", help="start a new run in a non-empty --out: its old contents are moved to <out>.old-<time>")
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
@@ -160,7 +161,7 @@ def main():
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
     from common.rollout import vllm_available
-    from common.train_checkpoint import load_training_checkpoint, save_training_checkpoint
+    from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
     from common.training import ensure_adam_state, setup_training
     from megatron.core import parallel_state as mpu
 
@@ -297,6 +298,7 @@ def main():
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
+    writer = CheckpointWriter()  # checkpoints are written in the background while the loop goes on
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     for step in progress:
         times, t0 = {}, time.time()
@@ -474,14 +476,17 @@ def main():
             metrics["kl"] = rl.masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
         if train_actor:
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if writer.poll():  # a background save finished on every rank: published, `latest` moved
+            metrics["save_total_sec"] = writer.last["total_s"]  # its whole time, mostly hidden
         save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal
         if save:
-            tick = time.time()
-            save_training_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
-                                     extra={"step": step + 1, "sampler": sampler.state_dict()},
-                                     keep_last=args.keep_checkpoints, extra_models=critic_state,
-                                     hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
-                                     meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1})
+            tick = time.time()  # save_s: what the loop waits for (checks, planning, copies to host memory)
+            writer.save(ckpt_root, step + 1, model, optimizer, scheduler,
+                        extra={"step": step + 1, "sampler": sampler.state_dict()},
+                        keep_last=args.keep_checkpoints, extra_models=critic_state,
+                        hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
+                        meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
+                        optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
         metrics.update(times, **memory.metrics)
@@ -493,6 +498,7 @@ def main():
                    f"checkpoint saved. Continue with the same command plus --resume")
             break
 
+    writer.close()  # the last save written and published; megatron's helper process ended
     logger.close()
     if start_step < args.steps:  # a resume of a finished run trains no step
         print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))

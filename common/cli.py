@@ -205,5 +205,8 @@ def run_training(main):
         code, message = 3, f"{prog}: stopped: {e}"
     if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
+    from common.train_checkpoint import shutdown_checkpointing
+
+    shutdown_checkpointing()  # megatron's helper process would hold stdout open after os._exit
     sys.stdout.flush()
     os._exit(code)  # not sys.exit: an in-process vLLM engine can block interpreter exit
