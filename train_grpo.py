@@ -148,9 +148,9 @@ def main():
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
-    from common.rollout import vllm_available
+    from common.rollout import make_engine, vllm_available
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
-    from common.training import ensure_adam_state, setup_training
+    from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
@@ -201,19 +201,10 @@ def main():
             chunk.eval().requires_grad_(False)
 
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
-    engine, rollout_tp = None, args.rollout_tp
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
-    if args.load_rollouts:
-        pass  # replaying saved samples: no engine
-    elif use_vllm:
-        from common.rollout_vllm import VLLMEngine
-
-        engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed)
-    else:
-        from common.rollout import HFEngine
-
-        engine, rollout_tp = HFEngine(hf_dir, dtype=torch.float32, device=info.device), 1
+    engine, rollout_tp = (None, args.rollout_tp) if args.load_rollouts else make_engine(  # replay: no engine
+        use_vllm, hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed, device=info.device)
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # Memory choreography on a shared GPU (common/offload.py): what the rollout does not use
     # waits in pinned host memory. No-ops for tensors already on the CPU.
@@ -232,9 +223,8 @@ def main():
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])
         print0(f"resumed from step {start_step}")
-    layout = dict(world_size=info.world_size, tp=info.tp_size, pp=info.pp_size, vpp=info.vpp_size, cp=info.cp_size,
-                  ep=info.ep_size, dp=info.dp_size, device=str(info.device), dtype=str(dtype))
-    logger = MetricsLogger(args.out, run_record(vars(args), layout), wandb_mode=args.wandb or default_wandb_mode(),
+    logger = MetricsLogger(args.out, run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
+                           wandb_mode=args.wandb or default_wandb_mode(),
                            project=args.wandb_project, run_name=args.run_name,
                            enabled=info.master_process, resume=bool(args.resume))
     logger.truncate_after(start_step)
@@ -254,11 +244,9 @@ def main():
         # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
         store.copy_(B.all_reduce_sum(on_device, mpu.get_data_parallel_group(), info.device))
 
-    if offload_optimizer:  # every pinned host buffer now: the first steps would pay seconds for them
-        ensure_adam_state(optimizer)  # (Adam's state would only appear at the first update)
-        optim_off.allocate()
-    if offload_params:
-        policy_off.allocate()
+    # every pinned host buffer now (Adam's state included): the first steps would pay seconds for them
+    for off in ([optim_off] if offload_optimizer else []) + ([policy_off] if offload_params else []):
+        off.allocate()
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)

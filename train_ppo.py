@@ -160,9 +160,9 @@ def main():
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
     from common.rewards import math_reward, synthetic_reward
-    from common.rollout import vllm_available
+    from common.rollout import make_engine, vllm_available
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
-    from common.training import ensure_adam_state, setup_training
+    from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
@@ -192,11 +192,7 @@ def main():
     group = args.samples_per_prompt
     rollout_batch = args.prompts_per_step * group  # samples per step, global
     mini_batch = args.mini_batch_size or rollout_batch
-    per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
-    if rollout_batch % mini_batch or mini_batch % info.dp_size or (not args.micro_batch_tokens and per_dp % args.micro_batch_size):
-        raise ValueError(f"batch sizes do not divide: rollout batch {rollout_batch} (prompts x samples) must be a multiple of "
-                         f"--mini-batch-size {mini_batch}, which must be a multiple of dp {info.dp_size} x "
-                         f"--micro-batch-size {args.micro_batch_size}")
+    per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank (checked: divides)
     updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
 
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
@@ -226,19 +222,10 @@ def main():
             chunk.eval().requires_grad_(False)
 
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
-    engine, rollout_tp = None, args.rollout_tp
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
-    if args.load_rollouts:
-        pass  # replaying saved samples: no engine
-    elif use_vllm:
-        from common.rollout_vllm import VLLMEngine
-
-        engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed)
-    else:
-        from common.rollout import HFEngine
-
-        engine, rollout_tp = HFEngine(hf_dir, dtype=torch.float32, device=info.device), 1
+    engine, rollout_tp = (None, args.rollout_tp) if args.load_rollouts else make_engine(  # replay: no engine
+        use_vllm, hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed, device=info.device)
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # Memory choreography on a shared GPU (common/offload.py, as in train_grpo.py): the critic
     # idles from its update until the next values pass, the reference but for its logprob
@@ -260,9 +247,8 @@ def main():
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])
         print0(f"resumed from step {start_step}")
-    layout = dict(world_size=info.world_size, tp=info.tp_size, pp=info.pp_size, vpp=info.vpp_size, cp=info.cp_size,
-                  ep=info.ep_size, dp=info.dp_size, device=str(info.device), dtype=str(dtype))
-    logger = MetricsLogger(args.out, run_record(vars(args), layout), wandb_mode=args.wandb or default_wandb_mode(),
+    logger = MetricsLogger(args.out, run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
+                           wandb_mode=args.wandb or default_wandb_mode(),
                            project=args.wandb_project, run_name=args.run_name,
                            enabled=info.master_process, resume=bool(args.resume))
     logger.truncate_after(start_step)
@@ -274,12 +260,12 @@ def main():
         rank (token rewards, GAE and the logged statistics are computed everywhere): TP rank 0
         of each last pipeline stage writes its DP rank's rows, then a sum over all ranks (one
         writer per row: exact) gives every rank all rows."""
-        writer = mpu.get_tensor_model_parallel_rank() == 0
+        tp_first = mpu.get_tensor_model_parallel_rank() == 0
         on_device = torch.zeros(store.shape, device=info.device)  # filled without a host sync per micro-batch
 
         def loss_fn(mb, output):
             per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
-            if writer:
+            if tp_first:
                 on_device[mb["row"], :per_token.shape[1]] = per_token.float()  # T_mb <= T
             return per_token.sum() * 0, {}
         with torch.no_grad():
@@ -289,12 +275,9 @@ def main():
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
-    if offload_optimizer:  # every pinned host buffer now: the first steps would pay seconds for them
-        for opt, off in zip((optimizer, critic_optimizer), optim_offs):
-            ensure_adam_state(opt)  # (Adam's state would only appear at the first update)
-            off.allocate()
-    if offload_params:
-        actor_off.allocate(), critic_off.allocate()
+    # every pinned host buffer now (Adam's state included): the first steps would pay seconds for them
+    for off in (optim_offs if offload_optimizer else []) + ([actor_off, critic_off] if offload_params else []):
+        off.allocate()
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)

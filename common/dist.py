@@ -41,6 +41,11 @@ class DistInfo:
     def master_process(self):
         return self.rank == 0
 
+    def layout(self):
+        """The parallel layout, for the run record (config.json)."""
+        return dict(world_size=self.world_size, tp=self.tp_size, pp=self.pp_size, vpp=self.vpp_size,
+                    cp=self.cp_size, ep=self.ep_size, dp=self.dp_size, device=str(self.device))
+
 
 def _free_port():
     with socket.socket() as s:

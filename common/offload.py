@@ -62,8 +62,8 @@ class Offloader:
 
     @classmethod
     def of_optimizer(cls, optimizer, chunks, include_cpu=False):
-        """A megatron optimizer's main params and state, plus the DDP grad buffers of
-        `chunks` (freed: dead between steps)."""
+        """A megatron optimizer's main params and state (created if Adam has not stepped yet),
+        plus the DDP grad buffers of `chunks` (freed: dead between steps)."""
         return cls(lambda: _optimizer_tensors(optimizer, chunks), include_cpu)
 
     @property
@@ -94,8 +94,8 @@ class Offloader:
     def allocate(self):
         """Create every host buffer now. Pinning host memory costs seconds per 10 GB (measured
         at 1.5B: the first two steps' offloads took 6.5-6.8 s, later ones 0.40 s): call this
-        once at start-up, after the optimizer's state exists (common/training.py:
-        ensure_adam_state), so that no step pays for it."""
+        once at start-up (after a resume, which may replace tensors), so that no step pays
+        for it. An optimizer's Offloader creates Adam's state first."""
         for tensor, keep in self._tensors():
             if keep:
                 self._host_buffer(tensor)
@@ -158,6 +158,11 @@ def _model_tensors(chunks):
 
 
 def _optimizer_tensors(optimizer, chunks):
+    from common.training import ensure_adam_state
+
+    # Adam's state appears at its first step; created now (zeros, as that step would make them)
+    # it is allocated and moved like the rest from the start
+    ensure_adam_state(optimizer)
     optimizer.zero_grad()  # main-param grads (fp32 copies of the last step's) are dead: free them
     tensors = [(buffer.grad_data, False) for chunk in chunks for buffer in _ddp_buffers(chunk)]
     # For an fp32 model the main params ARE the model's params (or views of its DDP buffer):

@@ -17,7 +17,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     from common import batch as B
     from common.model import build_model, load_hf_spec, load_hf_weights
     from common.offload import Offloader
-    from common.training import ensure_adam_state, setup_training
+    from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
     spec = load_hf_spec(hf_dir)
@@ -29,8 +29,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     model_off = Offloader.of_model(model, include_cpu=not on_gpu)
     optim_off = Offloader.of_optimizer(optimizer, model, include_cpu=not on_gpu)
     losses, moved, left, freed_gpu, intact = [], [], [], [], []
-    if offload:  # as the scripts do: Adam state and every host buffer before the first step
-        ensure_adam_state(optimizer)
+    if offload:  # as the scripts do: every host buffer (Adam's state created) before the first step
         optim_off.allocate(), model_off.allocate()
         buffers = {id(b) for off in (model_off, optim_off) for b in off._host.values()}
     for step in range(3):
