@@ -1,0 +1,82 @@
+"""Benchmark what a checkpoint save costs the training loop, and the offload phase's first steps.
+
+    python bench/save.py --shape 1.5b                     # GPU (vLLM): a Qwen2-1.5B-shaped random model
+    python bench/save.py --shape embedded --steps 4       # CPU smoke run, the embedded tiny model
+
+Runs train_grpo.py (a subprocess, output through a pipe) with a checkpoint at every step, once
+per optimizer layout on disk: --save-any-layout (the default: resumable at any TP/PP/DP) and
+--no-save-any-layout (each DP rank's shard as it is). Per step it reads from metrics.jsonl
+  save_s          what the loop waited for (checks, planning, copies to host memory)
+  save_total_sec  the whole save, published at a later step (written in the background)
+  offload_s       the offload phase (pinned host buffers are made at start-up: step 1 should
+                  cost what step 3 does)
+and the seconds from the last metrics line to the end of the piped output (every process
+gone). Prints a table and one BENCH_JSON line; ratio = blocking / total save time.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=["embedded", "0.5b", "1.5b", "7b"], default="1.5b",
+                    help="model: the embedded tiny model, or a random Qwen2-shaped one (tests/gpu/make_random_model.py)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps, a checkpoint after each")
+    ap.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary dir)")
+    return ap.parse_args(argv)
+
+
+def run(model_dir, out, steps, any_layout):
+    cmd = [sys.executable, "train_grpo.py", "--steps", str(steps), "--save-every", "1", "--out", out,
+           "--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4", "--mini-batch-size", "32",
+           "--save-any-layout" if any_layout else "--no-save-any-layout"]
+    if model_dir:
+        cmd += ["--model", model_dir, "--max-new-tokens", "64"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, WANDB_MODE="disabled"))
+    output = proc.stdout.read()
+    eof = time.time()
+    if proc.wait() != 0:
+        raise SystemExit(f"train_grpo.py failed:\n{output[-4000:]}")
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(metrics_path)]
+    return rows, eof - os.path.getmtime(metrics_path)
+
+
+def main():
+    args = parse_args()
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench_save_")
+    model_dir = None
+    if args.shape != "embedded":
+        from tests.gpu.make_random_model import SHAPES
+        from common.embedded import write_embedded_model
+
+        model_dir = os.path.join(work, f"qwen2-{args.shape}")
+        t = time.time()
+        write_embedded_model(model_dir, seed=0, max_position_embeddings=4096, rope_theta=1e6, **SHAPES[args.shape])
+        print(f"random model {model_dir} ({time.time() - t:.0f} s)", flush=True)
+    result = {"shape": args.shape, "steps": args.steps}
+    for any_layout in (True, False):
+        name = "any_layout" if any_layout else "dp_shards"
+        rows, exit_s = run(model_dir, os.path.join(work, name), args.steps, any_layout)
+        blocking = [r["save_s"] for r in rows]
+        total = [r["save_total_sec"] for r in rows if "save_total_sec" in r]
+        offload = [r.get("offload_s", 0.0) for r in rows]
+        result[name] = dict(save_blocking_s=blocking, save_total_s=total, offload_s=offload, exit_after_last_step_s=exit_s,
+                            ratio_blocking_to_total=[b / t for b, t in zip(blocking, total)])
+        print(f"{name:11s} blocking {', '.join(f'{b:.2f}' for b in blocking)} s | whole save (published later) "
+              f"{', '.join(f'{t:.2f}' for t in total)} s | offload {', '.join(f'{o:.2f}' for o in offload)} s | "
+              f"exit {exit_s:.1f} s after the last step", flush=True)
+    print("BENCH_JSON " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
