@@ -477,8 +477,7 @@ def main():
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}")
         if stop:
-            print0(f"\nstopped by {control.signal_name or 'a signal on another rank'} after step {step + 1}; "
-                   f"checkpoint saved. Continue with the same command plus --resume")
+            print0(control.stop_message(step))
             break
 
     writer.close()  # the last save written and published; megatron's helper process ended

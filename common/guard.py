@@ -67,9 +67,9 @@ class RunControl:
             self._last_save = time.monotonic()
         return save, stop
 
-    def restore_default_handlers(self):
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    def stop_message(self, step):
+        return (f"\nstopped by {self.signal_name or 'a signal to another rank'} after step {step + 1}; checkpoint "
+                "saved. Continue with the same command plus --resume")
 
 
 def _rank():
@@ -107,7 +107,8 @@ def check_finite_update(model_chunks, metric_dicts, device, step=None):
         names = sorted({n for ns in every for n in ns})
     what = "the loss" + (" and the gradients" if grad_bad else "") if loss_bad else "the gradients"
     where = f" (non-finite: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else ""
-    raise NonFiniteError(f"{_at(step)}{what} are NaN/Inf{where}; no optimizer step was applied: the weights "
+    raise NonFiniteError(f"{_at(step)}{what} {'is' if what == 'the loss' else 'are'} NaN/Inf{where}; no optimizer "
+                         "step was applied: the weights "
                          "are as they were before this update. " + HINTS)
 
 

@@ -245,3 +245,46 @@ def test_merge_refuses_non_finite_weights(tmp_path, capsys):
     assert "NaN/Inf" in text and "model.layers.1.mlp.down_proj.weight" in text, text
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.incomplete").exists()
     assert torch.isnan(tensors["model.layers.1.mlp.down_proj.weight"]).sum() == 1
+
+
+def test_run_control_decides_when_to_save_and_stop():
+    import torch
+
+    from common.guard import STOP_SIGNALS, RunControl
+
+    old = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    cpu = torch.device("cpu")
+    try:
+        control = RunControl(save_every=3, save_every_minutes=0.001, steps=10)  # the clock: 60 ms
+        assert control.step_end(0, cpu) == (False, False)
+        assert control.step_end(2, cpu) == (True, False)  # every 3 steps
+        time.sleep(0.07)
+        assert control.step_end(3, cpu) == (True, False)  # 60 ms since the last save
+        assert control.step_end(4, cpu) == (False, False)  # the clock restarted at that save
+        assert control.step_end(9, cpu) == (True, False)  # the last step
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert control.signal_name == "SIGUSR1"
+        assert control.step_end(4, cpu) == (True, True)
+        assert "stopped by SIGUSR1 after step 5" in control.stop_message(4)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def test_non_finite_gradient_is_named_and_no_update_happens():
+    import torch
+
+    from common.guard import NonFiniteError, check_finite, check_finite_update
+
+    layer = torch.nn.Linear(3, 2)
+    layer.weight.grad, layer.bias.grad = torch.ones(2, 3), torch.tensor([0.0, float("inf")])
+    with pytest.raises(NonFiniteError, match=r"step 5: the gradients are NaN/Inf \(non-finite: bias\)"):
+        check_finite_update([layer], [{"policy_loss": torch.tensor(0.5)}], torch.device("cpu"), step=4)
+    layer.bias.grad.zero_()
+    check_finite_update([layer], [{"policy_loss": torch.tensor(0.5)}], torch.device("cpu"), step=4)  # finite: passes
+    with pytest.raises(NonFiniteError, match="step 5: the loss is NaN/Inf; no optimizer step"):
+        check_finite_update([layer], [{"policy_loss": torch.tensor(float("nan"))}], torch.device("cpu"), step=4)
+    logprobs, mask = torch.tensor([[-1.0, float("nan")]]), torch.tensor([[1.0, 0.0]])
+    check_finite("old logprobs", logprobs, mask)  # the NaN is outside the mask
+    with pytest.raises(NonFiniteError, match="old logprobs: 1 of 2 values"):
+        check_finite("old logprobs", logprobs)
