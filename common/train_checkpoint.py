@@ -38,6 +38,7 @@ import torch.distributed as dist
 from common import checkpoint_io
 from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
 from common.model import named_global_parameters
+from common.preflight import UsageError
 from common.training import ensure_adam_state, load_optimizer_state, torch_adams
 
 
@@ -332,7 +333,7 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
         if problem is None:
             refusal = _broadcast_from_rank0(_layout_refusal(step_dir, ddp_chunks) if rank == 0 else None)
             if refusal is not None:  # a good checkpoint, not for this run: never fall back past it
-                raise RuntimeError(refusal)
+                raise UsageError(refusal)
             try:
                 extra = _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models)
             # any failure means: not this checkpoint. torch's CheckpointException (a BaseException)
@@ -351,7 +352,7 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
         rejected.append(f"{step_dir}: {problem}")
         if rank == 0:
             print(f"[checkpoint] WARNING: skipping damaged checkpoint {step_dir}: {problem}", flush=True)
-    raise RuntimeError(f"no usable training checkpoint in {ckpt_root}; refusing to start from scratch "
+    raise UsageError(f"no usable training checkpoint in {ckpt_root}; refusing to start from scratch "
                        "or from garbage. Tried:\n  " + "\n  ".join(rejected) +
                        "\nMove the directory away to start a new run.")
 
@@ -381,8 +382,8 @@ def _layout_refusal(step_dir, ddp_chunks):
         return (f"{step_dir} holds distributed-optimizer state in optimizer_sharding='dp_reshardable', "
                 f"which only loads at the TP/PP/VPP/EP it was written at: saved at {_describe(saved)}, this "
                 f"run is at {_describe(current)}. Resume at the saved layout (DP may differ), or resume "
-                "there once and save with optimizer_sharding='fully_reshardable' (the default), which loads "
-                "at any layout.")
+                "there once and save with optimizer_sharding='fully_reshardable' (the scripts' default "
+                "--save-any-layout), which loads at any layout.")
     return None
 
 

@@ -140,12 +140,13 @@ def gather(obj):
 
 
 def error_of(fn, *args, **kwargs):
-    """The message of the RuntimeError fn raises (None if it returns), and whether every rank
-    got the same one."""
+    """The message of the error fn raises (None if it returns): a RuntimeError, or the
+    UsageError (a ValueError) of a checkpoint refused for this run; and whether every rank got
+    the same one."""
     try:
         fn(*args, **kwargs)
         message = None
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         message = str(e)
     return message, len(set(gather(message))) == 1
 

@@ -6,6 +6,8 @@
 - --resume: 3 steps, then resume to 6 == 6 steps in one go (metrics of steps 4-6 equal);
 - layouts: rollouts saved from a 1-process run, replayed (--load-rollouts) under torchrun
   with DP=2, TP=2 (+SP) and PP=2, give the same losses, grad norms, entropy and KL;
+- resume at another layout: 2 steps in one process, resumed at TP=2 and at PP=2 under torchrun,
+  give steps 3-4 of the uninterrupted run;
 - --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
   the losses and grad norms of fixed-size micro-batches in one process;
 - every flag of --help has a help string.
@@ -105,3 +107,18 @@ def test_token_budget_matches_fixed_micro_batches(tmp_path):
     for a, b in zip(metrics(tmp_path / "fixed"), metrics(tmp_path / "budget"), strict=True):
         for key in TRAIN_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_resume_at_another_layout(layout, tmp_path):
+    """Saved by one process after 2 steps, resumed under torchrun at TP=2 / PP=2 (replaying the
+    same rollouts): steps 3-4 give the metrics of the uninterrupted one-process run."""
+    run(*SMALL, "--steps", 4, "--out", tmp_path / "straight", "--save-rollouts", tmp_path / "rollouts")
+    run(*SMALL, "--steps", 2, "--out", tmp_path / "moved", "--load-rollouts", tmp_path / "rollouts")
+    run_torchrun("train_grpo.py", 2, *SMALL, "--steps", 4, *layout, "--out", tmp_path / "moved", "--resume",
+                 "--load-rollouts", tmp_path / "rollouts")
+    straight, moved = metrics(tmp_path / "straight"), metrics(tmp_path / "moved")
+    assert [m["step"] for m in moved] == [0, 1, 2, 3]
+    for a, b in zip(straight[2:], moved[2:]):
+        for key in TRAIN_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
