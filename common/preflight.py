@@ -252,9 +252,11 @@ def _has_run(out):
     """Whether --out holds anything a new run would overwrite: anything but what a run writes
     before its first step (the embedded model, its config.json run record, an empty
     metrics.jsonl)."""
-    if not os.path.isdir(out):
+    try:
+        names = os.listdir(out)
+    except (FileNotFoundError, NotADirectoryError):  # (also: rank 0 just moved it aside, --start-over)
         return False
-    for name in os.listdir(out):
+    for name in names:
         path = os.path.join(out, name)
         if name not in RUN_START_FILES or (name == "metrics.jsonl" and os.path.getsize(path) > 0) \
                 or (name == "config.json" and not _is_run_record(path)):
