@@ -42,11 +42,6 @@ from common.preflight import UsageError
 from common.training import ensure_adam_state, load_optimizer_state, torch_adams
 
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 TRAIN_STATE_FILE = "train_state.json"
 RNG_DIR = "rng"
 # How the distributed optimizer lays its state out on disk (megatron's names):
@@ -169,7 +164,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
         if os.path.exists(save.tmp_dir):  # left by an interrupted save of this same step
             shutil.rmtree(save.tmp_dir)
         os.makedirs(save.tmp_dir)  # empty: dist_checkpointing warns about a non-empty directory
-    barrier()
+    dist.barrier()
 
     # Each further model in its own subdirectory, by its own save: one save of both would
     # collide (the critic's sharded keys, decoder.layers.0..., are the policy's).
@@ -177,7 +172,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
         if model_name:
             if rank == 0:
                 os.makedirs(os.path.join(save.tmp_dir, model_name))
-            barrier()
+            dist.barrier()
         save.writes.append(_start_model_save(os.path.join(save.tmp_dir, model_name), chunks, model_optimizer,
                                              optimizer_sharding, background))  # collective
     os.makedirs(os.path.join(save.tmp_dir, RNG_DIR), exist_ok=True)
@@ -200,7 +195,7 @@ def _publish(save):
     directory (marker, rename, `latest`, pruning). Collective, once every rank's files are
     written; raises on every rank if any rank failed."""
     checkpoint_io.finish(save.writes, f"the training checkpoint {save.tmp_dir}")  # collective
-    barrier()  # every rank's small files (rng/) are on disk too
+    dist.barrier()  # every rank's small files (rng/) are on disk too
     error = None
     if dist.get_rank() == 0:
         try:
