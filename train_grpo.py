@@ -7,6 +7,8 @@ reference. No value function (that is train_ppo.py). Variants are flags:
   Dr.GRPO (Liu et al. 2025): --no-std-norm --loss-agg seq_mean_token_sum_norm --kl-coef 0
   DAPO (Yu et al. 2025):     --clip-high 0.28 --loss-agg token_mean --kl-coef 0
   (DAPO's dynamic sampling and overlong shaping are not implemented.)
+  GSPO (Zheng et al. 2025):  --gspo --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean
+  dual-clip PPO (Ye et al. 2020, verl's c = 3): --dual-clip 3
 
 Every rank runs this same program (SPMD): it builds its shard of the Megatron-Core
 GPTModel from the HF config.json, loads only its slice of the HF weights, hosts a rollout
@@ -75,6 +77,8 @@ def build_parser():
     # --- algorithm
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
+    p.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
+    p.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
     p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="loss aggregation (DAPO / GRPO / Dr.GRPO)")
     p.add_argument("--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
@@ -355,7 +359,8 @@ def main():
                     logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
                                                                    args.temperature, compute_entropy=True)
                     per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
-                                                        args.clip_high, is_weights=mb["is_weights"])
+                                                        args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
+                                                        sequence_mask=mask if args.gspo else None)
                     loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm)
                     if reference is not None:
                         kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)

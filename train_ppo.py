@@ -84,6 +84,8 @@ def build_parser():
     # --- algorithm: losses
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
+    p.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
+    p.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
     p.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
     p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="policy loss aggregation (the value loss is always token_mean)")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
@@ -407,7 +409,8 @@ def main():
                     logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
                                                                    args.temperature, compute_entropy=True)
                     per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
-                                                        args.clip_high, is_weights=mb["is_weights"])
+                                                        args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
+                                                        sequence_mask=mb_mask if args.gspo else None)
                     loss = rl.aggregate_loss(per_token, mb_mask, args.loss_agg, **norm)
                     if reference is not None and args.kl_mode == "loss":
                         kl_loss = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)

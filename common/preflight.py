@@ -75,11 +75,13 @@ def _check_numbers(args, min_group):
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
     non_negative = ["save_every", "save_every_minutes", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
-                    "kl_coef", "entropy_coef", "tis_cap", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
+                    "kl_coef", "entropy_coef", "tis_cap", "dual_clip", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
                     "critic_lr", "critic_warmup_steps", "vf_clip"]
     for name in non_negative:
         if name in a and not (a[name] >= 0 and math.isfinite(a[name])):
             raise UsageError(f"--{_flag(name)} must be a finite number >= 0, not {a[name]}")
+    if args.dual_clip and not args.dual_clip > 1:
+        raise UsageError(f"--dual-clip must be > 1 (verl uses 3) or 0 (off), not {args.dual_clip}")
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UsageError(f"--temperature must be > 0, not {args.temperature}: the policy gradient needs a "
                          "sampling distribution (logprobs are of logits / temperature; greedy decoding has none)")

@@ -263,11 +263,20 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
 # Policy loss and its aggregation
 
 
-def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2, is_weights=None):
+def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2, is_weights=None, dual_clip=0.0,
+                sequence_mask=None):
     """PPO clipped surrogate (Schulman et al. 2017), per token, to be minimised:
         loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A),  ratio = pi / pi_old
     clip_high > clip_low is DAPO's clip-higher (Yu et al. 2025, e.g. 0.2 / 0.28): it lets
     low-probability tokens with A > 0 grow further, against entropy collapse.
+    dual_clip = c > 1 (dual-clip PPO, Ye et al. 2020; verl's default c = 3): for A < 0 the loss
+    is also capped at -c * A, so a huge ratio on a bad token cannot make an unbounded step.
+    sequence_mask (B, T): the importance ratio is GSPO's (Zheng et al. 2025) sequence-level one,
+        s_i = exp(mean over the row's masked tokens of (logprob - old_logprob)),
+    clipped per sequence; in the per-token form of the paper (GSPO-token) every token of row i
+    gets the ratio sg(s_i) * pi(y_t) / sg(pi(y_t)): value s_i, gradient s_i * grad log pi(y_t).
+    With per-sequence advantages and seq_mean_token_mean aggregation this is GSPO's gradient.
+    The paper's clip range is tiny, as a sequence ratio moves little: clip_low 3e-4, clip_high 4e-4.
 
     logprobs (B, T) with grad; old_logprobs (B, T); advantages (B,) (one per sequence, GRPO) or
     (B, T) (per token, PPO/GAE). is_weights: optional (B, T) truncated importance weights
@@ -278,13 +287,23 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B, 1) broadcasts over tokens
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    if sequence_mask is not None:  # GSPO: the row's mean log-ratio, its gradient per token
+        mask = sequence_mask.to(log_ratio.dtype)
+        seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
     # log-ratio capped at 20 (ratio 5e8): exp overflowing to inf would turn a zero gradient
     # through min() into 0 * inf = nan. Such a ratio is clipped (A > 0) or pathological anyway.
-    ratio = torch.exp((logprobs - old_logprobs).clamp(max=20.0))  # (B, T)
+    ratio = torch.exp(log_ratio.clamp(max=20.0))  # (B, T)
     surr = ratio * advantages
     surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     clipped = surr_clipped < surr  # strictly smaller: min() picks the clipped, flat branch
     loss = -torch.minimum(surr, surr_clipped)
+    if dual_clip:
+        bound = -dual_clip * advantages  # > 0 where A < 0
+        capped = (advantages < 0) & (loss > bound)
+        loss = torch.where(capped, bound.expand_as(loss), loss)
+        clipped = clipped | capped
     if is_weights is not None:
         loss = loss * is_weights.detach()
     return loss, clipped

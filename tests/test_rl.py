@@ -244,6 +244,52 @@ def test_gae_packed_rows_lam_0_and_1():
 # policy loss and aggregation
 
 
+def test_dual_clip_hand_computed():
+    """c = 3: for A < 0 the loss is capped at 3|A| (gradient 0 there); A > 0 is untouched."""
+    ratios = torch.tensor([[5.0, 2.0, 5.0, 0.5]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
+    old = torch.zeros(1, 4)
+    logprobs = ratios.log().requires_grad_(True)
+    plain, _ = policy_loss(logprobs, old, adv)
+    close(plain, [[5.0, 2.0, -1.2, 1.6]], 1e-6)  # r=5,A=-1: -min(-5, -1.2) = 5; r=.5,A=-2: clip .8 -> 1.6
+    loss, clipped = policy_loss(logprobs, old, adv, dual_clip=3.0)
+    close(loss, [[3.0, 2.0, -1.2, 1.6]], 1e-6)  # only r=5, A=-1 exceeds 3 * |A|
+    assert clipped.tolist() == [[True, False, True, True]]
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, 2.0, 0.0, 0.0]], 1e-6)  # d(-r A)/dlogp = -r A = 2 for r=2, A=-1
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    """GSPO: one ratio per row, exp of the mean log-ratio over the row's masked tokens; its
+    gradient, aggregated per sequence, is the paper's s_i * A_i * mean_t grad log pi(y_t)."""
+    old = torch.tensor([[-1.1, -2.3, -1.0, 0.0]])
+    logprobs = torch.tensor([[-1.0, -2.0, -0.9, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0])
+    s = math.exp((0.1 + 0.3 + 0.1) / 3)  # 1.18: the masked mean of (logprob - old); the pad's 5.0 is left out
+    loss, clipped = policy_loss(logprobs, old, adv, clip_low=0.2, clip_high=0.3, sequence_mask=mask)
+    close(loss[:, :3], [[-s] * 3], 1e-6)
+    assert not clipped[:, :3].any()
+    aggregate_loss(loss, mask, "seq_mean_token_mean").backward()
+    close(logprobs.grad[:, :3], [[-s / 3] * 3], 1e-6)  # d/dlogp_t of -s * A with s = exp(mean): -s/3
+    assert logprobs.grad[0, 3] == 0  # the padding token: outside the mean and the loss
+
+    # the same gradient as the sequence-level objective written out directly
+    lp2 = logprobs.detach().clone().requires_grad_(True)
+    seq_ratio = torch.exp(((lp2 - old) * mask).sum() / mask.sum())
+    (-seq_ratio * adv).sum().backward()
+    close(lp2.grad, logprobs.grad, 1e-6)
+
+    # clipped per sequence: s = exp(0.2) > 1 + 0.1, A > 0 -> every token of the row clipped, no gradient
+    lp3 = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss3, clipped3 = policy_loss(lp3, torch.tensor([[-1.1, -2.3]]), adv, clip_high=0.1,
+                                  sequence_mask=torch.ones(1, 2))
+    close(loss3, [[-1.1, -1.1]], 1e-6)
+    assert clipped3.all()
+    loss3.sum().backward()
+    close(lp3.grad, [[0.0, 0.0]], 0)
+
+
 def test_policy_loss_hand_computed():
     ratios = torch.tensor([[1.5, 0.5, 1.1, 0.5, 1.5, 1.25]])
     adv = torch.tensor([[1.0, -1.0, 1.0, 1.0, -1.0, 2.0]])
