@@ -172,9 +172,20 @@ def launcher_rank():
     """This process's global rank as its launcher set it, readable before init_distributed and
     without its side effects: torchrun's RANK, else srun's SLURM_PROCID (several tasks), else 0.
     For what must happen before the process group exists (quieting warnings on ranks != 0)."""
+    return _launcher_rank_and_world()[0]
+
+
+def launcher_world_size():
+    """The world size init_distributed will have, read the same way (common/preflight.py checks
+    the parallel layout against it before anything is built)."""
+    return _launcher_rank_and_world()[1]
+
+
+def _launcher_rank_and_world():
+    """_launcher_env's reading of torchrun / srun / a plain process, without its side effects."""
     env = os.environ
-    if "RANK" in env:
-        return int(env["RANK"])
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return int(env["SLURM_PROCID"])
-    return 0
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))

@@ -22,7 +22,7 @@ import os
 import time
 
 from common.bridge import UnsupportedModelError, check_parallel_layout, parse_hf_config
-from common.dist import launcher_rank
+from common.dist import launcher_rank, launcher_world_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # What a run writes into --out before its first step: a re-run over such a directory loses nothing.
@@ -31,14 +31,6 @@ RUN_START_FILES = {"embedded_model", "config.json", "metrics.jsonl"}
 
 class UsageError(ValueError):
     """A mistake in the arguments or inputs that the user can fix; the message says how."""
-
-
-def world_size():
-    """The launcher's world size, known before torch.distributed starts (common/dist.py)."""
-    env = os.environ
-    if "WORLD_SIZE" in env:
-        return int(env["WORLD_SIZE"])
-    return int(env.get("SLURM_NTASKS", "1")) if "SLURM_PROCID" in env else 1
 
 
 def check_training_run(parser, args, *, min_group=1, critic_model=None):
@@ -162,7 +154,7 @@ def _check_mcore_ckpt(path, spec):
 
 
 def _check_layout(args, spec):
-    world = world_size()
+    world = launcher_world_size()
     model_parallel = args.tp * args.pp
     if world % model_parallel:
         raise UsageError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} = {model_parallel}: "
@@ -198,13 +190,14 @@ def _check_layout(args, spec):
 
 
 def _uses_vllm(args):
+    """The scripts' choice of rollout engine (use_vllm in train_grpo.py), made before start-up."""
     if args.rollout != "auto":
         return args.rollout == "vllm"
-    import importlib.util
-
     import torch
 
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    from common.rollout import vllm_available
+
+    return torch.cuda.is_available() and vllm_available()
 
 
 def _check_inputs(args):
