@@ -254,7 +254,7 @@ def main():
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
-    writer = CheckpointWriter()  # checkpoints are written in the background while the loop goes on
+    writer = CheckpointWriter(models=[(model, optimizer)])  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     for step in progress:
         times, t0 = {}, time.time()

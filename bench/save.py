@@ -2,6 +2,16 @@
 
     python bench/save.py --shape 1.5b                     # GPU (vLLM): a Qwen2-1.5B-shaped random model
     python bench/save.py --shape embedded --steps 4       # CPU smoke run, the embedded tiny model
+    python bench/save.py --shape 1.5b --direct            # the save alone, ours vs megatron's, one process
+
+--direct (no engine, no training script; random weights, Adam state after one step): in one
+process, saves alternate between megatron's way and ours, per optimizer layout on disk:
+  megatron  any-layout state gathered by megatron (get_parameter_state_dp_zero), GPU tensors
+            staged by megatron (tensor.to("cpu", non_blocking=True) per tensor)
+  ours      common/training.model_space_optimizer_state (DP=1) and the pinned HostStaging
+            reserved once by CheckpointWriter(models=...) (its seconds printed apart)
+and prints each save's blocking seconds (of which staging), the ratio ours/megatron of the
+medians, and the whole save (written + published).
 
 Runs train_grpo.py (a subprocess, output through a pipe) with a checkpoint at every step, once
 per optimizer layout on disk: --save-any-layout (the default: resumable at any TP/PP/DP) and
@@ -34,6 +44,7 @@ def parse_args(argv=None):
                     help="model: the embedded tiny model, or a random Qwen2-shaped one (tests/gpu/make_random_model.py)")
     ap.add_argument("--steps", type=int, default=3, help="training steps, a checkpoint after each")
     ap.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary dir)")
+    ap.add_argument("--direct", action="store_true", help="time the save alone in this process, ours vs megatron's")
     return ap.parse_args(argv)
 
 
@@ -54,9 +65,73 @@ def run(model_dir, out, steps, any_layout):
     return rows, eof - os.path.getmtime(metrics_path)
 
 
+def direct(shape, steps, work):
+    """--direct: see the module docstring. One process (torchrun-free: a world of one)."""
+    import statistics
+
+    import torch
+
+    from common import train_checkpoint
+    from common.dist import init_distributed
+    from common.embedded import DEFAULT_CONFIG
+    from common.model import build_model, parse_hf_config
+    from common.training import setup_training
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.environ.setdefault("MASTER_PORT", "29517")
+    info = init_distributed(tp=1, pp=1, seed=0)
+    if shape == "embedded":
+        config = dict(DEFAULT_CONFIG)
+    else:
+        from tests.gpu.make_random_model import SHAPES
+        config = dict(DEFAULT_CONFIG, max_position_embeddings=4096, rope_theta=1e6, **SHAPES[shape])
+    spec = parse_hf_config(dict(config, architectures=["Qwen2ForCausalLM"], model_type="qwen2"))
+    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    model, optimizer, _ = setup_training(build_model(spec, dtype=dtype, init_weights=True), lr=1e-6)
+    for param in (p for chunk in model for p in chunk.parameters()):  # one step: Adam state, fp32 main params
+        param.main_grad.normal_()
+    optimizer.step()
+    t = time.perf_counter()
+    ours = train_checkpoint.CheckpointWriter(models=[(model, optimizer)])
+    reserve_s = time.perf_counter() - t
+    theirs = train_checkpoint.CheckpointWriter()  # nothing reserved: megatron's staging
+    own_state = train_checkpoint.model_space_optimizer_state
+    result = {"shape": shape, "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+              "params": sum(p.numel() for chunk in model for p in chunk.parameters()), "reserve_s": reserve_s,
+              "reserved_gb": ours.staging.buffer.numel() / 1e9}
+    print(f"{result['params'] / 1e9:.2f}B params on {result['device']}; pinned staging reserved at start-up: "
+          f"{result['reserved_gb']:.1f} GB in {reserve_s:.2f} s", flush=True)
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        runs = {"megatron": [], "ours": []}
+        for i in range(steps):
+            for name in ("megatron", "ours") if i % 2 == 0 else ("ours", "megatron"):  # interleaved
+                writer = ours if name == "ours" else theirs
+                # megatron's way: its gather for the any-layout state (a bench-only switch)
+                train_checkpoint.model_space_optimizer_state = own_state if name == "ours" else lambda *a: None
+                root = os.path.join(work, f"{sharding}_{name}")
+                t = time.perf_counter()
+                writer.save(root, i + 1, model, optimizer, None, keep_last=1, optimizer_sharding=sharding)
+                blocking = time.perf_counter() - t
+                stage = writer.pending.stage_s
+                writer.wait()
+                runs[name].append(dict(blocking_s=blocking, stage_s=stage, total_s=writer.last["total_s"]))
+        train_checkpoint.model_space_optimizer_state = own_state
+        med = {name: statistics.median(r["blocking_s"] for r in rows) for name, rows in runs.items()}
+        result[sharding] = dict(runs, blocking_ratio_ours_vs_megatron=med["ours"] / med["megatron"])
+        for name, rows in runs.items():
+            seconds = {key: ", ".join(f"{r[key]:.2f}" for r in rows) for key in rows[0]}
+            print(f"{sharding:17s} {name:8s} blocking {seconds['blocking_s']} s (staging {seconds['stage_s']}) "
+                  f"| whole save {seconds['total_s']} s", flush=True)
+        print(f"{sharding:17s} blocking, median ours / megatron: {med['ours']:.2f} / {med['megatron']:.2f} s = "
+              f"{result[sharding]['blocking_ratio_ours_vs_megatron']:.3f}", flush=True)
+    ours.close(), theirs.close()
+    print("BENCH_JSON " + json.dumps(result))
+
+
 def main():
     args = parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_save_")
+    if args.direct:
+        return direct(args.shape, args.steps, work)
     model_dir = None
     if args.shape != "embedded":
         from tests.gpu.make_random_model import SHAPES

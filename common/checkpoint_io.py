@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import threading
+import time
 
 import numpy as np
 import torch
@@ -70,16 +71,75 @@ def live_storages(tensors):
     return {t.untyped_storage().data_ptr() for t in tensors if t.numel() > 0}
 
 
+class HostStaging:
+    """Pinned host memory that a background save copies this rank's GPU tensors into, made
+    once and reused by every save (a save starts after the previous one is written).
+
+    Why not megatron's staging (preload_tensors: tensor.to("cpu", non_blocking=True) per
+    tensor): torch takes that memory from its caching host allocator, which pins fresh
+    memory whenever its cache has no block of the size asked for (seconds per 10 GB) and
+    rounds each block up to a power of two. One flat buffer pinned at start-up (reserve())
+    makes a save's copy a single D2H stream at the link's speed. A tensor beyond the reserved
+    bytes is copied the plain way (pageable memory), so a too small reserve costs time only."""
+
+    ALIGN = 64  # bytes: every dtype's alignment, and cache-line aligned copies
+
+    def __init__(self):
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.used = 0
+        self.overflow_bytes = 0  # of the last stage(): copied outside the buffer
+
+    def reserve(self, nbytes):
+        """Make the buffer at least nbytes (pinned when a GPU is present). Seconds per 10 GB."""
+        if nbytes > self.buffer.numel():
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    @staticmethod
+    def nbytes_for(tensors):
+        """Bytes reserve() needs to stage these GPU tensors (alignment included)."""
+        align = HostStaging.ALIGN
+        return sum(-(-t.numel() * t.element_size() // align) * align for t in tensors if t.is_cuda)
+
+    def stage(self, buckets, live):
+        """megatron's write buckets with every GPU tensor copied to host memory (here, while it
+        fits) and every CPU tensor that is live training state cloned; waits for the copies."""
+        self.used, self.overflow_bytes, staged = 0, 0, []
+        for path, name, (byte_items, tensor_items) in buckets:
+            items = []
+            for item, tensor in tensor_items:
+                if tensor.is_cuda:
+                    tensor = self._copy(tensor)
+                elif tensor.untyped_storage().data_ptr() in live:  # the loop would change it mid-write
+                    tensor = tensor.clone()
+                items.append((item, tensor))
+            staged.append((path, name, (byte_items, items)))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non_blocking copies have landed
+        return staged
+
+    def _copy(self, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self.buffer.numel():
+            self.overflow_bytes += nbytes
+            return tensor.to("cpu", non_blocking=True)  # megatron's way (pinned by torch's cache)
+        self.used = start + nbytes
+        host = self.buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+        return host.copy_(tensor, non_blocking=True)
+
+
 class PendingWrite:
     """One dist_checkpointing save of this rank between planning and finalize."""
 
-    def __init__(self, request, background, live):
+    def __init__(self, request, background, live, staging=None):
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
         self.request = request
         self.results = queue.Queue()  # (bucket index, write results or the exception)
         self.threads = []
         self.buckets = []
+        self.stage_s = 0.0  # seconds of copying to host memory
         if request.async_fn is None:  # nothing of this rank's is written (all replicas elsewhere)
             return
         # megatron-core 0.16.1: async_fn = partial(write_preloaded_data_multiproc, transforms, use_msc),
@@ -90,15 +150,19 @@ class PendingWrite:
                                "against megatron-core 0.16.1's FileSystemWriterAsync")
         self.transforms = fn.args[0]
         self.megatron_queue = request.async_fn_args[2]
-        # preload_fn copies GPU tensors to host (megatron's staging); CPU tensors come back as
-        # they are. megatron has already cloned CPU views (e.g. DDP-buffer params), but a CPU
-        # tensor that is live state (torch Adam moments on a CPU run or after offloading) would
-        # be written as the loop changes it: copy those too when writing in the background.
-        self.buckets = request.preload_fn()
-        if background:
-            self.buckets = [(path, name, (byte_items, [(item, t.clone() if t.untyped_storage().data_ptr() in live else t)
-                                                       for item, t in tensor_items]))
-                            for path, name, (byte_items, tensor_items) in self.buckets]
+        # GPU tensors are copied to host memory (HostStaging; megatron's own staging for a
+        # synchronous save). megatron has already cloned CPU views (e.g. DDP-buffer params), but
+        # a CPU tensor that is live state (torch Adam moments on a CPU run or after offloading)
+        # would be written as the loop changes it: a background save copies those too.
+        started = time.perf_counter()
+        if background:  # host copies of everything the loop will change: see HostStaging
+            preload = request.preload_fn
+            if getattr(preload, "func", None) is not FileSystemWriterAsync.preload_tensors:
+                raise RuntimeError(f"unexpected megatron preload function {preload!r} (common/checkpoint_io.py)")
+            self.buckets = (staging or HostStaging()).stage(preload.args[0], live)  # args: (write_buckets, non_blocking)
+        else:
+            self.buckets = request.preload_fn()  # a synchronous save: the loop waits for the files anyway
+        self.stage_s = time.perf_counter() - started
         # One thread per file (megatron's default: 2 per rank), for a synchronous save too (joined
         # at once). daemon: a program that dies mid-write is not kept alive by its checkpoint
         # (the step directory then stays *.tmp and is never published).
@@ -144,13 +208,14 @@ class _DoneCounter:
         pass
 
 
-def start_save(sharded_state_dict, ckpt_dir, *, background, live=(), parallel_group=None):
+def start_save(sharded_state_dict, ckpt_dir, *, background, live=(), parallel_group=None, staging=None):
     """Plan the save (collective) and start writing this rank's files; returns a PendingWrite.
 
     parallel_group: the ranks holding replicas of the same data (the data-parallel group):
     megatron's FullyParallelSaveStrategyWrapper then spreads the writing of replicated tensors
     over them (else the first replica of each, mostly DP rank 0, writes everything).
-    live: storage pointers of live training state (live_storages), copied when background."""
+    live: storage pointers of live training state (live_storages), copied when background.
+    staging: the HostStaging that background copies go to (default: a fresh, unpinned one)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
@@ -160,7 +225,7 @@ def start_save(sharded_state_dict, ckpt_dir, *, background, live=(), parallel_gr
         strategy = FullyParallelSaveStrategyWrapper(strategy, parallel_group)
     request = dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=strategy,
                                       async_sharded_save=True)
-    return PendingWrite(request, background, set(live))
+    return PendingWrite(request, background, set(live), staging)
 
 
 def all_written(writes, block):

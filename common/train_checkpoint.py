@@ -39,7 +39,7 @@ from common import checkpoint_io
 from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
 from common.model import named_global_parameters
 from common.preflight import UsageError
-from common.training import ensure_adam_state, load_optimizer_state, torch_adams
+from common.training import ensure_adam_state, load_optimizer_state, model_space_optimizer_state, torch_adams
 
 
 TRAIN_STATE_FILE = "train_state.json"
@@ -47,7 +47,9 @@ RNG_DIR = "rng"
 # How the distributed optimizer lays its state out on disk (megatron's names):
 #   fully_reshardable (default) gathered over the DP group (inside save()'s blocking part) and
 #     written per parameter in model shapes, as a plain optimizer's: loads at any TP/PP/VPP/EP/DP.
-#     Cost: every DP rank builds fp32 main param + exp_avg + exp_avg_sq of its whole TPxPP slice
+#     At DP=1 there is nothing to gather: common/training.model_space_optimizer_state builds
+#     the same entries as views of the live state (no gather, no extra copy).
+#     Cost at DP>1 (megatron's gather): every DP rank builds fp32 main param + exp_avg + exp_avg_sq of its whole TPxPP slice
 #     in host memory (12 bytes/param, megatron's get_parameter_state_dp_zero) plus copies.
 #     Measured (CPU, fp32 57M-param model, DP=2; docs/checkpoints.md): peak extra host memory
 #     1.7 GB per rank (~30 B/param) vs 0.14-0.22 GB for dp_reshardable; save() blocking
@@ -96,19 +98,28 @@ def _training_tensors(ddp_chunks, optimizer):
     return named, live
 
 
-def _start_model_save(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding, background):
+def _optimizer_sharded_state_dict(ddp_chunks, optimizer, model_sd, optimizer_sharding):
+    ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
+    if optimizer_sharding == "fully_reshardable":
+        own = model_space_optimizer_state(optimizer, model_sd)  # None where megatron must gather
+        if own is not None:
+            return own
+    return optimizer.sharded_state_dict(model_sd, is_loading=False,
+                                        metadata=_optimizer_metadata(ddp_chunks, optimizer_sharding))
+
+
+def _start_model_save(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding, background, staging=None):
     """Plan one dist_checkpointing save of {"model", "optimizer"} into ckpt_dir (empty) and start
     writing it. Collective; returns a checkpoint_io.PendingWrite."""
     from megatron.core import parallel_state as mpu
 
-    ensure_adam_state(optimizer)  # DistributedOptimizer.state_dict() needs Adam state to exist
     model_sd = model_sharded_state_dict(ddp_chunks)
-    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=False,
-                                            metadata=_optimizer_metadata(ddp_chunks, optimizer_sharding))
+    optim_sd = _optimizer_sharded_state_dict(ddp_chunks, optimizer, model_sd, optimizer_sharding)
     _, live = _training_tensors(ddp_chunks, optimizer)
     return checkpoint_io.start_save({"model": model_sd, "optimizer": optim_sd}, ckpt_dir, background=background,
                                     live=checkpoint_io.live_storages(live) if background else (),
-                                    parallel_group=mpu.get_data_parallel_group(with_context_parallel=True))
+                                    parallel_group=mpu.get_data_parallel_group(with_context_parallel=True),
+                                    staging=staging)
 
 
 def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
@@ -144,7 +155,7 @@ class _PendingSave:
 
 
 def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, keep_last, meta,
-                hf_source_dir, optimizer_sharding, extra_models, background):
+                hf_source_dir, optimizer_sharding, extra_models, background, staging=None):
     """Everything of a save up to the writing of the tensor files (started, or done when not
     background). Collective."""
     if optimizer_sharding not in OPTIMIZER_SHARDINGS:
@@ -174,7 +185,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
                 os.makedirs(os.path.join(save.tmp_dir, model_name))
             dist.barrier()
         save.writes.append(_start_model_save(os.path.join(save.tmp_dir, model_name), chunks, model_optimizer,
-                                             optimizer_sharding, background))  # collective
+                                             optimizer_sharding, background, staging))  # collective
     os.makedirs(os.path.join(save.tmp_dir, RNG_DIR), exist_ok=True)
     torch.save(rng_state, os.path.join(save.tmp_dir, RNG_DIR, f"rank_{rank:05d}.pt"))
     if rank == 0:
@@ -252,9 +263,19 @@ class CheckpointWriter:
     writer for all saves of a run.
     """
 
-    def __init__(self):
+    def __init__(self, models=()):
+        """models: [(ddp_chunks, optimizer), ...], everything this writer will save. On a GPU,
+        host memory for a copy of all their tensors is pinned now, once (seconds per 10 GB,
+        checkpoint_io.HostStaging), so that a save only copies. Host memory: the bytes of the
+        params, fp32 main params and Adam moments of this rank (1.5B on one GPU: ~21 GB)."""
         self.pending = None  # the save in flight (a _PendingSave)
-        self.last = {}  # the last published save: step, blocking_s, total_s (for the metrics)
+        self.last = {}  # the last published save: step, blocking_s, stage_s, total_s (for the metrics)
+        self.staging = checkpoint_io.HostStaging()
+        tensors = []
+        for chunks, optimizer in models:
+            ensure_adam_state(optimizer)  # what the first step creates anyway: count it now
+            tensors += _training_tensors(chunks, optimizer)[1]
+        self.staging.reserve(checkpoint_io.HostStaging.nbytes_for(tensors))
 
     def save(self, ckpt_root, step, ddp_chunks, optimizer, scheduler, extra=None, *, keep_last=2, meta=None,
              hf_source_dir=None, optimizer_sharding=DEFAULT_OPTIMIZER_SHARDING, extra_models=None):
@@ -262,8 +283,9 @@ class CheckpointWriter:
         self.wait()
         self.pending = _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=keep_last,
                                    meta=meta, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
-                                   extra_models=extra_models, background=True)
+                                   extra_models=extra_models, background=True, staging=self.staging)
         self.pending.blocking_s = time.perf_counter() - self.pending.started
+        self.pending.stage_s = sum(write.stage_s for write in self.pending.writes)
 
     def poll(self):
         """Publish the save in flight if every rank has written its files (one all_reduce while a
@@ -286,7 +308,8 @@ class CheckpointWriter:
             return None
         save, self.pending = self.pending, None  # a failed save is dropped, not retried
         step_dir = _publish(save)
-        self.last = {"step": save.step, "blocking_s": save.blocking_s, "total_s": time.perf_counter() - save.started}
+        self.last = {"step": save.step, "blocking_s": save.blocking_s, "stage_s": save.stage_s,
+                     "total_s": time.perf_counter() - save.started}
         return step_dir
 
 

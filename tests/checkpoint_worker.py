@@ -15,6 +15,8 @@ Job keys (all optional but name):
   try_first             roots to load before `resume`; each error message is recorded
   saves                 [{step, root, sharding, keep_last, meta, background}] after that step;
                         background saves go through one CheckpointWriter, polled every step
+  compare_model_space_at  at this step compare our model-space optimizer state with megatron's
+                        (None at DP>1, where ours does not apply)
   nan_save_at           at this step first try a save with a NaN in one weight of the last
                         rank (must be refused on every rank, nothing written), then go on
   fail_save_at          at this step a background save into O/<name>_fail on which the last
@@ -188,7 +190,9 @@ def run_job(job, args, info, spec, out_dir):
         result["rng_after_load"] = gather(rng_fingerprints())
         first_step = extra["step"] + 1
 
-    writer, hold_until, held_root, held_dir = CheckpointWriter(), None, None, None
+    # as the scripts: staging memory reserved for both models (pinned on a GPU)
+    writer = CheckpointWriter(models=[(ddp_chunks, optimizer)] + ([critic[:2]] if critic is not None else []))
+    hold_until, held_root, held_dir = None, None, None
     for step in range(first_step, TOTAL_STEPS + 1):
         out = train_step(ddp_chunks, optimizer, scheduler, spec.vocab_size, critic)
         result["losses"][step], result["grad_norms"][step], result["lrs"][step] = out[:3]
@@ -202,6 +206,8 @@ def run_job(job, args, info, spec, out_dir):
                                              "step_dir_exists": os.path.exists(held_dir)}
             HELD.set()
         extra = {"step": step, "samples_seen": step * GLOBAL_BATCH}
+        if step == job.get("compare_model_space_at"):
+            result["model_space"] = compare_model_space(ddp_chunks, optimizer)
         if step == job.get("nan_save_at"):
             result["nan"] = nan_save(ddp_chunks, optimizer, scheduler, extra, out_dir / f"{job['name']}_nan", step)
         if step == job.get("fail_save_at"):
@@ -260,6 +266,39 @@ def hold_writers(frame, event, arg):
 def latest_of(root):
     path = os.path.join(root, "latest")
     return open(path).read().strip() if os.path.isfile(path) else None
+
+
+def compare_model_space(ddp_chunks, optimizer):
+    """common/training.model_space_optimizer_state against megatron's own fully_reshardable
+    sharded state dict of the same optimizer: entries, their metadata and values."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from common.checkpoint import model_sharded_state_dict
+    from common.training import model_space_optimizer_state
+
+    ours = model_space_optimizer_state(optimizer, model_sharded_state_dict(ddp_chunks))
+    theirs = optimizer.sharded_state_dict(model_sharded_state_dict(ddp_chunks), is_loading=False,
+                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    if ours is None:
+        return None
+
+    def entries(state):
+        return {entry.key: entry for index in sorted(state["param_state"])
+                for entry in nested_values(state["param_state"][index])}
+
+    def meta(entry):
+        return repr((type(entry).__name__, entry.data.dtype, tuple(entry.data.shape),
+                     *(getattr(entry, f, None) for f in ("dtype", "global_shape", "global_offset",
+                                                         "axis_fragmentations", "replica_id", "prepend_axis_num"))))
+
+    a, b = entries(ours), entries(theirs)
+    order = lambda state: [entry.key for index in sorted(state["param_state"])  # noqa: E731
+                           for entry in nested_values(state["param_state"][index])]
+    return {"entries": len(a), "same_keys_in_order": order(ours) == order(theirs),
+            "metadata_differs": [k for k in a if k in b and meta(a[k]) != meta(b[k])],
+            "values_differ": [k for k in a if k in b and not torch.equal(a[k].data.cpu(), b[k].data.cpu())],
+            "rest_equal": repr({k: v for k, v in ours.items() if k != "param_state"}) ==
+                          repr({k: v for k, v in theirs.items() if k != "param_state"})}
 
 
 def nan_save(ddp_chunks, optimizer, scheduler, extra, root, step):

@@ -84,12 +84,16 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     save_tiny_model_vocab256(str(tmp / "hf"))
     (tmp / "out").mkdir()
-    r = {name: tmp / name for name in ("root", "full3", "dp", "dpbg", "nd", "ndbg")}
+    r = {name: tmp / name for name in ("root", "full2", "fullbg", "full3", "dp", "dpbg", "nd", "ndbg")}
     (r["root"] / "step_000001.tmp").mkdir(parents=True)  # an interrupted save from an earlier run
     (r["root"] / "step_000001.tmp" / "__0_0.distcp").write_bytes(b"partial")
     jobs = [
-        {"name": "ref", "critic": True, "saves": [
+        {"name": "ref", "critic": True, "compare_model_space_at": 2, "saves": [
             *({"step": s, "root": r["root"], "meta": True} for s in (2, 3, 4)),
+            # any-layout state of one DP rank, without megatron's gather (model_space_optimizer_state),
+            # in the background while step 3 changes everything
+            {"step": 2, "root": r["full2"]},
+            {"step": 2, "root": r["fullbg"], "background": True, "hold_until": 3},
             {"step": 3, "root": r["full3"]},
             {"step": 3, "root": r["dp"], "sharding": "dp_reshardable"},
             # held (a slow disk) until step 4 has changed every parameter and Adam moment
@@ -127,7 +131,7 @@ def resharded(reference):
                 {"name": f"{layout}_plain", "dist_opt": False, "resume": r["nd"],
                  "saves": [{"step": 4, "root": tmp / f"{layout}_plain_4"}]}]
         if layout == "dp2":
-            jobs[0].update(nan_save_at=4, fail_save_at=4)
+            jobs[0].update(nan_save_at=4, fail_save_at=4, compare_model_space_at=4)
             jobs[0]["saves"].append({"step": 4, "root": tmp / "dp2_4bg", "background": True, "hold_until": 5})
             jobs.append({"name": "dp2_dpresh", "resume": r["dp"]})  # dp_reshardable at another DP: fine
         run_torchrun(WORKER, 2, *flags, *worker_args(tmp, jobs))
@@ -231,6 +235,20 @@ def test_background_save_equals_synchronous_save(reference, resharded, tmp_path)
         assert published == str(root / f"step_{step:06d}")
         assert (root / "latest").read_text().strip() == f"step_{step:06d}"
         assert_same_checkpoint(sync_root / f"step_{step:06d}", root / f"step_{step:06d}", tmp_path)
+
+
+def test_model_space_optimizer_state_equals_megatrons(reference, resharded, tmp_path):
+    """At one DP rank the any-layout optimizer state is built from views of the live state
+    (common/training.model_space_optimizer_state): entry for entry (order, keys, metadata,
+    values) what megatron's gather builds; at DP=2 megatron's own path is used. Its background
+    save (held until step 3 changed every tensor) is the synchronous one, file for file."""
+    assert reference["ref"]["model_space"] == {"entries": reference["ref"]["model_space"]["entries"],
+                                               "same_keys_in_order": True, "metadata_differs": [],
+                                               "values_differ": [], "rest_equal": True}
+    assert reference["ref"]["model_space"]["entries"] >= 3 * 10  # param, exp_avg, exp_avg_sq per param
+    assert resharded["dp2"]["model_space"] is None
+    assert (reference["fullbg"] / "latest").read_text().strip() == "step_000002"
+    assert_same_checkpoint(reference["full2"] / "step_000002", reference["fullbg"] / "step_000002", tmp_path)
 
 
 def test_nonfinite_weights_refused_before_writing(resharded):
