@@ -63,8 +63,10 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
     shift = int(np.random.randint(0, SEQ_LEN))  # numpy RNG
     tokens = torch.roll(tokens[order], shift, dims=1)
     dp_size, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    local = tokens.chunk(dp_size)[dp_rank]  # (GLOBAL_BATCH/dp, T)
-    positions = torch.arange(SEQ_LEN).unsqueeze(0)
+    # the model's device: CPU in CI; a GPU in tests/gpu/run_all.sh (NCCL, pinned staging)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    local = tokens.chunk(dp_size)[dp_rank].to(device)  # (GLOBAL_BATCH/dp, T)
+    positions = torch.arange(SEQ_LEN, device=device).unsqueeze(0)
 
     def forward_step(data_iterator, model):
         ids = next(data_iterator)  # on later pipeline stages only the labels are used

@@ -6,8 +6,8 @@
 #     bash tests/gpu/run_all.sh [quick]
 # One process per test (vLLM allows one engine per process);
 # with >= 2 GPUs the torchrun variants follow. `quick` skips the slower 2-GPU layouts;
-# `1gpu` runs only the one-GPU tests, `2gpu` only the torchrun variants (to split a run
-# across two device calls of at most 10 minutes).
+# `1gpu` runs the one-GPU tests but the exit test, `exit` only that one (~5 min), `2gpu` only
+# the torchrun variants (to split a run across device calls of at most 10 minutes).
 # Results (JSON per test and rank) go to $OUT when set; the exit code is the number of failures.
 set -u
 cd "$(dirname "$0")/../.."
@@ -28,19 +28,24 @@ run() {  # run NAME TIMEOUT_S COMMAND...
 }
 
 echo "GPUs: $NGPU"
-if [ "$MODE" != 2gpu ]; then
+if [ "$MODE" != 2gpu ] && [ "$MODE" != exit ]; then
 run "offload (1 GPU, DP=2 if 2)" 300 python -m pytest -q -s -p no:cacheprovider tests/test_offload.py
 run "sdpa 1 GPU"             300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_sdpa_gpu.py
 run "fused logprobs 1 GPU"   300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_logprobs_gpu.py
-# exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU), SIGTERM
-run "exit + signals"         420 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_exit_gpu.py
 # vLLM through torchrun even on one GPU: its __main__ ends with os._exit (an in-process
 # engine can hang interpreter shutdown, which pytest would wait for)
 run "vllm agreement 1 GPU"   400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_vllm_agreement.py
 fi
-if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ]; then
+if [ "$MODE" = all ] || [ "$MODE" = quick ] || [ "$MODE" = exit ]; then
+# exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU), SIGTERM
+run "exit + signals"         420 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_exit_gpu.py
+fi
+if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   TR="python -m torch.distributed.run --standalone --nproc_per_node 2"
   run "sdpa TP=2"                        300 $TR tests/gpu/test_sdpa_gpu.py --tp 2
+  # training checkpoints on NCCL: background saves staged through pinned host memory equal
+  # synchronous ones, resume at TP=2/PP=2/DP=2 (the CPU suite's test, here on GPUs)
+  run "training checkpoints (2 GPUs)"    400 python -m pytest -q -p no:cacheprovider tests/test_train_checkpoint.py
   run "vllm train TP=2, rollout TP=2"    400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 2
   if [ "$MODE" != quick ]; then
     run "vllm train TP=2, rollout TP=1 x2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 1
