@@ -86,6 +86,7 @@ class HostStaging:
 
     def __init__(self):
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._array = self.buffer.numpy()
         self.used = 0
         self.overflow_bytes = 0  # of the last stage(): copied outside the buffer
 
@@ -94,6 +95,7 @@ class HostStaging:
         if nbytes > self.buffer.numel():
             self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._array = self.buffer.numpy()  # the same memory, for slices with storages of their own
 
     @staticmethod
     def nbytes_for(tensors):
@@ -125,7 +127,11 @@ class HostStaging:
             self.overflow_bytes += nbytes
             return tensor.to("cpu", non_blocking=True)  # megatron's way (pinned by torch's cache)
         self.used = start + nbytes
-        host = self.buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+        # A tensor over exactly its bytes, not a view of the buffer: the writer serializes a
+        # tensor's whole storage (a view's is the buffer: torch.distributed.checkpoint failed with
+        # "unexpected pos" on a GPU). from_numpy makes a storage of the array slice's own size
+        # over the same (pinned) memory; the buffer outlives every save that uses it.
+        host = torch.from_numpy(self._array[start:start + nbytes]).view(tensor.dtype).view(tensor.shape)
         return host.copy_(tensor, non_blocking=True)
 
 

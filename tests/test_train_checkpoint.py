@@ -251,6 +251,29 @@ def test_model_space_optimizer_state_equals_megatrons(reference, resharded, tmp_
     assert_same_checkpoint(reference["full2"] / "step_000002", reference["fullbg"] / "step_000002", tmp_path)
 
 
+def test_host_staging_copies_own_exactly_their_bytes(tmp_path):
+    """A staged copy (a slice of HostStaging's one buffer) is a tensor of its own storage:
+    serialized, it writes its bytes, not the buffer's (a view did, and the GPU save failed);
+    values and dtypes survive; what does not fit is copied the plain way."""
+    import torch
+
+    from common.checkpoint_io import HostStaging
+
+    staging = HostStaging()
+    staging.reserve(HostStaging.nbytes_for([]) + 256)
+    a, b = torch.arange(10, dtype=torch.float32), torch.arange(6, dtype=torch.bfloat16).view(2, 3)
+    copies = [staging._copy(a), staging._copy(b), staging._copy(torch.ones(100))]  # 40 + 12 bytes fit, 400 not
+    assert [c.untyped_storage().nbytes() for c in copies] == [40, 12, 400]
+    assert staging.overflow_bytes == 400 and staging.used == 64 + 12  # aligned to 64 bytes
+    a += 1  # the live tensor moves on; the copy does not
+    torch.save(copies, tmp_path / "staged.pt")
+    torch.save([c.clone() for c in copies], tmp_path / "clones.pt")
+    assert os.path.getsize(tmp_path / "staged.pt") == os.path.getsize(tmp_path / "clones.pt")
+    loaded = torch.load(tmp_path / "staged.pt")
+    assert torch.equal(loaded[0], torch.arange(10, dtype=torch.float32)) and torch.equal(loaded[1], b)
+    assert loaded[1].dtype == torch.bfloat16 and loaded[1].shape == (2, 3)
+
+
 def test_nonfinite_weights_refused_before_writing(resharded):
     nan = resharded["dp2"]["nan"]
     assert nan["errors_agree"] and not nan["root_exists"]
