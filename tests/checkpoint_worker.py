@@ -117,7 +117,8 @@ def optimizer_step(ddp_chunks, optimizer, scheduler, forward_step, local):
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
     # only the last pipeline stage has losses: the sum over the PP group carries them to all
-    loss = torch.stack([entry["loss"] for entry in losses]).mean() if losses else torch.zeros(())
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    loss = torch.stack([entry["loss"] for entry in losses]).mean() if losses else torch.zeros((), device=device)
     dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
     dist.all_reduce(loss, group=mpu.get_data_parallel_group())
     return loss.item() / mpu.get_data_parallel_world_size(), float(grad_norm), lr
