@@ -42,7 +42,8 @@ def device_for_collectives():
 
 
 def check_finite(named_tensors, what):
-    """Raise RuntimeError on every rank if any rank's tensor has a NaN/inf. All ranks call this.
+    """Raise common.guard.NonFiniteError (a RuntimeError: the scripts end with one message and
+    exit code 3) on every rank if any rank's tensor has a NaN/inf. All ranks call this.
 
     named_tensors: (name, tensor) of this rank (local shards). One flag per tensor is computed
     on the tensors' device and read back once; only when something is wrong are names exchanged."""
@@ -60,7 +61,9 @@ def check_finite(named_tensors, what):
     dist.all_gather_object(per_rank, bad)
     listed = "; ".join(f"rank {rank}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                        for rank, names in enumerate(per_rank) if names)
-    raise RuntimeError(f"refusing to write {what}: non-finite values (NaN/inf) in {count.item()} tensor(s) "
+    from common.guard import NonFiniteError
+
+    raise NonFiniteError(f"refusing to write {what}: non-finite values (NaN/inf) in {count.item()} tensor(s) "
                        f"({listed}). Nothing was written; the run has diverged -- resume from an "
                        "earlier checkpoint (e.g. with a lower learning rate).")
 

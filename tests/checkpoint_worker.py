@@ -314,10 +314,17 @@ def nan_save(ddp_chunks, optimizer, scheduler, extra, root, step):
     if dist.get_rank() == dist.get_world_size() - 1:
         with torch.no_grad():
             weight[0, 0] = float("nan")
-    message, agree = error_of(save_training_checkpoint, str(root), step, ddp_chunks, optimizer, scheduler, extra)
+    from common.guard import NonFiniteError
+
+    try:  # NonFiniteError: the scripts' run_training ends with one line and exit code 3
+        save_training_checkpoint(str(root), step, ddp_chunks, optimizer, scheduler, extra)
+        message, kind = None, None
+    except RuntimeError as e:
+        message, kind = str(e), type(e).__name__ if isinstance(e, NonFiniteError) else f"not NonFiniteError: {e!r}"
     with torch.no_grad():
         weight.copy_(original)
-    return {"error": message, "errors_agree": agree, "root_exists": os.path.exists(root)}
+    return {"error": message, "errors_agree": len(set(gather(message))) == 1, "error_type": kind,
+            "root_exists": os.path.exists(root)}
 
 
 def failing_save(writer, ddp_chunks, optimizer, scheduler, extra, root, step):
