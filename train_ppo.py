@@ -18,7 +18,7 @@ Launch:
   1 CPU, no downloads (embedded tiny model, synthetic task):
       python train_ppo.py
   1 GPU:
-      python train_ppo.py --model /models/Qwen2-1.5B --data gsm8k.parquet
+      python train_ppo.py --model Qwen/Qwen2-1.5B --data openai/gsm8k --data-config main   # hub ids, or local paths
   8 GPUs (Megatron TP=4 x DP=2 for actor and critic; vLLM TP=2 x 4 replicas):
       torchrun --nproc_per_node 8 train_ppo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4 --rollout-tp 2
   Slurm, several nodes (same flags):
@@ -46,10 +46,12 @@ def build_parser():
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
                + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
     # --- model and data
-    p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer); default: the embedded tiny model")
+    p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer) or hub id ORG/NAME (downloaded to the HF cache on first use; HF_HUB_OFFLINE=1: the cache only); default: the embedded tiny model")
     p.add_argument("--mcore-ckpt", default=None, help="start the actor and reference from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
-    p.add_argument("--critic-model", default=None, help="HF causal-LM dir to initialise the critic's body from (a score.weight/score.bias value head in it is used too); default: --model")
-    p.add_argument("--data", default=None, help="prompts: .jsonl / .parquet / datasets dir with prompt+answer fields; default: the synthetic arithmetic task")
+    p.add_argument("--critic-model", default=None, help="HF causal-LM dir or hub id to initialise the critic's body from (a score.weight/score.bias value head in it is used too); default: --model")
+    p.add_argument("--data", default=None, help="prompts with prompt+answer fields: .jsonl / .parquet, a datasets dir, or a hub dataset ORG/NAME (e.g. openai/gsm8k --data-config main); default: the synthetic arithmetic task")
+    p.add_argument("--data-config", default=None, help="config of a --data dataset repository that has several (gsm8k: main or socratic)")
+    p.add_argument("--data-split", default="train", help="split of --data to train on")
     p.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
     p.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
     p.add_argument("--system-prompt", default=None, help="system message put before every prompt")
@@ -185,6 +187,7 @@ def main():
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
     items, prompt_ids = task_prompts(tokenizer, args.data, prompt_key=args.prompt_key, answer_key=args.answer_key,
+                                     data_config=args.data_config, data_split=args.data_split,
                                      raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
                                      max_prompt_len=args.max_prompt_len,
                                      max_positions=spec.max_position_embeddings, seed=args.seed)

@@ -23,23 +23,31 @@ ANSWER_KEYS = ("answer", "solution", "ground_truth", "reward_model.ground_truth"
 # -----------------------------------------------------------------------------
 # Loading prompt datasets
 
-def _read_rows(path):
-    """All rows of a dataset file or directory as a list of dicts."""
+SAVE_TO_DISK_FILES = ("dataset_dict.json", "state.json")  # what datasets' save_to_disk writes
+
+
+def _read_rows(path, config=None, split="train"):
+    """All rows of a dataset file or directory as a list of dicts. A directory is a `datasets`
+    save_to_disk directory, or a dataset repository's files (a hub snapshot, common/hub.py),
+    read by datasets.load_dataset with its config (the repository's README names them) and split."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt dataset {path!r} does not exist")
     if os.path.isdir(path):
         import datasets
 
-        try:
+        if any(os.path.isfile(os.path.join(path, name)) for name in SAVE_TO_DISK_FILES):
             ds = datasets.load_from_disk(path)
-        except FileNotFoundError as e:
-            raise ValueError(f"{path!r} is a directory but not a `datasets` save_to_disk directory "
-                             f"({e}); pass a .jsonl or .parquet file, or a save_to_disk dir") from None
+        else:
+            try:  # datasets' own messages name the configs / splits there are
+                ds = datasets.load_dataset(path, config, split=split)
+            except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+                message = " ".join(str(e).split())[:300]
+                raise ValueError(f"cannot read it with datasets.load_dataset (config {config!r} "
+                                 f"(--data-config), split {split!r} (--data-split)): {message}") from None
         if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise ValueError(f"{path!r} holds a DatasetDict without a 'train' split "
-                                 f"(splits: {sorted(ds)})")
-            ds = ds["train"]
+            if split not in ds:
+                raise ValueError(f"{path!r} has no split {split!r} (--data-split; splits: {sorted(ds)})")
+            ds = ds[split]
         return ds.to_list()
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
@@ -95,8 +103,9 @@ def _pick_key(row, key, candidates, what, flag):
                      f"{_field_names(row)}; choose one with {flag}")
 
 
-def load_prompts(path, prompt_key=None, answer_key=None):
-    """Rows of a prompt dataset as [dict(prompt=..., answer=str)].
+def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="train"):
+    """Rows of a prompt dataset as [dict(prompt=..., answer=str)] (config, split: of a dataset
+    directory, see _read_rows).
 
     The prompt is a string, or a list of chat messages ({"role", "content"}) kept as is for
     apply_chat_template. The answer is the raw reference (a GSM8K solution with '#### 42'
@@ -104,7 +113,7 @@ def load_prompts(path, prompt_key=None, answer_key=None):
     fields, e.g. answer_key='reward_model.ground_truth'; without them the first field found
     of PROMPT_KEYS / ANSWER_KEYS is used.
     """
-    rows = _read_rows(path)
+    rows = _read_rows(path, config, split)
     if not rows:
         raise ValueError(f"prompt dataset {path!r} is empty")
     if not isinstance(rows[0], dict):
@@ -152,8 +161,8 @@ def apply_chat_template(tokenizer, prompt, system_prompt=None):
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def task_prompts(tokenizer, data, *, prompt_key=None, answer_key=None, raw_prompts=False, system_prompt=None,
-                 max_prompt_len, max_positions, seed=0):
+def task_prompts(tokenizer, data, *, prompt_key=None, answer_key=None, data_config=None, data_split="train",
+                 raw_prompts=False, system_prompt=None, max_prompt_len, max_positions, seed=0):
     """(items, prompt token ids) of a training run: --data's rows (chat-formatted unless
     raw_prompts), or without data the embedded task (repeat the digit: "7=" -> "7"; not a
     chat). Prompts longer than max_prompt_len, or leaving no room for one new token within
@@ -163,7 +172,7 @@ def task_prompts(tokenizer, data, *, prompt_key=None, answer_key=None, raw_promp
 
     if data:
         try:
-            items = load_prompts(data, prompt_key, answer_key)
+            items = load_prompts(data, prompt_key, answer_key, config=data_config, split=data_split)
         except ValueError as e:
             raise UsageError(f"--data {data}: {e}") from None
     else:

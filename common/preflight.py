@@ -39,6 +39,7 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
     --out aside (after every check passed)."""
     try:
         _check_numbers(args, min_group)
+        critic_model = _resolve_hub_names(args, critic_model)
         spec = _check_model(args, critic_model)
         _check_layout(args, spec)
         _check_inputs(args)
@@ -86,6 +87,24 @@ def _check_numbers(args, min_group):
                          "normalised advantages of a group of one are all zero (nothing would be learned)")
     if args.resume and args.start_over:
         raise UsageError("--resume continues the run in --out, --start-over begins a new one there: pass one")
+
+
+def _resolve_hub_names(args, critic_model):
+    """--model / --critic-model / --data given as hub ids (ORG/NAME) -> their local snapshot
+    directories in the HuggingFace cache, downloaded on first use (common/hub.py); args now
+    hold the local paths (config.json records them). Returns the critic model's path."""
+    from common import hub
+
+    given = (args.model, args.data, critic_model)
+    args.model = hub.resolve(args.model, "--model")
+    args.data = hub.resolve(args.data, "--data", repo_type="dataset")
+    if critic_model is not None:
+        critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model")
+    if launcher_rank() == 0:
+        for flag, name, path in zip(("--model", "--data", "--critic-model"), given, (args.model, args.data, critic_model)):
+            if name != path:
+                print(f"{flag} {name}: {path}", flush=True)
+    return critic_model
 
 
 def _check_model(args, critic_model):

@@ -23,13 +23,14 @@ def run_torchrun(script, nproc, *args, timeout=600):
     return proc
 
 
-def run_script(script, *args, timeout=900):
-    """Run `python script args...` from the repo root on one CPU thread, wandb off; fails the
-    test with the output tail when it exits non-zero. Returns the CompletedProcess."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
+def run_script(script, *args, timeout=900, env=None, check=True):
+    """Run `python script args...` from the repo root on one CPU thread, wandb off (env: more
+    variables); with check, fails the test with the output tail when it exits non-zero.
+    Returns the CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled", **(env or {}))
     proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert proc.returncode == 0 or not check, (proc.stdout + proc.stderr)[-5000:]
     return proc
 
 

@@ -63,8 +63,9 @@ def test_datasets_dir_and_nested_chat_fields(tmp_path):
                           "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dict"))
     assert load_prompts(str(tmp_path / "dict"), prompt_key="prompt", answer_key="reward_model.ground_truth") == expected
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "no_train"))
-    with pytest.raises(ValueError, match="'train' split"):
+    with pytest.raises(ValueError, match=r"no split 'train' \(--data-split; splits: \['test'\]\)"):
         load_prompts(str(tmp_path / "no_train"))
+    assert load_prompts(str(tmp_path / "no_train"), split="test") == expected  # --data-split test
 
 
 def test_explicit_keys_and_non_string_answers(tmp_path):
@@ -97,7 +98,7 @@ def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="row 1"):
         load_prompts(path)
     (tmp_path / "not_a_dataset").mkdir()
-    with pytest.raises(ValueError, match="save_to_disk"):
+    with pytest.raises(ValueError, match="cannot read it with datasets.load_dataset"):  # nothing in it
         load_prompts(str(tmp_path / "not_a_dataset"))
 
 

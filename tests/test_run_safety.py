@@ -85,7 +85,7 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (["--prompts-per-step", "3", "--samples-per-prompt", "4", "--mini-batch-size", "12", "--micro-batch-size", "2"], 2,
          "multiple of the 2 rollout replicas"),
         (["--model", str(inputs / "model")], 1, "--max-new-tokens 1024 leaves no room"),
-        (["--model", str(inputs / "missing")], 1, "no such directory"),
+        (["--model", str(inputs / "missing")], 1, "no such file or directory"),
         (["--model", str(inputs / "no_tokenizer")], 1, "has no tokenizer"),
         (["--model", str(inputs / "no_weights")], 1, "has no *.safetensors weights"),
         (["--model", str(inputs / "no_config")], 1, "has no config.json"),
