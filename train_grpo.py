@@ -149,6 +149,7 @@ def main():
     from common.data import PromptSampler, task_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
+    from common.flops import step_throughput
     from common.guard import RunControl, check_finite
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
@@ -177,8 +178,7 @@ def main():
     items, prompt_ids = task_prompts(tokenizer, args.data, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                      data_config=args.data_config, data_split=args.data_split,
                                      raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
-                                     max_prompt_len=args.max_prompt_len,
-                                     max_positions=spec.max_position_embeddings, seed=args.seed)
+                                     max_prompt_len=args.max_prompt_len, max_positions=spec.max_position_embeddings, seed=args.seed)
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
     # ---- batch geometry (checked in common/preflight.py): rollout batch -> mini-batches
@@ -407,7 +407,8 @@ def main():
                         optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
-        metrics.update(times, **memory.metrics)
+        metrics.update(times, **memory.metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
+            spec, samples, times, forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs, world_size=info.world_size, device=info.device))
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")

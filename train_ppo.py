@@ -152,13 +152,13 @@ def main():
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from common import batch as B
-    from common import rl
+    from common import batch as B, rl
     from common.checkpoint import load_model_checkpoint
     from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, task_prompts
     from common.dist import destroy_distributed, init_distributed, print0
     from common.embedded import write_embedded_model
+    from common.flops import step_throughput
     from common.guard import RunControl, check_finite
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
@@ -189,8 +189,7 @@ def main():
     items, prompt_ids = task_prompts(tokenizer, args.data, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                      data_config=args.data_config, data_split=args.data_split,
                                      raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
-                                     max_prompt_len=args.max_prompt_len,
-                                     max_positions=spec.max_position_embeddings, seed=args.seed)
+                                     max_prompt_len=args.max_prompt_len, max_positions=spec.max_position_embeddings, seed=args.seed)
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
@@ -451,8 +450,7 @@ def main():
         metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
                        critic_grad_norm=sum(critic_grad_norms) / len(critic_grad_norms),
                        critic_lr=critic_optimizer.param_groups[0]["lr"], lr=optimizer.param_groups[0]["lr"],
-                       value_mean=rl.masked_mean(batch["old_values"], mask).item(),
-                       return_mean=rl.masked_mean(batch["returns"], mask).item(),
+                       value_mean=rl.masked_mean(batch["old_values"], mask).item(), return_mean=rl.masked_mean(batch["returns"], mask).item(),
                        response_len_mean=batch["response_len"].mean().item(),
                        truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
         explained = rl.explained_variance(batch["old_values"], batch["returns"], mask)
@@ -472,13 +470,13 @@ def main():
             tick = time.time()  # save_s: what the loop waits for (checks, planning, copies to host memory)
             writer.save(ckpt_root, step + 1, model, optimizer, scheduler,
                         extra={"step": step + 1, "sampler": sampler.state_dict()},
-                        keep_last=args.keep_checkpoints, extra_models=critic_state,
-                        hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
+                        keep_last=args.keep_checkpoints, extra_models=critic_state, hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
                         meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
                         optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
-        metrics.update(times, **memory.metrics)
+        metrics.update(times, **memory.metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
+            spec, samples, times, forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs, world_size=info.world_size, device=info.device))
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}")
@@ -491,8 +489,7 @@ def main():
     if start_step < args.steps:  # a resume of a finished run trains no step
         print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
     if use_vllm and engine is not None:
-        # vLLM 0.26's in-process engine can block interpreter exit (docs/gpu.md): leave once
-        # every rank is here; everything is written.
+        # vLLM 0.26's in-process engine can block interpreter exit (docs/gpu.md): all written, leave together
         dist.barrier()
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)

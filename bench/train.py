@@ -70,32 +70,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from harness import SHAPES, format_kernel_summary, max_over_ranks, timed  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
 
-# Dense (no sparsity) bf16 peak, TFLOP/s, from NVIDIA's data sheets; first match on the
-# device name wins, so the PCIe/NVL variants come before the SXM parts.
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0), ("H200", 989.0)]
-
-
-def forward_flops_per_token(spec, seq_len, causal):
-    """Model FLOPs of one forward pass, per token, for sequences of seq_len tokens.
-
-    2 FLOPs (multiply + add) per weight of every matmul: q/k/v, o, gate/up/down of each layer,
-    and the LM head (vocab x hidden; tied or not, the product is computed). Attention: QK^T and
-    (softmax)V each cost 2 * seq_len * heads * head_dim per token and layer over the full
-    T x T; causal=True counts the useful lower triangle only (half).
-    """
-    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    layer_weights = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * f  # qkv, o, gate+up+down
-    matmul_weights = spec.num_layers * layer_weights + spec.vocab_size * h
-    attention = 2 * 2 * spec.num_layers * seq_len * q_dim * (0.5 if causal else 1.0)
-    return 2 * matmul_weights + attention
-
-
-def default_peak_tflops(device_name):
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key in device_name:
-            return tflops
-    return None
+from common.flops import forward_flops_per_token, peak_tflops as default_peak_tflops  # noqa: E402  (one FLOP convention with the scripts' metrics)
 
 
 def build_parser():
