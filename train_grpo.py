@@ -110,6 +110,7 @@ def build_parser():
     p.add_argument("--save-any-layout", action=argparse.BooleanOptionalAction, default=True, help="write the distributed optimizer's state per parameter, so that the checkpoint resumes at any TP/PP/DP layout; --no-save-any-layout writes each DP rank's shard as it is: less blocking time and host memory, resumable at the same TP/PP only (any DP)")
     p.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"], default=None, help="continue the run in --out from its latest checkpoint (refused when there is none); --resume auto: continue if there is a checkpoint, else start over (launch/slurm.sh's requeue)")
     p.add_argument("--start-over", action="store_true", help="start a new run in a non-empty --out: its old contents are moved to <out>.old-<time>")
+    p.add_argument("--log-samples-every", type=int, default=10, help="every N steps print 3 decoded (prompt, response, reward) samples, append them to --out/samples.jsonl and wandb (0: off)")
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
     p.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
     p.add_argument("--run-name", default=None, help="wandb run name")
@@ -409,6 +410,7 @@ def main():
         times["step_s"] = time.time() - t0
         metrics.update(times, **memory.metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
             spec, samples, times, forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs, world_size=info.world_size, device=info.device))
+        logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0 prints
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")

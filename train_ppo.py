@@ -8,11 +8,11 @@ critic: the same transformer with a scalar head), then take PPO-clipped policy s
 clipped value-regression steps. Not GRPO (no groups needed, no group-normalised reward:
 that is train_grpo.py), no reward model (the reward is a rule), no LoRA.
 
-Every rank runs this same program (SPMD): it builds its shard of the actor, the critic and
-the frozen reference (Megatron-Core GPTModels, sharded alike by TP/PP) from the HF
-config.json, hosts a rollout engine, and each step does: weight sync -> rollout -> reward
--> old/ref logprobs and values -> token rewards -> GAE -> PPO epochs of actor and critic
-updates -> log -> checkpoint. The first --critic-warmup-steps steps train only the critic.
+Every rank runs this same program (SPMD): it builds its shard of the actor, the critic and the
+frozen reference (Megatron-Core GPTModels, sharded alike by TP/PP) from the HF config.json, hosts
+a rollout engine, and each step does: weight sync -> rollout -> reward -> old/ref logprobs and
+values -> token rewards -> GAE -> PPO epochs of actor and critic updates -> log -> checkpoint.
+The first --critic-warmup-steps steps train only the critic.
 
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic task):
@@ -117,6 +117,7 @@ def build_parser():
     p.add_argument("--save-any-layout", action=argparse.BooleanOptionalAction, default=True, help="write the distributed optimizer's state per parameter, so that the checkpoint resumes at any TP/PP/DP layout; --no-save-any-layout writes each DP rank's shard as it is: less blocking time and host memory, resumable at the same TP/PP only (any DP)")
     p.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"], default=None, help="continue the run in --out from its latest checkpoint (refused when there is none); --resume auto: continue if there is a checkpoint, else start over (launch/slurm.sh's requeue)")
     p.add_argument("--start-over", action="store_true", help="start a new run in a non-empty --out: its old contents are moved to <out>.old-<time>")
+    p.add_argument("--log-samples-every", type=int, default=10, help="every N steps print 3 decoded (prompt, response, reward) samples, append them to --out/samples.jsonl and wandb (0: off)")
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
     p.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
     p.add_argument("--run-name", default=None, help="wandb run name")
@@ -387,8 +388,7 @@ def main():
             if args.kl_mode == "reward":
                 token_rewards -= args.kl_coef * kl
         advantages, batch["returns"] = rl.gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
-        # whitened over the whole rollout batch: every rank holds all rows, so all agree exactly
-        batch["advantages"] = rl.masked_whiten(advantages, mask)
+        batch["advantages"] = rl.masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
 
         # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
         with timer("reload"):
@@ -477,6 +477,7 @@ def main():
         times["step_s"] = time.time() - t0
         metrics.update(times, **memory.metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
             spec, samples, times, forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs, world_size=info.world_size, device=info.device))
+        logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0 prints
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}")

@@ -384,6 +384,35 @@ class MetricsLogger:
         os.replace(tmp, os.path.join(self.out_dir, "curves.png"))
         return fig
 
+    def log_samples(self, step, tokenizer, samples, rewards, *, every, stride, count=3, width=300):
+        """Every `every` steps (0: never): `count` samples, one per prompt group (`stride` apart),
+        decoded: printed (rank 0, above the progress bar, prompt and response cut to `width`
+        characters), appended whole to samples.jsonl, and to wandb as a table."""
+        if not self.enabled or not every or step % every:
+            return
+        from tqdm import tqdm
+
+        rows = []
+        for i in range(0, len(samples), stride)[:count]:
+            prompt = tokenizer.decode(samples[i].prompt_ids)
+            response = tokenizer.decode(samples[i].response_ids, skip_special_tokens=True)
+            rows.append({"step": int(step), "prompt": prompt, "response": response, "reward": float(rewards[i])})
+
+        def cut(text, tail=False):  # one line; the end of a prompt (the question), the start of a response
+            text = text.replace("\n", " | ")
+            return text if len(text) <= width else ("..." + text[-width:] if tail else text[:width] + "...")
+
+        for row in rows:
+            tqdm.write(f"[step {step}] reward {row['reward']:.3f} | prompt: {cut(row['prompt'], tail=True)}\n"
+                       f"    response: {cut(row['response'])}")
+        with open(os.path.join(self.out_dir, "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        if self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                               step=int(step))
+
     def close(self):
         if not self.enabled:
             return

@@ -67,7 +67,7 @@ def _check_numbers(args, min_group):
     for name in ("vpp", "mini_batch_size"):
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
-    non_negative = ["save_every", "save_every_minutes", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
+    non_negative = ["save_every", "save_every_minutes", "log_samples_every", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
                     "kl_coef", "entropy_coef", "tis_cap", "dual_clip", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
                     "critic_lr", "critic_warmup_steps", "vf_clip"]
     for name in non_negative:

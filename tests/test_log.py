@@ -51,6 +51,31 @@ def test_jsonl_config_and_plot(tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
+def test_log_samples(tmp_path, capsys):
+    """Every `every` steps: one sample per prompt group (stride apart), decoded, printed on one
+    line each (prompt cut at its start, response at its end) and kept whole in samples.jsonl."""
+    import types
+
+    from common.embedded import write_embedded_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(write_embedded_model(str(tmp_path / "model")))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    samples = [types.SimpleNamespace(prompt_ids=encode(f"question {i}\nsay {i}="), response_ids=encode(f"{i}" * (1 + 40 * i)))
+               for i in range(4)]
+    logger = MetricsLogger(tmp_path / "out", {}, wandb_mode="disabled")
+    logger.log_samples(3, tokenizer, samples, [0.0, 0.5, 1.0, 0.25], every=2, stride=2)  # 3 % 2: not this step
+    assert not (tmp_path / "out" / "samples.jsonl").exists() and capsys.readouterr().out == ""
+    logger.log_samples(4, tokenizer, samples, [0.0, 0.5, 1.0, 0.25], every=2, stride=2, width=12)
+    assert read_jsonl(tmp_path / "out" / "samples.jsonl") == [
+        {"step": 4, "prompt": "question 0\nsay 0=", "response": "0", "reward": 0.0},
+        {"step": 4, "prompt": "question 2\nsay 2=", "response": "2" * 81, "reward": 1.0}]
+    assert capsys.readouterr().out.splitlines() == [
+        "[step 4] reward 0.000 | prompt: ...n 0 | say 0=", "    response: 0",
+        "[step 4] reward 1.000 | prompt: ...n 2 | say 2=", "    response: " + "2" * 12 + "..."]
+    logger.close()
+
+
 def test_disabled_rank_writes_nothing(tmp_path):
     logger = MetricsLogger(tmp_path / "out", {"a": 1}, wandb_mode="offline", project="p",
                            run_name=None, enabled=False)
