@@ -27,16 +27,14 @@ Launch:
 """
 import argparse
 import functools
-import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from common.cli import Parser, parse_with_defaults, run_training
+from common.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.preflight import check_training_run
 
 
@@ -52,6 +50,11 @@ def build_parser():
     p.add_argument("--data", default=None, help="prompts with prompt+answer fields: .jsonl / .parquet, a datasets dir, or a hub dataset ORG/NAME (e.g. openai/gsm8k --data-config main); default: the synthetic arithmetic task")
     p.add_argument("--data-config", default=None, help="config of a --data dataset repository that has several (gsm8k: main or socratic)")
     p.add_argument("--data-split", default="train", help="split of --data to train on")
+    p.add_argument("--eval-data", default=None, help="held-out prompts for validation, as --data (its --data-config); default: the embedded task's prompts without --data, else none")
+    p.add_argument("--eval-split", default="test", help="split of --eval-data")
+    p.add_argument("--eval-every", type=int, default=10, help="validate at step 0 (before any update), every N steps and at the last step, on the rollout engine (0: off)")
+    p.add_argument("--eval-samples", type=int, default=1, help="responses per held-out prompt: k of eval_pass@k and eval_maj@k")
+    p.add_argument("--eval-temperature", type=float, default=0.0, help="sampling temperature of validation (0: greedy, with --eval-samples 1)")
     p.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
     p.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
     p.add_argument("--system-prompt", default=None, help="system message put before every prompt")
@@ -157,14 +160,15 @@ def main():
     from common.checkpoint import load_model_checkpoint
     from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, task_prompts
-    from common.dist import destroy_distributed, init_distributed, print0
+    from common.dist import init_distributed, print0
     from common.embedded import write_embedded_model
     from common.flops import step_throughput
     from common.guard import RunControl, check_finite
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
-    from common.rewards import math_reward, synthetic_reward
+    from common.evaluate import Evaluator
+    from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
     from common.training import setup_training
@@ -187,10 +191,10 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
-    items, prompt_ids = task_prompts(tokenizer, args.data, prompt_key=args.prompt_key, answer_key=args.answer_key,
-                                     data_config=args.data_config, data_split=args.data_split,
-                                     raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
-                                     max_prompt_len=args.max_prompt_len, max_positions=spec.max_position_embeddings, seed=args.seed)
+    prompt_format = dict(prompt_key=args.prompt_key, answer_key=args.answer_key, data_config=args.data_config,
+                         raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
+                         max_prompt_len=args.max_prompt_len, max_positions=spec.max_position_embeddings)
+    items, prompt_ids = task_prompts(tokenizer, args.data, data_split=args.data_split, seed=args.seed, **prompt_format)
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
@@ -232,6 +236,13 @@ def main():
         use_vllm, hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed, device=info.device)
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
+    # validation on held-out prompts (common/evaluate.py): --eval-data, or the embedded task's own prompts
+    evaluator = Evaluator(tokenizer, *(task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
+                                       if args.eval_data or not args.data else ([], [])),
+                          samples=args.eval_samples, temperature=args.eval_temperature, max_tokens=args.max_new_tokens,
+                          every=args.eval_every, last_step=args.steps - 1, out_dir=args.out, seed=args.seed,
+                          reward_fn=math_reward if args.eval_data else reward_fn, answer_fn=final_answer if args.eval_data else synthetic_answer,
+                          replica=replica, num_replicas=num_replicas, first_of_replica=info.rank % rollout_tp == 0, master_process=info.master_process)
     # Memory choreography on a shared GPU (common/offload.py, as in train_grpo.py): the critic
     # idles from its update until the next values pass, the reference but for its logprob
     # pass, both Adam states but for the updates. No-ops for tensors already on the CPU.
@@ -289,7 +300,7 @@ def main():
     writer = CheckpointWriter(models=[(model, optimizer), (critic, critic_optimizer)])  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     for step in progress:
-        times, t0 = {}, time.time()
+        times, t0, eval_metrics = {}, time.time(), {}
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
         # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
@@ -320,6 +331,9 @@ def main():
                 local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
                                         top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica,
                                         logprob_samples={"all": None, "one-per-prompt": 1, "none": 0}[args.rollout_logprobs])
+            if evaluator.due(step):  # held-out validation with the weights this step samples with
+                with timer("eval"):
+                    eval_metrics = evaluator.run(engine, step)
             memory.end("rollout")
             with timer("sleep"):
                 engine.sleep()  # level 2: weights and KV cache freed, nothing copied
@@ -475,7 +489,7 @@ def main():
                         optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
-        metrics.update(times, **memory.metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
+        metrics.update(times, **memory.metrics, **eval_metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
             spec, samples, times, forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs, world_size=info.world_size, device=info.device))
         logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0 prints
         logger.log(step, metrics)
@@ -485,16 +499,8 @@ def main():
             print0(control.stop_message(step))
             break
 
-    writer.close()  # the last save written and published; megatron's helper process ended
-    logger.close()
-    if start_step < args.steps:  # a resume of a finished run trains no step
-        print0(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
-    if use_vllm and engine is not None:
-        # vLLM 0.26's in-process engine can block interpreter exit (docs/gpu.md): all written, leave together
-        dist.barrier()
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)
-    destroy_distributed()
+    # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/cli.py)
+    finish_training(writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None)
 
 
 if __name__ == "__main__":

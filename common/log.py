@@ -35,7 +35,8 @@ from common.dist import print0  # noqa: F401  (re-export: `from common.log impor
 
 # Curves drawn in curves.png, one panel each, when present in the logged metrics.
 MAIN_CURVES = ["reward_mean", "kl", "entropy", "policy_loss", "grad_norm", "response_len_mean",
-               "value_loss", "explained_variance"]  # the last two: train_ppo.py
+               "value_loss", "explained_variance",  # these two: train_ppo.py
+               "eval_accuracy"]  # validation (common/evaluate.py): only at its steps
 TOTAL_TIME_KEY = "step_s"   # the whole step: a line over the stacked phases, never stacked itself
 REPLACED_FILE = "metrics.replaced.jsonl"
 

@@ -67,7 +67,7 @@ def _check_numbers(args, min_group):
     for name in ("vpp", "mini_batch_size"):
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
-    non_negative = ["save_every", "save_every_minutes", "log_samples_every", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
+    non_negative = ["save_every", "save_every_minutes", "log_samples_every", "eval_every", "eval_temperature", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
                     "kl_coef", "entropy_coef", "tis_cap", "dual_clip", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
                     "critic_lr", "critic_warmup_steps", "vf_clip"]
     for name in non_negative:
@@ -85,6 +85,13 @@ def _check_numbers(args, min_group):
     if args.samples_per_prompt < min_group:
         raise UsageError(f"--samples-per-prompt must be >= {min_group}, not {args.samples_per_prompt}: group-"
                          "normalised advantages of a group of one are all zero (nothing would be learned)")
+    if args.eval_samples < 1:
+        raise UsageError(f"--eval-samples must be >= 1, not {args.eval_samples}")
+    if args.eval_temperature == 0 and args.eval_samples > 1:
+        raise UsageError(f"--eval-temperature 0 is greedy decoding: every sample is the same; pass --eval-samples 1 "
+                         f"(not {args.eval_samples}) or a temperature > 0 for pass@k / maj@k")
+    if args.eval_data is not None and args.load_rollouts:
+        raise UsageError("--eval-data needs the rollout engine, which --load-rollouts does without")
     if args.resume and args.start_over:
         raise UsageError("--resume continues the run in --out, --start-over begins a new one there: pass one")
 
@@ -98,6 +105,7 @@ def _resolve_hub_names(args, critic_model):
     given = (args.model, args.data, critic_model)
     args.model = hub.resolve(args.model, "--model")
     args.data = hub.resolve(args.data, "--data", repo_type="dataset")
+    args.eval_data = hub.resolve(args.eval_data, "--eval-data", repo_type="dataset")
     if critic_model is not None:
         critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model")
     if launcher_rank() == 0:
@@ -220,8 +228,9 @@ def _uses_vllm(args):
 
 
 def _check_inputs(args):
-    if args.data is not None and not os.path.exists(args.data):
-        raise UsageError(f"--data {args.data}: no such file or directory")
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{flag} {path}: no such file or directory")
     if args.load_rollouts is not None:
         last = os.path.join(args.load_rollouts, f"step_{args.steps - 1:06d}.pt")
         if not os.path.isfile(last):
@@ -233,7 +242,7 @@ def _check_inputs(args):
 
 def _check_out(args, critic_model):
     out = os.path.abspath(args.out)
-    for flag, path in (("--model", args.model), ("--mcore-ckpt", args.mcore_ckpt), ("--data", args.data),
+    for flag, path in (("--model", args.model), ("--mcore-ckpt", args.mcore_ckpt), ("--data", args.data), ("--eval-data", args.eval_data),
                        ("--critic-model", critic_model), ("--load-rollouts", args.load_rollouts)):
         if path is None:
             continue

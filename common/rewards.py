@@ -91,6 +91,12 @@ def extract_reference(answer):
     return ref or None
 
 
+def final_answer(response):
+    """The normalised final answer of a math response, or None (majority votes: common/evaluate.py)."""
+    answer = extract_answer(response)
+    return normalize(answer) if answer is not None else None
+
+
 # -----------------------------------------------------------------------------
 # Comparing two answers
 
@@ -178,6 +184,12 @@ def math_reward(response, answer, fallback_last_number=True, timeout_s=1):
 
 _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
 _CLEAN_END = re.compile(r"\s*(?:<\|[^|]*\|>.*)?", re.DOTALL)  # whitespace, then maybe a special token
+
+
+def synthetic_answer(response):
+    """The synthetic task's answer in a response: its leading number, or None."""
+    match = _LEADING_NUMBER.match(str(response))
+    return match.group(1) if match else None
 
 
 def synthetic_reward(response, answer, format_credit=0.1, require_end=False):

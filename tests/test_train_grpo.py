@@ -49,6 +49,12 @@ def test_embedded_default_learns(tmp_path):
     assert last >= first + 0.5
     assert os.path.isfile(tmp_path / "curves.png")
     assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000080"
+    # validation on the embedded task's 10 prompts (greedy): before any update, every 10 steps, the last
+    evals = {m["step"]: m["eval_accuracy"] for m in metrics(tmp_path) if "eval_accuracy" in m}
+    assert sorted(evals) == list(range(0, 80, 10)) + [79]
+    assert sorted(os.listdir(tmp_path / "eval")) == [f"step_{s:06d}.jsonl" for s in sorted(evals)]
+    print(f"eval accuracy {evals}")
+    assert evals[79] >= evals[0] + 0.5
 
 
 def test_resume_is_exact(tmp_path):
