@@ -71,11 +71,41 @@ def last_number(text):
     return numbers[-1].rstrip(",") if numbers else None
 
 
+# "The (final) answer is X", "Answer: X": the last such statement of a response
+# (mid-sentence only after "the"/"final", so "to answer: we add 3 and 4" is not one)
+_STATED = re.compile(r"(?:\b(?:final|the)\s+answer\s*(?:is\s*:?|:|=)|^[ \t*#>-]*(?:final\s+)?answer\s*\**\s*:)\s*",
+                     re.IGNORECASE | re.MULTILINE)
+
+
+def stated_answer(text):
+    """X of the last "the answer is X" / "final answer: X" / "Answer: X" of text, or None.
+
+    X is an inline-math span ($...$, \\(...\\)) when one follows, else the rest of the
+    sentence: up to a period that ends it ("42. We used 3 steps" -> "42"; "5.00." -> "5.00")
+    or the line's end, and a number's unit word dropped ("18 dollars" -> "18"). Markdown bold
+    is dropped."""
+    matches = list(_STATED.finditer(text))
+    if not matches:
+        return None
+    rest = text[matches[-1].end():].replace("**", "").lstrip()
+    for start, end in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if rest.startswith(start):
+            close = rest.find(end, len(start))
+            return rest[len(start):close].strip() or None if close > 0 else None
+    line = rest.split("\n")[0]
+    answer = re.match(r"(.*?)(?:\.(?=\s|$)|$)", line).group(1).strip().rstrip(",;:")
+    with_unit = re.match(r"([$€£¥₹]?-?\d[\d,]*(?:\.\d+)?)\s+[A-Za-z]", answer)  # "18 dollars" -> "18"
+    return (with_unit.group(1) if with_unit else answer) or None
+
+
 def extract_answer(response, fallback_last_number=True):
-    """The final answer of a model response: \\boxed{}, else '####', else (optionally) the last number."""
+    """The final answer of a model response: \\boxed{}, else '####', else a stated answer
+    ("the answer is X", "Answer: X"), else (optionally) the last number."""
     answer = last_boxed(response)
     if answer is None:
         answer = after_hashes(response)
+    if answer is None:
+        answer = stated_answer(response)
     if answer is None and fallback_last_number:
         answer = last_number(response)
     return answer
@@ -101,8 +131,9 @@ def final_answer(response):
 # Comparing two answers
 
 def normalize(answer):
-    """A canonical string: no whitespace or '$', no LaTeX spacing, no trailing '.', 1,000 -> 1000."""
-    s = re.sub(r"\\[,;:! ]|\\left|\\right|\$|\s", "", answer)
+    """A canonical string: no whitespace, '$' (escaped or not) or currency sign, no LaTeX
+    spacing, no trailing '.', 1,000 -> 1000."""
+    s = re.sub(r"\\\$|\\[,;:! ]|\\left|\\right|[$€£¥₹]|\s", "", answer)
     s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)  # thousands separators only: (1,2) stays
     s = s.rstrip(".")
     if s.startswith("\\text{") and s.endswith("}"):
