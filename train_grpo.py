@@ -342,10 +342,14 @@ def main():
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
         identity = torch.arange(num_rows)
         all_mine = [mb for m in range(rollout_batch // mini_batch) for mb in my_micro_batches(identity, m)]
+        # On-policy (one epoch, one mini-batch, no TIS): the old logprobs are the update's own forward
+        # (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B step)
+        on_policy = args.ppo_epochs == 1 and mini_batch == rollout_batch and args.tis_cap == 0
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
-        with timer("old_logprob"):
-            logprob_pass(model, all_mine, batch["old_logprobs"])
-        check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
+        if not on_policy:
+            with timer("old_logprob"):
+                logprob_pass(model, all_mine, batch["old_logprobs"])
+            check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:
             with timer("ref"):
@@ -376,7 +380,8 @@ def main():
                     mask = mb["mask"]
                     logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
                                                                    args.temperature, compute_entropy=True)
-                    per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
+                    old = logprobs.detach() if on_policy else mb["old_logprobs"]
+                    per_token, clipped = rl.policy_loss(logprobs, old, mb["advantages"], args.clip_low,
                                                         args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
                                                         sequence_mask=mask if args.gspo else None)
                     loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm)
@@ -388,9 +393,13 @@ def main():
                     n = mask.sum()
                     metrics = {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
                                "entropy": rl.masked_sum(entropy.detach(), mask), "entropy__n": n,
-                               "clip_frac": rl.masked_sum(clipped.float(), mask), "clip_frac__n": n}
+                               "clip_frac": rl.masked_sum(clipped.float(), mask), "clip_frac__n": n,
+                               "ppo_kl": rl.masked_sum(old - logprobs.detach(), mask), "ppo_kl__n": n}  # mean old - new
                     if reference is not None:
                         metrics.update(kl=rl.masked_sum(kl.detach(), mask), kl__n=n)
+                    if epoch == 0 and m == 0 and not on_policy:  # before any update: old = new but for rounding
+                        drift = (old - logprobs.detach()).abs()  # else the two passes disagree with each other
+                        metrics.update(first_update_logprob_err=rl.masked_sum(drift, mask), first_update_logprob_err__n=n)
                     if epoch == 0 and m == 0 and args.rollout_logprobs != "none":  # once, before any update
                         mismatch = (mb["rollout_logprobs"] - logprobs.detach()).abs()
                         has_lp = mb["rollout_mask"]  # the samples that brought the engine's logprobs

@@ -436,7 +436,8 @@ def main():
                     n = mb_mask.sum()
                     return loss * scale, {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
                                           "entropy": rl.masked_sum(entropy.detach(), mb_mask), "entropy__n": n,
-                                          "clip_frac": rl.masked_sum(clipped.float(), mb_mask), "clip_frac__n": n}
+                                          "clip_frac": rl.masked_sum(clipped.float(), mb_mask), "clip_frac__n": n,
+                                          "ppo_kl": rl.masked_sum(mb["old_logprobs"] - logprobs.detach(), mb_mask), "ppo_kl__n": n}
 
                 def critic_loss_fn(mb, values):  # values: (b, T, 1) from the value head
                     mb_mask = mb["mask"]

@@ -128,3 +128,19 @@ def test_resume_at_another_layout(layout, tmp_path):
     for a, b in zip(straight[2:], moved[2:]):
         for key in TRAIN_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
+
+
+def test_on_policy_skips_the_old_logprob_pass_and_passes_agree(tmp_path):
+    """One epoch, one mini-batch, no TIS: the old logprobs are the update's own forward, so the
+    separate pass is skipped (no old_logprob_s) and ppo_kl / clip_frac are exactly 0. With two
+    epochs the pass runs, and before the first update it agrees with the update's forward up to
+    float rounding (first_update_logprob_err): anything larger means the passes disagree."""
+    run(*SMALL, "--mini-batch-size", "32", "--steps", 2, "--out", tmp_path / "on")
+    run(*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2, "--out", tmp_path / "two")
+    for m in metrics(tmp_path / "on"):
+        assert "old_logprob_s" not in m and "first_update_logprob_err" not in m
+        assert m["ppo_kl"] == 0.0 and m["clip_frac"] == 0.0
+    for m in metrics(tmp_path / "two"):
+        assert "old_logprob_s" in m
+        assert m["first_update_logprob_err"] <= 1e-6, m["first_update_logprob_err"]
+        assert m["ppo_kl"] != 0.0  # the second epoch's updates move away from the old policy
