@@ -5,8 +5,8 @@ with a rule-based reward, use the group-normalised reward as every token's advan
 take PPO-clipped policy-gradient steps, optionally with a KL penalty to a frozen
 reference. No value function (that is train_ppo.py). Variants are flags:
   Dr.GRPO (Liu et al. 2025): --no-std-norm --loss-agg seq_mean_token_sum_norm --kl-coef 0
-  DAPO (Yu et al. 2025):     --clip-high 0.28 --loss-agg token_mean --kl-coef 0
-  (DAPO's dynamic sampling and overlong shaping are not implemented.)
+  DAPO (Yu et al. 2025):     --clip-high 0.28 --loss-agg token_mean --kl-coef 0 --dynamic-sampling
+                             --overlong-buffer N --mask-truncated (common/dapo.py)
   GSPO (Zheng et al. 2025):  --gspo --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean
   dual-clip PPO (Ye et al. 2020, verl's c = 3): --dual-clip 3
 
@@ -85,6 +85,11 @@ def build_parser():
     p.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
     p.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
     p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="loss aggregation (DAPO / GRPO / Dr.GRPO)")
+    p.add_argument("--dynamic-sampling", action="store_true", help="DAPO: drop prompt groups whose rewards are all equal and sample more prompts until the batch holds only groups with a signal")
+    p.add_argument("--max-sampling-rounds", type=int, default=3, help="--dynamic-sampling: at most this many extra rounds per step, then zero-signal groups fill the batch")
+    p.add_argument("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before --max-new-tokens, added to the reward (0: off)")
+    p.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="the penalty at --max-new-tokens (it grows linearly over --overlong-buffer)")
+    p.add_argument("--mask-truncated", action="store_true", help="DAPO's overlong filtering: responses cut at --max-new-tokens are left out of the loss")
     p.add_argument("--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
     p.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
@@ -147,8 +152,7 @@ def main():
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from common import batch as B
-    from common import rl
+    from common import batch as B, dapo, rl
     from common.checkpoint import load_model_checkpoint
     from common.data import PromptSampler, task_prompts
     from common.dist import init_distributed, print0
@@ -272,7 +276,7 @@ def main():
     writer = CheckpointWriter(models=[(model, optimizer)])  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     for step in progress:
-        times, t0, eval_metrics = {}, time.time(), {}
+        times, t0, side_metrics = {}, time.time(), {}  # side: validation, dynamic sampling
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
         # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
@@ -294,27 +298,37 @@ def main():
                 engine.wake_kv_cache()
             memory.end("sync")
 
-            # ---- 2. rollout: each replica samples G responses for its share of the prompts
-            with timer("rollout"):
-                mine = prompts_idx[replica::num_replicas]
-                local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
-                                        top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica,
-                                        logprob_samples={"all": None, "one-per-prompt": 1, "none": 0}[args.rollout_logprobs])
+            # ---- 2. rollout + 3. reward: each replica samples G responses for its share of the prompts;
+            # the ranks of one vLLM TP group hold the same samples (the first contributes), then all have all
+            def sample_round(prompts_idx, round_):
+                with timer("rollout"):
+                    mine = prompts_idx[replica::num_replicas]
+                    local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature, top_p=args.top_p,
+                                            max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_,
+                                            logprob_samples={"all": None, "one-per-prompt": 1, "none": 0}[args.rollout_logprobs])
+                    samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
+                answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+                with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
+                    rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                                            for s, a in zip(samples, answers)], dtype=torch.float32)
+                    if args.overlong_buffer:
+                        rewards += dapo.overlong_penalty([len(s.response_ids) for s in samples], args.max_new_tokens,
+                                                         args.overlong_buffer, args.overlong_penalty_factor)
+                return samples, rewards
+
+            samples, rewards = sample_round(prompts_idx, 0)
+            if args.dynamic_sampling:  # DAPO: only groups whose rewards differ, more prompts until the batch is full
+                samples, rewards, sampling = dapo.dynamic_sampling(samples, rewards, group, max_rounds=args.max_sampling_rounds,
+                                                                   more=lambda round_: sample_round(sampler.next_batch(), round_))
+                side_metrics.update(sampling)
             if evaluator.due(step):  # held-out validation with the weights this step samples with
                 with timer("eval"):
-                    eval_metrics = evaluator.run(engine, step)
+                    side_metrics.update(evaluator.run(engine, step))
             memory.end("rollout")
             with timer("sleep"):
                 engine.sleep()  # level 2: weights and KV cache freed, nothing copied
             with timer("reload"):
                 policy_off.reload()
-            with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
-                samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
-            # ---- 3. reward: rule-based, on the decoded response
-            with timer("reward"):
-                rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                                        for s, a in zip(samples, answers)], dtype=torch.float32)
         else:
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
@@ -326,6 +340,8 @@ def main():
         # ---- 4. advantages: group-normalised reward, the same for every token of a sample
         advantages = rl.group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)
         batch = B.pack_sequences(samples, pad_id, length_multiple=8 * args.tp)  # (N, T) tensors
+        if args.mask_truncated:  # DAPO's overlong filtering: a cut-off response says nothing of its answer
+            batch["mask"][torch.tensor([s.finish_reason == "length" for s in samples])] = 0.0
         batch["advantages"] = advantages[:, None] * batch["mask"]
         batch["row"] = torch.arange(len(samples))
         num_rows, seq_len = batch["tokens"].shape
@@ -431,7 +447,7 @@ def main():
                         optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
             times["save_s"] = time.time() - tick
         times["step_s"] = time.time() - t0
-        metrics.update(times, **memory.metrics, **eval_metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
+        metrics.update(times, **memory.metrics, **side_metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
             spec, samples, times, forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs, world_size=info.world_size, device=info.device))
         logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0 prints
         logger.log(step, metrics)

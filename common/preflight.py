@@ -67,7 +67,8 @@ def _check_numbers(args, min_group):
     for name in ("vpp", "mini_batch_size"):
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
-    non_negative = ["save_every", "save_every_minutes", "log_samples_every", "eval_every", "eval_temperature", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
+    non_negative = ["save_every", "save_every_minutes", "log_samples_every", "eval_every", "eval_temperature",
+                    "max_sampling_rounds", "overlong_buffer", "overlong_penalty_factor", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
                     "kl_coef", "entropy_coef", "tis_cap", "dual_clip", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
                     "critic_lr", "critic_warmup_steps", "vf_clip"]
     for name in non_negative:
@@ -85,6 +86,11 @@ def _check_numbers(args, min_group):
     if args.samples_per_prompt < min_group:
         raise UsageError(f"--samples-per-prompt must be >= {min_group}, not {args.samples_per_prompt}: group-"
                          "normalised advantages of a group of one are all zero (nothing would be learned)")
+    if a.get("overlong_buffer", 0) >= args.max_new_tokens:
+        raise UsageError(f"--overlong-buffer {args.overlong_buffer} must be below --max-new-tokens {args.max_new_tokens} "
+                         "(the penalty grows over the last N tokens before the limit; DAPO: 4096 of 20480)")
+    if a.get("dynamic_sampling") and args.load_rollouts:
+        raise UsageError("--dynamic-sampling samples more prompts on the rollout engine, which --load-rollouts does without")
     if args.eval_samples < 1:
         raise UsageError(f"--eval-samples must be >= 1, not {args.eval_samples}")
     if args.eval_temperature == 0 and args.eval_samples > 1:
