@@ -93,6 +93,11 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (["--data", str(inputs / "missing.jsonl")], 1, "no such file"),
         (["--load-rollouts", str(inputs)], 1, "has 0 saved steps"),
         (["--resume", "--start-over"], 1, "pass one"),
+        (["--eval-samples", "4"], 1, "--eval-temperature 0 is greedy decoding"),
+        (["--eval-data", str(inputs / "missing.jsonl")], 1, "--eval-data " + str(inputs / "missing.jsonl") + ": no such file"),
+        (["--overlong-buffer", "8", "--max-new-tokens", "8"], 1, "--overlong-buffer 8 must be below --max-new-tokens 8"),
+        (["--dynamic-sampling", "--load-rollouts", str(inputs)], 1, "--dynamic-sampling samples more prompts"),
+        (["--model", "Qwen2-7B"], 1, "did you mean Qwen/Qwen2-7B?"),
         (["--resume"], 1, "there is no checkpoint"),
     ]
     for argv, world, says in cases:
