@@ -162,12 +162,12 @@ def main():
     from common.data import PromptSampler, task_prompts
     from common.dist import init_distributed, print0
     from common.embedded import write_embedded_model
+    from common.evaluate import Evaluator
     from common.flops import step_throughput
     from common.guard import RunControl, check_finite
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
-    from common.evaluate import Evaluator
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
