@@ -85,6 +85,9 @@ def build_parser():
     p.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
     p.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
     p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="loss aggregation (DAPO / GRPO / Dr.GRPO)")
+    p.add_argument("--reward-model", default=None, help="HF *ForSequenceClassification reward model dir or hub id (frozen, sharded like the policy, its own tokenizer and chat template): reward = --rule-reward-weight x rule + --reward-model-weight x score")
+    p.add_argument("--reward-model-weight", type=float, default=1.0, help="weight of the reward model's score in the reward")
+    p.add_argument("--rule-reward-weight", type=float, default=1.0, help="weight of the rule-based reward (0: the reward model alone)")
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO: drop prompt groups whose rewards are all equal and sample more prompts until the batch holds only groups with a signal")
     p.add_argument("--max-sampling-rounds", type=int, default=3, help="--dynamic-sampling: at most this many extra rounds per step, then zero-signal groups fill the batch")
     p.add_argument("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before --max-new-tokens, added to the reward (0: off)")
@@ -163,6 +166,7 @@ def main():
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
+    from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
@@ -237,6 +241,12 @@ def main():
     reference_off = Offloader.of_model(reference) if reference is not None else None
     if reference_off and offload_params:
         reference_off.offload()  # needed only for its logprob pass
+    # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
+    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp,
+                                    dtype=dtype, micro_batch_size=args.micro_batch_size) if args.reward_model else None
+    rm_off = Offloader.of_model(reward_model.chunks) if reward_model is not None else None
+    if rm_off and offload_params:
+        rm_off.offload()
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -309,8 +319,8 @@ def main():
                     samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
                 answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
                 with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
-                    rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                                            for s, a in zip(samples, answers)], dtype=torch.float32)
+                    rewards = args.rule_reward_weight * torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                                                                      for s, a in zip(samples, answers)], dtype=torch.float32)
                     if args.overlong_buffer:
                         rewards += dapo.overlong_penalty([len(s.response_ids) for s in samples], args.max_new_tokens,
                                                          args.overlong_buffer, args.overlong_penalty_factor)
@@ -332,6 +342,17 @@ def main():
         else:
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
+        if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
+            with timer("reward_model"):
+                if rm_off and offload_params:
+                    rm_off.reload()
+                order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+                scores = reward_model.score([items[i]["prompt"] for i in order],
+                                            [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], info.device)
+                if rm_off and offload_params:
+                    rm_off.offload()
+            rewards = rewards + args.reward_model_weight * scores
+            side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         check_finite("rewards", rewards, step=step)
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)

@@ -89,6 +89,9 @@ def _check_numbers(args, min_group):
     if a.get("overlong_buffer", 0) >= args.max_new_tokens:
         raise UsageError(f"--overlong-buffer {args.overlong_buffer} must be below --max-new-tokens {args.max_new_tokens} "
                          "(the penalty grows over the last N tokens before the limit; DAPO: 4096 of 20480)")
+    if a.get("reward_model") and (args.load_rollouts or a.get("dynamic_sampling")):
+        raise UsageError("--reward-model scores fresh samples once the engine sleeps: not with --load-rollouts (their saved "
+                         "rewards already hold the scores) nor --dynamic-sampling (which decides while the engine is awake)")
     if a.get("dynamic_sampling") and args.load_rollouts:
         raise UsageError("--dynamic-sampling samples more prompts on the rollout engine, which --load-rollouts does without")
     if args.eval_samples < 1:
@@ -112,6 +115,9 @@ def _resolve_hub_names(args, critic_model):
     args.model = hub.resolve(args.model, "--model")
     args.data = hub.resolve(args.data, "--data", repo_type="dataset")
     args.eval_data = hub.resolve(args.eval_data, "--eval-data", repo_type="dataset")
+    if getattr(args, "reward_model", None):
+        args.reward_model = hub.resolve(args.reward_model, "--reward-model")
+        _check_reward_model(args.reward_model)
     if critic_model is not None:
         critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model")
     if launcher_rank() == 0:
@@ -119,6 +125,19 @@ def _resolve_hub_names(args, critic_model):
             if name != path:
                 print(f"{flag} {name}: {path}", flush=True)
     return critic_model
+
+
+def _check_reward_model(path):
+    from common.reward_model import reward_model_spec
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--reward-model {path} has no config.json: pass a HuggingFace reward model directory")
+    try:
+        reward_model_spec(path)
+    except (UnsupportedModelError, ValueError, KeyError) as e:
+        raise UsageError(f"--reward-model {path}: {e}") from None
+    if not set(os.listdir(path)) & set(TOKENIZER_FILES):
+        raise UsageError(f"--reward-model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
 def _check_model(args, critic_model):
@@ -249,7 +268,8 @@ def _check_inputs(args):
 def _check_out(args, critic_model):
     out = os.path.abspath(args.out)
     for flag, path in (("--model", args.model), ("--mcore-ckpt", args.mcore_ckpt), ("--data", args.data), ("--eval-data", args.eval_data),
-                       ("--critic-model", critic_model), ("--load-rollouts", args.load_rollouts)):
+                       ("--critic-model", critic_model), ("--load-rollouts", args.load_rollouts),
+                       ("--reward-model", getattr(args, "reward_model", None))):
         if path is None:
             continue
         path = os.path.abspath(path)

@@ -1,0 +1,106 @@
+"""A model-based reward: an HF `*ForSequenceClassification` reward model as a frozen Megatron model.
+
+    rm = RewardModel.load(rm_dir, tp=..., pp=..., dtype=...)   # sharded like the policy
+    scores = rm.score(prompts, responses, device=...)           # (N,) fp32, every rank; all ranks call
+
+The model is the critic's (common/critic.py): build_model's GPTModel body with a scalar head on
+the last pipeline stage, here holding the checkpoint's `score.weight` (num_labels = 1). Its score
+for a text is the head's output at the text's last token, as transformers' sequence classifiers
+take it at the last non-padding token. Text: the reward model's own tokenizer and chat template
+(a user turn with the prompt, an assistant turn with the response), so a reward model trained
+with another template than the policy's scores what it was trained on; without a template,
+prompt + response as plain text. tests/test_reward_model.py compares with transformers (fp32,
+TP=1 and TP=2).
+"""
+import json
+import os
+
+import torch
+
+from common import batch as B
+from common.bridge import ARCHITECTURES, UnsupportedModelError, parse_hf_config
+from common.critic import build_critic, load_critic_weights
+
+SUFFIX = "ForSequenceClassification"
+
+
+def reward_model_spec(rm_dir):
+    """The HFModelSpec of a reward model dir: a sequence classifier of a supported causal-LM
+    architecture with one label (a scalar score)."""
+    with open(os.path.join(rm_dir, "config.json")) as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    causal = [a.replace(SUFFIX, "ForCausalLM") for a in archs if a.endswith(SUFFIX)]
+    if len(archs) != 1 or not causal or causal[0] not in ARCHITECTURES:
+        supported = sorted(a.replace("ForCausalLM", SUFFIX) for a in ARCHITECTURES)
+        raise UnsupportedModelError(f"{rm_dir}: architectures {archs} is not a reward model the bridge supports "
+                                    f"(supported: {supported})")
+    if int(config.get("num_labels", len(config.get("id2label", {})) or 1)) != 1:
+        raise UnsupportedModelError(f"{rm_dir}: num_labels must be 1 (one scalar score), not {config.get('num_labels')}")
+    return parse_hf_config(dict(config, architectures=causal))
+
+
+class RewardModel:
+    def __init__(self, chunks, tokenizer, micro_batch_size=8):
+        self.chunks, self.tokenizer, self.micro_batch_size = chunks, tokenizer, micro_batch_size
+        for chunk in chunks:
+            chunk.eval().requires_grad_(False)
+
+    @classmethod
+    def load(cls, rm_dir, *, tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.float32, micro_batch_size=8):
+        from transformers import AutoTokenizer
+
+        spec = reward_model_spec(rm_dir)
+        chunks = build_critic(spec, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, dtype=dtype)
+        if load_critic_weights(chunks, spec, rm_dir) == 0 or not _has_score(rm_dir):
+            raise UnsupportedModelError(f"{rm_dir}: no score.weight (the reward head) in its safetensors")
+        return cls(chunks, AutoTokenizer.from_pretrained(rm_dir), micro_batch_size)
+
+    def token_ids(self, prompt, response):
+        """The reward model's tokens for one (prompt, response); prompt: a string or chat messages."""
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
+                                                      tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        plain = "".join(m["content"] for m in messages)
+        return self.tokenizer.encode(plain + response, add_special_tokens=True)
+
+    @torch.no_grad()
+    def score(self, prompts, responses, device):
+        """(N,) fp32 scores of the N (prompt, response) pairs, on every rank. All ranks call this
+        with the same pairs: each data-parallel rank runs its share (rows dp_rank::dp_size) through
+        the pipeline, TP rank 0 of the last stage writes them, a sum over all ranks shares them."""
+        from megatron.core import parallel_state as mpu
+
+        ids = [self.token_ids(p, r) for p, r in zip(prompts, responses)]
+        lengths = torch.tensor([len(t) for t in ids])
+        width = -(-int(lengths.max()) // 8) * 8
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)  # (N, T) right-padded
+        for i, t in enumerate(ids):
+            tokens[i, :len(t)] = torch.tensor(t)
+        positions = torch.arange(width).expand(len(ids), width)
+        batch = dict(tokens=tokens, positions=positions, row=torch.arange(len(ids)), last=lengths - 1,
+                     mask=(positions < lengths[:, None]).float())  # mask: how far each micro-batch is cut
+        mine = torch.arange(len(ids))[mpu.get_data_parallel_rank()::mpu.get_data_parallel_world_size()]
+        scores = torch.zeros(len(ids), device=device)
+        write = mpu.get_tensor_model_parallel_rank() == 0
+
+        def loss_fn(mb, values):  # values (b, T_mb, 1) on the last stage
+            picked = values[torch.arange(values.shape[0], device=values.device), mb["last"], 0]
+            if write:
+                scores[mb["row"]] = picked.float()
+            return picked.sum() * 0, {}
+
+        if len(mine):
+            mbs = B.micro_batches(batch, mine, self.micro_batch_size,
+                                  same_length=mpu.get_pipeline_model_parallel_world_size() > 1)
+            B.run_micro_batches(self.chunks, mbs, loss_fn, forward_only=True, device=device)
+        return B.all_reduce_sum(scores, None, device).cpu()
+
+
+def _has_score(rm_dir):
+    from common.model import HFCheckpointReader
+
+    return "score.weight" in HFCheckpointReader(rm_dir).names()
