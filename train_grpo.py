@@ -242,11 +242,8 @@ def main():
     if reference_off and offload_params:
         reference_off.offload()  # needed only for its logprob pass
     # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
-    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp,
-                                    dtype=dtype, micro_batch_size=args.micro_batch_size) if args.reward_model else None
-    rm_off = Offloader.of_model(reward_model.chunks) if reward_model is not None else None
-    if rm_off and offload_params:
-        rm_off.offload()
+    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype,
+                                    micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -344,13 +341,9 @@ def main():
             samples, rewards = saved["samples"], saved["rewards"]
         if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
             with timer("reward_model"):
-                if rm_off and offload_params:
-                    rm_off.reload()
                 order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
                 scores = reward_model.score([items[i]["prompt"] for i in order],
                                             [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], info.device)
-                if rm_off and offload_params:
-                    rm_off.offload()
             rewards = rewards + args.reward_model_weight * scores
             side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         check_finite("rewards", rewards, step=step)

@@ -89,6 +89,9 @@ def build_parser():
     # --- algorithm: losses
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
+    p.add_argument("--reward-model", default=None, help="HF *ForSequenceClassification reward model dir or hub id (frozen, sharded like the policy, its own tokenizer and chat template): reward = --rule-reward-weight x rule + --reward-model-weight x score")
+    p.add_argument("--reward-model-weight", type=float, default=1.0, help="weight of the reward model's score in the reward")
+    p.add_argument("--rule-reward-weight", type=float, default=1.0, help="weight of the rule-based reward (0: the reward model alone)")
     p.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
     p.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
     p.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
@@ -168,6 +171,7 @@ def main():
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
+    from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
@@ -253,6 +257,9 @@ def main():
     reference_off = Offloader.of_model(reference) if reference is not None else None
     if reference_off and offload_params:
         reference_off.offload()
+    # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
+    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype,
+                                    micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
 
     # ---- logging, resume (the critic is saved in the actor's step directory) -------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -300,7 +307,7 @@ def main():
     writer = CheckpointWriter(models=[(model, optimizer), (critic, critic_optimizer)])  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     for step in progress:
-        times, t0, eval_metrics = {}, time.time(), {}
+        times, t0, eval_metrics = {}, time.time(), {}  # eval_metrics: validation, reward model scores
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
         # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
@@ -341,11 +348,16 @@ def main():
                 actor_off.reload()
             with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
-            # ---- 3. reward: rule-based, on the decoded response
+            order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]  # item of each sample
+            # ---- 3. reward: rule-based, on the decoded response (+ a reward model's score)
             with timer("reward"):
-                rewards = torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                                        for s, a in zip(samples, answers)], dtype=torch.float32)
+                texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+                rewards = args.rule_reward_weight * torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
+            if reward_model is not None:
+                with timer("reward_model"):
+                    scores = reward_model.score([items[i]["prompt"] for i in order], texts, info.device)
+                rewards = rewards + args.reward_model_weight * scores
+                eval_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         else:
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]

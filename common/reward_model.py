@@ -1,7 +1,7 @@
 """A model-based reward: an HF `*ForSequenceClassification` reward model as a frozen Megatron model.
 
-    rm = RewardModel.load(rm_dir, tp=..., pp=..., dtype=...)   # sharded like the policy
-    scores = rm.score(prompts, responses, device=...)           # (N,) fp32, every rank; all ranks call
+    rm = RewardModel.load(rm_dir, tp=..., pp=..., dtype=..., offload=...)   # sharded like the policy
+    scores = rm.score(prompts, responses, device=...)   # (N,) fp32 on every rank; all ranks call it
 
 The model is the critic's (common/critic.py): build_model's GPTModel body with a scalar head on
 the last pipeline stage, here holding the checkpoint's `score.weight` (num_labels = 1). Its score
@@ -41,20 +41,28 @@ def reward_model_spec(rm_dir):
 
 
 class RewardModel:
-    def __init__(self, chunks, tokenizer, micro_batch_size=8):
+    def __init__(self, chunks, tokenizer, micro_batch_size=8, offload=False):
+        """offload: keep the weights in pinned host memory but while scoring (as the reference
+        model: common/offload.py), for a GPU shared with the rollout engine."""
+        from common.offload import Offloader
+
         self.chunks, self.tokenizer, self.micro_batch_size = chunks, tokenizer, micro_batch_size
         for chunk in chunks:
             chunk.eval().requires_grad_(False)
+        self.offloader = Offloader.of_model(chunks) if offload else None
+        if self.offloader is not None:
+            self.offloader.offload()
 
     @classmethod
-    def load(cls, rm_dir, *, tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.float32, micro_batch_size=8):
+    def load(cls, rm_dir, *, tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.float32, micro_batch_size=8,
+             offload=False):
         from transformers import AutoTokenizer
 
         spec = reward_model_spec(rm_dir)
         chunks = build_critic(spec, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, dtype=dtype)
         if load_critic_weights(chunks, spec, rm_dir) == 0 or not _has_score(rm_dir):
             raise UnsupportedModelError(f"{rm_dir}: no score.weight (the reward head) in its safetensors")
-        return cls(chunks, AutoTokenizer.from_pretrained(rm_dir), micro_batch_size)
+        return cls(chunks, AutoTokenizer.from_pretrained(rm_dir), micro_batch_size, offload)
 
     def token_ids(self, prompt, response):
         """The reward model's tokens for one (prompt, response); prompt: a string or chat messages."""
@@ -93,10 +101,14 @@ class RewardModel:
                 scores[mb["row"]] = picked.float()
             return picked.sum() * 0, {}
 
+        if self.offloader is not None:
+            self.offloader.reload()
         if len(mine):
             mbs = B.micro_batches(batch, mine, self.micro_batch_size,
                                   same_length=mpu.get_pipeline_model_parallel_world_size() > 1)
             B.run_micro_batches(self.chunks, mbs, loss_fn, forward_only=True, device=device)
+        if self.offloader is not None:
+            self.offloader.offload()
         return B.all_reduce_sum(scores, None, device).cpu()
 
 

@@ -67,3 +67,13 @@ def test_train_grpo_with_a_reward_model(rm_dir, tmp_path):
         assert m["reward_model_s"] > 0 and m["rm_score_std"] > 0
         rule_part = m["reward_mean"] - 2 * m["rm_score_mean"]
         assert 0 <= rule_part <= 0.5 + 1e-5
+
+
+def test_train_ppo_with_a_reward_model(rm_dir, tmp_path):
+    """The reward model alone (--rule-reward-weight 0): the logged reward is its mean score."""
+    run_script("train_ppo.py", "--prompts-per-step", 4, "--samples-per-prompt", 4, "--micro-batch-size", 4,
+               "--mini-batch-size", 16, "--max-new-tokens", 4, "--steps", 2, "--out", tmp_path,
+               "--reward-model", rm_dir, "--rule-reward-weight", 0)
+    for m in read_metrics(tmp_path):
+        assert m["reward_model_s"] > 0
+        assert m["reward_mean"] == pytest.approx(m["rm_score_mean"], abs=1e-5)
