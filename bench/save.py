@@ -10,8 +10,9 @@ process, saves alternate between megatron's way and ours, per optimizer layout o
             staged by megatron (tensor.to("cpu", non_blocking=True) per tensor)
   ours      common/training.model_space_optimizer_state (DP=1) and the pinned HostStaging
             reserved once by CheckpointWriter(models=...) (its seconds printed apart)
-and prints each save's blocking seconds (of which staging), the ratio ours/megatron of the
-medians, and the whole save (written + published).
+and prints each save's blocking seconds (of which staging), the ratio ours/megatron of each
+pair of saves and their median, and the whole save (written + published). megatron's first
+save pins its staging memory (torch's host cache), later ones reuse it: read the pairs.
 
 Runs train_grpo.py (a subprocess, output through a pipe) with a checkpoint at every step, once
 per optimizer layout on disk: --save-any-layout (the default: resumable at any TP/PP/DP) and
@@ -115,13 +116,15 @@ def direct(shape, steps, work):
                 writer.wait()
                 runs[name].append(dict(blocking_s=blocking, stage_s=stage, total_s=writer.last["total_s"]))
         train_checkpoint.model_space_optimizer_state = own_state
-        med = {name: statistics.median(r["blocking_s"] for r in rows) for name, rows in runs.items()}
-        result[sharding] = dict(runs, blocking_ratio_ours_vs_megatron=med["ours"] / med["megatron"])
+        # pair i: the i-th save of each way (taken back to back, the order alternating)
+        ratios = [o["blocking_s"] / m["blocking_s"] for o, m in zip(runs["ours"], runs["megatron"])]
+        result[sharding] = dict(runs, blocking_ratios_ours_vs_megatron=ratios,
+                                blocking_ratio_ours_vs_megatron=statistics.median(ratios))
         for name, rows in runs.items():
             seconds = {key: ", ".join(f"{r[key]:.2f}" for r in rows) for key in rows[0]}
             print(f"{sharding:17s} {name:8s} blocking {seconds['blocking_s']} s (staging {seconds['stage_s']}) "
                   f"| whole save {seconds['total_s']} s", flush=True)
-        print(f"{sharding:17s} blocking, median ours / megatron: {med['ours']:.2f} / {med['megatron']:.2f} s = "
+        print(f"{sharding:17s} blocking ours / megatron per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median "
               f"{result[sharding]['blocking_ratio_ours_vs_megatron']:.3f}", flush=True)
     ours.close(), theirs.close()
     print("BENCH_JSON " + json.dumps(result))
