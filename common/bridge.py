@@ -20,12 +20,16 @@ Layout facts that the kinds encode (checked against transformers in tests/test_b
   vocab    rows split over TP after padding the vocabulary to a multiple of
            128 * tp (padding rows are zero and trimmed again on export).
   replicated  norms: every rank holds the full tensor.
+Mixture-of-Experts families (the `experts` column of the table) add the rules of
+common/bridge_moe.py: routers, per-expert tensors, shared experts.
 """
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from common.bridge_moe import MoESpec, moe_config_fields, moe_hf_names, moe_hf_shape, moe_param_rule, parse_moe
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's default make-vocab-size-divisible-by
 
@@ -35,11 +39,15 @@ class UnsupportedModelError(ValueError):
 
 
 # The one table of supported architectures: what each needs beyond the Llama layout.
+# experts: the Mixture-of-Experts family (common/bridge_moe.py), None for dense models.
 ARCHITECTURES = {
-    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False, experts=None),
+    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts=None),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False, experts=None),
+    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None),
+    "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False, experts="qwen"),    # + shared expert, sigmoid gate
+    "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen"),
+    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="mixtral"),
 }
 
 # megatron-core hard-codes these llama3 rope-scaling constants
@@ -67,6 +75,7 @@ class HFModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoESpec | None = None  # Mixture-of-Experts layers (common/bridge_moe.py), None when dense
     hf_config: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -105,15 +114,15 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     for flag in ("attention_bias", "mlp_bias"):
         # Qwen2's q/k/v bias is part of the architecture (not this flag); a Llama with
         # o_proj/MLP biases would need megatron's add_bias_linear for every linear.
-        if cfg.get(flag) and not (arch == "Qwen2ForCausalLM" and flag == "attention_bias"):
+        if cfg.get(flag) and not (arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and flag == "attention_bias"):
             raise _unsupported(flag, cfg[flag], "false")
 
     # Sliding-window attention: megatron's local spec computes full causal attention.
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+    if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
         raise _unsupported("use_sliding_window", True, "false (full attention)")
     window = cfg.get("sliding_window")
     max_pos = int(cfg.get("max_position_embeddings", 4096))
-    if arch == "MistralForCausalLM" and window is not None and window < max_pos:
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") and window is not None and window < max_pos:
         raise UnsupportedModelError(
             f"config.json field 'sliding_window' = {window} is smaller than "
             f"max_position_embeddings = {max_pos}: this model uses sliding-window attention, "
@@ -138,6 +147,10 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
     if num_heads % num_kv_heads:
         raise _unsupported("num_key_value_heads", num_kv_heads, f"a divisor of num_attention_heads={num_heads}")
+    table = dict(ARCHITECTURES[arch])
+    experts = table.pop("experts")
+    if arch == "Qwen2MoeForCausalLM":
+        table["qkv_bias"] = bool(cfg.get("qkv_bias", True))
     return HFModelSpec(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -152,13 +165,23 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         rope_scaling_factor=scaling_factor,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        moe=parse_moe(cfg, arch) if experts else None,
         hf_config=cfg,
-        **ARCHITECTURES[arch],
+        **table,
     )
 
 
-def check_parallel_layout(spec: HFModelSpec, tp=1, pp=1, vpp=None):
+def check_parallel_layout(spec: HFModelSpec, tp=1, pp=1, vpp=None, ep=1, etp=1):
     """Clear errors for layouts the model's shapes cannot be split into."""
+    if spec.moe is None and ep * etp > 1:
+        raise ValueError(f"--ep/--etp need a Mixture-of-Experts model; {spec.architecture} is dense")
+    if spec.moe is not None:
+        if spec.moe.num_experts % ep:
+            raise ValueError(f"--ep {ep} must divide the number of experts ({spec.moe.num_experts})")
+        if spec.moe.ffn_hidden_size % etp:
+            raise ValueError(f"--etp {etp} must divide the experts' intermediate size ({spec.moe.ffn_hidden_size})")
+        if spec.moe.shared_expert_size % tp:
+            raise ValueError(f"--tp {tp} must divide shared_expert_intermediate_size={spec.moe.shared_expert_size}")
     if spec.num_kv_heads % tp:
         raise ValueError(
             f"--tp {tp} must divide num_key_value_heads={spec.num_kv_heads} "
@@ -176,10 +199,12 @@ def padded_vocab_size(vocab_size, tp):
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, sequence_parallel=False,
-                       params_dtype=torch.float32, use_cpu_initialization=False, **overrides):
+def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, sequence_parallel=False,
+                       params_dtype=torch.float32, use_cpu_initialization=False, moe_aux_loss_coef=None, **overrides):
     """megatron TransformerConfig equal to the HF architecture. `overrides` reach the
-    config unchanged (e.g. recompute_granularity); dropout is always 0 for RL."""
+    config unchanged (e.g. recompute_granularity); dropout is always 0 for RL.
+    MoE models: ep/etp are the expert (tensor) parallel sizes; moe_aux_loss_coef replaces the
+    HF config's router_aux_loss_coef (None: keep it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fused = torch.cuda.is_available()  # these fusions need CUDA kernels
@@ -217,6 +242,8 @@ def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, sequenc
         bias_dropout_fusion=fused,
         init_method_std=0.02,
     )
+    if spec.moe is not None:
+        kwargs.update(moe_config_fields(spec.moe, ep=ep, etp=etp, aux_loss_coef=moe_aux_loss_coef))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -266,6 +293,9 @@ def param_rule(mcore_name, spec: HFModelSpec):
     if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[3] in _LAYER_RULES:
         kind, suffixes = _LAYER_RULES[parts[3]]
         return kind, [f"model.layers.{parts[2]}.{s}" for s in suffixes]
+    rule = moe_param_rule(parts[3], parts[2], spec.moe) if len(parts) == 4 and spec.moe else None
+    if rule is not None:
+        return rule
     raise KeyError(f"no HF tensor maps to megatron parameter {mcore_name!r}")
 
 
@@ -274,14 +304,19 @@ def expected_hf_names(spec: HFModelSpec):
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight"]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
     if spec.qkv_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if spec.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names += [f"model.layers.{i}.{s}" for i in range(spec.num_layers) for s in per_layer]
+    dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    for i in range(spec.num_layers):
+        names += [f"model.layers.{i}.{s}" for s in per_layer]
+        if spec.moe is not None and spec.moe.moe_layers[i]:
+            names += moe_hf_names(i, spec.moe)
+        else:
+            names += [f"model.layers.{i}.{s}" for s in dense_mlp]
     return names
 
 
@@ -300,7 +335,10 @@ def expected_hf_shape(name, spec: HFModelSpec):
         "mlp.gate_proj.weight": (spec.ffn_hidden_size, h), "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
     }
-    return shapes[suffix]
+    shape = shapes.get(suffix) or (moe_hf_shape(suffix, h, spec.moe) if spec.moe is not None else None)
+    if shape is None:
+        raise KeyError(f"{name!r} is not a tensor of a {spec.architecture} checkpoint")
+    return shape
 
 
 def shard_from_hf(kind, hf_names, read, spec: HFModelSpec, tp_rank, tp_size):
@@ -317,8 +355,8 @@ def shard_from_hf(kind, hf_names, read, spec: HFModelSpec, tp_rank, tp_size):
     if kind == "column":
         rows = expected_hf_shape(hf_names[0], spec)[0] // tp_size
         return read(hf_names[0], row_slice=slice(tp_rank * rows, (tp_rank + 1) * rows))
-    if kind == "gate_up":
-        rows = spec.ffn_hidden_size // tp_size
+    if kind == "gate_up":  # a dense MLP, a routed expert (tp = expert TP) or a shared expert
+        rows = expected_hf_shape(hf_names[0], spec)[0] // tp_size
         part = slice(tp_rank * rows, (tp_rank + 1) * rows)
         return torch.cat([read(hf_names[0], row_slice=part), read(hf_names[1], row_slice=part)], dim=0)
     if kind == "vocab":

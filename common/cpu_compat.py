@@ -95,5 +95,53 @@ def apply():
 
     torch.Tensor.type = tensor_type
 
+    # 4. MoE's all-to-all token dispatcher (transformer/moe/token_dispatcher.py:445) creates a
+    #    torch.cuda.Stream and records events on it to overlap copies; on a CPU there is
+    #    nothing to overlap: streams and events that do nothing.
+    class _NullEvent:
+        def synchronize(self):
+            pass
+
+        def wait(self, *args, **kwargs):
+            pass
+
+    class _NullStream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, *args, **kwargs):
+            pass
+
+        def record_event(self, *args, **kwargs):
+            return _NullEvent()
+
+        def synchronize(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    torch.cuda.Stream = _NullStream
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: _NullStream()
+
+    # 5. The same dispatcher turns its split sizes into numpy through
+    #    maybe_move_tensor_to_cpu(as_numpy=True), which converts only CUDA tensors
+    #    (moe_utils.py:1078); a CPU tensor stays a tensor and all_to_all_single refuses it
+    #    (mappings.py:444). token_dispatcher.py imports the function by name.
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True

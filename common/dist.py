@@ -32,6 +32,7 @@ class DistInfo:
     vpp_size: int | None
     cp_size: int
     ep_size: int
+    etp_size: int
     dp_size: int
     tp_rank: int
     pp_rank: int
@@ -44,7 +45,7 @@ class DistInfo:
     def layout(self):
         """The parallel layout, for the run record (config.json)."""
         return dict(world_size=self.world_size, tp=self.tp_size, pp=self.pp_size, vpp=self.vpp_size,
-                    cp=self.cp_size, ep=self.ep_size, dp=self.dp_size, device=str(self.device))
+                    cp=self.cp_size, ep=self.ep_size, etp=self.etp_size, dp=self.dp_size, device=str(self.device))
 
 
 def _free_port():
@@ -73,10 +74,12 @@ def _launcher_env():
     return 0, 1, 0
 
 
-def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, seed=1234, timeout_minutes=60):
+def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout_minutes=60):
     """Initialise torch.distributed and megatron's parallel groups. All ranks call this.
 
-    The data-parallel size is what is left: world_size / (tp * pp * cp).
+    The data-parallel size is what is left: world_size / (tp * pp * cp). MoE layers fold
+    the same ranks differently (megatron's "parallel folding"): their experts are split
+    over ep * etp ranks of each pipeline stage, and expert-data-parallel is what is left.
     Returns a DistInfo with this rank's coordinates.
     """
     from megatron.core import parallel_state as mpu
@@ -117,6 +120,7 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, seed=1234, timeout_minute
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
     )
     set_seed(seed)
@@ -130,6 +134,7 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, seed=1234, timeout_minute
         vpp_size=vpp if vpp and vpp > 1 else None,
         cp_size=cp,
         ep_size=ep,
+        etp_size=etp,
         dp_size=mpu.get_data_parallel_world_size(),
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(),

@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from common.bridge_moe import expert_index, with_expert_index
 from common.bridge import (
     HFModelSpec,
     UnsupportedModelError,
@@ -57,8 +58,9 @@ class RMSNorm(torch.nn.RMSNorm):
             p.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(spec: HFModelSpec, attention=None):
-    """The megatron layer spec: RMSNorm, q/k norm for Qwen3, and the core attention.
+def layer_spec(spec: HFModelSpec, attention=None, moe=False):
+    """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, and with
+    moe=True an MoELayer (common/moe.py's Router and GroupedExperts) in place of the MLP.
 
     attention:
       "sdpa"  megatron's local spec with its core attention swapped for common/attention.py's
@@ -80,8 +82,16 @@ def layer_spec(spec: HFModelSpec, attention=None):
             import transformer_engine  # noqa: F401
         except ImportError as e:
             raise ImportError("attention='te' needs TransformerEngine; use 'sdpa' without it") from e
+        if spec.moe is not None:
+            raise ValueError("attention='te' is for dense models; MoE models use 'sdpa' or 'local'")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm,
+                                                     num_experts=spec.moe.num_experts if moe else None)
+    if moe:
+        from common.moe import GroupedExperts, Router
+
+        layer.submodules.mlp.submodules.router = Router
+        layer.submodules.mlp.submodules.experts.module = GroupedExperts
     # every norm of the layer (the final one: build_model) is RMSNorm above: SP works without TE/apex
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
     if spec.qk_norm:
@@ -130,30 +140,36 @@ def _gpt_model_class():
     return GPTModelLogitsView
 
 
-def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=False,
-                dtype=torch.float32, init_weights=False, attention=None, **config_overrides):
+def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, sequence_parallel=False,
+                dtype=torch.float32, init_weights=False, attention=None, moe_aux_loss_coef=None, **config_overrides):
     """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
 
     attention: "sdpa" (default) | "local" | "te", see layer_spec.
+    MoE models: ep / etp expert (tensor) parallel sizes, moe_aux_loss_coef (None: the HF config's).
 
     Weights are left uninitialised unless init_weights: they are loaded next.
     Only the last pipeline stage has an output layer (and so logits).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp)
+    check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     on_gpu = torch.cuda.is_available()
     config = transformer_config(
-        spec, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, params_dtype=dtype,
-        use_cpu_initialization=not on_gpu, perform_initialization=init_weights, **config_overrides)
+        spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sequence_parallel=sequence_parallel, params_dtype=dtype,
+        use_cpu_initialization=not on_gpu, perform_initialization=init_weights, moe_aux_loss_coef=moe_aux_loss_coef,
+        **config_overrides)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(vp_stage=vp_stage) if vpp else {}
         block = layer_spec(spec, attention)
         if attention != "te":  # a block spec, to choose the final norm too (megatron's default: WrappedTorchNorm)
+            first = get_transformer_layer_offset(config, vp_stage=vp_stage if vpp else None)
+            count = get_num_layers_to_build(config, vp_stage=vp_stage if vpp else None)
+            moe_block = layer_spec(spec, attention, moe=True) if spec.moe else None  # MoE layers (or all)
             block = TransformerBlockSubmodules(
-                layer_specs=[block] * get_num_layers_to_build(config, vp_stage=vp_stage if vpp else None),
+                layer_specs=[moe_block if spec.moe and spec.moe.moe_layers[first + i] else block for i in range(count)],
                 layer_norm=RMSNorm)
         model_kwargs = gpt_model_kwargs(spec, tp=tp)
         if (attention or "sdpa") == "sdpa":
@@ -210,15 +226,23 @@ def unwrap(module):
     return module
 
 
-def named_global_parameters(chunk):
+def named_global_parameters(chunk, global_experts=True):
     """Yield (global_name, param): local decoder layer indices replaced by global ones
-    (pipeline stages and virtual stages number their layers from 0)."""
+    (pipeline stages and virtual stages number their layers from 0), and with global_experts
+    local expert indices replaced by global ones (expert e = ep_rank * E/ep + j lives in
+    `local_experts.{j}` of EP rank ep_rank)."""
+    from megatron.core import parallel_state as mpu
+
     model = unwrap(chunk)
     layer_index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)}
+    ep_rank = mpu.get_expert_model_parallel_rank() if global_experts else 0
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
             _, _, local, rest = name.split(".", 3)
             name = f"decoder.layers.{layer_index[local]}.{rest}"
+            j = expert_index(name)
+            if j is not None and ep_rank:
+                name = with_expert_index(name, ep_rank * model.config.num_moe_experts // mpu.get_expert_model_parallel_world_size() + j)
         yield name, param
 
 
@@ -293,14 +317,18 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
 
     tp_rank = mpu.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     tp_size = mpu.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    # routed experts are split over the expert-TP group (of size etp), not the TP group
+    etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
     reader = HFCheckpointReader(hf_dir, spec)
     count = 0
     for chunk in chunks:
-        for name, param in named_global_parameters(chunk):
+        for name, param in named_global_parameters(chunk):  # this rank's experts only
             if name.startswith(tuple(skip_prefixes)):
                 continue
             kind, hf_names = param_rule(name, spec)
-            shard = shard_from_hf(kind, hf_names, reader.read, spec, tp_rank, tp_size)
+            expert = expert_index(name) is not None
+            shard = shard_from_hf(kind, hf_names, reader.read, spec, etp_rank if expert else tp_rank,
+                                  etp_size if expert else tp_size)
             if shard.shape != param.shape:  # a bridge bug, not a user error
                 raise RuntimeError(f"{name}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
             with torch.no_grad():
@@ -315,24 +343,26 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
 def _export_plan(chunks, spec, tp_size):
     """This rank's exported parameters, and the ordered plan of every PP stage's ones.
 
-    Each plan entry: (owner pp rank, global name, local shard shape). With tied embeddings
-    only the first stage's embedding is exported (the last stage's copy is the same)."""
+    Each plan entry: (owner pp rank, global name, local shard shape, is a routed expert).
+    Routed experts keep their local index j here (every EP rank has the same entries; the
+    export gathers them over EP). With tied embeddings only the first stage's embedding is
+    exported (the last stage's copy is the same)."""
     from megatron.core import parallel_state as mpu
 
     local = []
     for chunk in chunks:
-        for name, param in named_global_parameters(chunk):
+        for name, param in named_global_parameters(chunk, global_experts=False):
             if name == "output_layer.weight" and spec.tie_word_embeddings:
                 continue
             local.append((name, param))
     pp_size = mpu.get_pipeline_model_parallel_world_size()
-    mine = [(name, tuple(p.shape)) for name, p in local]
+    mine = [(name, tuple(p.shape), expert_index(name) is not None) for name, p in local]
     if pp_size > 1:
         per_stage = [None] * pp_size
         dist.all_gather_object(per_stage, mine, group=mpu.get_pipeline_model_parallel_group())
     else:
         per_stage = [mine]
-    plan = [(stage, name, shape) for stage, entries in enumerate(per_stage) for name, shape in entries]
+    plan = [(stage, *entry) for stage, entries in enumerate(per_stage) for entry in entries]
     return dict(local), plan
 
 
@@ -340,9 +370,10 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     """Yield (hf_name, full tensor in `dtype`) for every tensor of the HF checkpoint.
 
     All ranks call this and must consume the generator to the end (it runs collectives):
-    TP shards are all-gathered in flat buckets of <= bucket_mb of full tensors, then the
-    owning PP stage broadcasts each bucket to the other stages, so every rank receives
-    every tensor. Peak extra memory ~ 2 buckets, never the whole model.
+    TP shards are all-gathered in flat buckets of <= bucket_mb of full tensors (routed
+    experts: over the expert-TP group, then over the EP group, so every rank holds every
+    expert), then the owning PP stage broadcasts each bucket to the other stages, so every
+    rank receives every tensor. Peak extra memory ~ 2 buckets, never the whole model.
     Yielded tensors may be views into a bucket buffer: copy them to keep them.
     """
     from megatron.core import parallel_state as mpu
@@ -350,16 +381,24 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     tp_size = mpu.get_tensor_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     pp_size = mpu.get_pipeline_model_parallel_world_size()
-    tp_group, pp_group = mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group()
+    ep_size, etp_size = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size()
+    pp_group = mpu.get_pipeline_model_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     local, plan = _export_plan(chunks, spec, tp_size)
+    num_local_experts = spec.moe.num_experts // ep_size if spec.moe else 0
 
-    # Consecutive entries of one owner stage, up to bucket_mb of full (gathered) bytes.
+    def layout(expert):  # (copies over EP, shards per copy, the shards' group)
+        if expert:
+            return ep_size, etp_size, mpu.get_expert_tensor_parallel_group()
+        return 1, tp_size, mpu.get_tensor_model_parallel_group()
+
+    # Consecutive entries of one owner stage and kind, up to bucket_mb of full (gathered) bytes.
     limit = bucket_mb * 2**20 // dtype.itemsize
     buckets, current, current_numel = [], [], 0
     for entry in plan:
-        numel = torch.Size(entry[2]).numel() * tp_size
-        if current and (entry[0] != current[0][0] or current_numel + numel > limit):
+        copies, width, _ = layout(entry[3])
+        numel = torch.Size(entry[2]).numel() * copies * width
+        if current and (entry[0] != current[0][0] or entry[3] != current[0][3] or current_numel + numel > limit):
             buckets.append(current)
             current, current_numel = [], 0
         current.append(entry)
@@ -368,23 +407,30 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
         buckets.append(current)
 
     for bucket in buckets:
-        owner = bucket[0][0]
-        local_numel = sum(torch.Size(shape).numel() for _, _, shape in bucket)
-        gathered = torch.empty(tp_size, local_numel, dtype=dtype, device=device)  # (tp, bucket/tp)
+        owner, expert = bucket[0][0], bucket[0][3]
+        copies, width, shard_group = layout(expert)
+        local_numel = sum(torch.Size(shape).numel() for _, _, shape, _ in bucket)
+        gathered = torch.empty(copies, width, local_numel, dtype=dtype, device=device)  # (ep, tp, bucket/tp)
         if pp_rank == owner:
-            flat = torch.cat([local[name].detach().reshape(-1).to(dtype) for _, name, _ in bucket])
-            if tp_size > 1:
-                dist.all_gather_into_tensor(gathered.view(-1), flat, group=tp_group)
+            flat = torch.cat([local[name].detach().reshape(-1).to(dtype) for _, name, _, _ in bucket])
+            shards = gathered[0] if copies == 1 else torch.empty(width, local_numel, dtype=dtype, device=device)
+            if width > 1:
+                dist.all_gather_into_tensor(shards.view(-1), flat, group=shard_group)
             else:
-                gathered[0].copy_(flat)
-            del flat
+                shards[0].copy_(flat)
+            if copies > 1:  # every EP rank's experts: (ep, etp, n)
+                dist.all_gather_into_tensor(gathered.view(-1), shards.view(-1), group=mpu.get_expert_model_parallel_group())
+            del flat, shards
         if pp_size > 1:
             dist.broadcast(gathered, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-        offset = 0
-        for _, name, shape in bucket:
-            numel = torch.Size(shape).numel()
-            shards = [gathered[r, offset:offset + numel].view(shape) for r in range(tp_size)]
-            offset += numel
-            kind, hf_names = param_rule(name, spec)
-            yield from hf_from_shards(kind, hf_names, shards, spec)
+        for copy in range(copies):
+            offset = 0
+            for _, name, shape, _ in bucket:
+                numel = torch.Size(shape).numel()
+                shards = [gathered[copy, r, offset:offset + numel].view(shape) for r in range(width)]
+                offset += numel
+                if expert:  # local expert j of EP rank `copy`
+                    name = with_expert_index(name, copy * num_local_experts + expert_index(name))
+                kind, hf_names = param_rule(name, spec)
+                yield from hf_from_shards(kind, hf_names, shards, spec)
         del gathered

@@ -57,3 +57,15 @@ def tiny_models_dir(tmp_path_factory):
     for name in ARCH_CONFIGS:
         save_tiny_hf_model(name, str(root / name), max_shard_size="20KB" if name == "qwen3" else None)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models_dir(tmp_path_factory):
+    """The Mixture-of-Experts tiny HF models of tests/tiny_models.py (MOE_CONFIGS), saved once
+    per session in the hub's per-expert layout."""
+    from tests.tiny_models import MOE_CONFIGS, save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny_moe_models")
+    for name in MOE_CONFIGS:
+        save_tiny_hf_model(name, str(root / name))
+    return root

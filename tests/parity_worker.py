@@ -5,8 +5,9 @@
 For every tiny HF model in --models-dir: build the megatron model at the given layout,
 load the HF weights sharded, run a forward pass through megatron's pipeline schedule, gather
 the vocab-parallel logits and compare with transformers (fp32). Then export every tensor
-back and compare bit-for-bit with the safetensors file. Two deliberately wrong mappings
-(k/v swapped; at TP>1 fc1 cut as a plain chunk of [gate; up]) must NOT match.
+back and compare bit-for-bit with the safetensors file. Deliberately wrong mappings
+(k/v swapped; at TP>1 fc1 cut as a plain chunk of [gate; up]; for MoE models two experts
+of a layer exchanged) must NOT match. --ep/--etp: expert (tensor) parallel sizes.
 """
 import argparse
 import json
@@ -62,6 +63,8 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -70,9 +73,10 @@ def main():
 
     from common import bridge
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
+    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, named_global_parameters
 
-    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp)
     seq_len = 24
     ids = torch.randint(0, 300, (2, seq_len), generator=torch.Generator().manual_seed(7))
     results = {}
@@ -81,7 +85,7 @@ def main():
         spec = load_hf_spec(hf_dir)
 
         def logits_with(hf_dir=hf_dir, spec=spec):
-            chunks = build_model(spec, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp)
+            chunks = build_model(spec, **layout)
             load_hf_weights(chunks, spec, hf_dir)
             for c in chunks:
                 c.eval()
@@ -124,6 +128,19 @@ def main():
             model_module.shard_from_hf = naive
             row["control_naive_fc1"] = (logits_with()[1] - reference).abs().max().item()
             model_module.shard_from_hf = original
+        # negative control 3 (MoE): experts 0 and 1 of the first MoE layer of every rank exchanged
+        if spec.moe is not None:
+            chunks, _ = logits_with()
+            params = dict(named_global_parameters(chunks[0], global_experts=False))
+            first = next((n for n in params if ".local_experts.0.linear_fc1" in n), None)
+            if first is not None:
+                with torch.no_grad():
+                    for suffix in ("linear_fc1.weight", "linear_fc2.weight"):
+                        a, b = (params[first.replace("0.linear_fc1.weight", f"{j}.{suffix}")] for j in (0, 1))
+                        tmp = a.clone(); a.copy_(b); b.copy_(tmp)
+            with torch.no_grad():
+                swapped = forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
+            row["control_experts_swapped"] = (swapped - reference).abs().max().item()
         rows = [None] * info.world_size
         dist.all_gather_object(rows, row)
         results[name] = rows

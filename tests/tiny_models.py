@@ -36,11 +36,28 @@ ARCH_CONFIGS = {
                                             sliding_window=None, tie_word_embeddings=False)),
 }
 
+# Mixture-of-Experts (tests/test_moe.py): 8 experts, top-2, 4 layers with dense layers mixed in
+_MOE_COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
+                   tie_word_embeddings=False, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    # Qwen3-MoE: q/k norm, renormalised top-k, layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(_MOE_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                               norm_topk_prob=True, mlp_only_layers=[1])),
+    # Qwen2-MoE: qkv bias, shared expert + sigmoid gate, top-k not renormalised, MoE every 2nd layer
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(_MOE_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                               shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                               decoder_sparse_step=2)),
+    # Mixtral: every layer MoE, experts named block_sparse_moe.experts.{e}.w1/w2/w3 on disk
+    "mixtral": ("MixtralForCausalLM", dict(_MOE_COMMON, intermediate_size=32, num_local_experts=8, sliding_window=None,
+                                            rope_theta=1e6)),
+}
+
 
 def make_tiny_hf_model(name, seed=0):
     import transformers
 
-    arch, kwargs = ARCH_CONFIGS[name]
+    arch, kwargs = {**ARCH_CONFIGS, **MOE_CONFIGS}[name]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_cls(**kwargs)
     config.architectures = [arch]
@@ -50,6 +67,8 @@ def make_tiny_hf_model(name, seed=0):
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name in MOE_CONFIGS and ("gate" in pname or "experts" in pname):
+                p.copy_(torch.randn_like(p) * 0.05)  # transformers 5 starts routers at zero: make them route
     return model
 
 
