@@ -45,6 +45,7 @@ def build_parser():
                + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
     # --- model and data
     p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer) or hub id ORG/NAME (downloaded to the HF cache on first use; HF_HUB_OFFLINE=1: the cache only); default: the embedded tiny model")
+    p.add_argument("--embedded-model", choices=["dense", "moe"], default="dense", help="without --model: the tiny dense Qwen2, or the same body with a Qwen3-MoE MLP (8 experts, top-2) in every layer")
     p.add_argument("--mcore-ckpt", default=None, help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
     p.add_argument("--data", default=None, help="prompts with prompt+answer fields: .jsonl / .parquet, a datasets dir, or a hub dataset ORG/NAME (e.g. openai/gsm8k --data-config main); default: the synthetic arithmetic task")
     p.add_argument("--data-config", default=None, help="config of a --data dataset repository that has several (gsm8k: main or socratic)")
@@ -63,7 +64,9 @@ def build_parser():
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1; MoE models with --tp > 1 need it)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models): each pipeline stage's ranks split the experts over ep ranks, tokens go to them by all-to-all")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models): each expert's weights split over etp ranks")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     # --- rollout
@@ -96,6 +99,7 @@ def build_parser():
     p.add_argument("--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
     p.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
+    p.add_argument("--moe-aux-loss-coef", type=float, default=None, help="MoE load-balancing loss coefficient (megatron's aux loss per MoE layer, added to the loss; 0: off); default: the model config's router_aux_loss_coef")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
@@ -155,11 +159,11 @@ def main():
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from common import batch as B, dapo, rl
+    from common import batch as B, dapo, moe, rl
     from common.checkpoint import load_model_checkpoint
     from common.data import PromptSampler, task_prompts
     from common.dist import init_distributed, print0
-    from common.embedded import write_embedded_model
+    from common.embedded import MOE_OVERRIDES, write_embedded_model
     from common.evaluate import Evaluator
     from common.flops import step_throughput
     from common.guard import RunControl, check_finite
@@ -173,16 +177,17 @@ def main():
     from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
-    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=args.seed)
+    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
-    print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size} on {info.device}, {dtype}")
+    print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
+           + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "") + f" on {info.device}, {dtype}")
     os.makedirs(args.out, exist_ok=True)
 
     # ---- model source, tokenizer, prompts --------------------------------------------
     hf_dir = args.model or os.path.join(args.out, "embedded_model")
     if args.model is None and info.master_process:
-        write_embedded_model(hf_dir)  # a tiny HF model dir made in code (needs a shared --out across nodes)
+        write_embedded_model(hf_dir, **(MOE_OVERRIDES if args.embedded_model == "moe" else {}))  # made in code (needs a shared --out across nodes)
     dist.barrier()
     spec = load_hf_spec(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -202,8 +207,12 @@ def main():
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
+    # the model's parallel layout (the critic's and reference's too); MoE: experts over ep x etp
+    layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
+                  moe_aux_loss_coef=args.moe_aux_loss_coef)
+
     def load_model():
-        chunks = build_model(spec, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype)
+        chunks = build_model(spec, dtype=dtype, **layout)
         if args.mcore_ckpt:
             load_model_checkpoint(args.mcore_ckpt, chunks)
         else:
@@ -445,6 +454,8 @@ def main():
 
         # ---- 7. log (every rank joins the metric reduction), then checkpoint
         metrics = B.reduce_metrics(train_metrics, info.device)
+        if spec.moe:  # expert load (max/mean routed tokens per layer) and the aux loss of the updates
+            metrics.update(moe.step_metrics(model, spec, info.device))
         metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
                        grad_norm=sum(grad_norms) / len(grad_norms), lr=optimizer.param_groups[0]["lr"],
                        response_len_mean=batch["response_len"].mean().item(),

@@ -51,15 +51,14 @@ class ValueHead(torch.nn.Module):
         return values, None  # (S, B, 1) fp32
 
 
-def build_critic(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.float32,
-                 attention=None):
+def build_critic(spec: HFModelSpec, *, dtype=torch.float32, **layout):
     """The critic's chunks: build_model's GPTModel, sharded the same way as the policy, with
     the last pipeline stage's output layer replaced by a ValueHead. Its embeddings are untied
     whatever config.json says: the head must not share a matrix with the embedding (and
     with PP > 1 no embedding gradient is exchanged between the first and last stages).
+    layout: build_model's keywords (tp, pp, vpp, ep, etp, sequence_parallel, attention, ...).
     Weights are uninitialised: load_critic_weights next."""
-    chunks = build_model(dataclasses.replace(spec, tie_word_embeddings=False), tp=tp, pp=pp, vpp=vpp,
-                         sequence_parallel=sequence_parallel, dtype=dtype, attention=attention)
+    chunks = build_model(dataclasses.replace(spec, tie_word_embeddings=False), dtype=dtype, **layout)
     for chunk in chunks:
         if chunk.post_process:  # only the last pipeline stage has an output layer
             device = next(chunk.parameters()).device

@@ -66,6 +66,11 @@ DEFAULT_CONFIG = dict(
     pad_token_id=ENDOFTEXT_ID,
 )
 
+# The embedded Mixture-of-Experts model (`--embedded-model moe`): the same tiny body with a
+# Qwen3-MoE MLP in every layer, 8 experts of which each token uses 2 (renormalised top-2).
+MOE_OVERRIDES = dict(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=64, norm_topk_prob=True, head_dim=16)
+
 MARKER = "embedded.json"  # what we wrote (seed + config): makes rewriting idempotent
 FORMAT_VERSION = 1
 
@@ -99,14 +104,21 @@ def build_tokenizer():
 
 
 def build_model(config_kwargs, seed):
-    """A random-init Qwen2ForCausalLM; the global torch RNG is left untouched."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random-init Qwen2ForCausalLM (or config_kwargs["architecture"]); the global torch RNG
+    is left untouched."""
+    import transformers
 
-    config = Qwen2Config(**config_kwargs)
-    config.architectures = ["Qwen2ForCausalLM"]
+    config_kwargs = dict(config_kwargs)
+    arch = config_kwargs.pop("architecture", "Qwen2ForCausalLM")
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**config_kwargs)
+    config.architectures = [arch]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).float().eval()
+        model = getattr(transformers, arch)(config).float().eval()
+        with torch.no_grad():  # transformers 5 starts MoE routers at zero (every expert tied): give them a direction
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, config.initializer_range)
     return model
 
 

@@ -16,15 +16,20 @@ TRAINER_PHASES = ("old_logprob_s", "ref_s", "values_s", "train_s")
 def forward_flops_per_token(spec, seq_len, causal=True):
     """Model FLOPs of one forward pass, per token, for sequences of seq_len tokens.
 
-    2 FLOPs (multiply + add) per weight of every matmul: q/k/v, o, gate/up/down of each layer,
-    and the LM head (vocab x hidden; tied or not, the product is computed). Attention: QK^T and
+    2 FLOPs (multiply + add) per weight of every matmul: q/k/v, o, gate/up/down of each layer
+    (MoE layers: the router, top-k experts and the shared expert, the active weights), and the LM head (vocab x hidden; tied or not, the product is computed). Attention: QK^T and
     (softmax)V each cost 2 * seq_len * heads * head_dim per token and layer over the full
     T x T; causal=True counts the useful lower triangle only (half), as Megatron-LM and NeMo do.
     """
     q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, f = spec.hidden_size, spec.ffn_hidden_size
-    layer_weights = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * f  # qkv, o, gate+up+down
-    matmul_weights = spec.num_layers * layer_weights + spec.vocab_size * h
+    attention_weights = h * (q_dim + 2 * kv_dim) + q_dim * h  # qkv, o
+    mlps = [3 * h * f] * spec.num_layers  # gate+up+down
+    if spec.moe is not None:  # MoE layers count their active weights: router, top-k experts, shared expert
+        moe = spec.moe
+        active = h * moe.num_experts + moe.topk * 3 * h * moe.ffn_hidden_size + 3 * h * moe.shared_expert_size
+        mlps = [active if is_moe else dense for is_moe, dense in zip(moe.moe_layers, mlps)]
+    matmul_weights = spec.num_layers * attention_weights + sum(mlps) + spec.vocab_size * h
     attention = 2 * 2 * spec.num_layers * seq_len * q_dim * (0.5 if causal else 1.0)
     return 2 * matmul_weights + attention
 

@@ -6,7 +6,7 @@ is used as it is; its layer spec takes two modules of ours:
                   `te_general_gemm`, a name its moe_utils.py defines only when TE imports,
                   so without TE (GPU or CPU) the first MoE forward dies with a NameError.
                   It also counts the tokens routed to each expert during updates, for
-                  the expert-load metrics (expert_load_metrics).
+                  the expert-load metrics (step_metrics).
   GroupedExperts  megatron's SequentialMLP (same parameters, names and checkpoint layout:
                   `experts.local_experts.{j}.linear_fc1/fc2`) whose forward on a GPU runs all
                   local experts in two grouped GEMMs (torch._grouped_mm) instead of a Python
@@ -24,6 +24,7 @@ class Router(TopKRouter):
     """TopKRouter with a TE-free gating and a per-expert token count (see the module docstring)."""
 
     tokens_per_expert = None  # (E,) float32, summed over the update passes since the last read
+    passes = 0                # update (grad-enabled) forward passes since the last read
 
     def gating(self, input):
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
@@ -35,6 +36,7 @@ class Router(TopKRouter):
         if torch.is_grad_enabled():  # the update's passes, not the logprob passes
             counts = routing_map.sum(0, dtype=torch.float32).detach()
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+            self.passes += 1
         return probs, routing_map
 
 
@@ -84,38 +86,48 @@ def routers(chunks):
     return found
 
 
-def expert_load_metrics(chunks, num_layers, num_experts, device):
-    """Expert-load summary of the tokens routed during the update passes since the last call.
+def step_metrics(chunks, spec, device, prefix="", aux=True):
+    """The MoE metrics of the update passes since the last call; all ranks call this (its all-reduces).
 
-    All ranks call this (one all-reduce over the world). Per MoE layer, load = max over
-    experts of the routed tokens / their mean (1.0 = perfectly balanced, E / topk = one
-    expert takes every token). Returns {moe_load_max, moe_load_mean}: the worst and the
-    average layer. Counts include padding positions of the micro-batches.
+      moe_load_max / moe_load_mean  per MoE layer, max over experts of the routed tokens / their
+                                    mean (1.0 = balanced, E/topk = one expert takes every
+                                    token): the worst layer, and the mean over layers. Counts
+                                    include the padding positions of the micro-batches.
+      moe_aux_loss                  megatron's load-balancing loss without its coefficient,
+                                    summed over MoE layers, per micro-batch (what
+                                    --moe-aux-loss-coef multiplies); when the aux loss is on and
+                                    aux (megatron tracks one value per layer for all models: PPO's
+                                    actor and critic steps would mix)
+    prefix: put before each name (the critic's: "critic_").
     """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.moe import moe_utils
+
+    num_layers, num_experts = spec.num_layers, spec.moe.num_experts
     counts = torch.zeros(num_layers, num_experts, device=device)  # (L, E), this rank's layers filled
+    passes = torch.zeros(1, device=device)
     for layer, router in routers(chunks):
         if router.tokens_per_expert is not None:
             counts[layer] += router.tokens_per_expert.to(device)
-            router.tokens_per_expert = None
+            passes = torch.maximum(passes, torch.full_like(passes, router.passes))
+        router.tokens_per_expert, router.passes = None, 0
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    aux_loss = tracker["values"].to(device).float().clone() if tracker else torch.zeros(num_layers, device=device)
+    if tracker:
+        moe_utils.clear_aux_losses_tracker()
+    flat = torch.cat([counts.flatten(), aux_loss])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts)  # DP ranks add their tokens; TP/CP copies scale every expert alike
+        # sums: DP ranks add their tokens and losses, PP stages their layers, SP ranks their
+        # partial losses; TP copies of the counts scale every expert alike
+        dist.all_reduce(flat)
+        dist.all_reduce(passes, op=dist.ReduceOp.MAX)  # the same on every rank with an MoE layer
+    counts, aux_loss = flat[:-num_layers].view(num_layers, num_experts), flat[-num_layers:]
     used = counts.sum(1) > 0
     if not used.any():
         return {}
     load = counts[used].max(1).values / counts[used].mean(1)
-    return {"moe_load_max": load.max().item(), "moe_load_mean": load.mean().item()}
-
-
-def aux_loss_metric(num_micro_batches):
-    """The load-balancing loss (without its coefficient) summed over MoE layers and averaged over
-    the update's micro-batches, as megatron tracked it since the last call; all ranks call this
-    (its reductions). {} when the aux loss is off."""
-    from megatron.core.transformer.moe import moe_utils
-
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    if "load_balancing_loss" not in tracker:
-        return {}
-    moe_utils.reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
-    value = tracker["load_balancing_loss"]["values"].sum().item() / max(num_micro_batches, 1)
-    moe_utils.clear_aux_losses_tracker()
-    return {"moe_aux_loss": value}
+    metrics = {f"{prefix}moe_load_max": load.max().item(), f"{prefix}moe_load_mean": load.mean().item()}
+    if aux and (tracker or aux_loss.any()):
+        # megatron's logged value: summed over layers, averaged over DP ranks and micro-batches
+        metrics[f"{prefix}moe_aux_loss"] = (aux_loss.sum() / mpu.get_data_parallel_world_size() / passes.clamp(min=1)).item()
+    return metrics

@@ -59,7 +59,7 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
 
 def _check_numbers(args, min_group):
     a = vars(args)
-    positive = ["tp", "pp", "rollout_tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps",
+    positive = ["tp", "pp", "ep", "etp", "rollout_tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps",
                 "micro_batch_size", "ppo_epochs", "keep_checkpoints", "sync_bucket_mb", "max_prompt_len"]
     for name in positive:
         if a[name] < 1:
@@ -143,10 +143,13 @@ def _check_reward_model(path):
 def _check_model(args, critic_model):
     """The HFModelSpec of --model (the embedded model's without it), after checking the dir."""
     if args.model is None:
-        from common.embedded import DEFAULT_CONFIG
+        from common.embedded import DEFAULT_CONFIG, MOE_OVERRIDES
 
-        spec = parse_hf_config(dict(DEFAULT_CONFIG, architectures=["Qwen2ForCausalLM"]))
+        config = dict(DEFAULT_CONFIG, **(MOE_OVERRIDES if args.embedded_model == "moe" else {}))
+        spec = parse_hf_config(dict(config, architectures=[config.pop("architecture", "Qwen2ForCausalLM")]))
     else:
+        if args.embedded_model != "dense":
+            raise UsageError("--embedded-model chooses the model used without --model: give one or the other")
         spec = _check_model_dir(args.model, "--model", need_weights=args.mcore_ckpt is None, need_tokenizer=True)
     if critic_model is not None:
         critic = _check_model_dir(critic_model, "--critic-model", need_weights=True, need_tokenizer=False)
@@ -213,8 +216,14 @@ def _check_layout(args, spec):
                          "start a multiple of tp*pp processes")
     if args.vpp is not None and args.pp == 1:
         raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
+    ep, etp = getattr(args, "ep", 1), getattr(args, "etp", 1)
+    if (world // args.pp) % (ep * etp):  # MoE layers fold each stage's ranks into etp x ep x expert-dp
+        raise UsageError(f"world size {world} / --pp {args.pp} is not divisible by --ep {ep} x --etp {etp}: "
+                         "each pipeline stage's ranks must split into expert-parallel groups")
+    if spec.moe is not None and args.tp > 1 and not args.sp:
+        raise UsageError(f"Mixture-of-Experts layers with --tp {args.tp} need sequence parallelism: add --sp")
     try:
-        check_parallel_layout(spec, tp=args.tp, pp=args.pp, vpp=args.vpp)
+        check_parallel_layout(spec, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, etp=etp)
     except ValueError as e:
         raise UsageError(str(e)) from None
     dp = world // model_parallel

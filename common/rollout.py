@@ -23,6 +23,7 @@ Logprob semantics (the trainer must recompute the same quantity, see rl.py):
     return the renormalised nucleus logprob, so pick the matching mode there.)
   - temperature == 0 means greedy (argmax); the logprob is then log_softmax(logits) (T = 1).
 """
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -193,7 +194,7 @@ class HFEngine(RolloutEngine):
         params = dict(self.model.named_parameters())   # tied lm_head is deduplicated away
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         errors, seen = [], set()
-        for name, tensor in named_tensors:              # consume everything before raising
+        for name, tensor in _fused_experts(named_tensors, params):  # consume everything before raising
             if name == "lm_head.weight" and tied and name not in params:
                 name = "model.embed_tokens.weight"      # same storage; copy is harmless
                 if name in seen:
@@ -211,3 +212,36 @@ class HFEngine(RolloutEngine):
             errors.append(f"{len(missing)} weights not updated, e.g. {missing[:5]}")
         if errors:
             raise ValueError("HFEngine.update_weights: " + "; ".join(errors[:10]))
+
+
+# checkpoint name of one expert's projection: model.layers.L.<block>.experts.E.<proj>.weight
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_GATE_UP = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+
+
+def _fused_experts(named_tensors, params):
+    """(name, tensor) pairs in the checkpoint's per-expert layout -> transformers 5's in-memory
+    MoE layout, where a layer's experts are two fused parameters: `mlp.experts.gate_up_proj`
+    (E, 2F, H), rows [gate; up], and `mlp.experts.down_proj` (E, H, F) (Mixtral's router too is
+    `mlp.gate`, not `block_sparse_moe.gate`). Each expert's tensor
+    is copied into its slice as it comes; the fused parameter is reported once, after its last
+    expert. Other names pass through."""
+    counts = {}
+    for name, tensor in named_tensors:
+        match = _EXPERT_NAME.fullmatch(name)
+        fused = match and f"model.layers.{match[1]}.mlp.experts.{'down_proj' if match[3] in ('down_proj', 'w2') else 'gate_up_proj'}"
+        if not match or fused not in params:  # transformers 5 calls Mixtral's block `mlp` in memory too
+            yield (name.replace(".block_sparse_moe.", ".mlp.") if name not in params else name), tensor
+            continue
+        target = params[fused][int(match[2])]  # (2F, H) or (H, F)
+        if match[3] in _GATE_UP:
+            rows = target.shape[0] // 2
+            target = target[_GATE_UP[match[3]] * rows:(_GATE_UP[match[3]] + 1) * rows]
+        if target.shape != tensor.shape:
+            yield name, tensor  # reported as a shape error by update_weights
+            continue
+        target.copy_(tensor)
+        counts[fused] = counts.get(fused, 0) + 1
+        # every expert's gate and up (2 per expert) or down (1) arrived: the whole parameter is written
+        if counts[fused] == params[fused].shape[0] * (1 if fused.endswith("down_proj") else 2):
+            yield fused, params[fused]  # its own values: the copy in update_weights changes nothing

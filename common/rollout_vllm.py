@@ -190,7 +190,10 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM load_weights stopped early, {leftover} tensors unread")
         # With sleep level 2 a parameter the sync missed would be garbage memory: check.
         if loaded is not None:
-            missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+            # vLLM 0.26 reports a MoE layer's fused experts as `experts.w13_weight` while the
+            # parameter lives at `experts.routed_experts.w13_weight`: compare without that level
+            plain = lambda name: name.replace(".routed_experts.", ".")  # noqa: E731
+            missing = sorted({plain(name) for name, _ in model.named_parameters()} - {plain(name) for name in loaded})
             if missing:
                 raise RuntimeError(f"update_weights: {len(missing)} vLLM parameters not written, e.g. {missing[:5]}")
         self._weights_valid = True

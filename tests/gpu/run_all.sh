@@ -35,6 +35,8 @@ run "fused logprobs 1 GPU"   300 python -m pytest -q -s -p no:cacheprovider test
 # vLLM through torchrun even on one GPU: its __main__ ends with os._exit (an in-process
 # engine can hang interpreter shutdown, which pytest would wait for)
 run "vllm agreement 1 GPU"   400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_vllm_agreement.py
+# MoE: grouped experts vs the per-expert loop, vLLM vs megatron logprobs and top-k experts
+run "moe 1 GPU"              400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_moe_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
 fi
