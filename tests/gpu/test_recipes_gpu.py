@@ -51,7 +51,9 @@ def train(script, out, *extra):
     return rows, proc.stdout + proc.stderr
 
 
-def check_common(rows, out, output):
+def check_common(rows, out, output, min_extra=-1e-4):
+    """min_extra: the lowest reward - reward-model score (rule reward weight 0.5 over [0, 1],
+    minus DAPO's overlong penalty of at most 1 where it is on)."""
     evals = sorted(r["step"] for r in rows if "eval_accuracy" in r)
     assert evals == [0, 2, 3], evals  # step 0, every --eval-every 2, the last of --steps 4
     assert sorted(os.listdir(out / "eval")) == [f"step_{s:06d}.jsonl" for s in (0, 2, 3)]
@@ -59,7 +61,7 @@ def check_common(rows, out, output):
     assert len(steps) == 4
     for r in steps:
         assert r["rm_score_std"] > 0 and r["reward_model_s"] > 0
-        assert -1e-4 <= r["reward_mean"] - r["rm_score_mean"] <= 0.5 + 1e-4
+        assert min_extra <= r["reward_mean"] - r["rm_score_mean"] <= 0.5 + 1e-4
         assert r["gen_tokens_per_s"] > 0 and 0 < r["train_mfu"] < 1
     assert "response" in output or (out / "samples.jsonl").exists()
     print(f"{out.name}: eval {[(r['step'], r['eval_accuracy']) for r in rows if 'eval_accuracy' in r]}, "
@@ -67,11 +69,11 @@ def check_common(rows, out, output):
 
 
 def test_grpo_dapo_reward_model_eval(rm_dir, tmp_path):
-    rows, output = train("train_grpo.py", tmp_path, "--reward-model", rm_dir, "--dynamic-sampling",
-                         "--max-sampling-rounds", "3", "--overlong-buffer", "8", "--mask-truncated")
-    check_common(rows, tmp_path, output)
+    # (--dynamic-sampling is refused with --reward-model: it decides while the engine is awake)
+    rows, output = train("train_grpo.py", tmp_path, "--reward-model", rm_dir, "--max-new-tokens", "16",
+                         "--overlong-buffer", "8", "--mask-truncated")
+    check_common(rows, tmp_path, output, min_extra=-1.0 - 1e-4)
     steps = [r for r in rows if "reward_mean" in r]
-    assert all(1 <= r["sampling_rounds"] <= 4 for r in steps)
     mismatch = [r["logprob_mismatch"] for r in steps if "logprob_mismatch" in r]
     assert mismatch and max(mismatch) < 0.05, mismatch  # the engine samples the trainer's weights
 
