@@ -157,11 +157,16 @@ def read_hf_spec(config_dir):
         raise ConversionError(f"{config_dir} has no config.json: pass a HuggingFace model directory.")
     try:
         with open(path) as f:
-            return parse_hf_config(json.load(f))
+            spec = parse_hf_config(json.load(f))
     except json.JSONDecodeError as e:
         raise ConversionError(f"{path} is not valid JSON ({e}).") from None
     except KeyError as e:
         raise ConversionError(f"{path} lacks the field {e}, which the bridge needs.") from None
+    if spec.moe is not None:  # the offline tools' checkpoint layout has no expert axis yet
+        raise ConversionError(f"{spec.architecture} is a Mixture-of-Experts model: convert_hf_to_mcore.py and "
+                              "merge_to_hf.py do not take MoE models yet. Train from the HF dir (--model); "
+                              "the training scripts load its per-expert weights sharded.")
+    return spec
 
 
 def run_cli(run, args):

@@ -25,8 +25,8 @@ def forward_flops_per_token(spec, seq_len, causal=True):
     h, f = spec.hidden_size, spec.ffn_hidden_size
     attention_weights = h * (q_dim + 2 * kv_dim) + q_dim * h  # qkv, o
     mlps = [3 * h * f] * spec.num_layers  # gate+up+down
-    if spec.moe is not None:  # MoE layers count their active weights: router, top-k experts, shared expert
-        moe = spec.moe
+    moe = getattr(spec, "moe", None)
+    if moe is not None:  # MoE layers count their active weights: router, top-k experts, shared expert
         active = h * moe.num_experts + moe.topk * 3 * h * moe.ffn_hidden_size + 3 * h * moe.shared_expert_size
         mlps = [active if is_moe else dense for is_moe, dense in zip(moe.moe_layers, mlps)]
     matmul_weights = spec.num_layers * attention_weights + sum(mlps) + spec.vocab_size * h

@@ -23,6 +23,17 @@ def test_forward_flops_per_token_by_hand():
     assert forward_flops_per_token(tiny_spec(), 10) == 43264 + 1280
 
 
+def test_moe_flops_count_active_weights_by_hand():
+    # layer 0 MoE: router 32x8 = 256, top-2 experts of 3 x 32x16 = 2 x 1536, shared 3 x 32x24 = 2304
+    # -> 256 + 3072 + 2304 = 5632 instead of the dense 6144; layer 1 dense. Weights: 21632 - 6144 + 5632
+    from common.bridge_moe import MoESpec
+
+    moe = MoESpec(num_experts=8, topk=2, ffn_hidden_size=16, moe_layers=[True, False], normalize_topk=True,
+                  shared_expert_size=24, aux_loss_coef=0.0, z_loss_coef=0.0, layout="qwen")
+    spec = types.SimpleNamespace(**vars(tiny_spec()), moe=moe)
+    assert forward_flops_per_token(spec, 10) == 2 * (21632 - 6144 + 5632) + 1280
+
+
 def test_step_throughput_by_hand(monkeypatch):
     samples = [types.SimpleNamespace(prompt_ids=[1] * 6, response_ids=[2] * 4),   # 10 tokens, 4 generated
                types.SimpleNamespace(prompt_ids=[1] * 2, response_ids=[2] * 8)]   # 10 tokens, 8 generated
