@@ -163,7 +163,7 @@ def main():
     from common.checkpoint import load_model_checkpoint
     from common.data import PromptSampler, task_prompts
     from common.dist import init_distributed, print0
-    from common.embedded import MOE_OVERRIDES, write_embedded_model
+    from common.embedded import EMBEDDED_MODELS, write_embedded_model
     from common.evaluate import Evaluator
     from common.flops import step_throughput
     from common.guard import RunControl, check_finite
@@ -187,7 +187,7 @@ def main():
     # ---- model source, tokenizer, prompts --------------------------------------------
     hf_dir = args.model or os.path.join(args.out, "embedded_model")
     if args.model is None and info.master_process:
-        write_embedded_model(hf_dir, **(MOE_OVERRIDES if args.embedded_model == "moe" else {}))  # made in code (needs a shared --out across nodes)
+        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])  # made in code (needs a shared --out across nodes)
     dist.barrier()
     spec = load_hf_spec(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -207,12 +207,12 @@ def main():
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
-    # the model's parallel layout (the critic's and reference's too); MoE: experts over ep x etp
-    layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
+    # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
+    model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
                   moe_aux_loss_coef=args.moe_aux_loss_coef)
 
     def load_model():
-        chunks = build_model(spec, dtype=dtype, **layout)
+        chunks = build_model(spec, dtype=dtype, **model_args)
         if args.mcore_ckpt:
             load_model_checkpoint(args.mcore_ckpt, chunks)
         else:

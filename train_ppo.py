@@ -168,7 +168,7 @@ def main():
     from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, task_prompts
     from common.dist import init_distributed, print0
-    from common.embedded import MOE_OVERRIDES, write_embedded_model
+    from common.embedded import EMBEDDED_MODELS, write_embedded_model
     from common.evaluate import Evaluator
     from common.flops import step_throughput
     from common.guard import RunControl, check_finite
@@ -192,7 +192,7 @@ def main():
     # ---- model source, tokenizer, prompts --------------------------------------------
     hf_dir = args.model or os.path.join(args.out, "embedded_model")
     if args.model is None and info.master_process:
-        write_embedded_model(hf_dir, **(MOE_OVERRIDES if args.embedded_model == "moe" else {}))  # made in code (needs a shared --out across nodes)
+        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])  # made in code (needs a shared --out across nodes)
     dist.barrier()
     spec = load_hf_spec(hf_dir)
     critic_dir = args.critic_model or hf_dir  # vocabulary checked in common/preflight.py
@@ -214,12 +214,12 @@ def main():
     updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
 
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
-    # the model's parallel layout (the critic's and reference's too); MoE: experts over ep x etp
-    layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
+    # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
+    model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
                   moe_aux_loss_coef=args.moe_aux_loss_coef)
 
     def load_model():
-        chunks = build_model(spec, dtype=dtype, **layout)
+        chunks = build_model(spec, dtype=dtype, **model_args)
         if args.mcore_ckpt:
             load_model_checkpoint(args.mcore_ckpt, chunks)
         else:
@@ -233,7 +233,7 @@ def main():
         load_model(), lr=args.lr, total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step, **schedule)
     # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
     # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
-    critic_chunks = build_critic(critic_spec, dtype=dtype, **layout)
+    critic_chunks = build_critic(critic_spec, dtype=dtype, **model_args)
     load_critic_weights(critic_chunks, critic_spec, critic_dir)  # body from HF; head zero unless the dir has one
     critic, critic_optimizer, critic_scheduler = setup_training(
         critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **schedule)

@@ -126,9 +126,11 @@ def expert_index(name):
     return int(match.group(1)) if match else None
 
 
-def with_expert_index(name, index):
-    """The same expert parameter name with another expert index."""
-    return _EXPERT.sub(f".experts.local_experts.{index}.", name, count=1)
+def global_expert_name(name, ep_rank, ep_size, num_experts):
+    """A megatron expert parameter name with its local index j (on EP rank ep_rank) replaced by
+    the global expert index ep_rank * E/ep + j."""
+    j = expert_index(name)
+    return _EXPERT.sub(f".experts.local_experts.{ep_rank * num_experts // ep_size + j}.", name, count=1)
 
 
 def moe_param_rule(rest, layer, moe: MoESpec):

@@ -66,10 +66,14 @@ DEFAULT_CONFIG = dict(
     pad_token_id=ENDOFTEXT_ID,
 )
 
-# The embedded Mixture-of-Experts model (`--embedded-model moe`): the same tiny body with a
-# Qwen3-MoE MLP in every layer, 8 experts of which each token uses 2 (renormalised top-2).
-MOE_OVERRIDES = dict(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=64, norm_topk_prob=True, head_dim=16)
+# The embedded models (the scripts' --embedded-model): overrides of DEFAULT_CONFIG. "moe" is
+# the same tiny body with a Qwen3-MoE MLP in every layer, 8 experts of which each token uses
+# 2 (renormalised top-2).
+EMBEDDED_MODELS = {
+    "dense": {},
+    "moe": dict(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, norm_topk_prob=True, head_dim=16),
+}
 
 MARKER = "embedded.json"  # what we wrote (seed + config): makes rewriting idempotent
 FORMAT_VERSION = 1
@@ -103,15 +107,21 @@ def build_tokenizer():
     )
 
 
+def hf_config(config_kwargs):
+    """The config.json fields of the embedded model made from these DEFAULT_CONFIG-style
+    fields: `architecture` (default Qwen2ForCausalLM) becomes `architectures`."""
+    fields = dict(config_kwargs)
+    return dict(fields, architectures=[fields.pop("architecture", "Qwen2ForCausalLM")])
+
+
 def build_model(config_kwargs, seed):
     """A random-init Qwen2ForCausalLM (or config_kwargs["architecture"]); the global torch RNG
     is left untouched."""
     import transformers
 
-    config_kwargs = dict(config_kwargs)
-    arch = config_kwargs.pop("architecture", "Qwen2ForCausalLM")
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**config_kwargs)
-    config.architectures = [arch]
+    fields = hf_config(config_kwargs)
+    arch = fields["architectures"][0]
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, arch)(config).float().eval()

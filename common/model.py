@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common.bridge_moe import expert_index, with_expert_index
+from common.bridge_moe import expert_index, global_expert_name
 from common.bridge import (
     HFModelSpec,
     UnsupportedModelError,
@@ -235,14 +235,13 @@ def named_global_parameters(chunk, global_experts=True):
 
     model = unwrap(chunk)
     layer_index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)}
-    ep_rank = mpu.get_expert_model_parallel_rank() if global_experts else 0
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
             _, _, local, rest = name.split(".", 3)
             name = f"decoder.layers.{layer_index[local]}.{rest}"
-            j = expert_index(name)
-            if j is not None and ep_rank:
-                name = with_expert_index(name, ep_rank * model.config.num_moe_experts // mpu.get_expert_model_parallel_world_size() + j)
+            if global_experts and expert_index(name) is not None:
+                name = global_expert_name(name, mpu.get_expert_model_parallel_rank(),
+                                          mpu.get_expert_model_parallel_world_size(), model.config.num_moe_experts)
         yield name, param
 
 
@@ -385,7 +384,6 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     pp_group = mpu.get_pipeline_model_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     local, plan = _export_plan(chunks, spec, tp_size)
-    num_local_experts = spec.moe.num_experts // ep_size if spec.moe else 0
 
     def layout(expert):  # (copies over EP, shards per copy, the shards' group)
         if expert:
@@ -430,7 +428,7 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
                 shards = [gathered[copy, r, offset:offset + numel].view(shape) for r in range(width)]
                 offset += numel
                 if expert:  # local expert j of EP rank `copy`
-                    name = with_expert_index(name, copy * num_local_experts + expert_index(name))
+                    name = global_expert_name(name, copy, ep_size, spec.moe.num_experts)
                 kind, hf_names = param_rule(name, spec)
                 yield from hf_from_shards(kind, hf_names, shards, spec)
         del gathered

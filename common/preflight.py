@@ -143,10 +143,9 @@ def _check_reward_model(path):
 def _check_model(args, critic_model):
     """The HFModelSpec of --model (the embedded model's without it), after checking the dir."""
     if args.model is None:
-        from common.embedded import DEFAULT_CONFIG, MOE_OVERRIDES
+        from common.embedded import DEFAULT_CONFIG, EMBEDDED_MODELS, hf_config
 
-        config = dict(DEFAULT_CONFIG, **(MOE_OVERRIDES if args.embedded_model == "moe" else {}))
-        spec = parse_hf_config(dict(config, architectures=[config.pop("architecture", "Qwen2ForCausalLM")]))
+        spec = parse_hf_config(hf_config({**DEFAULT_CONFIG, **EMBEDDED_MODELS[args.embedded_model]}))
     else:
         if args.embedded_model != "dense":
             raise UsageError("--embedded-model chooses the model used without --model: give one or the other")
@@ -216,7 +215,7 @@ def _check_layout(args, spec):
                          "start a multiple of tp*pp processes")
     if args.vpp is not None and args.pp == 1:
         raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
-    ep, etp = getattr(args, "ep", 1), getattr(args, "etp", 1)
+    ep, etp = args.ep, args.etp
     if (world // args.pp) % (ep * etp):  # MoE layers fold each stage's ranks into etp x ep x expert-dp
         raise UsageError(f"world size {world} / --pp {args.pp} is not divisible by --ep {ep} x --etp {etp}: "
                          "each pipeline stage's ranks must split into expert-parallel groups")

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.bridge_moe import EXPERT_LAYOUTS
+
 
 @dataclass
 class Sample:
@@ -215,33 +217,37 @@ class HFEngine(RolloutEngine):
 
 
 # checkpoint name of one expert's projection: model.layers.L.<block>.experts.E.<proj>.weight
-_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-_GATE_UP = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+_BLOCKS = "|".join(sorted({block for block, *_ in EXPERT_LAYOUTS.values()}))
+_EXPERT_NAME = re.compile(rf"model\.layers\.(\d+)\.(?:{_BLOCKS})\.experts\.(\d+)\.(\w+)\.weight")
+# projection -> its half of the fused gate_up_proj (0 gate, 1 up), None for down_proj
+_HALF = {proj: half for _, gate, up, down in EXPERT_LAYOUTS.values() for proj, half in ((gate, 0), (up, 1), (down, None))}
 
 
 def _fused_experts(named_tensors, params):
-    """(name, tensor) pairs in the checkpoint's per-expert layout -> transformers 5's in-memory
-    MoE layout, where a layer's experts are two fused parameters: `mlp.experts.gate_up_proj`
-    (E, 2F, H), rows [gate; up], and `mlp.experts.down_proj` (E, H, F) (Mixtral's router too is
-    `mlp.gate`, not `block_sparse_moe.gate`). Each expert's tensor
-    is copied into its slice as it comes; the fused parameter is reported once, after its last
-    expert. Other names pass through."""
+    """(name, tensor) pairs in the checkpoint's per-expert layout (common/bridge_moe.py's
+    EXPERT_LAYOUTS) -> transformers 5's in-memory MoE layout, where a layer's experts are two
+    fused parameters: `mlp.experts.gate_up_proj` (E, 2F, H), rows [gate; up], and
+    `mlp.experts.down_proj` (E, H, F), and every block is called `mlp` (Mixtral's router is
+    `mlp.gate`, not `block_sparse_moe.gate`). Each expert's tensor is copied into its slice as
+    it comes; the fused parameter is reported once, after its last expert. Other names pass
+    through."""
     counts = {}
     for name, tensor in named_tensors:
         match = _EXPERT_NAME.fullmatch(name)
-        fused = match and f"model.layers.{match[1]}.mlp.experts.{'down_proj' if match[3] in ('down_proj', 'w2') else 'gate_up_proj'}"
-        if not match or fused not in params:  # transformers 5 calls Mixtral's block `mlp` in memory too
-            yield (name.replace(".block_sparse_moe.", ".mlp.") if name not in params else name), tensor
+        half = _HALF.get(match[3]) if match else None
+        fused = match and f"model.layers.{match[1]}.mlp.experts.{'down_proj' if half is None else 'gate_up_proj'}"
+        if not match or match[3] not in _HALF or fused not in params:
+            yield (name if name in params else re.sub(rf"\.(?:{_BLOCKS})\.", ".mlp.", name)), tensor
             continue
         target = params[fused][int(match[2])]  # (2F, H) or (H, F)
-        if match[3] in _GATE_UP:
+        if half is not None:
             rows = target.shape[0] // 2
-            target = target[_GATE_UP[match[3]] * rows:(_GATE_UP[match[3]] + 1) * rows]
+            target = target[half * rows:(half + 1) * rows]
         if target.shape != tensor.shape:
             yield name, tensor  # reported as a shape error by update_weights
             continue
         target.copy_(tensor)
         counts[fused] = counts.get(fused, 0) + 1
         # every expert's gate and up (2 per expert) or down (1) arrived: the whole parameter is written
-        if counts[fused] == params[fused].shape[0] * (1 if fused.endswith("down_proj") else 2):
+        if counts[fused] == params[fused].shape[0] * (1 if half is None else 2):
             yield fused, params[fused]  # its own values: the copy in update_weights changes nothing
