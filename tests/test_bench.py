@@ -1,4 +1,4 @@
-"""bench/train.py and bench/sync.py on the CPU: the numbers in their BENCH_JSON lines are consistent.
+"""bench/train.py, bench/sync.py and bench/moe.py on the CPU: the numbers in their BENCH_JSON lines are consistent.
 
     .venv/bin/python -m pytest -q tests/test_bench.py
 
@@ -9,7 +9,8 @@
   sequence length, MFU null without --peak-tflops on a CPU;
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
 - every flag of --help has a help string;
-- bench/sync.py with the CPU engine: the cycle runs and the bytes synced match a hand count.
+- bench/sync.py with the CPU engine: the cycle runs and the bytes synced match a hand count;
+- bench/moe.py: one ratio per timed pair, the speed-up is their median (not a ratio of medians).
 """
 import importlib.util
 import json
@@ -163,3 +164,18 @@ def test_sync_bench_cpu_smoke():
     assert round(result["model_gb"] * 1e9) == params * 4  # fp32 on a CPU
     assert result["engine"] == "hf" and result["sync_s"] > 0 and result["export_only_s"] > 0
     assert result["sync_vs_copy"] == pytest.approx(result["sync_s"] / result["baseline_copy_s"], rel=1e-2)
+
+
+def test_moe_bench_cpu_smoke():
+    """bench/moe.py on a tiny MoE (no grouped path on a CPU, both sides run the loop): the
+    timed pairs and the median of their ratios are what BENCH_JSON reports."""
+    import statistics
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3",
+                           "--tokens", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    result = bench_json(proc.stdout)
+    assert result["grouped_path"] is False and len(result["ratios"]) == 3
+    assert result["speedup_median_of_pairs"] == pytest.approx(statistics.median(result["ratios"]), rel=1e-3)
+    assert result["loop_s"] > 0 and result["grouped_s"] > 0

@@ -6,8 +6,8 @@ A random Qwen3-MoE-shaped model (bf16; hidden 512, 4 layers, 32 experts of 256, 
 q/k norm, renormalised top-k) is written with transformers. Checked:
   1. common/moe.py's GroupedExperts (torch._grouped_mm) against SequentialMLP's per-expert
      loop on the same weights and tokens: relative error of the logits and of all gradients
-     against the loop in fp32, no more than twice the bf16 loop's own;
-     both timed on a Qwen3-30B-A3B-shaped layer (bench/moe.py measures more);
+     against the loop in fp32, no more than twice the bf16 loop's own (their speed:
+     bench/moe.py);
   2. vLLM (dummy weights, every tensor from export_hf_weights' per-expert names) vs megatron:
      mean |logprob difference| of sampled tokens <= 0.02 (or 2.5x megatron's own bf16 error
      against fp32 transformers), and the share of (token, layer) pairs whose top-k experts
@@ -86,42 +86,6 @@ def grouped_vs_sequential(chunks, res):
         assert res[f"grouped_{what}_rel_err"] <= 2 * res[f"loop_{what}_rel_err"] + 1e-3, res
 
 
-def layer_timing(res):
-    """One Qwen3-30B-A3B-shaped expert layer (128 experts of 768, hidden 2048, top-8), 8k tokens:
-    forward + backward, grouped vs the per-expert loop."""
-    import torch.nn.functional as F
-
-    E, H, F_, topk, N = 128, 2048, 768, 8, 8192
-    w1 = (0.02 * torch.randn(E, 2 * F_, H, device="cuda", dtype=torch.bfloat16)).requires_grad_()
-    w2 = (0.02 * torch.randn(E, H, F_, device="cuda", dtype=torch.bfloat16)).requires_grad_()
-    counts = torch.bincount(torch.randint(0, E, (N * topk,), device="cuda"), minlength=E)
-    x = torch.randn(N * topk, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-    def grouped():
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=ends)
-        g, u = h.chunk(2, -1)
-        return torch._grouped_mm((F.silu(g) * u), w2.transpose(1, 2), offs=ends)
-
-    def loop():
-        outs = []
-        for e, xe in enumerate(x.split(counts.tolist())):
-            g, u = (xe @ w1[e].t()).chunk(2, -1)
-            outs.append((F.silu(g) * u) @ w2[e].t())
-        return torch.cat(outs)
-
-    for name, fn in (("loop", loop), ("grouped", grouped)):
-        for _ in range(2):  # (not .sum(): its expanded gradient is refused by _grouped_mm's backward)
-            fn().float().pow(2).mean().backward()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(5):
-            fn().float().pow(2).mean().backward()
-        torch.cuda.synchronize()
-        res[f"layer_{name}_ms"] = round((time.perf_counter() - t) / 5 * 1000, 2)
-    res["layer_grouped_speedup"] = round(res["layer_loop_ms"] / res["layer_grouped_ms"], 2)
-
-
 def capture_vllm_topk(engine, sequences, topk):
     """Top-k expert sets per (token, layer) of vLLM's routers on teacher-forced sequences (one
     prefill each, prefix cache reset so that every token is computed)."""
@@ -181,7 +145,6 @@ def run():
     chunks = build_model(spec, dtype=torch.bfloat16)
     load_hf_weights(chunks, spec, hf_dir)
     grouped_vs_sequential(chunks, res)
-    layer_timing(res)
     print("RESULT grouped", json.dumps(res), flush=True)
     for c in chunks:
         c.eval()
@@ -221,14 +184,6 @@ def run():
 
 
 if __name__ == "__main__":
-    try:
-        run()
-        print("PASS", flush=True)
-        code = 0
-    except Exception:
-        import traceback
+    from tests.gpu.test_vllm_agreement import run_then_exit
 
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    os._exit(code)  # vLLM's in-process engine can hang interpreter shutdown
+    run_then_exit(run)

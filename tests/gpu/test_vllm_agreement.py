@@ -298,15 +298,11 @@ def test_vllm_agreement_single_gpu():
     run_agreement(train_tp=1, rollout_tp=1)
 
 
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--train-tp", type=int, default=1)
-    ap.add_argument("--rollout-tp", type=int, default=1)
-    args = ap.parse_args()
+def run_then_exit(fn, *args):
+    """A torchrun entry point with an in-process vLLM engine: fn(*args), "PASS rank N" or the
+    traceback, then os._exit (the engine can hang interpreter shutdown)."""
     try:
-        run_agreement(args.train_tp, args.rollout_tp)
+        fn(*args)
         print(f"PASS rank {dist.get_rank()}", flush=True)
         code = 0
     except Exception:
@@ -315,4 +311,14 @@ if __name__ == "__main__":
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
-    os._exit(code)   # vLLM's in-process engine can hang interpreter shutdown
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-tp", type=int, default=1)
+    ap.add_argument("--rollout-tp", type=int, default=1)
+    args = ap.parse_args()
+    run_then_exit(run_agreement, args.train_tp, args.rollout_tp)
