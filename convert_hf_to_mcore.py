@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, finish_output,
-                        read_hf_spec, run_cli, temporary_output)
+from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, check_tool_layout,
+                        finish_output, read_hf_spec, run_cli, temporary_output)
 from common.preflight import TOKENIZER_FILES
 from common.dist import print0
 from common.bridge import expected_hf_names, expected_hf_shape, param_rule, shard_from_hf
@@ -190,13 +190,13 @@ def megatron_layout(spec, dtype):
     from megatron.core.models.gpt import GPTModel
 
     from common.bridge import gpt_model_kwargs, transformer_config
-    from common.model import layer_spec
+    from common.model import decoder_spec
 
     # As common/model.py:build_model at TP=PP=1, minus the .cuda(): use_cpu_initialization makes
     # megatron allocate without an explicit device, so the meta context applies (also on a GPU).
     config = transformer_config(spec, params_dtype=dtype, use_cpu_initialization=True, perform_initialization=False)
     with torch.device("meta"):
-        model = GPTModel(config=config, transformer_layer_spec=layer_spec(spec), pre_process=True,
+        model = GPTModel(config=config, transformer_layer_spec=decoder_spec(spec, config), pre_process=True,
                          post_process=True, **gpt_model_kwargs(spec, tp=1))
     chunks, objects = [], []
     for param, sharded in model.sharded_state_dict().items():
@@ -215,8 +215,8 @@ def megatron_layout(spec, dtype):
 def chunk_data(chunk: Chunk, files: SafetensorsDir, spec):
     """The tensor of one checkpoint chunk, built from the HF tensors it comes from."""
     kind, hf_names = param_rule(chunk.param, spec)
-    if kind == "gate_up":  # each of the two fc1 chunks is exactly one HF tensor
-        data = files.read(hf_names[chunk.offset[-2] // spec.ffn_hidden_size])
+    if kind == "gate_up":  # each of the two fc1 chunks is exactly one HF tensor (an MLP's, an expert's)
+        data = files.read(hf_names[chunk.offset[-2] // expected_hf_shape(hf_names[0], spec)[0]])
     elif kind == "vocab":  # the chunk is the padded vocabulary: real rows read in place, the rest 0
         data = torch.empty(chunk.shape, dtype=files.tensors[hf_names[0]].dtype)  # (V_padded, h)
         files.read(hf_names[0], out=data[: spec.vocab_size])
@@ -354,11 +354,13 @@ def megatron_logits(chunks, ids):
     return torch.cat(outputs).float().cpu() if outputs else None
 
 
-def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp):
+def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp, ep=1, etp=1):
     """max |logits_megatron - logits_transformers| over fixed random sequences (every rank
     gets the number). Both sides run in fp32 on the weights as stored in the checkpoint:
     stored_dtypes maps each HF tensor name to the dtype the checkpoint keeps it in (norm
-    weights may stay fp32 in a bf16 model: megatron's torch-norm fallback makes them so)."""
+    weights may stay fp32 in a bf16 model: megatron's torch-norm fallback makes them so);
+    transformers' fused expert parameters, which no checkpoint name matches, get the
+    experts' dtype."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -366,10 +368,12 @@ def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp):
     from common.dist import init_distributed
     from common.model import build_model
 
-    info = init_distributed(tp=tp, pp=pp, vpp=vpp)
+    info = init_distributed(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     seq_len = min(32, spec.max_position_embeddings)
     ids = torch.randint(0, spec.vocab_size, (2 * pp, seq_len), generator=torch.Generator().manual_seed(1234))
-    chunks = build_model(spec, tp=tp, pp=pp, vpp=vpp, dtype=torch.float32)
+    # megatron's MoE layers need sequence parallelism with TP (as the training scripts' --sp)
+    chunks = build_model(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dtype=torch.float32,
+                         sequence_parallel=spec.moe is not None and tp > 1)
     load_model_checkpoint(ckpt_dir, chunks)  # stored dtype -> fp32 is exact
     for c in chunks:
         c.eval()
@@ -383,8 +387,9 @@ def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp):
 
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
+            experts = next((d for n, d in stored_dtypes.items() if ".experts." in n), None)
             for name, p in hf.named_parameters():  # the weights as the checkpoint stores them
-                p.copy_(p.to(stored_dtypes[name]).float())
+                p.copy_(p.to(stored_dtypes.get(name, experts)).float())
             reference = hf(input_ids=ids).logits
         diff = (logits[..., : spec.vocab_size] - reference).abs().max().item()
         del hf
@@ -417,13 +422,13 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size for --verify")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size for --verify")
     ap.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank for --verify")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size for --verify (MoE models)")
+    ap.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size for --verify (MoE models)")
     return ap.parse_args(argv)
 
 
 def run(args, created):
     """The conversion; raises on failure (main() turns known failures into messages)."""
-    from common.bridge import check_parallel_layout
-
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     # -- cheap checks first: nothing is written and megatron is not even imported if they fail
     spec = read_hf_spec(args.hf)
@@ -443,14 +448,11 @@ def run(args, created):
     else:
         dtype = DTYPES[args.dtype]
     if args.verify:
-        try:
-            check_parallel_layout(spec, tp=args.tp, pp=args.pp, vpp=args.vpp)
-        except ValueError as e:
-            raise ConversionError(f"--verify layout: {e}") from None
-        if world_size % (args.tp * args.pp):
-            raise ConversionError(f"--verify --tp {args.tp} --pp {args.pp} needs a multiple of "
-                                  f"{args.tp * args.pp} processes: torchrun --nproc_per_node "
-                                  f"{args.tp * args.pp} convert_hf_to_mcore.py ... (running {world_size}).")
+        check_tool_layout(spec, world_size, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                          flag_prefix="--verify ")
+    elif args.ep * args.etp > 1 or args.tp * args.pp > 1:
+        raise ConversionError("--tp/--pp/--ep/--etp choose the layout --verify loads at; add --verify "
+                              "(the checkpoint itself loads at any layout)")
 
     # -- the conversion: every rank writes its share of the tensors into <out>.incomplete
     import torch.distributed as dist
@@ -485,11 +487,11 @@ def run(args, created):
     # -- verify before the output gets its final name
     if args.verify:
         stored_dtypes = {hf_name: c.dtype for c in chunks for hf_name in param_rule(c.param, spec)[1]}
-        diff = verify(tmp, args.hf, spec, stored_dtypes, args.tp, args.pp, args.vpp)
+        diff = verify(tmp, args.hf, spec, stored_dtypes, args.tp, args.pp, args.vpp, args.ep, args.etp)
         print0(f"max_abs_diff={diff:.3e}")
         if not diff <= VERIFY_TOLERANCE[dtype]:
             print0(f"verify FAILED: the checkpoint's logits differ from transformers by {diff:.3e} > "
-                   f"{VERIFY_TOLERANCE[dtype]:g} (tp={args.tp}, pp={args.pp}). It was left in {tmp} for "
+                   f"{VERIFY_TOLERANCE[dtype]:g} (tp={args.tp}, pp={args.pp}, ep={args.ep}, etp={args.etp}). It was left in {tmp} for "
                    "inspection; do not train from it.")
             created.clear()  # keep it
             return 1

@@ -33,8 +33,8 @@ import sys
 
 import torch
 
-from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, finish_output,
-                        read_hf_spec, root_cause, run_cli, temporary_output)
+from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, check_tool_layout,
+                        finish_output, read_hf_spec, root_cause, run_cli, temporary_output)
 from common.dist import print0
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -133,13 +133,14 @@ def parse_args(argv=None):
     # parallel layout to load at (torchrun with tp*pp processes, or a multiple)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size to load the checkpoint at (MoE models)")
+    ap.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size to load the checkpoint at "
+                    "(MoE models)")
     ap.add_argument("--bucket-mb", type=int, default=256, help="export bucket size (MB of full tensors)")
     return ap.parse_args(argv)
 
 
 def run(args, created):
-    from common.bridge import check_parallel_layout
-
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     # -- cheap checks: nothing is written if one fails
     ckpt = resolve_checkpoint(args.ckpt)
@@ -152,13 +153,7 @@ def run(args, created):
     dtype = stored if args.dtype == "auto" else DTYPES[args.dtype]
     if dtype not in SAFETENSORS_NAMES:
         raise ConversionError(f"the checkpoint stores {stored}; pass --dtype bf16 or --dtype fp32")
-    try:
-        check_parallel_layout(spec, tp=args.tp, pp=args.pp)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
-    if world_size % (args.tp * args.pp):
-        raise ConversionError(f"--tp {args.tp} --pp {args.pp} needs a multiple of {args.tp * args.pp} "
-                              f"processes (running {world_size}): torchrun --nproc_per_node {args.tp * args.pp} ...")
+    check_tool_layout(spec, world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
 
     # -- load the model part of the checkpoint at this layout
     import torch.distributed as dist
@@ -169,10 +164,11 @@ def run(args, created):
     from common.dist import init_distributed
     from common.model import build_model, export_hf_weights
 
-    init_distributed(tp=args.tp, pp=args.pp)
+    init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     print0(f"merging {ckpt} ({spec.architecture}, stored as {HF_DTYPE_NAMES.get(stored, stored)}) -> {out} "
-           f"as {HF_DTYPE_NAMES[dtype]}, tp={args.tp} pp={args.pp}")
-    chunks = build_model(spec, tp=args.tp, pp=args.pp, dtype=stored)
+           f"as {HF_DTYPE_NAMES[dtype]}, tp={args.tp} pp={args.pp} ep={args.ep} etp={args.etp}")
+    chunks = build_model(spec, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=stored,
+                         sequence_parallel=spec.moe is not None and args.tp > 1)  # (megatron: MoE + TP needs SP)
     try:
         load_model_checkpoint(ckpt, chunks)  # the model part only, at this layout
     except BaseException as e:  # torch's DCP wraps the loader's errors in a BaseException

@@ -11,6 +11,7 @@ reading config.json with such messages.
 import argparse
 import errno
 import json
+import math
 import os
 import shutil
 import sys
@@ -162,11 +163,22 @@ def read_hf_spec(config_dir):
         raise ConversionError(f"{path} is not valid JSON ({e}).") from None
     except KeyError as e:
         raise ConversionError(f"{path} lacks the field {e}, which the bridge needs.") from None
-    if spec.moe is not None:  # the offline tools' checkpoint layout has no expert axis yet
-        raise ConversionError(f"{spec.architecture} is a Mixture-of-Experts model: convert_hf_to_mcore.py and "
-                              "merge_to_hf.py do not take MoE models yet. Train from the HF dir (--model); "
-                              "the training scripts load its per-expert weights sharded.")
     return spec
+
+
+def check_tool_layout(spec, world_size, tp=1, pp=1, vpp=None, ep=1, etp=1, flag_prefix="--"):
+    """The offline tools' parallel layout: shapes that split, and a process count it fits
+    (TP x PP for the dense part; each stage's ranks also split into ETP x EP for the experts)."""
+    from common.bridge import check_parallel_layout
+
+    try:
+        check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    except ValueError as e:
+        raise ConversionError(f"{flag_prefix}layout: {e}") from None
+    needed = math.lcm(tp, ep * etp) * pp
+    if world_size % needed:
+        raise ConversionError(f"--tp {tp} --pp {pp} --ep {ep} --etp {etp} needs a multiple of {needed} processes "
+                              f"(running {world_size}): torchrun --nproc_per_node {needed} ...")
 
 
 def run_cli(run, args):

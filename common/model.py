@@ -110,6 +110,24 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
     return layer
 
 
+def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None):
+    """The decoder block spec of this pipeline (virtual) stage: its layers' specs (the MoE
+    layer spec where spec.moe says so, dense elsewhere) and RMSNorm as the final norm
+    (megatron's default would be WrappedTorchNorm). "te" keeps megatron's TE layer spec."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = layer_spec(spec, attention)
+    if attention == "te":
+        return dense
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    moe = layer_spec(spec, attention, moe=True) if spec.moe else None
+    return TransformerBlockSubmodules(
+        layer_specs=[moe if spec.moe and spec.moe.moe_layers[first + i] else dense for i in range(count)],
+        layer_norm=RMSNorm)
+
+
 _LOGITS_AS_VIEW = object()  # the `labels` marker of _gpt_model_class
 
 
@@ -151,8 +169,6 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, sequenc
     Only the last pipeline stage has an output layer (and so logits).
     """
     from megatron.core import parallel_state as mpu
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     on_gpu = torch.cuda.is_available()
@@ -163,14 +179,7 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, sequenc
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(vp_stage=vp_stage) if vpp else {}
-        block = layer_spec(spec, attention)
-        if attention != "te":  # a block spec, to choose the final norm too (megatron's default: WrappedTorchNorm)
-            first = get_transformer_layer_offset(config, vp_stage=vp_stage if vpp else None)
-            count = get_num_layers_to_build(config, vp_stage=vp_stage if vpp else None)
-            moe_block = layer_spec(spec, attention, moe=True) if spec.moe else None  # MoE layers (or all)
-            block = TransformerBlockSubmodules(
-                layer_specs=[moe_block if spec.moe and spec.moe.moe_layers[first + i] else block for i in range(count)],
-                layer_norm=RMSNorm)
+        block = decoder_spec(spec, config, attention, vp_stage if vpp else None)
         model_kwargs = gpt_model_kwargs(spec, tp=tp)
         if (attention or "sdpa") == "sdpa":
             model_kwargs["position_embedding_type"] = "none"  # SDPAttention applies RoPE (fused)

@@ -58,6 +58,16 @@ class GroupedExperts(SequentialMLP):
 
     grouped = True  # False: always the per-expert loop (bench/moe.py compares the two)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Expert weights are megatron's "expert-parallel" parameters (not all-reduced over the
+        # dense data-parallel group) at every EP size, EP=1 included, where megatron would
+        # treat them as dense. The optimizer then always has its two parts (dense, experts),
+        # so a training checkpoint's optimizer state has the same structure at every EP and
+        # resumes at another one. The math is unchanged: at EP=1 the expert-data-parallel
+        # group holds the same ranks.
+        for param in self.parameters():
+            param.allreduce = False
     def forward(self, hidden, tokens_per_expert, probs):
         fc1 = self.local_experts[0].linear_fc1.weight
         if not (self.grouped and _grouped_mm_usable(fc1, self.num_local_experts)

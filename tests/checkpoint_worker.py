@@ -2,6 +2,7 @@
 
     python tests/checkpoint_worker.py --hf-dir D --out-dir O --jobs JSON            (one process)
     torchrun --nproc_per_node 2 tests/checkpoint_worker.py --tp 2 --hf-dir D --out-dir O --jobs JSON
+    (--ep N: a Mixture-of-Experts model's experts split over N ranks)
 
 Each job builds a fresh model from the HF weights and its own DDP + optimizer + LR schedule
 (so one process can run several, with and without the distributed optimizer), then trains
@@ -164,7 +165,7 @@ def run_job(job, args, info, spec, out_dir):
     from common.training import setup_training
 
     set_seed(1234)  # as init_distributed: a job later in the process starts like a fresh process
-    chunks = build_model(spec, tp=info.tp_size, pp=info.pp_size)
+    chunks = build_model(spec, tp=info.tp_size, pp=info.pp_size, ep=args.ep)
     load_hf_weights(chunks, spec, args.hf_dir)
     # warmup + cosine decay: a scheduler that is not restored gives a different LR. clip_grad
     # never clips: clipping would scale updates by a norm whose rounding depends on the layout.
@@ -368,13 +369,14 @@ def main():
     ap.add_argument("--jobs", required=True, help="JSON list of jobs (see the module docstring)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     args = ap.parse_args()
 
     from common.dist import destroy_distributed, init_distributed
     from common.model import load_hf_spec
     from common.train_checkpoint import shutdown_checkpointing
 
-    info = init_distributed(tp=args.tp, pp=args.pp, seed=1234)
+    info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=1234)
     spec = load_hf_spec(args.hf_dir)
     jobs = json.loads(args.jobs)
     for job in jobs:
