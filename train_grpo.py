@@ -108,6 +108,10 @@ def build_parser():
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="instead of --micro-batch-size, fill each forward pass with length-sorted samples up to this many "
                         "tokens per rank (samples x padded length; 0 = off): fewer, fuller passes (docs/benchmarks.md)")
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
+                   help="sequence packing: each forward pass is one row of whole samples back to back, no padding, "
+                        "attention confined to each sample; up to --micro-batch-tokens tokens per pass (0: "
+                        "--micro-batch-size rows of the step's longest sample)")
     # --- optimisation
     p.add_argument("--lr", type=float, default=1e-6, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay")
@@ -268,20 +272,23 @@ def main():
                            enabled=info.master_process, resume=bool(args.resume))
     logger.truncate_after(start_step)
     tp_group = mpu.get_tensor_model_parallel_group()
+    # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
+    expert_peers = mpu.get_data_parallel_group() if spec.moe and args.ep * args.etp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
     def logprob_pass(chunks, mbs, store):
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only)."""
-        on_device = torch.zeros(store.shape, device=info.device)  # filled without a host sync per micro-batch
+        # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
+        on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
 
         def loss_fn(mb, logits):
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
-            on_device[mb["row"], :logprobs.shape[1]] = logprobs.float()  # (b, T_mb), T_mb <= T
+            B.scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
             return logprobs.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
         # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
-        store.copy_(B.all_reduce_sum(on_device, mpu.get_data_parallel_group(), info.device))
+        store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(), info.device))
 
     # every pinned host buffer now (Adam's state included): the first steps would pay seconds for them
     for off in ([optim_off] if offload_optimizer else []) + ([policy_off] if offload_params else []):
@@ -375,7 +382,8 @@ def main():
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
             return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
-                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens)
+                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens, pack=args.pack,
+                                   same_count_group=expert_peers)  # (all-to-all in every pass)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
@@ -416,19 +424,19 @@ def main():
                 scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def loss_fn(mb, logits):
-                    mask = mb["mask"]
+                    mask, norm_mb = mb["mask"], dict(norm, seq_ids=mb.get("seq"))  # seq: packed samples
                     logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
                                                                    args.temperature, compute_entropy=True)
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
                     per_token, clipped = rl.policy_loss(logprobs, old, mb["advantages"], args.clip_low,
                                                         args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
-                                                        sequence_mask=mask if args.gspo else None)
-                    loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm)
+                                                        sequence_mask=mask if args.gspo else None, seq_ids=mb.get("seq"))
+                    loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm_mb)
                     if reference is not None:
                         kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
-                        loss = loss + args.kl_coef * rl.aggregate_loss(kl, mask, args.loss_agg, **norm)
+                        loss = loss + args.kl_coef * rl.aggregate_loss(kl, mask, args.loss_agg, **norm_mb)
                     if args.entropy_coef:
-                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mask, args.loss_agg, **norm)
+                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mask, args.loss_agg, **norm_mb)
                     n = mask.sum()
                     metrics = {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
                                "entropy": rl.masked_sum(entropy.detach(), mask), "entropy__n": n,

@@ -108,6 +108,10 @@ def build_parser():
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="instead of --micro-batch-size, fill each forward pass with length-sorted samples up to this many "
                         "tokens per rank (samples x padded length; 0 = off): fewer, fuller passes (docs/benchmarks.md)")
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
+                   help="sequence packing: each forward pass is one row of whole samples back to back, no padding, "
+                        "attention confined to each sample; up to --micro-batch-tokens tokens per pass (0: "
+                        "--micro-batch-size rows of the step's longest sample)")
     p.add_argument("--critic-warmup-steps", type=int, default=0, help="the first N steps update only the critic (the actor is left unchanged)")
     # --- optimisation (two optimizers: actor and critic)
     p.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
@@ -285,6 +289,8 @@ def main():
                            enabled=info.master_process, resume=bool(args.resume))
     logger.truncate_after(start_step)
     tp_group = mpu.get_tensor_model_parallel_group()
+    # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
+    expert_peers = mpu.get_data_parallel_group() if spec.moe and args.ep * args.etp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
     def forward_pass(chunks, mbs, per_token_fn, store):
@@ -293,16 +299,17 @@ def main():
         of each last pipeline stage writes its DP rank's rows, then a sum over all ranks (one
         writer per row: exact) gives every rank all rows."""
         tp_first = mpu.get_tensor_model_parallel_rank() == 0
-        on_device = torch.zeros(store.shape, device=info.device)  # filled without a host sync per micro-batch
+        # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
+        on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
 
         def loss_fn(mb, output):
             per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
             if tp_first:
-                on_device[mb["row"], :per_token.shape[1]] = per_token.float()  # T_mb <= T
+                B.scatter_tokens(on_device, mb, per_token.float())  # back to the samples' rows
             return per_token.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
-        store.copy_(B.all_reduce_sum(on_device, None, info.device))
+        store.copy_(B.all_reduce_sum(on_device[:-1], None, info.device))
 
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
@@ -386,7 +393,8 @@ def main():
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
             return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
-                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens)
+                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens, pack=args.pack,
+                                   same_count_group=expert_peers)  # (all-to-all in every pass)
 
         # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
@@ -442,18 +450,18 @@ def main():
                 scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def actor_loss_fn(mb, logits):
-                    mb_mask = mb["mask"]
+                    mb_mask, norm_mb = mb["mask"], dict(norm, seq_ids=mb.get("seq"))  # seq: packed samples
                     logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
                                                                    args.temperature, compute_entropy=True)
                     per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
                                                         args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
-                                                        sequence_mask=mb_mask if args.gspo else None)
-                    loss = rl.aggregate_loss(per_token, mb_mask, args.loss_agg, **norm)
+                                                        sequence_mask=mb_mask if args.gspo else None, seq_ids=mb.get("seq"))
+                    loss = rl.aggregate_loss(per_token, mb_mask, args.loss_agg, **norm_mb)
                     if reference is not None and args.kl_mode == "loss":
                         kl_loss = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
-                        loss = loss + args.kl_coef * rl.aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm)
+                        loss = loss + args.kl_coef * rl.aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
                     if args.entropy_coef:
-                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mb_mask, args.loss_agg, **norm)
+                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
                     n = mb_mask.sum()
                     return loss * scale, {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
                                           "entropy": rl.masked_sum(entropy.detach(), mb_mask), "entropy__n": n,

@@ -102,7 +102,7 @@ class SDPAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is not None:
-            raise NotImplementedError("SDPAttention: packed sequences (thd) need TE (--attention te)")
+            return self._packed(query, key, value, packed_seq_params)
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention: attention_bias is not supported")
         sq, b = query.shape[:2]
@@ -137,3 +137,50 @@ class SDPAttention(MegatronModule):
                                                  scale=self.softmax_scale)
         # (b, heads, sq, d) -> (sq, b, heads * d)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, params):
+        """Packed samples (megatron's THD format: common/batch.py:packed_micro_batches):
+        query (t, heads/tp, d), key/value (t, groups/tp, d), every sample its own causal
+        attention, RoPE positions restarting at each cu_seqlens boundary. On a GPU in
+        bf16/fp16: torch's varlen flash attention (no (t, t) anything); elsewhere SDPA with
+        the block-diagonal causal mask (the CPU tests' path). -> (t, heads/tp * d)."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention: packed format {params.qkv_format!r} (only 'thd')")
+        cu = params.cu_seqlens_q
+        t = query.shape[0]
+        index = torch.arange(t, device=query.device, dtype=cu.dtype)
+        seg = torch.searchsorted(cu, index, right=True) - 1  # (t,) sample of each token
+        if self.rotary is not None:
+            freqs = self.rotary(params.max_seqlen_q)[(index - cu[seg]).long()]  # (t, 1, 1, d): own positions
+            query = apply_rope(query.unsqueeze(1), freqs).squeeze(1)
+            key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
+        gqa = self.heads_per_partition != self.groups_per_partition
+        if varlen_usable(query):
+            from torch.nn.attention.varlen import varlen_attn
+
+            out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
+                              scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=gqa)  # (-1, 0): causal
+        else:
+            allowed = (seg[:, None] == seg[None, :]) & (index[:, None] >= index[None, :])  # (t, t)
+            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # (1, heads, t, d)
+            if gqa:
+                repeat = self.heads_per_partition // self.groups_per_partition
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+            out = out.squeeze(0).permute(1, 0, 2)  # (t, heads, d)
+        return out.reshape(t, self.hidden_size_per_partition)
+
+
+def varlen_usable(query):
+    """torch's varlen attention runs: flash attention, CUDA, half precision (VARLEN = False
+    forces the masked-SDPA path, e.g. to compare the two on a GPU)."""
+    if not (VARLEN and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    try:
+        from torch.nn.attention import varlen  # noqa: F401  (torch >= 2.10)
+    except ImportError:
+        return False
+    return True
+
+
+VARLEN = True

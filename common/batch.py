@@ -3,6 +3,8 @@
   gather_samples(local)            every rank gets the global list (rollout replicas differ)
   pack_sequences(samples, ...)     prompt+response, right-padded, with the response mask
   micro_batches(batch, rows, ...)  a rank's rows -> micro-batches of similar lengths, padding cut
+  packed_micro_batches(...)        ... or samples back to back in one row per pass (no padding)
+  scatter_tokens(store, mb, x)     a pass's per-token output back into the (N, T) layout
   run_micro_batches(...)           megatron's forward(-backward) schedule over micro-batches
   train_step(...)                  zero grads, forward-backward, optimizer + scheduler step
   reduce_metrics(...)              per-micro-batch sums -> global means on every rank
@@ -70,7 +72,8 @@ def split_micro_batches(batch: dict, micro_batch_size):
     return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
-def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_length=False, max_tokens=0):
+def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_length=False, max_tokens=0,
+                  pack=False, same_count_group=None):
     """Rows `rows` of a packed batch -> micro-batches with as little padding as possible.
 
     The rows are ordered by length (stable), so each micro-batch holds sequences of similar
@@ -90,9 +93,18 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
       len(result), not by a count computed beforehand.
     same_length: cut every micro-batch at the longest of them all (megatron's pipeline
     schedules exchange activations of one shape: PP > 1 or VPP).
+    pack: packed_micro_batches instead, passes of up to max_tokens tokens (0: micro_batch_size
+      full-width rows' worth, the most a padded pass could hold).
+    same_count_group: a process group whose ranks must run as many micro-batches as each
+      other (their passes meet in collectives: the all-to-all of expert parallelism). With
+      --micro-batch-tokens or packing the count depends on the lengths, so every rank takes
+      the group's largest and splits its biggest passes to get there.
     """
     mask = batch["mask"]
     width = mask.shape[1]
+    if pack:
+        return packed_micro_batches(batch, rows, max_tokens or micro_batch_size * width, length_multiple, same_length,
+                                    same_count_group)
     # position after each row's last predicted token (0 for a row with none)
     ends = torch.where(mask.any(1), width - mask.flip(1).argmax(1), 0)  # (N,)
     rows = rows[torch.argsort(ends[rows], stable=True)]
@@ -110,6 +122,9 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
             groups[-1].append(i)
         else:
             groups.append([i])
+    if max_tokens > 0:
+        groups = _split_to(groups, _largest_count(len(groups), same_count_group),
+                           lambda g: len(g) * cut_of(ends[rows[g[-1]]]))
     result = []
     for group in groups:
         picked = rows[group[0]:group[-1] + 1]
@@ -117,6 +132,106 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
         result.append({k: (v[picked, :cut] if v.dim() == 2 and v.shape[1] == width else v[picked])
                        for k, v in batch.items()})
     return result
+
+
+def _largest_count(count, group):
+    """The largest of the ranks' micro-batch counts in `group` (all of them call this)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return count
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    value = torch.tensor([count], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return int(value.item())
+
+
+def _split_to(groups, count, size_of):
+    """Split the biggest groups (size_of) of two or more into halves until there are `count`
+    (each group keeps its order). A rank holds at least `count` rows, so this ends."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        biggest = max((g for g in groups if len(g) > 1), key=size_of)
+        index = groups.index(biggest)
+        groups[index:index + 1] = [biggest[:len(biggest) // 2], biggest[len(biggest) // 2:]]
+    return groups
+
+
+def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_length=False, same_count_group=None):
+    """Rows `rows` of a padded batch -> micro-batches of ONE row each, holding whole samples
+    back to back with no padding between them ("sequence packing", megatron's THD format):
+
+        tokens   a0 a1 a2 a3 b0 b1 c0 c1 c2 pad      (samples a, b, c of one pass)
+        positions 0  1  2  3  0  1  0  1  2  0        (RoPE restarts in every sample)
+        seq       0  0  0  0  1  1  2  2  2  3        (sample of each token; the tail is its own)
+        cu_seqlens [0, 4, 6, 9, 10], max_seqlen 4     (attention stays inside each sample)
+
+    A sample keeps its prompt and response up to its last predicted position (what the
+    padded layout's cut keeps). Samples go into passes first-fit by decreasing length, so a
+    pass holds up to max_tokens tokens (a longer sample gets a pass of its own); each pass is
+    then padded at its end to length_multiple (sequence parallelism needs T % tp == 0), or
+    with same_length to the longest pass (megatron's pipeline schedules need one shape).
+    Every (N, T) tensor of `batch` is gathered into this layout (0 at the tail), (N,) tensors
+    become one entry per sample (k,), and src_row / src_col say where each token came from
+    (the tail: row N, a spare row for scatter_tokens). The math of every per-token term is
+    unchanged; per-sequence terms (rl.aggregate_loss's seq modes, GSPO) take `seq`.
+    same_count_group: as micro_batches'."""
+    mask = batch["mask"]
+    num_rows, width = mask.shape
+    # tokens a sample needs: up to its last predicted position (at least one, so that a sample
+    # with nothing to predict still has its place and every pass has a token)
+    ends = torch.where(mask.any(1), width - mask.flip(1).argmax(1), 1).clamp(min=1)
+    bins, loads = [], []
+    for r in rows[torch.argsort(ends[rows], descending=True, stable=True)].tolist():
+        n = int(ends[r])
+        fit = next((b for b, load in enumerate(loads) if load + n <= max_tokens), None)
+        if fit is None:
+            bins.append([r])
+            loads.append(n)
+        else:
+            bins[fit].append(r)
+            loads[fit] += n
+    bins = _split_to(bins, _largest_count(len(bins), same_count_group), lambda b: sum(int(ends[r]) for r in b))
+    loads = [sum(int(ends[r]) for r in b) for b in bins]
+    rounded = [-(-load // length_multiple) * length_multiple for load in loads]
+    result = []
+    for members, load, length in zip(bins, loads, [max(rounded)] * len(bins) if same_length else rounded):
+        lengths = [int(ends[r]) for r in members] + ([length - load] if length > load else [])
+        seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        starts = torch.tensor([0] + lengths).cumsum(0)
+        positions = torch.arange(length) - starts[seg]
+        real = seg < len(members)
+        src_row = torch.where(real, torch.tensor(members + [num_rows])[seg], num_rows)
+        src_col = torch.where(real, positions, 0)
+        mb = {}
+        for key, value in batch.items():
+            if value.dim() == 2 and value.shape == mask.shape:
+                gathered = value[src_row.clamp(max=num_rows - 1), src_col]
+                mb[key] = torch.where(real, gathered, torch.zeros((), dtype=value.dtype))[None]  # (1, length)
+            elif value.dim() >= 1 and value.shape[0] == num_rows:
+                mb[key] = value[members]
+        mb.update(positions=positions[None], seq=seg[None], src_row=src_row[None], src_col=src_col[None],
+                  cu_seqlens=starts.to(torch.int32), max_seqlen=max(lengths))
+        result.append(mb)
+    return result
+
+
+def scatter_tokens(store, mb, values):
+    """A pass's per-token values (b, T_mb) into store (N + 1, T), at the positions its tokens
+    came from: rows mb["row"] of a padded micro-batch, or src_row/src_col of a packed one
+    (whose tail lands in the spare last row). No host sync."""
+    if "src_row" in mb:
+        store[mb["src_row"], mb["src_col"]] = values
+    else:
+        store[mb["row"], :values.shape[1]] = values
+
+
+def packed_seq_params(mb):
+    """megatron's PackedSeqParams of a packed micro-batch (None for a padded one)."""
+    if "cu_seqlens" not in mb:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+                           max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
 
 
 def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device):
@@ -135,8 +250,9 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
         # drain first; from pinned memory it does not (the host keeps launching ahead). An
         # expand()ed tensor cannot be pinned as it is: contiguous() first (a no-op otherwise).
         mb = {k: (v.contiguous().pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True)
-              for k, v in next(data_iterator).items()}
-        logits = model(mb["tokens"], mb["positions"], None)  # last stage: (B, T, V/tp)
+              if torch.is_tensor(v) else v for k, v in next(data_iterator).items()}
+        packed = packed_seq_params(mb)  # packed rows: attention confined to each sample
+        logits = model(mb["tokens"], mb["positions"], None, **({"packed_seq_params": packed} if packed else {}))
         return logits, lambda output: loss_fn(mb, output)
 
     # the pipeline schedules need one shape (micro_batches(same_length=True)); without a

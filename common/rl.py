@@ -184,6 +184,17 @@ def masked_sum(x, mask, dim=None):
     return x.sum() if dim is None else x.sum(dim)
 
 
+def sequence_sums(x, mask, seq_ids=None):
+    """Per-sequence masked sums of x (B, T): over each row (B,), or, for packed rows where one
+    row holds several samples, over the tokens of each id in seq_ids (B, T) (ids < B*T; one
+    entry per possible id, 0 where the id is unused)."""
+    if seq_ids is None:
+        return masked_sum(x, mask, dim=-1)
+    mask = mask.to(x.dtype)
+    values = torch.where(mask != 0, x * mask, torch.zeros_like(x)).reshape(-1)
+    return torch.zeros(values.numel(), dtype=x.dtype, device=x.device).index_add_(0, seq_ids.reshape(-1), values)
+
+
 def masked_mean(x, mask, dim=None):
     """Mean of x over valid positions; 0 (not nan) where nothing is valid."""
     count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
@@ -264,7 +275,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2, is_weights=None, dual_clip=0.0,
-                sequence_mask=None):
+                sequence_mask=None, seq_ids=None):
     """PPO clipped surrogate (Schulman et al. 2017), per token, to be minimised:
         loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A),  ratio = pi / pi_old
     clip_high > clip_low is DAPO's clip-higher (Yu et al. 2025, e.g. 0.2 / 0.28): it lets
@@ -276,6 +287,7 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     clipped per sequence; in the per-token form of the paper (GSPO-token) every token of row i
     gets the ratio sg(s_i) * pi(y_t) / sg(pi(y_t)): value s_i, gradient s_i * grad log pi(y_t).
     With per-sequence advantages and seq_mean_token_mean aggregation this is GSPO's gradient.
+    seq_ids (B, T): the sequence of each token where rows are packed (sequence_sums).
     The paper's clip range is tiny, as a sequence ratio moves little: clip_low 3e-4, clip_high 4e-4.
 
     logprobs (B, T) with grad; old_logprobs (B, T); advantages (B,) (one per sequence, GRPO) or
@@ -290,7 +302,12 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     log_ratio = logprobs - old_logprobs  # (B, T)
     if sequence_mask is not None:  # GSPO: the row's mean log-ratio, its gradient per token
         mask = sequence_mask.to(log_ratio.dtype)
-        seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        if seq_ids is None:
+            seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        else:  # each packed sample's own mean, back on its tokens
+            counts = sequence_sums(torch.ones_like(log_ratio), mask, seq_ids)
+            ratios = sequence_sums(log_ratio, mask, seq_ids) / counts.clamp(min=1)
+            seq_log_ratio = ratios[seq_ids]
         log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
     # log-ratio capped at 20 (ratio 5e8): exp overflowing to inf would turn a zero gradient
     # through min() into 0 * inf = nan. Such a ratio is clipped (A > 0) or pathological anyway.
@@ -309,7 +326,7 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     return loss, clipped
 
 
-def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_len=None):
+def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_len=None, seq_ids=None):
     """Reduce a (B, T) per-token loss to a scalar; `mode` is one of:
         "token_mean"              sum of all valid token losses / num_tokens        (DAPO)
         "seq_mean_token_mean"     mean over each row's valid tokens, then / num_seqs (GRPO)
@@ -327,6 +344,8 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
         max_len:    one constant for every micro-batch, the generation budget (max new tokens),
                     not the padded width of this micro-batch.
     Defaults (None) are this call's local values (mask.sum(), B, T): right for a single batch.
+    seq_ids (B, T): packed rows (common/batch.py:packed_micro_batches), where a sequence is
+    the tokens of one id, not a row; pass num_seqs and max_len explicitly then.
     Summing the shares over micro-batches then gives each rank Sum_k L_k, and SUMMING gradients
     over DP ranks would give grad L. Megatron undoes part of that, so the caller rescales:
       - megatron DDP averages gradients over the DP group (divides by dp_size, unless
@@ -343,9 +362,10 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
         num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
         return masked_sum(per_token, mask) / num_tokens
     num_seqs = per_token.shape[0] if num_seqs is None else num_seqs
-    seq_sums = masked_sum(per_token, mask, dim=-1)  # (B,)
+    seq_sums = sequence_sums(per_token, mask, seq_ids)  # (B,), or one per possible id
     if mode == "seq_mean_token_mean":
-        seq_losses = seq_sums / mask.sum(dim=-1).clamp(min=1)  # a row with no valid token adds 0
+        counts = sequence_sums(torch.ones_like(per_token), mask, seq_ids)  # valid tokens per sequence
+        seq_losses = seq_sums / counts.clamp(min=1)  # a sequence with no valid token adds 0
     elif mode == "seq_mean_token_sum_norm":
         seq_losses = seq_sums / (per_token.shape[1] if max_len is None else max_len)
     else:

@@ -124,12 +124,14 @@ def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
 
 
 def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
-    """train_ppo.py's actor and critic share the MoE body at EP=2: both log their expert load."""
+    """train_ppo.py's actor and critic share the MoE body at EP=2: both log their expert load.
+    With --pack and --micro-batch-tokens the two ranks' pass counts depend on their samples'
+    lengths; they must agree (the all-to-all of every pass), else this hangs."""
     from tests.conftest import read_metrics
 
     run_torchrun("train_ppo.py", 2, "--embedded-model", "moe", "--ep", 2, "--steps", 3, "--prompts-per-step", 8,
                  "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16, "--eval-every", 0,
-                 "--log-samples-every", 0, "--out", tmp_path)
+                 "--pack", "--micro-batch-tokens", 48, "--log-samples-every", 0, "--out", tmp_path, timeout=400)
     rows = read_metrics(tmp_path)
     assert len(rows) == 3
     for m in rows:

@@ -81,7 +81,8 @@ def saved_rollouts(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2", "--sp"], ["--pp", "2"], []], ids=["tp2_sp", "pp2", "dp2"])
+# (tp2_sp also packs its passes: packed at TP=2 + SP vs padded in one process)
+@pytest.mark.parametrize("layout", [["--tp", "2", "--sp", "--pack"], ["--pp", "2"], []], ids=["tp2_sp_pack", "pp2", "dp2"])
 def test_layouts_match_single_process(layout, saved_rollouts, tmp_path):
     run_torchrun("train_grpo.py", 2, *SMALL, "--steps", 2, *layout, "--out", tmp_path,
                  "--load-rollouts", saved_rollouts / "rollouts")
