@@ -32,6 +32,7 @@ products, a cat for rotate_half, a sum, a cat with the empty non-rotary part), f
 backward, in every layer. Positions are 0..T-1 of each row: right-padded rows, no packing
 (the layout of common/batch.py).
 """
+import functools
 import math
 
 import torch
@@ -158,8 +159,14 @@ class SDPAttention(MegatronModule):
         if varlen_usable(query):
             from torch.nn.attention.varlen import varlen_attn
 
+            gqa_flag = {}
+            if gqa and _varlen_takes_gqa():
+                gqa_flag = dict(enable_gqa=True)
+            elif gqa:  # torch < 2.13's varlen_attn: one k/v head per query head
+                repeat = self.heads_per_partition // self.groups_per_partition
+                key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
             out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
-                              scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=gqa)  # (-1, 0): causal
+                              scale=self.softmax_scale, window_size=(-1, 0), **gqa_flag)  # (-1, 0): causal
         else:
             allowed = (seg[:, None] == seg[None, :]) & (index[:, None] >= index[None, :])  # (t, t)
             q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # (1, heads, t, d)
@@ -184,3 +191,12 @@ def varlen_usable(query):
 
 
 VARLEN = True
+
+
+@functools.cache
+def _varlen_takes_gqa():
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters

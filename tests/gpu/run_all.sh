@@ -32,6 +32,8 @@ if [ "$MODE" != 2gpu ] && [ "$MODE" != exit ]; then
 run "offload (1 GPU, DP=2 if 2)" 300 python -m pytest -q -s -p no:cacheprovider tests/test_offload.py
 run "sdpa 1 GPU"             300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_sdpa_gpu.py
 run "fused logprobs 1 GPU"   300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_logprobs_gpu.py
+# packed passes (varlen flash attention) vs padded ones, bf16 vs an fp32 reference
+run "packing 1 GPU"          300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_packing_gpu.py
 # vLLM through torchrun even on one GPU: its __main__ ends with os._exit (an in-process
 # engine can hang interpreter shutdown, which pytest would wait for)
 run "vllm agreement 1 GPU"   400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_vllm_agreement.py
