@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.bridge import RECOMPUTE_MODULES, recompute_config
 from common.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.preflight import check_training_run
 
@@ -108,6 +109,14 @@ def build_parser():
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="instead of --micro-batch-size, fill each forward pass with length-sorted samples up to this many "
                         "tokens per rank (samples x padded length; 0 = off): fewer, fuller passes (docs/benchmarks.md)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recompute (less memory, more compute): selective = the --recompute-modules of "
+                        "every layer, full = whole layers, --recompute-layers at a time")
+    p.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES), default=["core_attn"],
+                   help="with --recompute selective: megatron's recompute_modules (mlp, moe, moe_act, "
+                        "shared_experts: MLP / MoE activations; core_attn: the attention kernel)")
+    p.add_argument("--recompute-layers", type=int, default=1,
+                   help="with --recompute full: layers per recomputed chunk (megatron's recompute_num_layers)")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
                    help="sequence packing: each forward pass is one row of whole samples back to back, no padding, "
                         "attention confined to each sample; up to --micro-batch-tokens tokens per pass (0: "
@@ -213,7 +222,8 @@ def main():
     # ---- policy (trained), reference (frozen) ----------------------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
     model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
-                  moe_aux_loss_coef=args.moe_aux_loss_coef)
+                      moe_aux_loss_coef=args.moe_aux_loss_coef,
+                      **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
 
     def load_model():
         chunks = build_model(spec, dtype=dtype, **model_args)

@@ -119,18 +119,14 @@ def build_parser():
 
 
 def recompute_overrides(recompute, modules, num_layers):
-    """--recompute -> megatron TransformerConfig fields (megatron-core 0.16.1 checks: 'full'
-    needs recompute_method and recompute_num_layers; 'selective' must leave them unset)."""
-    if recompute == "none":
-        return {}
-    if recompute == "selective":
-        if "layernorm" in modules and importlib.util.find_spec("transformer_engine") is None:
-            # megatron-core 0.16.1 tensor_parallel/random.py: CheckpointWithoutOutput() sets
-            # self.fp8 = (fp8 is not None), True for its default fp8=False, and then calls TE's
-            # FP8GlobalStateManager, a NameError without TE.
-            raise SystemExit("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.16.1")
+    """--recompute -> megatron TransformerConfig fields (common/bridge.py:recompute_config)."""
+    from common.bridge import recompute_config
+
+    if recompute == "selective" and "layernorm" in modules and importlib.util.find_spec("transformer_engine") is None:
+        raise SystemExit("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.16.1")
+    if "layernorm" in modules and recompute == "selective":
         return dict(recompute_granularity="selective", recompute_modules=list(modules))
-    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=num_layers)
+    return recompute_config(recompute, modules, num_layers)
 
 
 def make_batch(spec, num_seqs, seq_len, seed):

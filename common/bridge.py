@@ -199,6 +199,28 @@ def padded_vocab_size(vocab_size, tp):
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts")  # selective, without TE
+
+
+def recompute_config(recompute="none", modules=("core_attn",), num_layers=1):
+    """--recompute -> megatron TransformerConfig fields: activation recompute trades compute
+    for memory. "selective" recomputes `modules` of every layer in the backward (megatron's
+    recompute_modules; "layernorm" needs TE in megatron-core 0.16.1: its checkpoint helper
+    calls TE's FP8 state manager); "full" stores only each chunk of num_layers layers' input
+    and recomputes the chunk (recompute_method "uniform")."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(f"recompute modules {unknown} are not available without TransformerEngine; "
+                             f"choose from {', '.join(RECOMPUTE_MODULES)}")
+        return dict(recompute_granularity="selective", recompute_modules=list(modules))
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=num_layers)
+    raise ValueError(f"recompute={recompute!r}: none, selective or full")
+
+
 def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, sequence_parallel=False,
                        params_dtype=torch.float32, use_cpu_initialization=False, moe_aux_loss_coef=None, **overrides):
     """megatron TransformerConfig equal to the HF architecture. `overrides` reach the

@@ -60,7 +60,7 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
 def _check_numbers(args, min_group):
     a = vars(args)
     positive = ["tp", "pp", "ep", "etp", "rollout_tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps",
-                "micro_batch_size", "ppo_epochs", "keep_checkpoints", "sync_bucket_mb", "max_prompt_len"]
+                "micro_batch_size", "ppo_epochs", "keep_checkpoints", "sync_bucket_mb", "max_prompt_len", "recompute_layers"]
     for name in positive:
         if a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")

@@ -1,14 +1,15 @@
-"""Sequence packing (issue 17): samples back to back in one row per pass, no padding.
+"""Long sequences (issue 17): sequence packing and activation recompute.
 
-    .venv/bin/python -m pytest -q tests/test_packing.py
+    .venv/bin/python -m pytest -q tests/test_long_sequences.py
 
+Packing puts samples back to back in one row per pass, no padding.
 Ground truth: the padded micro-batches (common/batch.py:micro_batches), which are exact
 against transformers (tests/test_model_parity.py). tests/packing_worker.py scores the same
 samples both ways with tiny fp32 models at 1 rank, TP=2+SP, PP=2 and EP=2 (gloo): logprobs,
 the gradient of a loss with both per-sequence terms (GSPO's ratio, seq_mean_token_mean),
 and a critic's values and gradient. A negative control (the packed rows scored as one
 sequence each) must differ. The layout itself is checked by hand, and train_grpo.py's first
-step with --pack against the same step without it.
+step with --pack, and with --recompute selective / full, against the same step with neither.
 """
 import json
 
@@ -124,14 +125,71 @@ def test_sequence_terms_with_packed_ids_by_hand():
     assert torch.allclose(-loss[0, :5], ratios)
 
 
-def test_grpo_first_step_with_and_without_packing(tmp_path):
+GRPO_STEP = ["--steps", 1, "--eval-every", 0, "--log-samples-every", 0, "--prompts-per-step", 8,
+             "--samples-per-prompt", 4, "--mini-batch-size", 16, "--micro-batch-size", 4, "--ppo-epochs", 2]
+
+
+@pytest.fixture(scope="module")
+def grpo_baseline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo_baseline")
+    run_script("train_grpo.py", *GRPO_STEP, "--out", out)
+    return read_metrics(out)[0]
+
+
+@pytest.mark.parametrize("flags", [["--pack"], ["--recompute", "full", "--recompute-layers", "2"],
+                                   ["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"]],
+                         ids=["pack", "recompute_full", "recompute_selective"])
+def test_grpo_first_step_equals_the_plain_one(flags, grpo_baseline, tmp_path):
     """train_grpo.py on the embedded model, one process: the first step's loss, entropy, grad
-    norm and KL with --pack equal those without it (same rollouts, same weights)."""
-    common = ["--steps", 1, "--eval-every", 0, "--log-samples-every", 0, "--prompts-per-step", 8,
-              "--samples-per-prompt", 4, "--mini-batch-size", 16, "--micro-batch-size", 4, "--ppo-epochs", 2]
-    run_script("train_grpo.py", *common, "--out", tmp_path / "padded")
-    run_script("train_grpo.py", *common, "--pack", "--out", tmp_path / "packed")
-    padded, packed = read_metrics(tmp_path / "padded")[0], read_metrics(tmp_path / "packed")[0]
+    norm and KL (4 optimizer steps: 2 epochs x 2 mini-batches) with packing or activation
+    recompute equal those without (same rollouts, same weights, fp32)."""
+    run_script("train_grpo.py", *GRPO_STEP, *flags, "--out", tmp_path)
+    row = read_metrics(tmp_path)[0]
     for key in ("policy_loss", "entropy", "grad_norm", "kl", "first_update_logprob_err", "reward_mean"):
-        print(key, padded[key], packed[key])
-        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+        print(key, grpo_baseline[key], row[key])
+        assert row[key] == pytest.approx(grpo_baseline[key], rel=1e-4, abs=1e-6), key
+
+
+def test_recompute_runs_megatrons_checkpointing(tmp_path):
+    """--recompute maps to megatron's fields, and megatron really recomputes: its checkpoint
+    function runs in the forward (once per layer chunk for full, per module for selective),
+    never without recompute. Unknown modules are refused."""
+    from tests.conftest import run_script as run
+
+    script = tmp_path / "count.py"
+    script.write_text(f'''
+import json, sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+from megatron.core.tensor_parallel import random as mrandom
+from common.bridge import recompute_config
+from common.dist import init_distributed
+from common.embedded import DEFAULT_CONFIG
+from common.model import build_model
+from common.bridge import parse_hf_config
+from common.embedded import hf_config
+init_distributed()
+spec = parse_hf_config(hf_config(DEFAULT_CONFIG))
+calls = {{"n": 0}}
+original = mrandom.CheckpointFunction.apply
+def counted(*args):
+    calls["n"] += 1
+    return original(*args)
+mrandom.CheckpointFunction.apply = counted
+counts = {{}}
+for name, fields in (("none", recompute_config()), ("full", recompute_config("full", num_layers=1)),
+                     ("selective", recompute_config("selective", ["core_attn"]))):
+    model = build_model(spec, init_weights=True, **fields)[0]
+    model.train()
+    calls["n"] = 0
+    ids = torch.randint(0, spec.vocab_size, (2, 16))
+    model(ids, torch.arange(16)[None], None).sum().backward()
+    counts[name] = calls["n"]
+print("COUNTS " + json.dumps(dict(counts, layers=spec.num_layers)))
+''')
+    proc = run(str(script))
+    counts = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("COUNTS "))[7:])
+    assert counts["none"] == 0 and counts["full"] == counts["layers"] and counts["selective"] == counts["layers"]
+    from common.bridge import recompute_config
+
+    with pytest.raises(ValueError, match="layernorm"):
+        recompute_config("selective", ["layernorm"])
