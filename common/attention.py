@@ -29,8 +29,9 @@ position_embedding_type="none" (common/model.py) so megatron does not rotate the
 same rotation, but megatron-core 0.16.1 applies it without TransformerEngine as ~10 separate
 elementwise kernels per tensor (rope_utils._apply_rotary_pos_emb_bshd: cos, sin, casts, two
 products, a cat for rotate_half, a sum, a cat with the empty non-rotary part), forward and
-backward, in every layer. Positions are 0..T-1 of each row: right-padded rows, no packing
-(the layout of common/batch.py).
+backward, in every layer. Positions are 0..T-1 of each row (right-padded rows), or, for
+packed rows (megatron's THD format, common/batch.py:packed_micro_batches), each sample's own,
+from the cu_seqlens of the PackedSeqParams megatron passes through (SDPAttention._packed).
 """
 import functools
 import math
