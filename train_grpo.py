@@ -68,6 +68,8 @@ def build_parser():
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1; MoE models with --tp > 1 need it)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models): each pipeline stage's ranks split the experts over ep ranks, tokens go to them by all-to-all")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models): each expert's weights split over etp ranks")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size: every sequence of the trainer's passes split over cp ranks "
+                   "(2*cp chunks, balanced for causal attention; keys/values all-gathered), for sequences that do not fit one GPU")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     # --- rollout
@@ -190,7 +192,7 @@ def main():
     from common.training import setup_training
     from megatron.core import parallel_state as mpu
 
-    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed)
+    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
     print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
@@ -221,7 +223,7 @@ def main():
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
-    model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
+    model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
                       moe_aux_loss_coef=args.moe_aux_loss_coef,
                       **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
 
@@ -284,6 +286,8 @@ def main():
     tp_group = mpu.get_tensor_model_parallel_group()
     # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
     expert_peers = mpu.get_data_parallel_group() if spec.moe and args.ep * args.etp > 1 else None
+    # sequence lengths: SP splits a (CP rank's part of a) sequence over TP, CP cuts it into 2*cp chunks
+    multiple = 8 * args.tp * (2 * args.cp if args.cp > 1 else 1)
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
     def logprob_pass(chunks, mbs, store):
@@ -297,8 +301,8 @@ def main():
             return logprobs.sum() * 0, {}
         with torch.no_grad():
             B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
-        # each DP rank filled its own rows: sum, so every rank has all rows (any mini-batch order)
-        store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(), info.device))
+        # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
+        store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
 
     # every pinned host buffer now (Adam's state included): the first steps would pay seconds for them
     for off in ([optim_off] if offload_optimizer else []) + ([policy_off] if offload_params else []):
@@ -379,7 +383,7 @@ def main():
 
         # ---- 4. advantages: group-normalised reward, the same for every token of a sample
         advantages = rl.group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)
-        batch = B.pack_sequences(samples, pad_id, length_multiple=8 * args.tp)  # (N, T) tensors
+        batch = B.pack_sequences(samples, pad_id, length_multiple=multiple)  # (N, T) tensors
         if args.mask_truncated:  # DAPO's overlong filtering: a cut-off response says nothing of its answer
             batch["mask"][torch.tensor([s.finish_reason == "length" for s in samples])] = 0.0
         batch["advantages"] = advantages[:, None] * batch["mask"]
@@ -391,7 +395,7 @@ def main():
             rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
-            return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=8 * args.tp,
+            return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=multiple,
                                    same_length=args.pp > 1, max_tokens=args.micro_batch_tokens, pack=args.pack,
                                    same_count_group=expert_peers)  # (all-to-all in every pass)
 
@@ -434,7 +438,7 @@ def main():
                 scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def loss_fn(mb, logits):
-                    mask, norm_mb = mb["mask"], dict(norm, seq_ids=mb.get("seq"))  # seq: packed samples
+                    mask, norm_mb = mb["mask"], dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))  # packing / CP
                     logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
                                                                    args.temperature, compute_entropy=True)
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]

@@ -71,8 +71,6 @@ class SDPAttention(MegatronModule):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         # What this module does not implement fails here, at build time, not silently later.
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention: context parallelism needs TE (--attention te)")
         if getattr(config, "window_size", None) is not None:
             raise NotImplementedError("SDPAttention: sliding-window attention is not implemented")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -82,8 +80,10 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention: attention dropout (RL runs use 0.0)")
 
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+                required_pgs=["tp", "cp"] if config.context_parallel_size > 1 else ["tp"])
         tp_size = pg_collection.tp.size()
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
@@ -105,6 +105,8 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value)
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention: attention_bias is not supported")
         sq, b = query.shape[:2]
@@ -177,6 +179,40 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
             out = out.squeeze(0).permute(1, 0, 2)  # (t, heads, d)
         return out.reshape(t, self.hidden_size_per_partition)
+
+
+    def _context_parallel(self, query, key, value):
+        """Context parallelism (common/batch.py:context_parallel_slice): this rank holds chunks
+        r and 2cp-1-r of every sequence (q, k, v (s, b, ., d), s = 2 chunks). Its keys and
+        values are all-gathered over the CP group (the Llama 3 recipe; the backward
+        reduce-scatters their gradients back), and each query attends every key at a global
+        position <= its own, through SDPA with that (s, cp*s) mask. RoPE uses the global
+        positions."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        sq = query.shape[0]
+        chunk = sq // 2
+
+        def positions(r):  # global positions of CP rank r's tokens
+            return torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                              torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]).to(query.device)
+
+        q_pos = positions(rank)
+        if self.rotary is not None:
+            freqs = self.rotary(sq * cp)  # megatron's module keeps this CP rank's positions (same layout)
+            freqs = freqs if freqs.shape[0] == sq else freqs[q_pos]  # (s, 1, 1, d)
+            query, key = apply_rope(query, freqs), apply_rope(key, freqs)
+        key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
+                      for x in (key, value))  # (cp * s, b, groups, d), rank after rank
+        k_pos = torch.cat([positions(r) for r in range(cp)])
+        allowed = k_pos[None, :] <= q_pos[:, None]  # (s, cp * s): causal in global positions
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        repeat = self.heads_per_partition // self.groups_per_partition
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, q.shape[0], self.hidden_size_per_partition)
 
 
 def varlen_usable(query):

@@ -224,6 +224,28 @@ def scatter_tokens(store, mb, values):
         store[mb["row"], :values.shape[1]] = values
 
 
+def context_parallel_slice(mb, cp_size, cp_rank):
+    """This context-parallel rank's part of a padded micro-batch: the T positions cut into
+    2 * cp_size chunks, rank r keeping chunks r and 2*cp_size - 1 - r (megatron's layout: each
+    rank gets as much causal-attention work as the others; common/attention.py attends over
+    the other ranks' keys and values). Adds src_row / src_col (where each kept token sits in
+    the padded batch, for scatter_tokens) and seq_counts (b,), the valid tokens of each whole
+    row (rl.aggregate_loss's per-sequence mean needs the full count, not this rank's)."""
+    if "cu_seqlens" in mb:
+        raise NotImplementedError("context parallelism with packed rows")
+    b, width = mb["tokens"].shape
+    chunk = width // (2 * cp_size)
+    if chunk * 2 * cp_size != width:
+        raise ValueError(f"context parallelism needs the micro-batch length ({width}) divisible by 2 * cp")
+    cols = torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)])
+    local = {k: (v[:, cols] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width else v)
+             for k, v in mb.items()}
+    local.update(src_row=mb["row"][:, None].expand(b, len(cols)), src_col=cols.expand(b, len(cols)),
+                 seq_counts=mb["mask"].sum(1))
+    return local
+
+
 def packed_seq_params(mb):
     """megatron's PackedSeqParams of a packed micro-batch (None for a padded one)."""
     if "cu_seqlens" not in mb:
@@ -243,7 +265,14 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
     over data-parallel ranks): the caller's normaliser accounts for both.
     Returns the list of metrics dicts (last pipeline stage; empty elsewhere).
     """
+    from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size > 1:  # this rank's part of every sequence; megatron's schedule divides seq_length by cp itself
+        cp_rank = mpu.get_context_parallel_rank()
+        micro_batches = [dict(context_parallel_slice(mb, cp_size, cp_rank), full_length=mb["tokens"].shape[1])
+                         for mb in micro_batches]
 
     def forward_step(data_iterator, model):
         # from pageable host memory a "non_blocking" copy still waits for the GPU's queue to
@@ -257,7 +286,7 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
 
     # the pipeline schedules need one shape (micro_batches(same_length=True)); without a
     # pipeline every micro-batch may have its own length
-    seq_length = max(mb["tokens"].shape[1] for mb in micro_batches)
+    seq_length = max(mb.get("full_length", mb["tokens"].shape[1]) for mb in micro_batches)
     micro_batch_size = micro_batches[0]["tokens"].shape[0]
     return get_forward_backward_func()(
         forward_step_func=forward_step,

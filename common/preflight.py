@@ -59,7 +59,7 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
 
 def _check_numbers(args, min_group):
     a = vars(args)
-    positive = ["tp", "pp", "ep", "etp", "rollout_tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps",
+    positive = ["tp", "pp", "cp", "ep", "etp", "rollout_tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps",
                 "micro_batch_size", "ppo_epochs", "keep_checkpoints", "sync_bucket_mb", "max_prompt_len", "recompute_layers"]
     for name in positive:
         if a[name] < 1:
@@ -209,10 +209,15 @@ def _check_mcore_ckpt(path, spec):
 
 def _check_layout(args, spec):
     world = launcher_world_size()
-    model_parallel = args.tp * args.pp
+    model_parallel = args.tp * args.pp * args.cp
     if world % model_parallel:
-        raise UsageError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} = {model_parallel}: "
-                         "start a multiple of tp*pp processes")
+        raise UsageError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} x --cp {args.cp} = "
+                         f"{model_parallel}: start a multiple of tp*pp*cp processes")
+    if args.cp > 1:  # what context parallelism does not cover yet
+        for flag, on in (("--pack", args.pack), ("--gspo", getattr(args, "gspo", False)),
+                         ("--reward-model", getattr(args, "reward_model", None))):
+            if on:
+                raise UsageError(f"--cp {args.cp} does not work with {flag} yet: use one or the other")
     if args.vpp is not None and args.pp == 1:
         raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
     ep, etp = args.ep, args.etp

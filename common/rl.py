@@ -326,7 +326,8 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     return loss, clipped
 
 
-def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_len=None, seq_ids=None):
+def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_len=None, seq_ids=None,
+                   seq_counts=None):
     """Reduce a (B, T) per-token loss to a scalar; `mode` is one of:
         "token_mean"              sum of all valid token losses / num_tokens        (DAPO)
         "seq_mean_token_mean"     mean over each row's valid tokens, then / num_seqs (GRPO)
@@ -346,6 +347,8 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
     Defaults (None) are this call's local values (mask.sum(), B, T): right for a single batch.
     seq_ids (B, T): packed rows (common/batch.py:packed_micro_batches), where a sequence is
     the tokens of one id, not a row; pass num_seqs and max_len explicitly then.
+    seq_counts (B,): each row's valid tokens when this call sees only part of the row (context
+    parallelism: common/batch.py:context_parallel_slice), for seq_mean_token_mean.
     Summing the shares over micro-batches then gives each rank Sum_k L_k, and SUMMING gradients
     over DP ranks would give grad L. Megatron undoes part of that, so the caller rescales:
       - megatron DDP averages gradients over the DP group (divides by dp_size, unless
@@ -364,7 +367,8 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
     num_seqs = per_token.shape[0] if num_seqs is None else num_seqs
     seq_sums = sequence_sums(per_token, mask, seq_ids)  # (B,), or one per possible id
     if mode == "seq_mean_token_mean":
-        counts = sequence_sums(torch.ones_like(per_token), mask, seq_ids)  # valid tokens per sequence
+        counts = sequence_sums(torch.ones_like(per_token), mask, seq_ids) if seq_counts is None \
+            else seq_counts.to(per_token.dtype)  # valid tokens per sequence
         seq_losses = seq_sums / counts.clamp(min=1)  # a sequence with no valid token adds 0
     elif mode == "seq_mean_token_sum_norm":
         seq_losses = seq_sums / (per_token.shape[1] if max_len is None else max_len)

@@ -1,4 +1,4 @@
-"""Long sequences (issue 17): sequence packing and activation recompute.
+"""Long sequences (issue 17): sequence packing, activation recompute, context parallelism.
 
     .venv/bin/python -m pytest -q tests/test_long_sequences.py
 
@@ -10,6 +10,9 @@ the gradient of a loss with both per-sequence terms (GSPO's ratio, seq_mean_toke
 and a critic's values and gradient. A negative control (the packed rows scored as one
 sequence each) must differ. The layout itself is checked by hand, and train_grpo.py's first
 step with --pack, and with --recompute selective / full, against the same step with neither.
+Context parallelism: train_grpo.py at --cp 2 replays one process's rollouts (responses long
+enough that every CP rank's queries attend the other rank's keys) and must give the same
+training metrics; the split by hand. (tests/test_train_ppo.py runs the critic at --cp 2.)
 """
 import json
 
@@ -193,3 +196,42 @@ print("COUNTS " + json.dumps(dict(counts, layers=spec.num_layers)))
 
     with pytest.raises(ValueError, match="layernorm"):
         recompute_config("selective", ["layernorm"])
+
+
+def test_context_parallel_split_by_hand():
+    """CP=2 cuts a row of 8 into 4 chunks of 2: rank 0 keeps chunks 0 and 3, rank 1 chunks 1
+    and 2 (equal causal work); src_col says where each token came from, seq_counts are the
+    whole rows' valid tokens; and the scattered parts of both ranks rebuild the row."""
+    batch = padded_batch([5, 8], width=8)
+    mb = {k: v for k, v in batch.items()}
+    parts = [B.context_parallel_slice(mb, 2, rank) for rank in (0, 1)]
+    assert parts[0]["src_col"].tolist() == [[0, 1, 6, 7]] * 2 and parts[1]["src_col"].tolist() == [[2, 3, 4, 5]] * 2
+    assert parts[0]["tokens"][0].tolist() == [100, 101, 106, 107] and parts[1]["mask"][0].tolist() == [1, 1, 1, 0]
+    assert parts[0]["seq_counts"].tolist() == [5, 8]
+    store = torch.zeros(3, 8)
+    for part in parts:
+        B.scatter_tokens(store, part, part["values"])
+    assert torch.equal(store[:2], batch["values"])
+    with pytest.raises(ValueError, match="divisible"):
+        B.context_parallel_slice(padded_batch([5], width=6), 2, 0)
+    # seq_mean_token_mean over the two halves with the whole rows' counts = over whole rows
+    per_token = torch.rand(2, 8)
+    whole = rl.aggregate_loss(per_token, batch["mask"], "seq_mean_token_mean", num_seqs=2)
+    halves = sum(rl.aggregate_loss(per_token[:, p["src_col"][0]], p["mask"], "seq_mean_token_mean", num_seqs=2,
+                                   seq_counts=p["seq_counts"]) for p in parts)
+    assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_grpo_at_cp2_equals_one_process(tmp_path):
+    """Two steps of one process, replayed at --cp 2: every training metric equal. The
+    responses run to 24 tokens, so sequences span all four chunks of the CP split (a mask that
+    lets a rank's queries see the other rank's later chunk was measured to fail this; with the
+    4-token responses of tests/test_train_grpo.py it did not)."""
+    geometry = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16,
+                "--max-new-tokens", 24, "--steps", 2, "--eval-every", 0, "--log-samples-every", 0]
+    run_script("train_grpo.py", *geometry, "--out", tmp_path / "one", "--save-rollouts", tmp_path / "rollouts")
+    run_torchrun("train_grpo.py", 2, *geometry, "--cp", 2, "--out", tmp_path / "cp2",
+                 "--load-rollouts", tmp_path / "rollouts")
+    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "cp2"), strict=True):
+        for key in ("policy_loss", "grad_norm", "entropy", "kl", "logprob_mismatch", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])

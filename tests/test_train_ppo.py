@@ -140,7 +140,7 @@ def test_resume_is_exact(reference, tmp_path):
         assert a["response_len_mean"] == b["response_len_mean"] and a["reward_std"] == b["reward_std"]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2", "--sp"], ["--pp", "2"], []], ids=["tp2_sp", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", [["--tp", "2", "--sp"], ["--pp", "2"], [], ["--cp", "2"]], ids=["tp2_sp", "pp2", "dp2", "cp2"])
 def test_layouts_match_single_process(layout, scored, tmp_path):
     run_torchrun("train_ppo.py", 2, *SMALL, "--steps", 3, *layout, "--out", tmp_path,
                  "--load-rollouts", scored / "scored")
