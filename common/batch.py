@@ -5,6 +5,7 @@
   micro_batches(batch, rows, ...)  a rank's rows -> micro-batches of similar lengths, padding cut
   packed_micro_batches(...)        ... or samples back to back in one row per pass (no padding)
   scatter_tokens(store, mb, x)     a pass's per-token output back into the (N, T) layout
+  context_parallel_slice(mb, ...)  a CP rank's chunks of every sequence (run_micro_batches applies it)
   run_micro_batches(...)           megatron's forward(-backward) schedule over micro-batches
   train_step(...)                  zero grads, forward-backward, optimizer + scheduler step
   reduce_metrics(...)              per-micro-batch sums -> global means on every rank
