@@ -122,9 +122,9 @@ def recompute_overrides(recompute, modules, num_layers):
     """--recompute -> megatron TransformerConfig fields (common/bridge.py:recompute_config)."""
     from common.bridge import recompute_config
 
-    if recompute == "selective" and "layernorm" in modules and importlib.util.find_spec("transformer_engine") is None:
-        raise SystemExit("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.16.1")
-    if "layernorm" in modules and recompute == "selective":
+    if recompute == "selective" and "layernorm" in modules:  # with TE only (recompute_config's modules have none)
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise SystemExit("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.16.1")
         return dict(recompute_granularity="selective", recompute_modules=list(modules))
     return recompute_config(recompute, modules, num_layers)
 

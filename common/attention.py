@@ -134,9 +134,7 @@ class SDPAttention(MegatronModule):
         else:
             # An explicit mask (b or 1, 1 or heads, sq, sk), True = do not attend. The GQA fast
             # path needs mask-free kernels, so repeat k/v to one per query head here.
-            repeat = self.heads_per_partition // self.groups_per_partition
-            if repeat > 1:
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            k, v = self._kv_per_query_head(k, v, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(),
                                                  scale=self.softmax_scale)
         # (b, heads, sq, d) -> (sq, b, heads * d)
@@ -166,20 +164,16 @@ class SDPAttention(MegatronModule):
             if gqa and _varlen_takes_gqa():
                 gqa_flag = dict(enable_gqa=True)
             elif gqa:  # torch < 2.13's varlen_attn: one k/v head per query head
-                repeat = self.heads_per_partition // self.groups_per_partition
-                key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+                key, value = self._kv_per_query_head(key, value, dim=1)
             out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
                               scale=self.softmax_scale, window_size=(-1, 0), **gqa_flag)  # (-1, 0): causal
         else:
             allowed = (seg[:, None] == seg[None, :]) & (index[:, None] >= index[None, :])  # (t, t)
             q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # (1, heads, t, d)
-            if gqa:
-                repeat = self.heads_per_partition // self.groups_per_partition
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            k, v = self._kv_per_query_head(k, v, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
             out = out.squeeze(0).permute(1, 0, 2)  # (t, heads, d)
         return out.reshape(t, self.hidden_size_per_partition)
-
 
     def _context_parallel(self, query, key, value):
         """Context parallelism (common/batch.py:context_parallel_slice): this rank holds chunks
@@ -208,11 +202,17 @@ class SDPAttention(MegatronModule):
         k_pos = torch.cat([positions(r) for r in range(cp)])
         allowed = k_pos[None, :] <= q_pos[:, None]  # (s, cp * s): causal in global positions
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        repeat = self.heads_per_partition // self.groups_per_partition
-        if repeat > 1:
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        k, v = self._kv_per_query_head(k, v, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, q.shape[0], self.hidden_size_per_partition)
+
+    def _kv_per_query_head(self, key, value, dim):
+        """key/value with their groups repeated to one per query head along `dim` (GQA for the
+        kernels without it: masked SDPA, older varlen attention); unchanged without GQA."""
+        repeat = self.heads_per_partition // self.groups_per_partition
+        if repeat == 1:
+            return key, value
+        return key.repeat_interleave(repeat, dim=dim), value.repeat_interleave(repeat, dim=dim)
 
 
 def varlen_usable(query):

@@ -190,8 +190,11 @@ def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_
         else:
             bins[fit].append(r)
             loads[fit] += n
-    bins = _split_to(bins, _largest_count(len(bins), same_count_group), lambda b: sum(int(ends[r]) for r in b))
-    loads = [sum(int(ends[r]) for r in b) for b in bins]
+    def load_of(members):
+        return sum(int(ends[r]) for r in members)
+
+    bins = _split_to(bins, _largest_count(len(bins), same_count_group), load_of)
+    loads = [load_of(b) for b in bins]
     rounded = [-(-load // length_multiple) * length_multiple for load in loads]
     result = []
     for members, load, length in zip(bins, loads, [max(rounded)] * len(bins) if same_length else rounded):
