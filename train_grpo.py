@@ -46,7 +46,7 @@ def build_parser():
                + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
     # --- model and data
     p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer) or hub id ORG/NAME (downloaded to the HF cache on first use; HF_HUB_OFFLINE=1: the cache only); default: the embedded tiny model")
-    p.add_argument("--embedded-model", choices=["dense", "moe"], default="dense", help="without --model: the tiny dense Qwen2, or the same body with a Qwen3-MoE MLP (8 experts, top-2) in every layer")
+    p.add_argument("--embedded-model", choices=["dense", "moe", "deepseek"], default="dense", help="without --model: the tiny dense Qwen2, the same body with a Qwen3-MoE MLP (8 experts, top-2) in every layer, or a tiny DeepSeek-V3 (multi-latent attention, a dense layer then 8 sigmoid-routed experts in 4 groups + a shared expert)")
     p.add_argument("--mcore-ckpt", default=None, help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
     p.add_argument("--data", default=None, help="prompts with prompt+answer fields: .jsonl / .parquet, a datasets dir, or a hub dataset ORG/NAME (e.g. openai/gsm8k --data-config main); default: the synthetic arithmetic task")
     p.add_argument("--data-config", default=None, help="config of a --data dataset repository that has several (gsm8k: main or socratic)")

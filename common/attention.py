@@ -20,6 +20,9 @@ Contract (megatron-core 0.16.1, transformer/attention.py SelfAttention):
           attention_mask: None or bool, True = masked out (megatron's convention),
           attn_mask_type=, attention_bias=None, packed_seq_params=None)
      -> (sq, b, heads/tp * head_dim)
+Multi-latent attention (DeepSeek-V3, megatron's MLASelfAttention) also passes k_channels (the
+q/k head size, nope + rope) and v_channels (the value head size), one key per query head, and
+rotates q and k itself: the output is then (sq, b, heads/tp * v_channels).
 Masking follows the local DotProductAttention's torch path: with a causal mask type and
 no mask, causal attention; a given mask is used as is (it is not combined with causal).
 
@@ -66,7 +69,8 @@ class SDPAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, rotary=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, rotary=None, k_channels=None,
+                 v_channels=None):
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -88,8 +92,9 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.groups_per_partition = divide(config.num_query_groups, tp_size)
-        self.head_dim = config.kv_channels
-        self.hidden_size_per_partition = self.heads_per_partition * self.head_dim
+        self.head_dim = k_channels or config.kv_channels
+        self.v_head_dim = v_channels or self.head_dim
+        self.hidden_size_per_partition = self.heads_per_partition * self.v_head_dim
         # apply_query_key_layer_scaling divides the scale by layer_number and the local softmax
         # multiplies it back (an fp16 overflow guard): the function is unchanged, so it is
         # ignored here. softmax_scale None means 1/sqrt(head_dim), as in megatron and HF.
@@ -165,8 +170,13 @@ class SDPAttention(MegatronModule):
                 gqa_flag = dict(enable_gqa=True)
             elif gqa:  # torch < 2.13's varlen_attn: one k/v head per query head
                 key, value = self._kv_per_query_head(key, value, dim=1)
+            # MLA: flash wants one head size. Zero columns change nothing: in the values they
+            # only pad the output (cut off below), in q and k they add 0 to every score.
+            size = max(self.head_dim, self.v_head_dim)
+            query, key, value = (F.pad(x, (0, size - x.shape[-1])) for x in (query, key, value))
             out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
                               scale=self.softmax_scale, window_size=(-1, 0), **gqa_flag)  # (-1, 0): causal
+            out = out[..., :self.v_head_dim]
         else:
             allowed = (seg[:, None] == seg[None, :]) & (index[:, None] >= index[None, :])  # (t, t)
             q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # (1, heads, t, d)

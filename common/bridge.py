@@ -21,7 +21,8 @@ Layout facts that the kinds encode (checked against transformers in tests/test_b
            128 * tp (padding rows are zero and trimmed again on export).
   replicated  norms: every rank holds the full tensor.
 Mixture-of-Experts families (the `experts` column of the table) add the rules of
-common/bridge_moe.py: routers, per-expert tensors, shared experts.
+common/bridge_moe.py: routers, per-expert tensors, shared experts. Multi-latent attention
+(the `attention` column: DeepSeek-V3) replaces the q/k/v rules by common/bridge_mla.py's.
 """
 import math
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from common.bridge_mla import (MLASpec, check_mla_layout, mla_config_fields, mla_hf_names, mla_hf_shape,
+                               mla_param_rule, parse_mla)
 from common.bridge_moe import MoESpec, moe_config_fields, moe_hf_names, moe_hf_shape, moe_param_rule, parse_moe
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's default make-vocab-size-divisible-by
@@ -40,14 +43,16 @@ class UnsupportedModelError(ValueError):
 
 # The one table of supported architectures: what each needs beyond the Llama layout.
 # experts: the Mixture-of-Experts family (common/bridge_moe.py), None for dense models.
+# mla: multi-latent attention (common/bridge_mla.py) instead of grouped-query attention.
 ARCHITECTURES = {
-    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False, experts=None),
-    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts=None),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False, experts=None),
-    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None),
-    "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False, experts="qwen"),    # + shared expert, sigmoid gate
-    "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen"),
-    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="mixtral"),
+    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False, experts=None, mla=False),
+    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts=None, mla=False),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False, experts=None, mla=False),
+    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None, mla=False),
+    "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False, experts="qwen", mla=False),  # + gated shared expert
+    "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen", mla=False),
+    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="mixtral", mla=False),
+    "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="deepseek", mla=True),  # + sigmoid routing
 }
 
 # megatron-core hard-codes these llama3 rope-scaling constants
@@ -76,6 +81,7 @@ class HFModelSpec:
     qkv_bias: bool
     qk_norm: bool
     moe: MoESpec | None = None  # Mixture-of-Experts layers (common/bridge_moe.py), None when dense
+    mla: MLASpec | None = None  # multi-latent attention (common/bridge_mla.py), None for q/k/v heads
     hf_config: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -139,16 +145,20 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
             if float(rope.get(key, expected)) != expected:
                 raise _unsupported(f"rope_scaling.{key}", rope.get(key), f"{expected} (megatron-core's llama3 constant)")
         scaling_factor = float(rope["factor"])
-    elif rope_type != "default":
+    elif rope_type != "default" and not ARCHITECTURES[arch]["mla"]:  # MLA: common/bridge_mla.py
         raise _unsupported("rope_scaling.rope_type", rope_type, "'default', and 'llama3' for LlamaForCausalLM")
 
     num_heads = int(cfg["num_attention_heads"])
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+    mla = parse_mla(cfg, rope_type, rope) if ARCHITECTURES[arch]["mla"] else None
+    if mla is not None:  # every query head has its own key: heads of qk_head_dim, values of v_head_dim
+        num_kv_heads, head_dim = num_heads, mla.qk_head_dim
     if num_heads % num_kv_heads:
         raise _unsupported("num_key_value_heads", num_kv_heads, f"a divisor of num_attention_heads={num_heads}")
     table = dict(ARCHITECTURES[arch])
     experts = table.pop("experts")
+    table.pop("mla")
     if arch == "Qwen2MoeForCausalLM":
         table["qkv_bias"] = bool(cfg.get("qkv_bias", True))
     return HFModelSpec(
@@ -166,6 +176,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         moe=parse_moe(cfg, arch) if experts else None,
+        mla=mla,
         hf_config=cfg,
         **table,
     )
@@ -182,6 +193,8 @@ def check_parallel_layout(spec: HFModelSpec, tp=1, pp=1, vpp=None, ep=1, etp=1):
             raise ValueError(f"--etp {etp} must divide the experts' intermediate size ({spec.moe.ffn_hidden_size})")
         if spec.moe.shared_expert_size % tp:
             raise ValueError(f"--tp {tp} must divide shared_expert_intermediate_size={spec.moe.shared_expert_size}")
+    if spec.mla is not None:
+        check_mla_layout(spec.mla, tp)
     if spec.num_kv_heads % tp:
         raise ValueError(
             f"--tp {tp} must divide num_key_value_heads={spec.num_kv_heads} "
@@ -227,7 +240,7 @@ def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, ep=1, e
     config unchanged (e.g. recompute_granularity); dropout is always 0 for RL.
     MoE models: ep/etp are the expert (tensor) parallel sizes; moe_aux_loss_coef replaces the
     HF config's router_aux_loss_coef (None: keep it)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     fused = torch.cuda.is_available()  # these fusions need CUDA kernels
     kwargs = dict(
@@ -266,8 +279,10 @@ def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, ep=1, e
     )
     if spec.moe is not None:
         kwargs.update(moe_config_fields(spec.moe, ep=ep, etp=etp, aux_loss_coef=moe_aux_loss_coef))
+    if spec.mla is not None:
+        kwargs.update(mla_config_fields(spec.mla, spec.rope_theta))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.mla is not None else TransformerConfig)(**kwargs)
 
 
 def gpt_model_kwargs(spec: HFModelSpec, tp=1):
@@ -312,6 +327,9 @@ def param_rule(mcore_name, spec: HFModelSpec):
         # With tied embeddings and PP>1 the last stage keeps its own copy of the embedding.
         return "vocab", ["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
     parts = mcore_name.split(".", 3)
+    rule = mla_param_rule(parts[3], parts[2]) if len(parts) == 4 and spec.mla else None
+    if rule is not None:
+        return rule
     if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[3] in _LAYER_RULES:
         kind, suffixes = _LAYER_RULES[parts[3]]
         return kind, [f"model.layers.{parts[2]}.{s}" for s in suffixes]
@@ -326,8 +344,11 @@ def expected_hf_names(spec: HFModelSpec):
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
-    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if spec.mla is not None:
+        per_layer += mla_hf_names(spec.mla)
+    else:
+        per_layer += ["self_attn.o_proj.weight"] + [f"self_attn.{p}_proj.weight" for p in "qkv"]
     if spec.qkv_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if spec.qk_norm:
@@ -357,7 +378,10 @@ def expected_hf_shape(name, spec: HFModelSpec):
         "mlp.gate_proj.weight": (spec.ffn_hidden_size, h), "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
     }
-    shape = shapes.get(suffix) or (moe_hf_shape(suffix, h, spec.moe) if spec.moe is not None else None)
+    if spec.mla is not None and suffix.startswith("self_attn."):
+        shape = mla_hf_shape(suffix, h, spec.num_heads, spec.mla)
+    else:
+        shape = shapes.get(suffix) or (moe_hf_shape(suffix, h, spec.moe) if spec.moe is not None else None)
     if shape is None:
         raise KeyError(f"{name!r} is not a tensor of a {spec.architecture} checkpoint")
     return shape

@@ -6,7 +6,9 @@ torch.cuda.current_device() in tensor factories, keeps a CUDA RNG tracker, and
 compares Tensor.type() strings against 'torch.cuda.FloatTensor'. Each patch below
 says which of those it adapts and where megatron does it (file:line of 0.16.1).
 
-This is the only monkey-patching in the project (STYLE.md rule 6).
+This is the only monkey-patching in the project (STYLE.md rule 6). One function here,
+megatron_without_te, also runs on GPUs: it fixes a megatron bug that any machine without
+TransformerEngine hits.
 """
 import sys
 
@@ -145,3 +147,16 @@ def apply():
 
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True
+
+
+def megatron_without_te():
+    """megatron-core 0.16.1's multi_latent_attention.py decides HAVE_TE by importing
+    megatron.core.extensions.transformer_engine, which imports without TE and exports mock
+    stubs; MLASelfAttention then calls isinstance(linear_proj, TELinear) on a mock and dies
+    with "isinstance() arg 2 must be a type" (multi_latent_attention.py:185), on a GPU as on
+    a CPU. Tell it the truth when TE is absent. Called by common/model.py before building MLA."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_extension.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False

@@ -68,11 +68,18 @@ DEFAULT_CONFIG = dict(
 
 # The embedded models (the scripts' --embedded-model): overrides of DEFAULT_CONFIG. "moe" is
 # the same tiny body with a Qwen3-MoE MLP in every layer, 8 experts of which each token uses
-# 2 (renormalised top-2).
+# 2 (renormalised top-2). "deepseek" is a DeepSeek-V3: multi-latent attention (q LoRA), layer
+# 0 dense, layer 1 with 8 sigmoid-routed experts in 4 groups (top-4 experts of the top-2
+# groups, a score-correction bias) and a shared expert.
 EMBEDDED_MODELS = {
     "dense": {},
     "moe": dict(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=64, norm_topk_prob=True, head_dim=16),
+    "deepseek": dict(architecture="DeepseekV3ForCausalLM", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                     qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                     n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     first_k_dense_replace=1, moe_intermediate_size=64, norm_topk_prob=True,
+                     topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False),
 }
 
 MARKER = "embedded.json"  # what we wrote (seed + config): makes rewriting idempotent

@@ -71,12 +71,17 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
       "te"    megatron's TransformerEngine spec (fused kernels, needs TE importable).
     The three have the same parameters; "te" names the fused norms differently
     (linear_qkv.layer_norm_weight), which the bridge maps too.
+    Multi-latent attention (DeepSeek-V3) takes "sdpa" only: megatron's MLASelfAttention rotates
+    q and k itself and asks its core attention for different q/k and v head sizes, which
+    SDPAttention accepts and the local DotProductAttention does not.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     attention = attention or "sdpa"
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_CHOICES}")
+    if spec.mla is not None:
+        return _mla_layer_spec(spec, attention, moe)
     if attention == "te":
         try:
             import transformer_engine  # noqa: F401
@@ -107,6 +112,30 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
         rope = {k: v for k, v in gpt_model_kwargs(spec).items()
                 if k in ("rotary_base", "rope_scaling", "rope_scaling_factor")}
         layer.submodules.self_attention.submodules.core_attention = functools.partial(SDPAttention, rotary=rope)
+    return layer
+
+
+def _mla_layer_spec(spec: HFModelSpec, attention, moe):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from common.attention import SDPAttention
+    from common.cpu_compat import megatron_without_te
+
+    if attention != "sdpa":
+        raise ValueError(f"attention={attention!r}: multi-latent attention ({spec.architecture}) runs on 'sdpa'")
+    megatron_without_te()
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True,
+                                                     multi_latent_attention=True,
+                                                     num_experts=spec.moe.num_experts if moe else None)
+    if moe:
+        from common.moe import GroupedExperts, Router
+
+        layer.submodules.mlp.submodules.router = Router
+        layer.submodules.mlp.submodules.experts.module = GroupedExperts
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    attn = layer.submodules.self_attention.submodules
+    attn.q_layernorm = attn.kv_layernorm = RMSNorm
+    attn.core_attention = SDPAttention  # no rotary: MLASelfAttention applies RoPE to its rope head
     return layer
 
 
@@ -235,6 +264,17 @@ def unwrap(module):
     return module
 
 
+def named_global_tensors(chunk, global_experts=True):
+    """named_global_parameters, plus the buffers that are HF checkpoint tensors: DeepSeek-V3's
+    router score-correction bias (`mlp.router.expert_bias`, fp32, not trained)."""
+    yield from named_global_parameters(chunk, global_experts)
+    model = unwrap(chunk)
+    for layer in model.decoder.layers:
+        bias = getattr(getattr(layer.mlp, "router", None), "expert_bias", None)
+        if bias is not None:
+            yield f"decoder.layers.{layer.layer_number - 1}.mlp.router.expert_bias", bias
+
+
 def named_global_parameters(chunk, global_experts=True):
     """Yield (global_name, param): local decoder layer indices replaced by global ones
     (pipeline stages and virtual stages number their layers from 0), and with global_experts
@@ -330,7 +370,7 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
     reader = HFCheckpointReader(hf_dir, spec)
     count = 0
     for chunk in chunks:
-        for name, param in named_global_parameters(chunk):  # this rank's experts only
+        for name, param in named_global_tensors(chunk):  # this rank's experts only
             if name.startswith(tuple(skip_prefixes)):
                 continue
             kind, hf_names = param_rule(name, spec)
@@ -351,20 +391,22 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
 def _export_plan(chunks, spec, tp_size):
     """This rank's exported parameters, and the ordered plan of every PP stage's ones.
 
-    Each plan entry: (owner pp rank, global name, local shard shape, is a routed expert).
-    Routed experts keep their local index j here (every EP rank has the same entries; the
-    export gathers them over EP). With tied embeddings only the first stage's embedding is
-    exported (the last stage's copy is the same)."""
+    Each plan entry: (owner pp rank, global name, local shard shape, is a routed expert, stays
+    fp32). Routed experts keep their local index j here (every EP rank has the same entries;
+    the export gathers them over EP). With tied embeddings only the first stage's embedding is
+    exported (the last stage's copy is the same). fp32 buffers (the router's score-correction
+    bias) stay fp32: rounded to bf16 it would change which experts are chosen."""
     from megatron.core import parallel_state as mpu
 
     local = []
     for chunk in chunks:
-        for name, param in named_global_parameters(chunk, global_experts=False):
+        for name, param in named_global_tensors(chunk, global_experts=False):
             if name == "output_layer.weight" and spec.tie_word_embeddings:
                 continue
             local.append((name, param))
     pp_size = mpu.get_pipeline_model_parallel_world_size()
-    mine = [(name, tuple(p.shape), expert_index(name) is not None) for name, p in local]
+    mine = [(name, tuple(p.shape), expert_index(name) is not None, not isinstance(p, torch.nn.Parameter))
+            for name, p in local]
     if pp_size > 1:
         per_stage = [None] * pp_size
         dist.all_gather_object(per_stage, mine, group=mpu.get_pipeline_model_parallel_group())
@@ -405,7 +447,8 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     for entry in plan:
         copies, width, _ = layout(entry[3])
         numel = torch.Size(entry[2]).numel() * copies * width
-        if current and (entry[0] != current[0][0] or entry[3] != current[0][3] or current_numel + numel > limit):
+        same_kind = (entry[0], entry[3], entry[4]) == (current[0][0], current[0][3], current[0][4]) if current else True
+        if current and (not same_kind or current_numel + numel > limit):  # one owner, expert or not, fp32 or not
             buckets.append(current)
             current, current_numel = [], 0
         current.append(entry)
@@ -414,13 +457,14 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
         buckets.append(current)
 
     for bucket in buckets:
-        owner, expert = bucket[0][0], bucket[0][3]
+        owner, expert, fp32 = bucket[0][0], bucket[0][3], bucket[0][4]
         copies, width, shard_group = layout(expert)
-        local_numel = sum(torch.Size(shape).numel() for _, _, shape, _ in bucket)
-        gathered = torch.empty(copies, width, local_numel, dtype=dtype, device=device)  # (ep, tp, bucket/tp)
+        local_numel = sum(torch.Size(entry[2]).numel() for entry in bucket)
+        kind_dtype = torch.float32 if fp32 else dtype
+        gathered = torch.empty(copies, width, local_numel, dtype=kind_dtype, device=device)  # (ep, tp, bucket/tp)
         if pp_rank == owner:
-            flat = torch.cat([local[name].detach().reshape(-1).to(dtype) for _, name, _, _ in bucket])
-            shards = gathered[0] if copies == 1 else torch.empty(width, local_numel, dtype=dtype, device=device)
+            flat = torch.cat([local[entry[1]].detach().reshape(-1).to(kind_dtype) for entry in bucket])
+            shards = gathered[0] if copies == 1 else torch.empty(width, local_numel, dtype=kind_dtype, device=device)
             if width > 1:
                 dist.all_gather_into_tensor(shards.view(-1), flat, group=shard_group)
             else:
@@ -432,7 +476,7 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
             dist.broadcast(gathered, src=dist.get_global_rank(pp_group, owner), group=pp_group)
         for copy in range(copies):
             offset = 0
-            for _, name, shape, _ in bucket:
+            for _, name, shape, *_ in bucket:
                 numel = torch.Size(shape).numel()
                 shards = [gathered[copy, r, offset:offset + numel].view(shape) for r in range(width)]
                 offset += numel

@@ -194,6 +194,8 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def update_weights(self, named_tensors):
         params = dict(self.model.named_parameters())   # tied lm_head is deduplicated away
+        saved = set(self.model.state_dict())  # + buffers that are checkpoint tensors (DeepSeek-V3's router bias)
+        params.update((name, b) for name, b in self.model.named_buffers() if name in saved)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         errors, seen = [], set()
         for name, tensor in _fused_experts(named_tensors, params):  # consume everything before raising

@@ -6,8 +6,9 @@ For every tiny HF model in --models-dir: build the megatron model at the given l
 load the HF weights sharded, run a forward pass through megatron's pipeline schedule, gather
 the vocab-parallel logits and compare with transformers (fp32). Then export every tensor
 back and compare bit-for-bit with the safetensors file. Deliberately wrong mappings
-(k/v swapped; at TP>1 fc1 cut as a plain chunk of [gate; up]; for MoE models two experts
-of a layer exchanged) must NOT match. --ep/--etp: expert (tensor) parallel sizes.
+(k/v swapped, or for multi-latent attention the router's score-correction bias dropped;
+at TP>1 fc1 cut as a plain chunk of [gate; up]; for MoE models two experts of a layer
+exchanged) must NOT match. --ep/--etp: expert (tensor) parallel sizes.
 """
 import argparse
 import json
@@ -108,12 +109,23 @@ def main():
         row["export_extra"] = sorted(set(exported) - set(on_disk))
         row["export_mismatch"] = sorted(k for k in set(on_disk) & set(exported) if not torch.equal(on_disk[k], exported[k]))
 
-        # negative control 1: k and v swapped in the fused qkv
-        rules = dict(bridge._LAYER_RULES)
-        kind, names = rules["self_attention.linear_qkv.weight"]
-        bridge._LAYER_RULES["self_attention.linear_qkv.weight"] = (kind, [names[0], names[2], names[1]])
-        row["control_kv_swapped"] = (logits_with()[1] - reference).abs().max().item()
-        bridge._LAYER_RULES.update(rules)
+        # negative control 1: k and v swapped in the fused qkv; with multi-latent attention
+        # (no qkv) the router's score-correction bias left at zero instead
+        if spec.mla is None:
+            rules = dict(bridge._LAYER_RULES)
+            kind, names = rules["self_attention.linear_qkv.weight"]
+            bridge._LAYER_RULES["self_attention.linear_qkv.weight"] = (kind, [names[0], names[2], names[1]])
+            row["control_kv_swapped"] = (logits_with()[1] - reference).abs().max().item()
+            bridge._LAYER_RULES.update(rules)
+        else:
+            chunks_zero_bias, _ = logits_with()
+            with torch.no_grad():
+                for chunk in chunks_zero_bias:
+                    for module in chunk.modules():
+                        if getattr(module, "expert_bias", None) is not None:
+                            module.expert_bias.zero_()
+                row["control_kv_swapped"] = (forward_logits(chunks_zero_bias, ids, seq_len)[..., : spec.vocab_size]
+                                             - reference).abs().max().item()
         # negative control 2 (TP>1): fc1 as a plain chunk of [gate; up]
         if args.tp > 1:
             original = bridge.shard_from_hf

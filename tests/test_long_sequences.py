@@ -27,7 +27,7 @@ LAYOUTS = {  # name: (processes, worker flags, models)
     "one_rank": (1, [], ["qwen2", "qwen3", "qwen3_moe"]),
     "tp2_sp": (2, ["--tp", 2, "--sp"], ["qwen2"]),
     "pp2": (2, ["--pp", 2], ["llama"]),
-    "ep2": (2, ["--ep", 2], ["qwen3_moe"]),
+    "ep2": (2, ["--ep", 2], ["qwen3_moe", "deepseek_v3"]),  # + multi-latent attention
 }
 
 
@@ -36,7 +36,7 @@ def models_dir(tmp_path_factory):
     from tests.tiny_models import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("packing_models")
-    for name in ("qwen2", "qwen3", "qwen3_moe", "llama"):
+    for name in ("qwen2", "qwen3", "qwen3_moe", "llama", "deepseek_v3"):
         save_tiny_hf_model(name, str(root / name))
     return root
 

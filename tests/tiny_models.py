@@ -53,6 +53,26 @@ MOE_CONFIGS = {
                                             rope_theta=1e6)),
 }
 
+# DeepSeek-V3 (tests/test_deepseek.py): multi-latent attention with q LoRA and YaRN (mscale
+# 1/1: the softmax scale changes), 8 experts in 4 groups (top-2 groups, top-4 experts),
+# sigmoid routing with a random score-correction bias, a shared expert, layer 0 dense, an odd
+# layer count. topk_method/scoring_func: as the released config.json has them (vLLM needs them,
+# transformers 5 does not write them).
+_DEEPSEEK = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
+                 n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                 rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
+                 topk_method="noaux_tc", scoring_func="sigmoid",
+                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                  "rope_theta": 10000.0})
+MOE_CONFIGS["deepseek_v3"] = ("DeepseekV3ForCausalLM", _DEEPSEEK)
+# the small variants: no q LoRA (q_proj), plain RoPE, one expert group (Moonlight's routing)
+MOE_CONFIGS["deepseek_v3_small"] = ("DeepseekV3ForCausalLM", dict(
+    _DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=2, num_hidden_layers=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
+
 
 def make_tiny_hf_model(name, seed=0):
     import transformers
@@ -69,6 +89,9 @@ def make_tiny_hf_model(name, seed=0):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name in MOE_CONFIGS and ("gate" in pname or "experts" in pname):
                 p.copy_(torch.randn_like(p) * 0.05)  # transformers 5 starts routers at zero: make them route
+        for bname, buf in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros would hide a lost bias
+                buf.copy_(torch.randn_like(buf) * 0.05)
     return model
 
 
