@@ -224,6 +224,11 @@ def run(args, created):
             json.dump(index, f, indent=2)
         # transformers 5 writes "dtype", 4.x "torch_dtype"; vLLM reads either through transformers
         config = dict(spec.hf_config)
+        if config.get("num_nextn_predict_layers"):  # DeepSeek-V3's multi-token-prediction layers
+            print0(f"note: the {config['num_nextn_predict_layers']} multi-token-prediction layer(s) of the source "
+                   "(model.layers.{num_hidden_layers}.*) are not part of the trained model and are not written; "
+                   "config.json says num_nextn_predict_layers: 0 (for speculative decoding copy them from the source)")
+            config["num_nextn_predict_layers"] = 0
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = HF_DTYPE_NAMES[dtype]

@@ -31,6 +31,21 @@ SHAPES = {
     "qwen2-1.5b": qwen2_config(hidden=1536, ffn=8960, layers=28, heads=12, kv_heads=2, vocab=151936, tied=True),
     "qwen2-7b": qwen2_config(hidden=3584, ffn=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False),
 }
+# Moonlight-16B-A3B (DeepSeek-V3 architecture: MLA without q LoRA, 64 sigmoid-routed experts of
+# which 6 active, 2 shared, layer 0 dense), from its published config.json; "-6l": its first 6
+# layers, what one GPU holds with the optimizer state (bench/train.py).
+SHAPES["moonlight-16b-a3b"] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+    "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+    "n_routed_experts": 64, "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1,
+    "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0, "rope_scaling": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 0, "eos_token_id": 1,
+}
+SHAPES["moonlight-16b-a3b-6l"] = dict(SHAPES["moonlight-16b-a3b"], num_hidden_layers=6)
 
 
 def write_config_dir(out_dir, shape):

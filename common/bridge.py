@@ -115,6 +115,12 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise _unsupported("architectures", archs, sorted(ARCHITECTURES))
     arch = archs[0]
+    quantization = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quantization:  # e.g. DeepSeek-V3's released fp8 blocks with weight_scale_inv
+        raise UnsupportedModelError(
+            f"config.json has quantization_config (quant_method {quantization!r}): the bridge reads bf16/fp16/fp32 "
+            "weights only. Dequantize the checkpoint first (for DeepSeek-V3's fp8: DeepSeek's "
+            "inference/fp8_cast_bf16.py) and remove quantization_config from config.json.")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", cfg["hidden_act"], "'silu'")
     for flag in ("attention_bias", "mlp_bias"):

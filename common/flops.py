@@ -24,13 +24,22 @@ def forward_flops_per_token(spec, seq_len, causal=True):
     q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, f = spec.hidden_size, spec.ffn_hidden_size
     attention_weights = h * (q_dim + 2 * kv_dim) + q_dim * h  # qkv, o
+    v_dim = kv_dim
+    mla = getattr(spec, "mla", None)
+    if mla is not None:  # q (LoRA or not), kv down + up, o; values have their own head size
+        v_dim = spec.num_heads * mla.v_head_dim
+        q = h * mla.q_lora_rank + mla.q_lora_rank * q_dim if mla.q_lora_rank else h * q_dim
+        kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * spec.num_heads * (
+            mla.qk_nope_head_dim + mla.v_head_dim)
+        attention_weights = q + kv + v_dim * h
     mlps = [3 * h * f] * spec.num_layers  # gate+up+down
     moe = getattr(spec, "moe", None)
     if moe is not None:  # MoE layers count their active weights: router, top-k experts, shared expert
         active = h * moe.num_experts + moe.topk * 3 * h * moe.ffn_hidden_size + 3 * h * moe.shared_expert_size
         mlps = [active if is_moe else dense for is_moe, dense in zip(moe.moe_layers, mlps)]
     matmul_weights = spec.num_layers * attention_weights + sum(mlps) + spec.vocab_size * h
-    attention = 2 * 2 * spec.num_layers * seq_len * q_dim * (0.5 if causal else 1.0)
+    attention = 2 * spec.num_layers * seq_len * (q_dim + v_dim * spec.num_heads // spec.num_kv_heads) * (
+        0.5 if causal else 1.0)  # QK^T over the q/k head size, (softmax)V over the value head size
     return 2 * matmul_weights + attention
 
 

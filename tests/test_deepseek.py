@@ -109,3 +109,38 @@ def test_deepseek_at_cp2_ep2_matches_transformers(tmp_path):
     (row,) = read_metrics(tmp_path)
     print("logprob_mismatch", row["logprob_mismatch"], "response_len_mean", row["response_len_mean"])
     assert row["response_len_mean"] > 8 and row["logprob_mismatch"] < 1e-5  # measured 1.0e-7
+
+
+# the released DeepSeek-V3 config.json (transformers-4 style rope_scaling, 1 MTP layer)
+DEEPSEEK_V3_671B = dict(
+    architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, moe_layer_freq=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000,
+    num_nextn_predict_layers=1, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                              "type": "yarn"})
+
+
+def test_the_released_config_parses_with_its_active_size():
+    """DeepSeek-V3 reports 37B activated parameters per token; the FLOPs count (2 per matmul
+    weight: attention, the 3 dense MLPs, router + 8 experts + the shared expert of 58 MoE
+    layers, the LM head; no embedding lookup) gives 36.6B."""
+    from common.bridge import parse_hf_config
+    from common.flops import forward_flops_per_token
+
+    spec = parse_hf_config(DEEPSEEK_V3_671B)
+    assert spec.mla.rope["rope_type"] == "yarn" and spec.mla.rope["rotary_scaling_factor"] == 40.0
+    assert sum(spec.moe.moe_layers) == 58
+    active = forward_flops_per_token(spec, 1) / 2
+    assert 36.0e9 < active < 37.5e9, active
+
+
+def test_fp8_checkpoints_are_refused_with_the_way_out():
+    from common.bridge import UnsupportedModelError, parse_hf_config
+
+    fp8 = dict(DEEPSEEK_V3_671B, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(UnsupportedModelError, match="fp8_cast_bf16"):
+        parse_hf_config(fp8)

@@ -39,6 +39,8 @@ run "packing 1 GPU"          300 python -m pytest -q -s -p no:cacheprovider test
 run "vllm agreement 1 GPU"   400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_vllm_agreement.py
 # MoE: grouped experts vs the per-expert loop, vLLM vs megatron logprobs and top-k experts
 run "moe 1 GPU"              400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_moe_gpu.py
+# DeepSeek-V3: MLA (SDPA and packed varlen) vs fp32 transformers, vLLM vs megatron, top-k experts
+run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
 fi

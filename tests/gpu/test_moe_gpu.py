@@ -86,15 +86,17 @@ def grouped_vs_sequential(chunks, res):
         assert res[f"grouped_{what}_rel_err"] <= 2 * res[f"loop_{what}_rel_err"] + 1e-3, res
 
 
-def capture_vllm_topk(engine, sequences, topk):
+def capture_vllm_topk(engine, sequences, topk, select=None):
     """Top-k expert sets per (token, layer) of vLLM's routers on teacher-forced sequences (one
-    prefill each, prefix cache reset so that every token is computed)."""
+    prefill each, prefix cache reset so that every token is computed). select(logits, gate
+    module) -> (tokens, topk) expert indices; default: the top-k of the router logits."""
     model = engine.model
     gates = {name: m for name, m in model.named_modules() if name.endswith("mlp.gate")}
     layer_of = {name: int(name.split(".layers.")[1].split(".")[0]) for name in gates}
+    select = select or (lambda logits, gate: logits.topk(topk, -1).indices)
     captured = {}
     hooks = [m.register_forward_hook(lambda m, inp, out, name=name: captured.setdefault(layer_of[name], []).append(
-        (out[0] if isinstance(out, tuple) else out).float().topk(topk, -1).indices.sort(-1).values.cpu()))
+        select((out[0] if isinstance(out, tuple) else out).float(), m).sort(-1).values.cpu()))
         for name, m in gates.items()]
     from vllm import SamplingParams
 

@@ -1,0 +1,169 @@
+"""GPU: DeepSeek-V3 (multi-latent attention, sigmoid group-limited routing) on the GPU stack.
+
+    torchrun --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py     (tests/gpu/run_all.sh)
+
+A random DeepSeek-V3-shaped model (bf16; DeepSeek-V3's attention head sizes, which vLLM's
+MLA kernels on sm_90 require: kv_lora_rank 512, q/k nope 128 + rope 64, v 128, q LoRA,
+YaRN as released; hidden 1024, 3 layers of which the first dense, 16 experts in 4 groups,
+top-4 of the top-2 groups, a shared expert, a random score-correction bias) written with
+transformers plus the released config.json's topk_method/scoring_func. Checked:
+  1. megatron's MLA with SDPAttention (bf16) against fp32 transformers on the same weights:
+     logits relative error, and the packed (THD) path — torch's varlen flash attention, its
+     q/k and v head sizes evened by zero padding — against the padded one: mean |logprob
+     difference| on response tokens;
+  2. vLLM (dummy weights, every tensor from export_hf_weights, the bias in fp32) vs megatron:
+     mean |logprob difference| of sampled tokens <= 0.02 (or 2.5x megatron's own bf16 error
+     against fp32 transformers), the share of (token, layer) pairs whose top-k experts differ,
+     and the weight sync's time.
+Results go to $OUT/deepseek_gpu.json when OUT is set.
+"""
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+
+VOCAB = 32000
+MODEL = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=3,
+             num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
+             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+             n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+             max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+             eos_token_id=2, topk_method="noaux_tc", scoring_func="sigmoid",
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "rope_theta": 10000.0})
+
+
+def write_model(out_dir):
+    """Random weights as in test_moe_gpu.py (inner std 0.035, lm_head and router 0.1, norms
+    near 1), the score-correction bias ~ 0.05 (it changes which experts are chosen)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+
+    config = DeepseekV3Config(**MODEL)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    model = DeepseekV3ForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name == "model.embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                std = 0.1 if name == "lm_head.weight" or name.endswith("mlp.gate.weight") else 0.035
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out_dir)
+
+
+def deepseek_select(logits, gate):
+    """DeepSeek-V3's expert choice from vLLM's router logits (its gate holds the bias):
+    sigmoid + bias, the top-2 groups by their two best experts, top-4 within them."""
+    e, groups = MODEL["n_routed_experts"], MODEL["n_group"]
+    choice = logits.sigmoid() + gate.e_score_correction_bias.float()
+    group_scores = choice.view(-1, groups, e // groups).topk(2, -1).values.sum(-1)
+    best = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(MODEL["topk_group"], -1).indices, 1)
+    allowed = best.bool().repeat_interleave(e // groups, -1)
+    return choice.masked_fill(~allowed, float("-inf")).topk(MODEL["num_experts_per_tok"], -1).indices
+
+
+def packed_vs_padded(chunks, spec, samples, device):
+    """Mean |logprob difference| on response tokens between the trainer's packed rows (THD:
+    torch's varlen flash attention, checked to run) and its padded micro-batches, both bf16."""
+    from common import attention
+    from common import batch as B
+    from common import rl
+
+    batch = B.pack_sequences(samples, pad_id=0)
+    batch["row"] = torch.arange(len(samples))
+    rows, mask = torch.arange(len(samples)), batch["mask"].bool()
+    calls, original = [], attention.varlen_usable
+    attention.varlen_usable = lambda q: calls.append(original(q)) or calls[-1]
+    out = {}
+    try:
+        for name, pack in (("padded", False), ("packed", True)):
+            store = torch.zeros(len(samples) + 1, mask.shape[1], device=device)
+
+            def loss_fn(mb, logits, store=store):
+                logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+                B.scatter_tokens(store, mb, logprobs.detach().float())
+                return logprobs.sum() * 0, {}
+
+            calls.clear()
+            with torch.no_grad():
+                B.run_micro_batches(chunks, B.micro_batches(batch, rows, 4, max_tokens=4096, pack=pack), loss_fn,
+                                    forward_only=True, device=device)
+            out[name] = store[:-1].cpu()[mask]
+    finally:
+        attention.varlen_usable = original
+    assert calls and all(calls), "the packed pass did not run on varlen_attn"
+    return (out["padded"] - out["packed"]).abs().mean().item()
+
+
+def run():
+    from common.dist import init_distributed
+    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.rollout_vllm import VLLMEngine
+    from tests.gpu.test_moe_gpu import capture_vllm_topk, megatron_topk
+    from tests.gpu.test_vllm_agreement import hf_logprobs, megatron_logprobs, sync
+
+    info = init_distributed()
+    res = {}
+    hf_dir = tempfile.mkdtemp(prefix="deepseek_gpu_")
+    write_model(hf_dir)
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, dtype=torch.bfloat16)
+    load_hf_weights(chunks, spec, hf_dir)
+    for c in chunks:
+        c.eval()
+
+    t = time.perf_counter()
+    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    res["engine_start_s"] = round(time.perf_counter() - t, 1)
+    timings = res["timings"] = {}
+    sync(engine, chunks, spec, timings, "deepseek")
+    g = torch.Generator().manual_seed(100)
+    prompts = [torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
+    samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1)
+    vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
+    ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
+    exact = torch.cat(hf_logprobs(hf, samples, 1.0))
+    del hf
+    res.update(tokens=len(vllm_lp), mean_abs_diff=(vllm_lp - ours).abs().mean().item(),
+               vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(), megatron_vs_fp32=(ours - exact).abs().mean().item())
+    res["packed_vs_padded"] = packed_vs_padded(chunks, spec, samples, info.device)
+    sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
+    theirs = capture_vllm_topk(engine, sequences, MODEL["num_experts_per_tok"], select=deepseek_select)
+    mine = megatron_topk(chunks, sequences)
+    differ = total = 0
+    for a, b in zip(theirs, mine):
+        for layer in b:
+            if layer in a and a[layer].shape == b[layer].shape:
+                differ += int((a[layer] != b[layer]).any(-1).sum())
+                total += b[layer].shape[0]
+    res.update(topk_pairs_compared=total, topk_differ_frac=differ / max(total, 1))
+    print("RESULT", json.dumps(res), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "deepseek_gpu.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    assert res["mean_abs_diff"] <= max(0.02, 2.5 * res["megatron_vs_fp32"]), res
+    assert res["megatron_vs_fp32"] <= 0.05, res
+    assert res["packed_vs_padded"] <= max(0.02, 2 * res["megatron_vs_fp32"]), res
+    assert total > 0, "no router outputs captured"
+
+
+if __name__ == "__main__":
+    from tests.gpu.test_vllm_agreement import run_then_exit
+
+    run_then_exit(run)
