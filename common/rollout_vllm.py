@@ -193,7 +193,12 @@ class VLLMEngine(RolloutEngine):
             # vLLM 0.26 reports a MoE layer's fused experts as `experts.w13_weight` while the
             # parameter lives at `experts.routed_experts.w13_weight`: compare without that level
             plain = lambda name: name.replace(".routed_experts.", ".")  # noqa: E731
-            missing = sorted({plain(name) for name, _ in model.named_parameters()} - {plain(name) for name in loaded})
+            params = dict(model.named_parameters())
+            written = {plain(name) for name in loaded}
+            # MLA's absorbed W_UK_T / W_UV are views of kv_b_proj.weight: written with it
+            storages = {p.untyped_storage().data_ptr() for name, p in params.items() if plain(name) in written}
+            missing = sorted(plain(name) for name, p in params.items()
+                             if plain(name) not in written and p.untyped_storage().data_ptr() not in storages)
             if missing:
                 raise RuntimeError(f"update_weights: {len(missing)} vLLM parameters not written, e.g. {missing[:5]}")
         self._weights_valid = True
