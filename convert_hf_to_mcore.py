@@ -354,7 +354,8 @@ def megatron_logits(chunks, ids):
     return torch.cat(outputs).float().cpu() if outputs else None
 
 
-def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp, ep=1, etp=1):
+def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp, ep=1, etp=1, first_stage_layers=None,
+           last_stage_layers=None):
     """max |logits_megatron - logits_transformers| over fixed random sequences (every rank
     gets the number). Both sides run in fp32 on the weights as stored in the checkpoint:
     stored_dtypes maps each HF tensor name to the dtype the checkpoint keeps it in (norm
@@ -372,7 +373,8 @@ def verify(ckpt_dir, hf_dir, spec, stored_dtypes, tp, pp, vpp, ep=1, etp=1):
     seq_len = min(32, spec.max_position_embeddings)
     ids = torch.randint(0, spec.vocab_size, (2 * pp, seq_len), generator=torch.Generator().manual_seed(1234))
     # megatron's MoE layers need sequence parallelism with TP (as the training scripts' --sp)
-    chunks = build_model(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dtype=torch.float32,
+    chunks = build_model(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
+                         last_stage_layers=last_stage_layers, dtype=torch.float32,
                          sequence_parallel=spec.moe is not None and tp > 1)
     load_model_checkpoint(ckpt_dir, chunks)  # stored dtype -> fp32 is exact
     for c in chunks:
@@ -422,6 +424,10 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size for --verify")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size for --verify")
     ap.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank for --verify")
+    ap.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first pipeline "
+                    "stage for --verify (default: even when the layers divide by pp*vpp, else automatic)")
+    ap.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline "
+                    "stage for --verify (default: automatic, no more than the other stages)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size for --verify (MoE models)")
     ap.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size for --verify (MoE models)")
     return ap.parse_args(argv)
@@ -447,12 +453,13 @@ def run(args, created):
         dtype = torch.float32 if source in (torch.float32, torch.float64) else torch.bfloat16
     else:
         dtype = DTYPES[args.dtype]
+    split = dict(first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
     if args.verify:
-        check_tool_layout(spec, world_size, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+        check_tool_layout(spec, world_size, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, **split,
                           flag_prefix="--verify ")
-    elif args.ep * args.etp > 1 or args.tp * args.pp > 1:
-        raise ConversionError("--tp/--pp/--ep/--etp choose the layout --verify loads at; add --verify "
-                              "(the checkpoint itself loads at any layout)")
+    elif args.ep * args.etp > 1 or args.tp * args.pp > 1 or any(n is not None for n in split.values()):
+        raise ConversionError("--tp/--pp/--ep/--etp/--first-stage-layers/--last-stage-layers choose the layout "
+                              "--verify loads at; add --verify (the checkpoint itself loads at any layout)")
 
     # -- the conversion: every rank writes its share of the tensors into <out>.incomplete
     import torch.distributed as dist
@@ -487,7 +494,7 @@ def run(args, created):
     # -- verify before the output gets its final name
     if args.verify:
         stored_dtypes = {hf_name: c.dtype for c in chunks for hf_name in param_rule(c.param, spec)[1]}
-        diff = verify(tmp, args.hf, spec, stored_dtypes, args.tp, args.pp, args.vpp, args.ep, args.etp)
+        diff = verify(tmp, args.hf, spec, stored_dtypes, args.tp, args.pp, args.vpp, args.ep, args.etp, **split)
         print0(f"max_abs_diff={diff:.3e}")
         if not diff <= VERIFY_TOLERANCE[dtype]:
             print0(f"verify FAILED: the checkpoint's logits differ from transformers by {diff:.3e} > "

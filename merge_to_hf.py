@@ -133,6 +133,10 @@ def parse_args(argv=None):
     # parallel layout to load at (torchrun with tp*pp processes, or a multiple)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at")
+    ap.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first pipeline "
+                    "stage (default: even when the layers divide by pp, else automatic)")
+    ap.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline "
+                    "stage (default: automatic, no more than the other stages)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size to load the checkpoint at (MoE models)")
     ap.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size to load the checkpoint at "
                     "(MoE models)")
@@ -153,13 +157,14 @@ def run(args, created):
     dtype = stored if args.dtype == "auto" else DTYPES[args.dtype]
     if dtype not in SAFETENSORS_NAMES:
         raise ConversionError(f"the checkpoint stores {stored}; pass --dtype bf16 or --dtype fp32")
-    check_tool_layout(spec, world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    split = dict(first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+    check_tool_layout(spec, world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **split)
 
     # -- load the model part of the checkpoint at this layout
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from common.bridge import expected_hf_names
+    from common.bridge import expected_hf_names, stage_layers
     from common.checkpoint import HF_SMALL_FILES, load_model_checkpoint
     from common.dist import init_distributed
     from common.model import build_model, export_hf_weights
@@ -167,8 +172,9 @@ def run(args, created):
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     print0(f"merging {ckpt} ({spec.architecture}, stored as {HF_DTYPE_NAMES.get(stored, stored)}) -> {out} "
            f"as {HF_DTYPE_NAMES[dtype]}, tp={args.tp} pp={args.pp} ep={args.ep} etp={args.etp}")
-    chunks = build_model(spec, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=stored,
+    chunks = build_model(spec, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **split, dtype=stored,
                          sequence_parallel=spec.moe is not None and args.tp > 1)  # (megatron: MoE + TP needs SP)
+    print0(f"layers per pipeline stage: {stage_layers(chunks[0].config)}")
     try:
         load_model_checkpoint(ckpt, chunks)  # the model part only, at this layout
     except BaseException as e:  # torch's DCP wraps the loader's errors in a BaseException

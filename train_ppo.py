@@ -66,6 +66,10 @@ def build_parser():
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
+    p.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first pipeline stage; the "
+                   "middle stages share the rest equally (default: even when the layers divide by pp*vpp, else automatic)")
+    p.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline stage, "
+                   "which also runs the output layer and the loss (default: automatic, no more than the other stages)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1; MoE models with --tp > 1 need it)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models): each pipeline stage's ranks split the experts over ep ranks, tokens go to them by all-to-all")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models): each expert's weights split over etp ranks")
@@ -231,6 +235,7 @@ def main():
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
     model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
+                      first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
                       moe_aux_loss_coef=args.moe_aux_loss_coef,
                       **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
 

@@ -188,7 +188,64 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     )
 
 
-def check_parallel_layout(spec: HFModelSpec, tp=1, pp=1, vpp=None, ep=1, etp=1):
+def pipeline_layout(num_layers, pp=1, vpp=None, first=None, last=None):
+    """The TransformerConfig fields that split num_layers decoder layers over pp pipeline
+    stages (each cut into vpp virtual stages): {} when the layers divide evenly over pp * vpp
+    and no stage size is asked for (megatron's even split), else megatron's uneven split
+    num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage.
+
+    megatron-core 0.16.1 (TransformerConfig.__post_init__) gives the first and the last
+    stage their own layer counts and the middle stages equal shares of the rest; every stage
+    holds at least one layer and, with vpp, a multiple of vpp (one share per virtual stage).
+    first / last (--first-stage-layers / --last-stage-layers) fix those two counts; what is
+    not given is chosen: the split whose busiest stage has the fewest layers (the pipeline
+    runs at that stage's pace), then the fewest layers on the last stage (it also runs the
+    output layer and the loss, a matmul and a softmax over the whole vocabulary), then the
+    most on the first (it only adds the embedding lookup). Per stage: 3 layers on 2 stages
+    [2, 1], 5 on 2 [3, 2], 7 on 4 [2, 2, 2, 1], 6 on 2 x vpp 2 [4, 2].
+    Raises ValueError (what is wrong, how to fix it) for a split megatron cannot build.
+    """
+    v = vpp or 1
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ValueError("--first-stage-layers/--last-stage-layers size pipeline stages: they need --pp > 1")
+        return {}
+    if first is None and last is None and num_layers % (pp * v) == 0:
+        return {}
+    splits = []  # layers per stage: first, the middle ones (all the same), last
+    for f in [first] if first is not None else range(v, num_layers + 1, v):
+        for m in range(v, num_layers + 1, v) if pp > 2 else [0]:
+            stages = [f] + [m] * (pp - 2) + [num_layers - f - (pp - 2) * m]
+            if all(n >= v and n % v == 0 for n in stages) and last in (None, stages[-1]):
+                splits.append(stages)
+    if not splits:
+        asked = " and ".join(f"{flag} {value}" for flag, value in (("--first-stage-layers", first),
+                                                                   ("--last-stage-layers", last)) if value is not None)
+        where = f"--pp {pp}" + (f" x --vpp {vpp}" if vpp else "") + (f" with {asked}" if asked else "")
+        why = ("every stage needs " + (f"a positive multiple of --vpp {v} layers" if v > 1 else ">= 1 layer")
+               + (f", the {pp - 2} middle stage(s) equal shares" if pp > 2 else "")
+               + "; choose other --first-stage-layers/--last-stage-layers, --pp or --vpp")
+        if num_layers < pp * v:
+            why = f"fewer layers than (virtual) pipeline stages ({pp * v}); use a smaller --pp or --vpp"
+        raise ValueError(f"num_hidden_layers={num_layers} cannot be split over {where}: {why}")
+    stages = min(splits, key=lambda s: (max(s), s[-1], -s[0]))
+    if pp == 2:  # the last stage gets the rest; megatron-core 0.16.1's interleaved offset
+        return dict(num_layers_in_first_pipeline_stage=stages[0])  # divides by the middle stages' count
+    return dict(num_layers_in_first_pipeline_stage=stages[0], num_layers_in_last_pipeline_stage=stages[-1])
+
+
+def stage_layers(config):
+    """Decoder layers of each pipeline stage (all its virtual stages) as megatron builds them
+    for this TransformerConfig, e.g. [2, 1]: what a checkpoint's optimizer shards and a log need."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    vpp = config.virtual_pipeline_model_parallel_size
+    return [get_num_layers_to_build(config, vp_stage=0 if vpp else None, pp_rank=rank) * (vpp or 1)
+            for rank in range(config.pipeline_model_parallel_size)]
+
+
+def check_parallel_layout(spec: HFModelSpec, tp=1, pp=1, vpp=None, ep=1, etp=1, first_stage_layers=None,
+                          last_stage_layers=None):
     """Clear errors for layouts the model's shapes cannot be split into."""
     if spec.moe is None and ep * etp > 1:
         raise ValueError(f"--ep/--etp need a Mixture-of-Experts model; {spec.architecture} is dense")
@@ -208,9 +265,7 @@ def check_parallel_layout(spec: HFModelSpec, tp=1, pp=1, vpp=None, ep=1, etp=1):
         )
     if spec.ffn_hidden_size % tp:
         raise ValueError(f"--tp {tp} must divide intermediate_size={spec.ffn_hidden_size}")
-    stages = pp * (vpp or 1)
-    if spec.num_layers % stages:
-        raise ValueError(f"num_hidden_layers={spec.num_layers} must be divisible by pp*vpp={stages}")
+    pipeline_layout(spec.num_layers, pp, vpp, first_stage_layers, last_stage_layers)
 
 
 def padded_vocab_size(vocab_size, tp):
@@ -241,9 +296,12 @@ def recompute_config(recompute="none", modules=("core_attn",), num_layers=1):
 
 
 def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, sequence_parallel=False,
-                       params_dtype=torch.float32, use_cpu_initialization=False, moe_aux_loss_coef=None, **overrides):
+                       params_dtype=torch.float32, use_cpu_initialization=False, moe_aux_loss_coef=None,
+                       first_stage_layers=None, last_stage_layers=None, **overrides):
     """megatron TransformerConfig equal to the HF architecture. `overrides` reach the
     config unchanged (e.g. recompute_granularity); dropout is always 0 for RL.
+    first_stage_layers / last_stage_layers: layers of the first / last pipeline stage
+    (None: automatic, see pipeline_layout).
     MoE models: ep/etp are the expert (tensor) parallel sizes; moe_aux_loss_coef replaces the
     HF config's router_aux_loss_coef (None: keep it)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -282,6 +340,7 @@ def transformer_config(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, cp=1, ep=1, e
         bias_activation_fusion=fused,
         bias_dropout_fusion=fused,
         init_method_std=0.02,
+        **pipeline_layout(spec.num_layers, pp, vpp, first_stage_layers, last_stage_layers),
     )
     if spec.moe is not None:
         kwargs.update(moe_config_fields(spec.moe, ep=ep, etp=etp, aux_loss_coef=moe_aux_loss_coef))

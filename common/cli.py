@@ -166,13 +166,15 @@ def read_hf_spec(config_dir):
     return spec
 
 
-def check_tool_layout(spec, world_size, tp=1, pp=1, vpp=None, ep=1, etp=1, flag_prefix="--"):
+def check_tool_layout(spec, world_size, tp=1, pp=1, vpp=None, ep=1, etp=1, first_stage_layers=None,
+                      last_stage_layers=None, flag_prefix="--"):
     """The offline tools' parallel layout: shapes that split, and a process count it fits
     (TP x PP for the dense part; each stage's ranks also split into ETP x EP for the experts)."""
     from common.bridge import check_parallel_layout
 
     try:
-        check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
+                              last_stage_layers=last_stage_layers)
     except ValueError as e:
         raise ConversionError(f"{flag_prefix}layout: {e}") from None
     needed = math.lcm(tp, ep * etp) * pp

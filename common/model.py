@@ -187,24 +187,29 @@ def _gpt_model_class():
     return GPTModelLogitsView
 
 
-def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, sequence_parallel=False,
-                dtype=torch.float32, init_weights=False, attention=None, moe_aux_loss_coef=None, **config_overrides):
+def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, first_stage_layers=None,
+                last_stage_layers=None, sequence_parallel=False, dtype=torch.float32, init_weights=False,
+                attention=None, moe_aux_loss_coef=None, **config_overrides):
     """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
 
     attention: "sdpa" (default) | "local" | "te", see layer_spec.
     MoE models: ep / etp expert (tensor) parallel sizes, moe_aux_loss_coef (None: the HF config's).
+    first_stage_layers / last_stage_layers: decoder layers of the first / last pipeline stage
+    (None: automatic, bridge.pipeline_layout); each layer keeps its global index, so weights
+    load and checkpoints reshard whatever the split.
 
     Weights are left uninitialised unless init_weights: they are loaded next.
     Only the last pipeline stage has an output layer (and so logits).
     """
     from megatron.core import parallel_state as mpu
 
-    check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    split = dict(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+    check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, **split)
     on_gpu = torch.cuda.is_available()
     config = transformer_config(
         spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sequence_parallel=sequence_parallel, params_dtype=dtype,
         use_cpu_initialization=not on_gpu, perform_initialization=init_weights, moe_aux_loss_coef=moe_aux_loss_coef,
-        **config_overrides)
+        **split, **config_overrides)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(vp_stage=vp_stage) if vpp else {}

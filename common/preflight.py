@@ -40,8 +40,8 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
     try:
         _check_numbers(args, min_group)
         critic_model = _resolve_hub_names(args, critic_model)
-        spec = _check_model(args, critic_model)
-        _check_layout(args, spec)
+        spec, critic = _check_model(args, critic_model)
+        _check_layout(args, spec, critic)
         _check_inputs(args)
         _check_out(args, critic_model)
     except UsageError as e:
@@ -64,7 +64,7 @@ def _check_numbers(args, min_group):
     for name in positive:
         if a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
-    for name in ("vpp", "mini_batch_size"):
+    for name in ("vpp", "first_stage_layers", "last_stage_layers", "mini_batch_size"):
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
     non_negative = ["save_every", "save_every_minutes", "log_samples_every", "eval_every", "eval_temperature",
@@ -141,7 +141,8 @@ def _check_reward_model(path):
 
 
 def _check_model(args, critic_model):
-    """The HFModelSpec of --model (the embedded model's without it), after checking the dir."""
+    """The HFModelSpecs of --model (the embedded model's without it) and of --critic-model
+    (None without it), after checking the dirs."""
     if args.model is None:
         from common.embedded import DEFAULT_CONFIG, EMBEDDED_MODELS, hf_config
 
@@ -150,6 +151,7 @@ def _check_model(args, critic_model):
         if args.embedded_model != "dense":
             raise UsageError("--embedded-model chooses the model used without --model: give one or the other")
         spec = _check_model_dir(args.model, "--model", need_weights=args.mcore_ckpt is None, need_tokenizer=True)
+    critic = None
     if critic_model is not None:
         critic = _check_model_dir(critic_model, "--critic-model", need_weights=True, need_tokenizer=False)
         if critic.vocab_size < spec.vocab_size:  # the critic reads the policy's token ids
@@ -157,7 +159,7 @@ def _check_model(args, critic_model):
                              f"{spec.vocab_size}; the critic must read every token id of the policy")
     if args.mcore_ckpt is not None:
         _check_mcore_ckpt(args.mcore_ckpt, spec)
-    return spec
+    return spec, critic
 
 
 def _check_model_dir(path, flag, need_weights, need_tokenizer):
@@ -207,7 +209,9 @@ def _check_mcore_ckpt(path, spec):
                          "(checkpoint vs model)")
 
 
-def _check_layout(args, spec):
+def _check_layout(args, spec, critic=None):
+    """The parallel layout against the world size and the shapes of the model (and of
+    --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
     world = launcher_world_size()
     model_parallel = args.tp * args.pp * args.cp
     if world % model_parallel:
@@ -226,10 +230,15 @@ def _check_layout(args, spec):
                          "each pipeline stage's ranks must split into expert-parallel groups")
     if spec.moe is not None and args.tp > 1 and not args.sp:
         raise UsageError(f"Mixture-of-Experts layers with --tp {args.tp} need sequence parallelism: add --sp")
-    try:
-        check_parallel_layout(spec, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, etp=etp)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, etp=etp, first_stage_layers=args.first_stage_layers,
+                  last_stage_layers=args.last_stage_layers)
+    for prefix, model in (("", spec), ("--critic-model: ", critic)):
+        if model is None:
+            continue
+        try:
+            check_parallel_layout(model, **layout)
+        except ValueError as e:
+            raise UsageError(prefix + str(e)) from None
     dp = world // model_parallel
     rollout_batch = args.prompts_per_step * args.samples_per_prompt
     mini_batch = args.mini_batch_size or rollout_batch

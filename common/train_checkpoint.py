@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint_io
+from common.bridge import stage_layers
 from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
-from common.model import named_global_parameters
+from common.model import named_global_parameters, unwrap
 from common.preflight import UsageError
 from common.training import ensure_adam_state, load_optimizer_state, model_space_optimizer_state, torch_adams
 
@@ -64,7 +65,7 @@ OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 DEFAULT_OPTIMIZER_SHARDING = "fully_reshardable"
 _EXTRA_MODEL_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # what dp_reshardable optimizer state depends on (the distributed optimizer's flat buffers)
-_DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep")
+_DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep", "stage_layers")
 
 
 def _check_extra_models(extra_models):
@@ -195,7 +196,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra_models": {model_name: {"scheduler": s.state_dict() if s is not None else None}
                              for model_name, (_, _, s) in extra_models.items()},
-            "layout": _layout()}, indent=1))
+            "layout": _layout(ddp_chunks)}, indent=1))
         if meta is not None:
             write_meta(save.tmp_dir, meta, hf_source_dir)
     return save
@@ -328,8 +329,9 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
     extra_models ({name: (ddp_chunks, optimizer, scheduler)}, as given to the save);
     returns the `extra` dict given to save_training_checkpoint, or None when ckpt_root
     holds no checkpoint (a fresh run). Any TP/PP/VPP/EP/DP layout loads a fully_reshardable
-    or plain-optimizer checkpoint; a dp_reshardable one at another TP/PP/VPP/EP, or one of the
-    other optimizer kind, is refused (RuntimeError saying what to do), never skipped.
+    or plain-optimizer checkpoint; a dp_reshardable one at another TP/PP/VPP/EP (or layers per
+    pipeline stage), or one of the other optimizer kind, is refused (RuntimeError saying what
+    to do), never skipped.
     A damaged newest checkpoint (no complete marker, a file missing or truncated, a
     requested extra model missing, the load failing) is reported and the previous one is
     used; if none is usable this raises.
@@ -376,8 +378,9 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
 
 
 def _describe(layout):
+    stages = layout.get("stage_layers") or []
     return " ".join(f"{key.upper()}={layout.get(key) or 1}" for key in ("tp", "pp", "vpp", "ep", "cp", "dp")) + \
-        f" ({layout['world_size']} ranks)"
+        f" ({layout['world_size']} ranks)" + (f", layers per stage {stages}" if len(stages) > 1 else "")
 
 
 def _layout_refusal(step_dir, ddp_chunks):
@@ -388,7 +391,7 @@ def _layout_refusal(step_dir, ddp_chunks):
         saved, sharding = state["layout"], state["optimizer_sharding"]
     except (OSError, ValueError, KeyError):
         return None  # unreadable: the load fails and calls it damaged
-    current, distributed = _layout(), _is_distributed(ddp_chunks)
+    current, distributed = _layout(ddp_chunks), _is_distributed(ddp_chunks)
     saved_distributed = state.get("distributed_optimizer", distributed)  # not recorded before 2026-11
     if saved_distributed != distributed:
         kinds = {True: "the distributed optimizer", False: "a plain optimizer (--no-distributed-optimizer)"}
@@ -398,7 +401,8 @@ def _layout_refusal(step_dir, ddp_chunks):
     moved = any(saved.get(key, current[key]) != current[key] for key in _DP_RESHARDABLE_FIXED)
     if distributed and sharding == "dp_reshardable" and moved:
         return (f"{step_dir} holds distributed-optimizer state in optimizer_sharding='dp_reshardable', "
-                f"which only loads at the TP/PP/VPP/EP it was written at: saved at {_describe(saved)}, this "
+                "which only loads at the TP/PP/VPP/EP and layers per pipeline stage it was written at: "
+                f"saved at {_describe(saved)}, this "
                 f"run is at {_describe(current)}. Resume at the saved layout (DP may differ), or resume "
                 "there once and save with optimizer_sharding='fully_reshardable' (the scripts' default "
                 "--save-any-layout), which loads at any layout.")
@@ -431,13 +435,18 @@ def check_step_dir(step_dir, extra_models=()):
 
 
 # --- layouts, RNG ------------------------------------------------------------------------
-def _layout():
+def _layout(ddp_chunks=None):
+    """This run's parallel layout; given the model, also its decoder layers per pipeline stage
+    (uneven stages: bridge.pipeline_layout), which a PP size alone does not fix."""
     from megatron.core import parallel_state as mpu
 
-    return {"world_size": dist.get_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
-            "pp": mpu.get_pipeline_model_parallel_world_size(),
-            "vpp": mpu.get_virtual_pipeline_model_parallel_world_size(), "cp": mpu.get_context_parallel_world_size(),
-            "ep": mpu.get_expert_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
+    layout = {"world_size": dist.get_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
+              "pp": mpu.get_pipeline_model_parallel_world_size(),
+              "vpp": mpu.get_virtual_pipeline_model_parallel_world_size(), "cp": mpu.get_context_parallel_world_size(),
+              "ep": mpu.get_expert_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
+    if ddp_chunks is not None:
+        layout["stage_layers"] = stage_layers(unwrap(ddp_chunks[0]).config)
+    return layout
 
 
 def _same_layout(saved, current):

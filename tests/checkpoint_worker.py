@@ -10,6 +10,7 @@ up to step TOTAL_STEPS, either from step 1 or after load_training_checkpoint(job
 Job keys (all optional but name):
   name                  results in O/<name>.json, final full weights in O/<name>.pt (rank 0)
   dist_opt (True)       use_distributed_optimizer
+  first_stage_layers    decoder layers of the first pipeline stage (None: automatic)
   critic                also train a PPO critic (common/critic.py, own Adam and schedule) on the
                         same batches, saved and loaded as extra_models={"critic": ...}
   resume                checkpoint root to resume from (else: train from step 1)
@@ -165,7 +166,8 @@ def run_job(job, args, info, spec, out_dir):
     from common.training import setup_training
 
     set_seed(1234)  # as init_distributed: a job later in the process starts like a fresh process
-    chunks = build_model(spec, tp=info.tp_size, pp=info.pp_size, ep=args.ep)
+    chunks = build_model(spec, tp=info.tp_size, pp=info.pp_size, ep=args.ep,
+                         first_stage_layers=job.get("first_stage_layers"))
     load_hf_weights(chunks, spec, args.hf_dir)
     # warmup + cosine decay: a scheduler that is not restored gives a different LR. clip_grad
     # never clips: clipping would scale updates by a norm whose rounding depends on the layout.

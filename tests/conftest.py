@@ -60,6 +60,19 @@ def tiny_models_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uneven_models_dir(tmp_path_factory):
+    """Tiny models whose layers do not divide by the pipeline stages of the tests (megatron's
+    uneven stages, common/bridge.py:pipeline_layout): llama_3layers (tied embeddings; PP=2:
+    2 + 1 layers) and qwen2_6layers (PP=2 x VPP=2: 4 + 2)."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("uneven_models")
+    for name, layers in (("llama", 3), ("qwen2", 6)):
+        save_tiny_hf_model(name, str(root / f"{name}_{layers}layers"), layers=layers)
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_models_dir(tmp_path_factory):
     """The Mixture-of-Experts tiny HF models of tests/tiny_models.py (MOE_CONFIGS), saved once
     per session in the hub's per-expert layout."""

@@ -2,13 +2,15 @@
 
     torchrun --nproc_per_node 2 tests/parity_worker.py --models-dir DIR --tp 2 --out result.json
 
-For every tiny HF model in --models-dir: build the megatron model at the given layout,
+For every tiny HF model in --models-dir (and each --model): build the megatron model at the given layout,
 load the HF weights sharded, run a forward pass through megatron's pipeline schedule, gather
 the vocab-parallel logits and compare with transformers (fp32). Then export every tensor
 back and compare bit-for-bit with the safetensors file. Deliberately wrong mappings
 (k/v swapped, or for multi-latent attention the router's score-correction bias dropped;
 at TP>1 fc1 cut as a plain chunk of [gate; up]; for MoE models two experts of a layer
-exchanged) must NOT match. --ep/--etp: expert (tensor) parallel sizes.
+exchanged; for a model on uneven pipeline stages the layers after the first stage loaded one
+layer too early, as an even split's offset would) must NOT match. --ep/--etp: expert (tensor)
+parallel sizes.
 """
 import argparse
 import json
@@ -60,6 +62,7 @@ def forward_logits(chunks, ids, seq_len):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
+    ap.add_argument("--model", action="append", default=[], help="one more HF model dir (repeatable)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=None)
@@ -72,17 +75,20 @@ def main():
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    import common.model as model_module
     from common import bridge
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights, named_global_parameters
+    from common.model import (build_model, export_hf_weights, load_hf_spec, load_hf_weights, named_global_parameters,
+                              unwrap)
+    from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp)
     seq_len = 24
     ids = torch.randint(0, 300, (2, seq_len), generator=torch.Generator().manual_seed(7))
     results = {}
-    for name in sorted(os.listdir(args.models_dir)):
-        hf_dir = os.path.join(args.models_dir, name)
+    for hf_dir in [os.path.join(args.models_dir, n) for n in sorted(os.listdir(args.models_dir))] + args.model:
+        name = os.path.basename(hf_dir)
         spec = load_hf_spec(hf_dir)
 
         def logits_with(hf_dir=hf_dir, spec=spec):
@@ -97,7 +103,8 @@ def main():
         with torch.no_grad():
             reference = hf(input_ids=ids).logits
         chunks, logits = logits_with()
-        row = {"max_abs_diff": (logits - reference).abs().max().item()}
+        row = {"max_abs_diff": (logits - reference).abs().max().item(),
+               "layers": [layer.layer_number - 1 for c in chunks for layer in unwrap(c).decoder.layers]}
 
         # export: every HF tensor, bit-identical, no missing or extra names
         on_disk = {}
@@ -136,7 +143,6 @@ def main():
                     return full.chunk(tp_size)[tp_rank]
                 return original(kind, hf_names, read, spec, tp_rank, tp_size)
 
-            import common.model as model_module
             model_module.shard_from_hf = naive
             row["control_naive_fc1"] = (logits_with()[1] - reference).abs().max().item()
             model_module.shard_from_hf = original
@@ -153,6 +159,18 @@ def main():
             with torch.no_grad():
                 swapped = forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
             row["control_experts_swapped"] = (swapped - reference).abs().max().item()
+        # negative control 4 (uneven pipeline stages): the layers after the first stage loaded from
+        # the layer before each, where an offset that ignored the bigger first stage would put them
+        if bridge.pipeline_layout(spec.num_layers, args.pp, args.vpp):
+            def shifted(chunk, global_experts=True):
+                for n, p in named_global_parameters(chunk, global_experts):
+                    parts = n.split(".", 3)
+                    later = parts[1] == "layers" and mpu.get_pipeline_model_parallel_rank() > 0
+                    yield (f"decoder.layers.{int(parts[2]) - 1}.{parts[3]}" if later else n), p
+
+            model_module.named_global_parameters = shifted
+            row["control_shifted_layers"] = (logits_with()[1] - reference).abs().max().item()
+            model_module.named_global_parameters = named_global_parameters
         rows = [None] * info.world_size
         dist.all_gather_object(rows, row)
         results[name] = rows

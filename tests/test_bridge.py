@@ -3,7 +3,8 @@
     .venv/bin/python -m pytest -q tests/test_bridge.py
 
 Config validation (every unsupported case is a clear error naming the field), the
-TP shard/unshard functions (round trip at TP=1,2,4), llama3 rope scaling (the mcore model
+TP shard/unshard functions (round trip at TP=1,2,4), pipeline stage splits (pipeline_layout,
+against megatron-core's own layer placement and validation), llama3 rope scaling (the mcore model
 with scaling matches transformers; without it, it does not), and checkpoint-reading errors.
 """
 import json
@@ -80,8 +81,102 @@ def test_parallel_layout_errors():
     spec = parse_hf_config(config_dict("qwen2"))  # 2 kv heads, 4 layers
     with pytest.raises(ValueError, match="num_key_value_heads"):
         bridge.check_parallel_layout(spec, tp=4)
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        bridge.check_parallel_layout(spec, pp=3)
+    bridge.check_parallel_layout(spec, pp=3)  # uneven stages: 2 + 1 + 1
+    with pytest.raises(ValueError, match="num_hidden_layers=4 cannot be split over --pp 5"):
+        bridge.check_parallel_layout(spec, pp=5)
+    with pytest.raises(ValueError, match="--last-stage-layers 4"):
+        bridge.check_parallel_layout(spec, pp=2, last_stage_layers=4)
+
+
+# --- pipeline stages: bridge.pipeline_layout against megatron's own layer placement --------
+def megatron_placement(num_layers, pp, vpp, fields):
+    """(global layer indices in pipeline order, layers of each pipeline rank) as megatron-core
+    places them (transformer_layer.get_transformer_layer_offset and
+    transformer_block.get_num_layers_to_build) for a TransformerConfig with these fields,
+    after megatron's own validation. Pipeline order: virtual stage 0 of every rank, then 1, ..."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, **fields)
+    order, per_rank = [], [0] * pp
+    for vp_stage in range(vpp or 1):
+        for rank in range(pp):
+            where = dict(vp_stage=vp_stage if vpp else None, pp_rank=rank)
+            count = get_num_layers_to_build(config, **where)
+            offset = get_transformer_layer_offset(config, **where)
+            order += range(offset, offset + count)
+            per_rank[rank] += count
+    return order, per_rank
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, asked, stages", [
+    (4, 2, None, {}, None), (8, 2, 2, {}, None), (6, 3, None, {}, None),  # even: megatron's default split
+    (3, 2, None, {}, [2, 1]), (5, 2, None, {}, [3, 2]), (5, 3, None, {}, [2, 2, 1]), (7, 4, None, {}, [2, 2, 2, 1]),
+    (9, 4, None, {}, [2, 3, 3, 1]), (6, 2, 2, {}, [4, 2]), (10, 4, 2, {}, [4, 2, 2, 2]),
+    (5, 2, None, dict(first=1), [1, 4]), (5, 2, None, dict(last=1), [4, 1]), (4, 2, None, dict(first=1), [1, 3]),
+    (5, 3, None, dict(first=1, last=2), [1, 2, 2]), (7, 3, None, dict(last=1), [3, 3, 1]),
+    (8, 3, 2, dict(first=2), [2, 4, 2]),
+])
+def test_pipeline_layout(num_layers, pp, vpp, asked, stages):
+    """The automatic split (the busiest stage smallest, then the last stage) and the asked-for
+    one, as megatron builds them: every layer once, in order, on the expected stages."""
+    fields = bridge.pipeline_layout(num_layers, pp, vpp, **asked)
+    assert (fields == {}) == (stages is None)
+    order, per_rank = megatron_placement(num_layers, pp, vpp, fields)
+    assert order == list(range(num_layers))
+    assert per_rank == (stages or [num_layers // pp] * pp)
+
+
+def test_pipeline_layout_finds_every_split_megatron_can_build():
+    """For 1-12 layers on 2-4 stages (x vpp 2, 3): a split whenever megatron accepts some first/last
+    stage sizes that place every layer once, in order; never one that it does not; the automatic
+    one gives the last stage (output layer and loss) no more layers than any other stage."""
+    for num_layers in range(1, 13):
+        for pp in (2, 3, 4):
+            for vpp in (None, 2, 3):
+                try:
+                    fields = bridge.pipeline_layout(num_layers, pp, vpp)
+                except ValueError:
+                    fields = None
+                if fields is not None:
+                    order, per_rank = megatron_placement(num_layers, pp, vpp, fields)
+                    assert order == list(range(num_layers)), (num_layers, pp, vpp, fields)
+                    assert per_rank[-1] == min(per_rank), (num_layers, pp, vpp, per_rank)
+                    continue
+                for first in range(1, num_layers + 1):
+                    for last in range(1, num_layers + 1):
+                        try:  # (with pp=2 and vpp megatron's offset divides by zero middle stages: first only)
+                            asked = dict(num_layers_in_first_pipeline_stage=first,
+                                         **(dict(num_layers_in_last_pipeline_stage=last) if pp > 2 or not vpp else {}))
+                            order, _ = megatron_placement(num_layers, pp, vpp, asked)
+                        except (ValueError, AssertionError):
+                            continue
+                        assert order != list(range(num_layers)), (num_layers, pp, vpp, first, last)
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, asked, says", [
+    (3, 2, 2, {}, "num_hidden_layers=3 cannot be split over --pp 2 x --vpp 2: fewer layers than (virtual) pipeline stages (4)"),
+    (5, 2, 2, {}, "every stage needs a positive multiple of --vpp 2 layers"),
+    (4, 1, None, dict(first=2), "they need --pp > 1"),
+    (4, 2, None, dict(first=0), "over --pp 2 with --first-stage-layers 0: every stage needs >= 1 layer"),
+    (6, 2, 2, dict(last=1), "with --last-stage-layers 1: every stage needs a positive multiple of --vpp 2 layers"),
+    (5, 2, None, dict(first=2, last=2), "over --pp 2 with --first-stage-layers 2 and --last-stage-layers 2: every stage"),
+    (5, 3, None, dict(first=3, last=2), "every stage needs >= 1 layer, the 1 middle stage(s) equal shares"),
+    (6, 4, None, dict(first=1, last=2), "every stage needs >= 1 layer, the 2 middle stage(s) equal shares"),
+])
+def test_pipeline_layout_errors(num_layers, pp, vpp, asked, says):
+    with pytest.raises(ValueError) as err:
+        bridge.pipeline_layout(num_layers, pp, vpp, **asked)
+    assert says in str(err.value)
+
+
+def test_transformer_config_carries_the_split():
+    spec = parse_hf_config(dict(config_dict("llama"), num_hidden_layers=3))
+    assert bridge.transformer_config(spec, pp=2).num_layers_in_first_pipeline_stage == 2
+    assert bridge.transformer_config(spec, pp=2, first_stage_layers=1).num_layers_in_first_pipeline_stage == 1
+    assert bridge.transformer_config(spec).num_layers_in_first_pipeline_stage is None
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama"])

@@ -176,17 +176,23 @@ def test_merge_training_checkpoint(tiny_models_dir, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------
 # several processes (torchrun, gloo)
 # ---------------------------------------------------------------------------------------
-def test_torchrun_convert_verify_tp2_pp2(tiny_models_dir, tmp_path):
+def test_torchrun_convert_verify_tp2_pp2(tiny_models_dir, uneven_models_dir, tmp_path):
     """2-process conversions (each rank writes its own file) verified at TP=2 (qwen3, sharded
-    input) and at PP=2 (llama, tied embeddings), then merged in one process: bit-exact."""
-    for name, layout in (("qwen3", ["--tp", 2]), ("llama", ["--pp", 2])):
-        ckpt = tmp_path / name
-        proc = run_torchrun("convert_hf_to_mcore.py", 2, "--hf", tiny_models_dir / name, "--out", ckpt,
+    input) and at PP=2 (llama with tied embeddings and 3 layers: uneven stages of 2 + 1 layers),
+    then merged in one process, and the llama also at PP=2 with --last-stage-layers 2 (stages of
+    1 + 2 layers): bit-exact."""
+    for hf_dir, layout in ((tiny_models_dir / "qwen3", ["--tp", 2]), (uneven_models_dir / "llama_3layers", ["--pp", 2])):
+        ckpt = tmp_path / hf_dir.name
+        proc = run_torchrun("convert_hf_to_mcore.py", 2, "--hf", hf_dir, "--out", ckpt,
                             "--dtype", "fp32", "--verify", *layout)
         assert max_abs_diff(proc.stdout) <= 1e-5
         assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt))
-        assert merge("--ckpt", ckpt, "--out", tmp_path / f"{name}-hf") == 0
-        assert_bit_exact(hf_tensors(tiny_models_dir / name), hf_tensors(tmp_path / f"{name}-hf"))
+        assert merge("--ckpt", ckpt, "--out", tmp_path / f"{hf_dir.name}-hf") == 0
+        assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / f"{hf_dir.name}-hf"))
+    proc = run_torchrun("merge_to_hf.py", 2, "--ckpt", ckpt, "--out", tmp_path / "pp2-hf", "--pp", 2,
+                        "--last-stage-layers", 2)
+    assert "layers per pipeline stage: [1, 2]" in proc.stdout
+    assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / "pp2-hf"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,6 +239,8 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
     expect_error(merge, "--ckpt", tiny_models_dir / "qwen2", "--out", tmp_path / "x",
                  says=["is not a checkpoint"])
     expect_error(convert, "--hf", src, "--out", src, "--force", says=["is (or contains) the input"])
+    expect_error(convert, "--hf", src, "--out", tmp_path / "o", "--verify", "--pp", 2, "--first-stage-layers", 4,
+                 says=["--verify layout: num_hidden_layers=4 cannot be split over --pp 2 with --first-stage-layers 4"])
 
     # a truncated shard, then a missing shard: the file is named
     victim = src / shards[1]

@@ -9,6 +9,10 @@ Qwen3 with q/k norm and head_dim != hidden/heads, Mistral; Qwen3 as a sharded ch
   - export back to HF names: every tensor bit-identical, nothing missing or extra;
   - two deliberately wrong mappings (k/v swapped; fc1 as a plain chunk of [gate; up] at
     TP>1) are far above the tolerance, so the comparison can fail.
+The PP=2 and PP=2 x VPP=2 launches add a model whose layers do not divide by the stages
+(megatron's uneven stages, common/bridge.py:pipeline_layout): each rank holds the layers the
+automatic split assigns it, the logits match, and the same layers loaded one layer off (as an
+even split's offset would) do not.
 build_model's GPTModel returns its logits as a view (no transposing copy) holding exactly
 megatron's own forward's values.
 """
@@ -27,26 +31,35 @@ LAYOUTS = {
     "pp2_vpp2": (2, ["--pp", 2, "--vpp", 2]),
     "tp2_pp2": (4, ["--tp", 2, "--pp", 2]),
 }
+# the uneven model of a launch (tests/conftest.py:uneven_models_dir) and the global layers of each pipeline
+# rank, in megatron's order: interleaved, virtual stage 0 of every rank first ([0, 1], [2], [3, 4], [5])
+UNEVEN = {"pp2": ("llama_3layers", [[0, 1], [2]]), "pp2_vpp2": ("qwen2_6layers", [[0, 1, 3, 4], [2, 5]])}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parity(layout, tiny_models_dir, tmp_path):
+def test_parity(layout, tiny_models_dir, uneven_models_dir, tmp_path):
     nproc, flags = LAYOUTS[layout]
+    uneven, placement = UNEVEN.get(layout, (None, None))
     out = tmp_path / "result.json"
-    run_torchrun("tests/parity_worker.py", nproc, "--models-dir", tiny_models_dir, *flags, "--out", out)
+    run_torchrun("tests/parity_worker.py", nproc, "--models-dir", tiny_models_dir, *flags, "--out", out,
+                 *(["--model", uneven_models_dir / uneven] if uneven else []))
     results = json.loads(out.read_text())
-    assert sorted(results) == ["llama", "mistral", "qwen2", "qwen2_tied", "qwen3"]
+    assert sorted(results) == sorted(["llama", "mistral", "qwen2", "qwen2_tied", "qwen3"] + ([uneven] if uneven else []))
     for name, ranks in results.items():
         assert len(ranks) == nproc
         for rank, row in enumerate(ranks):
             where = f"{name} {layout} rank {rank}"
-            print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e}")
+            print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e}",
+                  *(f"{k}={v:.2e}" for k, v in row.items() if k.startswith("control")))
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [], where
             assert row["export_mismatch"] == [], where
             assert row["control_kv_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags:
                 assert row["control_naive_fc1"] > 100 * TOLERANCE, where
+            if name == uneven:
+                assert row["layers"] == placement[rank], where
+                assert row["control_shifted_layers"] > 100 * TOLERANCE, where
 
 
 def test_logits_are_a_view_of_megatrons_values(tiny_models_dir):

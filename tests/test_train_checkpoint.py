@@ -10,7 +10,9 @@ Six launches of tests/checkpoint_worker.py (gloo, CPU), each running several job
              run with a plain optimizer (--no-distributed-optimizer: a background save too).
              It ends like train_grpo.py with vLLM (os._exit) and must close its stdout.
   tp2, pp2   2 processes at TP=2 / PP=2: the dp_reshardable checkpoint is refused, naming
-             both layouts; resume from step 3 (both optimizer kinds), save after step 4;
+             both layouts; resume from step 3 (both optimizer kinds), save after step 4; at
+             PP=2 also on uneven stages of 3 + 1 layers (a dp_reshardable save of the even
+             stages is refused there);
   dp2        2 processes at DP=2: the same, plus a save with a NaN (refused), a background
              save whose writes fail on one rank (raised on both) and one whose writer is
              held on one rank (not published before it is written everywhere);
@@ -130,6 +132,10 @@ def resharded(reference):
                  "saves": [{"step": 4, "root": tmp / f"{layout}_4"}]},
                 {"name": f"{layout}_plain", "dist_opt": False, "resume": r["nd"],
                  "saves": [{"step": 4, "root": tmp / f"{layout}_plain_4"}]}]
+        if layout == "pp2":  # uneven stages: megatron's num_layers_in_first_pipeline_stage
+            jobs[0]["saves"].append({"step": 4, "root": tmp / "pp2_4dp", "sharding": "dp_reshardable"})
+            jobs.append({"name": "pp2_uneven", "first_stage_layers": 3, "resume": r["full3"],
+                         "try_first": [tmp / "pp2_4dp"]})
         if layout == "dp2":
             jobs[0].update(nan_save_at=4, fail_save_at=4, compare_model_space_at=4)
             jobs[0]["saves"].append({"step": 4, "root": tmp / "dp2_4bg", "background": True, "hold_until": 5})
@@ -330,11 +336,11 @@ def test_resume_same_layout_after_fallback_and_all_damaged(reference, one_rank):
     assert "step_000003: loading failed" in error
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain", "dp2_dpresh"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain", "dp2_dpresh", "pp2_uneven"])
 def test_resume_at_another_layout(reference, resharded, name):
     """Step-3 checkpoints of one process resumed at TP=2, PP=2, DP=2 (distributed optimizer
-    in fully_reshardable, or a plain optimizer; dp_reshardable only at DP=2) continue the
-    uninterrupted run."""
+    in fully_reshardable, or a plain optimizer; dp_reshardable only at DP=2), and at PP=2 on
+    uneven stages (3 + 1 layers), continue the uninterrupted run."""
     result = resharded[name]
     ref = reference["ref_plain" if "plain" in name else "ref"]
     assert result["extra"]["step"] == 3
@@ -371,6 +377,9 @@ def test_refusals_name_both_layouts_and_never_fall_back(reference, resharded, on
         assert "saved at TP=1 PP=1 VPP=1 EP=1 CP=1 DP=1 (1 ranks)" in error
         assert f"this run is at {current} VPP=1 EP=1 CP=1 DP=1 (2 ranks)" in error
         assert "optimizer_sharding='fully_reshardable'" in error and "damaged" not in error
+    (error, agree), = resharded["pp2_uneven"]["try_first"]  # same PP, other layers per stage
+    assert agree and error.startswith(f"{reference['tmp']}/pp2_4dp/step_000004 holds distributed-optimizer state")
+    assert "(2 ranks), layers per stage [2, 2]" in error and "(2 ranks), layers per stage [3, 1]" in error
     (error, _), = one_rank["same_plain"]["try_first"]
     assert error.startswith(f"{reference['full3']}/step_000003 was written with the distributed optimizer; "
                             "this run uses a plain optimizer")

@@ -74,10 +74,12 @@ MOE_CONFIGS["deepseek_v3_small"] = ("DeepseekV3ForCausalLM", dict(
     rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
 
 
-def make_tiny_hf_model(name, seed=0):
+def make_tiny_hf_model(name, seed=0, layers=None):
+    """layers: another num_hidden_layers (e.g. an odd count for uneven pipeline stages)."""
     import transformers
 
     arch, kwargs = {**ARCH_CONFIGS, **MOE_CONFIGS}[name]
+    kwargs = dict(kwargs, num_hidden_layers=layers or kwargs["num_hidden_layers"])
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_cls(**kwargs)
     config.architectures = [arch]
@@ -95,12 +97,12 @@ def make_tiny_hf_model(name, seed=0):
     return model
 
 
-def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None):
+def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None, layers=None):
     """A complete HF model dir: weights, config.json and the embedded byte-level tokenizer
     (259 tokens, within every tiny model's vocabulary of 300)."""
     from common.embedded import build_tokenizer
 
-    model = make_tiny_hf_model(name, seed)
+    model = make_tiny_hf_model(name, seed, layers)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     build_tokenizer().save_pretrained(out_dir)
