@@ -144,3 +144,14 @@ def test_fp8_checkpoints_are_refused_with_the_way_out():
     fp8 = dict(DEEPSEEK_V3_671B, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(UnsupportedModelError, match="fp8_cast_bf16"):
         parse_hf_config(fp8)
+
+
+def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir, tmp_path):
+    """The 3-layer tiny DeepSeek-V3 at --pp 2 (stages of 2 + 1 layers, chosen automatically)
+    and EP=2: two GRPO steps run, and the trainer's logprobs of the first step's samples equal
+    the CPU engine's (transformers) on the same weights."""
+    run_torchrun("train_grpo.py", 4, "--model", tiny_moe_models_dir / "deepseek_v3", "--pp", 2, "--ep", 2,
+                 "--steps", 2, "--max-new-tokens", 8, "--eval-every", 0, "--log-samples-every", 0, "--out", tmp_path)
+    rows = read_metrics(tmp_path)
+    print("logprob_mismatch", [m["logprob_mismatch"] for m in rows])
+    assert len(rows) == 2 and rows[0]["logprob_mismatch"] < 1e-5
