@@ -46,6 +46,15 @@ SHAPES["moonlight-16b-a3b"] = {
     "bos_token_id": 0, "eos_token_id": 1,
 }
 SHAPES["moonlight-16b-a3b-6l"] = dict(SHAPES["moonlight-16b-a3b"], num_hidden_layers=6)
+# Qwen3-30B-A3B's published config.json, its first 6 of 48 layers (bench/train.py on one GPU)
+SHAPES["qwen3-30b-a3b-6l"] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 6,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.001, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+}
 
 
 def write_config_dir(out_dir, shape):
