@@ -1,7 +1,6 @@
 """Benchmark MoE experts: grouped GEMMs (common/moe.py's GroupedExperts) vs megatron's per-expert loop.
 
     python bench/moe.py                          # 1 GPU: Qwen3-30B-A3B-shaped layers
-    python bench/moe.py --compare accumulation   # grouped, under DDP: stacked vs per-expert grad accumulation
     python bench/moe.py --shape tiny --reps 2    # CPU smoke run (no grouped path on a CPU: ratio ~1)
 
 A GPTModel of --layers Qwen3-30B-A3B decoder layers (hidden 2048, 32 heads / 4 KV groups of
@@ -11,9 +10,6 @@ EP=1 on one GPU. Each repetition times one forward + backward of --tokens tokens
 sequence) twice, with the experts grouped and with SequentialMLP's loop over experts, the
 order alternating between repetitions (CUDA synchronised). The comparison is per pair:
 ratio = loop seconds / grouped seconds of the same repetition, and the median of the ratios.
---compare accumulation: both sides grouped, the model wrapped in megatron DDP (fp32 main_grad
-buffers, as in training), gradients accumulated per expert through DDP's hooks ("loop" side)
-or by StackedExpertWeights' one multi-tensor add per layer ("grouped" side).
 
 Output: a table and one `BENCH_JSON {...}` line (medians over --reps after one warm-up pair).
 """
@@ -46,9 +42,6 @@ def main():
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary size (small: the experts dominate)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per forward + backward (one sequence)")
     ap.add_argument("--reps", type=int, default=5, help="timed pairs after one warm-up pair")
-    ap.add_argument("--compare", choices=["loop", "accumulation"], default="loop",
-                    help="loop: per-expert loop vs grouped GEMMs; accumulation: both grouped under DDP, per-expert "
-                         "gradients vs the stacked accumulation into main_grad")
     args = ap.parse_args()
 
     from harness import timed
@@ -70,22 +63,11 @@ def main():
     tokens = torch.randint(0, args.vocab, (1, args.tokens), device=info.device, generator=generator)
     positions = torch.arange(args.tokens, device=info.device)[None]
 
-    if args.compare == "accumulation":
-        from common.training import setup_training
-
-        model = setup_training(chunks, lr=1e-5)[0][0]
-
-    def step(grouped):  # grouped: the candidate side (grouped GEMMs, or the stacked accumulation)
+    def step(grouped):
         for m in experts:
-            if args.compare == "loop":
-                m.grouped = grouped
-            else:
-                m.fuse_grad_accumulation = grouped
-        if args.compare == "loop":
-            for p in model.parameters():
-                p.grad = None
-        else:
-            model.zero_grad_buffer()
+            m.grouped = grouped
+        for p in model.parameters():
+            p.grad = None
         model(tokens, positions, None).float().logsumexp(-1).mean().backward()
 
     seconds = {True: [], False: []}
@@ -98,15 +80,13 @@ def main():
     ratios = [loop / grouped for loop, grouped in zip(seconds[False], seconds[True])]
     result = {"loop_s": statistics.median(seconds[False]), "grouped_s": statistics.median(seconds[True]),
               "speedup_median_of_pairs": statistics.median(ratios)}
-    settings = dict(shape=args.shape, compare=args.compare, layers=args.layers, tokens=args.tokens, reps=args.reps,
-                    dtype=str(dtype),
+    settings = dict(shape=args.shape, layers=args.layers, tokens=args.tokens, reps=args.reps, dtype=str(dtype),
                     device=torch.cuda.get_device_name() if on_gpu else "cpu",
                     grouped_path=on_gpu)  # on a CPU both sides run the loop
     print(f"{args.shape} x {args.layers} layers, {args.tokens} tokens, fwd+bwd, {settings['device']}")
-    names = ("per-expert loop", "grouped GEMMs") if args.compare == "loop" else ("per-expert grads", "stacked grads")
-    print(f"  {names[0]:16} {result['loop_s'] * 1e3:9.1f} ms (median)")
-    print(f"  {names[1]:16} {result['grouped_s'] * 1e3:9.1f} ms (median)")
-    print(f"  ratio            {result['speedup_median_of_pairs']:9.2f}x (median of {len(ratios)} per-pair ratios: "
+    print(f"  per-expert loop  {result['loop_s'] * 1e3:9.1f} ms (median)")
+    print(f"  grouped GEMMs    {result['grouped_s'] * 1e3:9.1f} ms (median)")
+    print(f"  loop / grouped   {result['speedup_median_of_pairs']:9.2f}x (median of {len(ratios)} per-pair ratios: "
           + ", ".join(f"{r:.2f}" for r in ratios) + ")")
     print("BENCH_JSON " + json.dumps(dict(settings, ratios=[round(r, 4) for r in ratios],
                                           **{k: float(f"{v:.6g}") for k, v in result.items()})))

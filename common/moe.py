@@ -10,9 +10,7 @@ is used as it is; its layer spec takes two modules of ours:
   GroupedExperts  megatron's SequentialMLP (same parameters, names and checkpoint layout:
                   `experts.local_experts.{j}.linear_fc1/fc2`) whose forward on a GPU runs all
                   local experts in two grouped GEMMs (torch._grouped_mm) instead of a Python
-                  loop over experts; elsewhere (CPU, fp32) the loop runs unchanged. In
-                  training its backward adds the stacked expert gradients to megatron DDP's
-                  fp32 buffers in one multi-tensor add per layer (StackedExpertWeights).
+                  loop over experts; elsewhere (CPU, fp32) the loop runs unchanged.
                   tests/gpu/test_moe_gpu.py checks the two equal; bench/moe.py times them.
 """
 import torch
@@ -42,35 +40,6 @@ class Router(TopKRouter):
         return probs, routing_map
 
 
-class StackedExpertWeights(torch.autograd.Function):
-    """torch.stack of a layer's per-expert weights, (E_local, ...), whose backward puts the
-    stacked gradient straight into megatron DDP's fp32 `main_grad` buffers.
-
-    Why: with per-expert parameters, autograd hands each expert its own gradient and DDP's
-    hook adds each into main_grad: 2 x E_local kernels and hook calls per layer and
-    micro-batch (Qwen3-30B-A3B: 12,648 adds and 215 ms of host time in a step on an H200,
-    docs/benchmarks.md). Here one cast and one multi-tensor add per stacked weight do the same
-    sums (fp32 += bf16 either way: bit-identical), as megatron's gradient-accumulation fusion
-    does for its linear layers: the weights are flagged grad_added_to_main_grad and receive
-    empty placeholder gradients, so DDP's hooks still run (overlap_grad_reduce needs them)
-    but add nothing. Without DDP (no main_grad) the gradients are torch.stack's own."""
-
-    @staticmethod
-    def forward(ctx, *weights):
-        ctx.weights = weights
-        return torch.stack(weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weights = ctx.weights
-        if not all(hasattr(w, "main_grad") for w in weights):
-            return grad.unbind(0)
-        torch._foreach_add_([w.main_grad for w in weights], list(grad.float().unbind(0)))
-        for w in weights:
-            w.grad_added_to_main_grad = True
-        return torch.empty_like(grad).unbind(0)  # one allocation; DDP's hook drops them
-
-
 def _grouped_mm_usable(weight, num_local_experts):
     return (weight.is_cuda and weight.dtype == torch.bfloat16 and num_local_experts > 1
             and hasattr(torch, "_grouped_mm"))
@@ -88,7 +57,6 @@ class GroupedExperts(SequentialMLP):
     """
 
     grouped = True  # False: always the per-expert loop (bench/moe.py compares the two)
-    fuse_grad_accumulation = True  # False: per-expert gradients, as torch.stack gives (bench/moe.py)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -107,9 +75,8 @@ class GroupedExperts(SequentialMLP):
                 and self.config.activation_func is F.silu and not self.config.add_bias_linear):
             return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
-        stack = StackedExpertWeights.apply if self.fuse_grad_accumulation else lambda *w: torch.stack(w)
-        w1 = stack(*[e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
-        w2 = stack(*[e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
         h = torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends)  # (N, 2F/etp)
         gate, up = h.chunk(2, dim=-1)
         h = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)  # weighted by the router's probs

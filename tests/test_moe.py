@@ -201,32 +201,3 @@ def test_convert_verify_and_merge_at_tp2_ep2(tiny_moe_models_dir, tmp_path):
     assert max_abs_diff(proc.stdout) <= 1e-5
     run_torchrun("merge_to_hf.py", 2, "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--ep", 2)
     assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / "hf"))
-
-
-def test_stacked_expert_weights_accumulate_into_main_grad():
-    """GroupedExperts' stacking (common/moe.py): with megatron DDP's fp32 main_grad buffers,
-    two backward passes add exactly the per-expert gradients a plain torch.stack would give
-    (bf16 gradients into fp32, bit-identical), flag the weights so DDP's hook adds nothing more,
-    and hand out placeholder gradients; without main_grad it is torch.stack."""
-    from common.moe import StackedExpertWeights
-
-    torch.manual_seed(0)
-    weights = [torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16)) for _ in range(3)]
-    coeffs = [torch.randn(3, 6, 4, dtype=torch.bfloat16) for _ in range(2)]
-    expected = [torch.zeros(6, 4) for _ in weights]
-    for c in coeffs:  # the reference: per-expert gradients added into fp32, as DDP's hook does
-        grads = torch.autograd.grad((torch.stack(weights) * c).sum(), weights)
-        for e, g in zip(expected, grads):
-            e.add_(g)
-    for w in weights:
-        w.main_grad = torch.zeros(6, 4)
-        w.grad_added_to_main_grad = False
-    for c in coeffs:
-        (StackedExpertWeights.apply(*weights) * c).sum().backward()
-    for w, e in zip(weights, expected):
-        assert torch.equal(w.main_grad, e) and w.grad_added_to_main_grad
-        assert w.grad is not None and w.grad.shape == w.shape  # placeholders: DDP's hook runs, then drops them
-    plain = [torch.nn.Parameter(w.detach().clone()) for w in weights]
-    (StackedExpertWeights.apply(*plain) * coeffs[0]).sum().backward()
-    ref = torch.autograd.grad((torch.stack(weights) * coeffs[0]).sum(), weights)
-    assert all(torch.equal(p.grad, r) for p, r in zip(plain, ref))
