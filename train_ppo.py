@@ -107,6 +107,7 @@ def build_parser():
     p.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
     p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="policy loss aggregation (the value loss is always token_mean)")
     p.add_argument("--moe-aux-loss-coef", type=float, default=None, help="MoE load-balancing loss coefficient (megatron's aux loss per MoE layer, added to the loss; 0: off); default: the model config's router_aux_loss_coef")
+    p.add_argument("--moe-router-bias-update-rate", type=float, default=0.0, help="DeepSeek-V3 models: after every optimizer step move each router's score-correction bias by this amount towards balanced expert load (megatron's aux-loss-free balancing; DeepSeek-V3's pretraining used 0.001); 0: the loaded bias stays frozen")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
@@ -237,6 +238,8 @@ def main():
     model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
                       first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
                       moe_aux_loss_coef=args.moe_aux_loss_coef,
+                      **({"moe_router_bias_update_rate": args.moe_router_bias_update_rate}
+                         if args.moe_router_bias_update_rate else {}),
                       **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
 
     def load_model():

@@ -230,6 +230,10 @@ def _check_layout(args, spec, critic=None):
                          "each pipeline stage's ranks must split into expert-parallel groups")
     if spec.moe is not None and args.tp > 1 and not args.sp:
         raise UsageError(f"Mixture-of-Experts layers with --tp {args.tp} need sequence parallelism: add --sp")
+    rate = getattr(args, "moe_router_bias_update_rate", 0.0)
+    if rate < 0 or (rate and not (spec.moe is not None and spec.moe.expert_bias)):
+        raise UsageError(f"--moe-router-bias-update-rate {rate}: needs a rate >= 0 and a model whose router has a "
+                         f"score-correction bias (DeepSeek-V3); {spec.architecture} has none")
     layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, etp=etp, first_stage_layers=args.first_stage_layers,
                   last_stage_layers=args.last_stage_layers)
     for prefix, model in (("", spec), ("--critic-model: ", critic)):

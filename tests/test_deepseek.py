@@ -155,3 +155,36 @@ def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir
     rows = read_metrics(tmp_path)
     print("logprob_mismatch", [m["logprob_mismatch"] for m in rows])
     assert len(rows) == 2 and rows[0]["logprob_mismatch"] < 1e-5
+
+
+def test_router_bias_update_is_off_by_default_and_synced_when_on(tmp_path):
+    """--moe-router-bias-update-rate: megatron's aux-loss-free balancing moves every expert's
+    score-correction bias by +-rate (0 where the expert has exactly the mean load) after each
+    optimizer step. Off (0) by default: the bias after the first step equals the loaded one bit
+    for bit; at 0.01 every entry moved by 0 or 0.01 and some did, and the rollout engine's
+    logprobs of step 1 still equal the trainer's (the changed bias was synced). One update per
+    step here (a mini-batch of the whole rollout batch, one epoch)."""
+    from tests.test_convert import hf_tensors
+
+    changes = {}
+    for rate in (0.0, 0.01):
+        out = tmp_path / f"rate{rate}"
+        run_script("train_grpo.py", "--embedded-model", "deepseek", "--steps", 2, "--save-every", 1,
+                   "--eval-every", 0, "--prompts-per-step", 8, "--samples-per-prompt", 4, "--mini-batch-size", 32,
+                   "--ppo-epochs", 1, "--log-samples-every", 0, "--moe-router-bias-update-rate", rate, "--out", out)
+        run_script("merge_to_hf.py", "--ckpt", out / "checkpoints" / "step_000001", "--out", out / "hf",
+                   "--dtype", "fp32")
+        before, after = hf_tensors(out / "embedded_model"), hf_tensors(out / "hf")
+        bias = [name for name in after if name.endswith("e_score_correction_bias")]
+        changes[rate] = torch.cat([(after[n] - before[n]).flatten() for n in bias])
+        assert read_metrics(out)[1]["logprob_mismatch"] < 1e-5, rate
+    print("bias change after one update at 0.01:", changes[0.01].tolist())
+    assert torch.equal(changes[0.0], torch.zeros_like(changes[0.0]))
+    moved = changes[0.01].abs()
+    assert torch.all((moved < 1e-6) | ((moved - 0.01).abs() < 1e-6)) and moved.max() > 0
+
+
+def test_router_bias_update_needs_a_model_with_a_bias(tmp_path):
+    proc = run_script("train_grpo.py", "--embedded-model", "moe", "--moe-router-bias-update-rate", 0.001,
+                      "--out", tmp_path, check=False)
+    assert proc.returncode == 2 and "score-correction bias" in proc.stderr
