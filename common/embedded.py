@@ -75,8 +75,10 @@ EMBEDDED_MODELS = {
     "dense": {},
     "moe": dict(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=64, norm_topk_prob=True, head_dim=16),
-    "deepseek": dict(architecture="DeepseekV3ForCausalLM", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                     qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+    # DeepSeek-V3's own attention head sizes (latent 512, q/k 128 + rope 64, v 128): the only
+    # ones vLLM's MLA kernels take on H100/H200, so the same flag runs on a GPU
+    "deepseek": dict(architecture="DeepseekV3ForCausalLM", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=512,
+                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
                      n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                      first_k_dense_replace=1, moe_intermediate_size=64, norm_topk_prob=True,
                      topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False),
