@@ -80,8 +80,9 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
     attention = attention or "sdpa"
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_CHOICES}")
-    if spec.mla is not None:
-        return _mla_layer_spec(spec, attention, moe)
+    mla = spec.mla is not None
+    if mla and attention != "sdpa":
+        raise ValueError(f"attention={attention!r}: multi-latent attention ({spec.architecture}) runs on 'sdpa'")
     if attention == "te":
         try:
             import transformer_engine  # noqa: F401
@@ -90,7 +91,12 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
         if spec.moe is not None:
             raise ValueError("attention='te' is for dense models; MoE models use 'sdpa' or 'local'")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm,
+    if mla:
+        from common.cpu_compat import megatron_without_te
+
+        megatron_without_te()
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm or mla,
+                                                     multi_latent_attention=mla,
                                                      num_experts=spec.moe.num_experts if moe else None)
     if moe:
         from common.moe import GroupedExperts, Router
@@ -99,43 +105,22 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
         layer.submodules.mlp.submodules.experts.module = GroupedExperts
     # every norm of the layer (the final one: build_model) is RMSNorm above: SP works without TE/apex
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
-    if spec.qk_norm:
-        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
-        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    attn = layer.submodules.self_attention.submodules
+    if mla:  # the norms of the q and kv latents
+        attn.q_layernorm = attn.kv_layernorm = RMSNorm
+    elif spec.qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     if attention == "sdpa":
         from common.attention import SDPAttention
 
         # A fresh spec object per call, so this swap touches nothing shared. SelfAttention
         # calls submodules.core_attention(config=..., ...) directly: a class (or a partial of
         # one), not a ModuleSpec. SDPAttention applies RoPE itself, fused: build_model turns
-        # megatron's off (position_embedding_type="none").
+        # megatron's off (position_embedding_type="none"). MLASelfAttention rotates its rope
+        # head itself, so SDPAttention gets no rotary there.
         rope = {k: v for k, v in gpt_model_kwargs(spec).items()
                 if k in ("rotary_base", "rope_scaling", "rope_scaling_factor")}
-        layer.submodules.self_attention.submodules.core_attention = functools.partial(SDPAttention, rotary=rope)
-    return layer
-
-
-def _mla_layer_spec(spec: HFModelSpec, attention, moe):
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    from common.attention import SDPAttention
-    from common.cpu_compat import megatron_without_te
-
-    if attention != "sdpa":
-        raise ValueError(f"attention={attention!r}: multi-latent attention ({spec.architecture}) runs on 'sdpa'")
-    megatron_without_te()
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True,
-                                                     multi_latent_attention=True,
-                                                     num_experts=spec.moe.num_experts if moe else None)
-    if moe:
-        from common.moe import GroupedExperts, Router
-
-        layer.submodules.mlp.submodules.router = Router
-        layer.submodules.mlp.submodules.experts.module = GroupedExperts
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
-    attn = layer.submodules.self_attention.submodules
-    attn.q_layernorm = attn.kv_layernorm = RMSNorm
-    attn.core_attention = SDPAttention  # no rotary: MLASelfAttention applies RoPE to its rope head
+        attn.core_attention = SDPAttention if mla else functools.partial(SDPAttention, rotary=rope)
     return layer
 
 
@@ -271,7 +256,8 @@ def unwrap(module):
 
 def named_global_tensors(chunk, global_experts=True):
     """named_global_parameters, plus the buffers that are HF checkpoint tensors: DeepSeek-V3's
-    router score-correction bias (`mlp.router.expert_bias`, fp32, not trained)."""
+    router score-correction bias (`mlp.router.expert_bias`, fp32; not trained by the optimizer,
+    moved only by --moe-router-bias-update-rate)."""
     yield from named_global_parameters(chunk, global_experts)
     model = unwrap(chunk)
     for layer in model.decoder.layers:
