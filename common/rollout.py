@@ -220,9 +220,9 @@ class HFEngine(RolloutEngine):
 
 # checkpoint name of one expert's projection: model.layers.L.<block>.experts.E.<proj>.weight
 _BLOCKS = "|".join(sorted({block for block, *_ in EXPERT_LAYOUTS.values()}))
-_EXPERT_NAME = re.compile(rf"model\.layers\.(\d+)\.(?:{_BLOCKS})\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_NAME = re.compile(rf"model\.layers\.(\d+)\.(?:{_BLOCKS})\.experts\.(\d+)\.(\w+)\.weight")
 # projection -> its half of the fused gate_up_proj (0 gate, 1 up), None for down_proj
-_HALF = {proj: half for _, gate, up, down in EXPERT_LAYOUTS.values() for proj, half in ((gate, 0), (up, 1), (down, None))}
+EXPERT_HALF = {proj: half for _, gate, up, down in EXPERT_LAYOUTS.values() for proj, half in ((gate, 0), (up, 1), (down, None))}
 
 
 def _fused_experts(named_tensors, params):
@@ -235,10 +235,10 @@ def _fused_experts(named_tensors, params):
     through."""
     counts = {}
     for name, tensor in named_tensors:
-        match = _EXPERT_NAME.fullmatch(name)
-        half = _HALF.get(match[3]) if match else None
+        match = EXPERT_NAME.fullmatch(name)
+        half = EXPERT_HALF.get(match[3]) if match else None
         fused = match and f"model.layers.{match[1]}.mlp.experts.{'down_proj' if half is None else 'gate_up_proj'}"
-        if not match or match[3] not in _HALF or fused not in params:
+        if not match or match[3] not in EXPERT_HALF or fused not in params:
             yield (name if name in params else re.sub(rf"\.(?:{_BLOCKS})\.", ".mlp.", name)), tensor
             continue
         target = params[fused][int(match[2])]  # (2F, H) or (H, F)

@@ -181,3 +181,56 @@ def test_failed_load_still_drains_the_producer(engine):
     engine.llm.model.fail_after = None
     with pytest.raises(RuntimeError, match="not written"):          # a parameter the sync missed
         engine.update_weights([("a", torch.ones(2))])
+
+
+class FakeMoEModel(torch.nn.Module):
+    """vLLM's layout of one MoE layer: model.layers.0.mlp.experts.{w13_weight (E, 2 I/tp, H),
+    w2_weight (E, H, I/tp)} (fused experts, [gate; up]) beside an ordinary parameter."""
+
+    def __init__(self, experts=3, hidden=4, inter=6, tp=1):
+        super().__init__()
+        fused = torch.nn.Module()
+        fused.w13_weight = torch.nn.Parameter(torch.zeros(experts, 2 * inter // tp, hidden))
+        fused.w2_weight = torch.nn.Parameter(torch.zeros(experts, hidden, inter // tp))
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = fused
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+        self.norm = torch.nn.Parameter(torch.zeros(hidden))
+        self.seen = []
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, tensor in weights:
+            self.seen.append(name)
+            if name == "norm":
+                self.norm.data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
+def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_rank, tp_size):
+    """Routed experts' checkpoint tensors go straight into w13/w2 (this vLLM TP rank's slice of
+    the intermediate dimension), everything else through load_weights; the sync check counts
+    the fused parameters as written. A tensor of an unexpected shape is left to load_weights."""
+    dist_module = types.ModuleType("vllm.distributed")
+    dist_module.get_tensor_model_parallel_rank = lambda: tp_rank
+    dist_module.get_tensor_model_parallel_world_size = lambda: tp_size
+    monkeypatch.setitem(sys.modules, "vllm.distributed", dist_module)
+    model = engine.llm.model = FakeMoEModel(tp=tp_size)
+    torch.manual_seed(0)
+    ckpt = {f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.randn(*((4, 6) if p == "down" else (6, 4)))
+            for e in range(3) for p in ("gate", "up", "down")}
+    engine.update_weights(list(ckpt.items()) + [("norm", torch.ones(4))])
+    assert model.seen == ["norm"] and torch.equal(model.norm, torch.ones(4))
+    rows = slice(tp_rank * 6 // tp_size, (tp_rank + 1) * 6 // tp_size)
+    for e in range(3):
+        gate, up, down = (ckpt[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+        assert torch.equal(model.model.layers[0].mlp.experts.w13_weight[e], torch.cat([gate[rows], up[rows]]))
+        assert torch.equal(model.model.layers[0].mlp.experts.w2_weight[e], down[:, rows])
+    model.seen.clear()
+    with pytest.raises(RuntimeError, match="not written"):  # the wrongly shaped expert reached load_weights
+        engine.update_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(5, 4))])
+    assert model.seen == ["model.layers.0.mlp.experts.0.gate_proj.weight"]
