@@ -8,15 +8,15 @@ A GPTModel of --layers Qwen3-30B-A3B decoder layers (hidden 2048, 32 heads / 4 K
 vocabulary so that the experts dominate), random bf16 weights, built by common/model.py at
 EP=1 on one GPU. Each repetition times one forward + backward of --tokens tokens (one
 sequence) twice, with the experts grouped and with SequentialMLP's loop over experts, the
-order alternating between repetitions (CUDA synchronised). The comparison is per pair:
-ratio = loop seconds / grouped seconds of the same repetition, and the median of the ratios.
+order alternating between repetitions (CUDA synchronised; harness.run_pairs). The comparison
+is per pair: ratio = loop seconds / grouped seconds of the same repetition, and the median of
+the ratios with their min and max (harness.paired_ratios).
 
 Output: a table and one `BENCH_JSON {...}` line (medians over --reps after one warm-up pair).
 """
 import argparse
 import json
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="timed pairs after one warm-up pair")
     args = ap.parse_args()
 
-    from harness import timed
+    from harness import paired_ratios, run_pairs, timed
 
     from common.bridge import parse_hf_config
     from common.dist import init_distributed
@@ -70,16 +70,13 @@ def main():
             p.grad = None
         model(tokens, positions, None).float().logsumexp(-1).mean().backward()
 
-    seconds = {True: [], False: []}
-    for rep in range(args.reps + 1):
-        order = (True, False) if rep % 2 else (False, True)  # alternate which side goes first
-        pair = {grouped: timed(lambda: step(grouped), info.device) for grouped in order}
-        if rep:  # the first pair warms up (allocator, kernels)
-            for grouped, s in pair.items():
-                seconds[grouped].append(s)
-    ratios = [loop / grouped for loop, grouped in zip(seconds[False], seconds[True])]
-    result = {"loop_s": statistics.median(seconds[False]), "grouped_s": statistics.median(seconds[True]),
-              "speedup_median_of_pairs": statistics.median(ratios)}
+    # loop, grouped, then grouped, loop, ...; the first pair warms up (allocator, kernels)
+    loop_s, grouped_s = run_pairs(lambda _: timed(lambda: step(False), info.device),
+                                  lambda _: timed(lambda: step(True), info.device), args.reps)
+    stats = paired_ratios(loop_s, grouped_s)  # loop seconds / grouped seconds: the speed-up
+    ratios = stats["ratios"]
+    result = {"loop_s": stats["a_median"], "grouped_s": stats["b_median"], "speedup_median_of_pairs": stats["median"],
+              "speedup_min": stats["min"], "speedup_max": stats["max"]}
     settings = dict(shape=args.shape, layers=args.layers, tokens=args.tokens, reps=args.reps, dtype=str(dtype),
                     device=torch.cuda.get_device_name() if on_gpu else "cpu",
                     grouped_path=on_gpu)  # on a CPU both sides run the loop

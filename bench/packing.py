@@ -14,9 +14,10 @@ with 10% cut off at the budget (--max-len). The same samples, both ways:
   packed  the samples back to back in rows of up to --micro-batch-tokens tokens
           (batch.packed_micro_batches; varlen flash attention on a GPU)
 Timed in interleaved pairs (padded, packed, packed, padded, ...; --reps pairs after one
-warm-up pair), CUDA synchronised. Reported: real tokens (prompt + response) per second
-of each, the medians, and the median of the per-pair ratios packed / padded with its min and
-max. Random weights: the speed depends on the shapes only.
+warm-up pair; harness.run_pairs), CUDA synchronised. Reported: real tokens (prompt +
+response) per second of each, the medians, and the median of the per-pair ratios packed /
+padded with its min and max (harness.paired_ratios). Random weights: the speed depends on
+the shapes only.
 """
 import argparse
 import json
@@ -54,7 +55,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and token ids")
     args = ap.parse_args()
 
-    from harness import SHAPES, timed
+    from harness import SHAPES, paired_ratios, run_pairs, timed
 
     from common import batch as B
     from common import rl
@@ -93,29 +94,26 @@ def main():
 
         B.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device)
 
-    seconds = {name: [] for name in layouts}
-    for rep in range(args.reps + 1):
-        order = ("padded", "packed") if rep % 2 == 0 else ("packed", "padded")
-        pair = {name: timed(lambda: step(layouts[name]), info.device) for name in order}
-        if rep:  # the first pair warms up (allocator, compiled kernels)
-            for name, s in pair.items():
-                seconds[name].append(s)
-    ratios = [padded / packed for padded, packed in zip(seconds["padded"], seconds["packed"])]
+    # padded, packed, then packed, padded, ...; the first pair warms up (allocator, compiled kernels)
+    padded_s, packed_s = run_pairs(lambda _: timed(lambda: step(layouts["padded"]), info.device),
+                                   lambda _: timed(lambda: step(layouts["packed"]), info.device), args.reps)
+    seconds = {"padded": padded_s, "packed": packed_s}
+    stats = paired_ratios(seconds["padded"], seconds["packed"])  # padded seconds / packed seconds: the speed-up
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     result = dict(shape=args.shape, layers=spec.num_layers, samples=args.samples, max_len=args.max_len,
                   micro_batch_tokens=args.micro_batch_tokens, real_tokens=real_tokens, device=device,
                   passes={k: len(v) for k, v in layouts.items()},
                   computed_tokens={k: sum(mb["tokens"].numel() for mb in v) for k, v in layouts.items()},
                   tokens_per_s={k: real_tokens / statistics.median(v) for k, v in seconds.items()},
-                  speedup_median=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios),
-                  ratios=[round(r, 4) for r in ratios])
+                  speedup_median=stats["median"], speedup_min=stats["min"], speedup_max=stats["max"],
+                  ratios=[round(r, 4) for r in stats["ratios"]])
     print(f"{args.shape} x {spec.num_layers} layers, {args.samples} samples ({real_tokens} tokens; responses median "
           f"{int(statistics.median(responses))}, max {max(responses)}), passes of <= {args.micro_batch_tokens} tokens, "
           f"{device}")
     for name in layouts:
         print(f"  {name:7s} {result['passes'][name]:3d} passes, {result['computed_tokens'][name]:7d} tokens computed, "
               f"{result['tokens_per_s'][name]:10.0f} tokens/s (median step {statistics.median(seconds[name]):.3f} s)")
-    print(f"  packed / padded speed: median {result['speedup_median']:.2f}x of {len(ratios)} pairs "
+    print(f"  packed / padded speed: median {result['speedup_median']:.2f}x of {len(stats['ratios'])} pairs "
           f"(min {result['speedup_min']:.2f}, max {result['speedup_max']:.2f})")
     print("BENCH_JSON " + json.dumps(result))
 

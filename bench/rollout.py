@@ -3,6 +3,8 @@
     python bench/rollout.py --shape qwen2-1.5b                               # 1 GPU
     python bench/rollout.py --shape qwen2-7b
     torchrun --nproc_per_node 2 bench/rollout.py --shape qwen2-7b --tp 2 --rollout-tp 2
+    python bench/rollout.py --shape tiny --num-prompts 2 --samples-per-prompt 2 --prompt-len 8 \\
+        --max-new-tokens 8 --reps 2                                          # CPU smoke run (HFEngine)
 
 Random bf16 weights of a Qwen2 shape (bench/harness.py): a Megatron GPTModel, and a VLLMEngine
 (common/rollout_vllm.py) on the same GPUs that gets its weights from the sync. Prompts: random
@@ -10,16 +12,31 @@ token ids, --num-prompts x --prompt-len, --max-new-tokens each, temperature --te
 Each rollout replica (world / rollout TP) takes its share of the prompts, as in training.
 
   baseline   what a standalone vLLM user runs: llm.generate(prompts, SamplingParams(n, T,
-             max_tokens, seed)) with one SamplingParams for the batch, no logprobs, on the
-             same LLM object (vLLM allows one engine per process, and the same object keeps
-             KV-cache size, CUDA graphs and kernels identical);
+             max_tokens, seed, ignore_eos)) with one SamplingParams for the batch, no logprobs,
+             on the same LLM object (vLLM allows one engine per process, and the same object
+             keeps KV-cache size, CUDA graphs and kernels identical);
   ours       train_grpo.py's rollout: engine.generate (one request per sample with its own
              seed; the sampled token's logprob for --logprob-samples samples per prompt, as
              --rollout-logprobs one-per-prompt does) after the step's sleep -> wake weights ->
              sync -> wake KV cycle;
-  ours+cycle the same, including that cycle and the sleep after generation.
-tokens/s counts generated tokens (all replicas) over the slowest replica's seconds. The two
-alternate for --reps rounds after a warm-up; the best round of each is reported.
+  ours+cycle the same, including that cycle and the sleep after generation (each of the
+             three timed on its own).
+tokens/s counts generated tokens (all replicas) over the slowest replica's seconds.
+
+Identical work on both sides (issue 21): the same prompts, the pair's index as both sides'
+seed, and no EOS, which random weights sample by chance (one H200 run: 129,758 tokens vs
+131,072): the baseline sets vLLM's ignore_eos, and the engine is built with eos_token_ids=[]
+(VLLMEngine then stops at no token and sets ignore_eos too), so every sample has
+--max-new-tokens tokens. If the two sides' token counts differ in any pair, no ratio is
+reported (null in BENCH_JSON, exit status 1). Each side starts from an empty prefix cache.
+Statistics (harness.run_pairs / paired_ratios): one warm-up pair, then --reps timed pairs,
+which side goes first alternating. Reported: the per-pair tokens/s ratios ours / baseline and
+ours+cycle / baseline, their median with min and max, and each side's median tokens/s. (Until
+issue 21: the best round of each side, so one lucky round decided the ratio.)
+--ablate: plain llm.generate with one of ours' differences at a time, each variant in its own
+paired rounds against the baseline. On a CPU (tests/test_bench.py) ours is HFEngine
+(common/rollout.py) and the baseline transformers' generate with min_new_tokens =
+max_new_tokens (EOS masked): a smoke run of the code, not a measurement.
 Default geometry: a GRPO batch, 32 prompts x 8 samples x 128 -> 512 tokens, T=1 (256
 sequences). Target (issue 7): ours >= 0.95x baseline. Reference points from the issue
 (standalone vLLM, H200, 256 prompts x 1 x 128 -> 512 tokens, T=1): 44.8k tok/s at 1.5B,
@@ -28,6 +45,7 @@ sequences). Target (issue 7): ours >= 0.95x baseline. Reference points from the 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -38,7 +56,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import SHAPES, max_over_ranks, shared_config_dir  # noqa: E402
+from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir, timed  # noqa: E402
 
 
 def build_parser():
@@ -47,44 +65,86 @@ def build_parser():
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="model shape (bench/harness.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
+    p.add_argument("--engine", choices=["vllm", "hf"], default=None, help="ours' engine (default: vllm on a GPU; "
+                   "hf on a CPU, a smoke run against transformers' generate)")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per round, global")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="samples per prompt (n, the GRPO group)")
     p.add_argument("--logprob-samples", type=int, default=1, help="samples per prompt that ask vLLM for logprobs "
                    "(train_grpo.py's default --rollout-logprobs one-per-prompt: 1; all: --samples-per-prompt)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per sample")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per sample (EOS is ignored)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of each GPU")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="export bucket size, MB of full tensors")
-    p.add_argument("--reps", type=int, default=2, help="timed rounds of each (after one warm-up round)")
+    p.add_argument("--reps", type=int, default=5, help="timed pairs (baseline, ours; the order alternating) "
+                   "after one warm-up pair")
     p.add_argument("--ablate", action="store_true", help="also time llm.generate with each of ours' differences alone "
-                   "(per-request seeds; logprobs; one SamplingParams per request) to find what costs")
+                   "(per-request seeds; logprobs; one SamplingParams per request), each in paired rounds against "
+                   "the baseline, to find what costs (vLLM only)")
     return p
 
 
-def sum_over_ranks(count, rollout_tp):
+def sum_over_ranks(count, rollout_tp, device):
     """Generated tokens of all replicas (ranks of one replica hold the same samples)."""
-    t = torch.tensor([count if dist.get_rank() % rollout_tp == 0 else 0], dtype=torch.float64, device="cuda")
+    t = torch.tensor([count if dist.get_rank() % rollout_tp == 0 else 0], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.item()
+    return int(t.item())
+
+
+def tok_s(side, seconds="seconds"):
+    """Tokens/s of one side's round (a dict of run_pairs' results)."""
+    return side["tokens"] / side[seconds]
+
+
+def compare(a_pairs, b_pairs, a_seconds="seconds"):
+    """harness.paired_ratios of A's tokens/s over B's, or None where the two sides generated
+    different token counts in any pair: then they did not do the same work (no fair ratio)."""
+    if any(a["tokens"] != b["tokens"] for a, b in zip(a_pairs, b_pairs)):
+        return None
+    return paired_ratios([tok_s(a, a_seconds) for a in a_pairs], [tok_s(b) for b in b_pairs])
+
+
+def ratio_fields(prefix, stats):
+    """BENCH_JSON fields of compare's result: prefix (the median), prefix_min, prefix_max,
+    prefix_per_pair; all null when compare refused."""
+    keys = {prefix: "median", f"{prefix}_min": "min", f"{prefix}_max": "max", f"{prefix}_per_pair": "ratios"}
+    return {key: None if stats is None else stats[k] for key, k in keys.items()}
+
+
+def describe(stats, reps):
+    """compare's result as text."""
+    if stats is None:
+        return "no ratio: the token counts differ"
+    return f"{stats['median']:.3f}x (median of {reps} pairs; min {stats['min']:.3f}, max {stats['max']:.3f})"
 
 
 def main():
     args = build_parser().parse_args()
-    from vllm import SamplingParams
-
     from common.dist import init_distributed, print0
     from common.model import build_model, export_hf_weights, load_hf_spec
-    from common.rollout_vllm import VLLMEngine, rollout_replica
+    from common.rollout_vllm import rollout_replica
 
     info = init_distributed(tp=args.tp)
-    assert info.device.type == "cuda", "bench/rollout.py needs a GPU and vLLM"
-    hf_dir = shared_config_dir(args.shape, "bench_rollout_", info.master_process)
+    on_gpu = info.device.type == "cuda"
+    engine_kind = args.engine or ("vllm" if on_gpu else "hf")
+    if args.ablate and engine_kind != "vllm":
+        raise SystemExit("--ablate times vLLM SamplingParams variants: it needs --engine vllm")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    rollout_tp = args.rollout_tp if engine_kind == "vllm" else 1  # HFEngine: every rank its own replica
+    # vLLM gets every weight from the sync; HFEngine loads weights at start: give it random ones
+    hf_dir = shared_config_dir(args.shape, "bench_rollout_", info.master_process, with_weights=engine_kind == "hf")
     spec = load_hf_spec(hf_dir)
-    model = build_model(spec, tp=args.tp, dtype=torch.bfloat16, init_weights=True)
-    engine = VLLMEngine(hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.prompt_len + args.max_new_tokens + 16)
-    replica, num_replicas = rollout_replica(info.rank, args.rollout_tp)
+    model = build_model(spec, tp=args.tp, dtype=dtype, init_weights=True)
+    if engine_kind == "vllm":  # eos_token_ids=[]: stop at no token (docstring: identical work)
+        from common.rollout_vllm import VLLMEngine
+
+        engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.prompt_len + args.max_new_tokens + 16, eos_token_ids=[])
+    else:
+        from common.rollout import HFEngine
+
+        engine = HFEngine(hf_dir, dtype=dtype, device=info.device, eos_token_ids=[])
+    replica, num_replicas = rollout_replica(info.rank, rollout_tp)
     if args.num_prompts % num_replicas:
         raise ValueError(f"--num-prompts {args.num_prompts} must be a multiple of the {num_replicas} rollout replicas")
     generator = torch.Generator().manual_seed(0)  # the same prompts on every rank
@@ -92,100 +152,118 @@ def main():
     mine = prompts[replica::num_replicas]
     n, max_tokens = args.samples_per_prompt, args.max_new_tokens
 
+    def export():
+        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb)
+
     def cycle():
         """The engine part of a training step before generation (train_grpo.py step 1)."""
         engine.sleep()
         engine.wake_weights()
-        engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16, bucket_mb=args.sync_bucket_mb))
+        engine.update_weights(export())
         engine.wake_kv_cache()
 
-    def baseline(round_):
-        params = SamplingParams(n=n, temperature=args.temperature, max_tokens=max_tokens, seed=round_, detokenize=False)
-        outputs = engine.llm.generate([{"prompt_token_ids": p} for p in mine], params, use_tqdm=False)
+    def timed_tokens(generate):
+        """(seconds, tokens of all replicas) of generate(), which returns this rank's token count."""
+        count = []
+        seconds = timed(lambda: count.append(generate()), info.device)  # synchronised, the slowest rank's
+        return seconds, sum_over_ranks(count[0], rollout_tp, info.device)
+
+    def plain_side(generate):
+        """A side of run_pairs that times generate(pair), a plain library call returning this
+        rank's token count, from an empty prefix cache (ours' sync empties it too)."""
+        def side(pair):
+            if engine_kind == "vllm":
+                engine.llm.reset_prefix_cache()
+            seconds, tokens = timed_tokens(lambda: generate(pair))
+            return dict(seconds=seconds, tokens=tokens)
+        return side
+
+    def vllm_tokens(requests, params):
+        """llm.generate as a standalone vLLM user calls it; this rank's generated tokens."""
+        outputs = engine.llm.generate(requests, params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    def ours(round_):
-        samples = engine.generate(mine, n=n, temperature=args.temperature, top_p=1.0, max_tokens=max_tokens, seed=round_,
-                                  logprob_samples=args.logprob_samples)
-        return sum(len(s.response_ids) for s in samples)
+    if engine_kind == "vllm":
+        from vllm import SamplingParams
+
+        baseline = plain_side(lambda pair: vllm_tokens([{"prompt_token_ids": p} for p in mine], SamplingParams(
+            n=n, temperature=args.temperature, max_tokens=max_tokens, seed=pair, detokenize=False, ignore_eos=True)))
+    else:
+        def hf_generate(pair):  # transformers' own loop; min_new_tokens = max_new_tokens masks EOS
+            torch.manual_seed(pair)
+            ids = torch.tensor(mine, device=info.device)  # (P, prompt_len): one length, no padding
+            out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                        temperature=args.temperature, top_k=0, top_p=1.0, num_return_sequences=n,
+                                        max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+            return out[:, ids.shape[1]:].numel()  # (P * n, max_tokens)
+
+        baseline = plain_side(hf_generate)
+
+    def ours(pair):
+        """train_grpo.py's engine work of one step: the cycle, generate, sleep."""
+        cycle_s = timed(cycle, info.device)
+        gen_s, tokens = timed_tokens(lambda: sum(len(s.response_ids) for s in engine.generate(
+            mine, n=n, temperature=args.temperature, top_p=1.0, max_tokens=max_tokens, seed=pair,
+            logprob_samples=args.logprob_samples)))
+        sleep_s = timed(engine.sleep, info.device)
+        engine.wake()  # untimed: the next side needs the weights, which sleep (level 2) discarded
+        engine.update_weights(export())
+        return dict(seconds=gen_s, seconds_with_cycle=cycle_s + gen_s + sleep_s, cycle_s=cycle_s, tokens=tokens)
 
     cycle()  # the first weights
-    results = {"baseline": [], "ours": [], "ours_cycle": [], "cycle": []}
-    for round_ in range(args.reps + 1):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        tokens = baseline(round_)
-        base_s = max_over_ranks(time.perf_counter() - t0, info.device)
-        base_tokens = sum_over_ranks(tokens, args.rollout_tp)
-
-        dist.barrier()
-        t0 = time.perf_counter()
-        cycle()
-        torch.cuda.synchronize()
-        cycle_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        tokens = ours(round_)
-        gen_s = time.perf_counter() - t1
-        engine.sleep()
-        torch.cuda.synchronize()
-        total_s = max_over_ranks(time.perf_counter() - t0, info.device)
-        gen_s, cycle_s = max_over_ranks(gen_s, info.device), max_over_ranks(cycle_s, info.device)
-        our_tokens = sum_over_ranks(tokens, args.rollout_tp)
-        engine.wake()  # the next baseline round needs valid weights: sleep(level 2) discarded them
-        engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16, bucket_mb=args.sync_bucket_mb))
-        print0(f"round {round_}{' (warm-up)' if round_ == 0 else ''}: baseline {base_tokens / base_s:9.0f} tok/s "
-               f"({base_tokens:.0f} tokens, {base_s:.2f} s)  ours {our_tokens / gen_s:9.0f} tok/s ({our_tokens:.0f} "
-               f"tokens, {gen_s:.2f} s)  ours+cycle {our_tokens / total_s:9.0f} tok/s (cycle {cycle_s:.2f} s)")
-        if round_:
-            results["baseline"].append(base_tokens / base_s)
-            results["ours"].append(our_tokens / gen_s)
-            results["ours_cycle"].append(our_tokens / total_s)
-            results["cycle"].append(cycle_s)
-    best = {k: (min(v) if k == "cycle" else max(v)) for k, v in results.items()}
+    base_pairs, our_pairs = run_pairs(baseline, ours, args.reps)
+    for i, (b, o) in enumerate(zip(base_pairs, our_pairs), 1):
+        print0(f"pair {i}: baseline {tok_s(b):9.0f} tok/s ({b['tokens']} tokens, {b['seconds']:.2f} s)  ours "
+               f"{tok_s(o):9.0f} tok/s ({o['tokens']} tokens, {o['seconds']:.2f} s)  ours+cycle "
+               f"{tok_s(o, 'seconds_with_cycle'):9.0f} tok/s (cycle {o['cycle_s']:.2f} s)  ratio {tok_s(o) / tok_s(b):.3f}")
+    ratio = compare(our_pairs, base_pairs)  # ours / baseline, per pair
+    ratio_cycle = compare(our_pairs, base_pairs, a_seconds="seconds_with_cycle")
 
     ablation = {}
     if args.ablate:  # which of ours' differences to the baseline costs throughput
-        rows = [{"prompt_token_ids": p} for p in mine for _ in range(n)]
-        common = dict(n=1, temperature=args.temperature, max_tokens=max_tokens, detokenize=False)
+        requests = [{"prompt_token_ids": p} for p in mine for _ in range(n)]  # one request per sample, as ours
+        common = dict(n=1, temperature=args.temperature, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
         variants = {
-            "params_per_request": lambda: [SamplingParams(**common) for _ in rows],
-            "seed_per_request": lambda: [SamplingParams(**common, seed=i) for i in range(len(rows))],
-            "logprobs": lambda: [SamplingParams(**common, logprobs=0, flat_logprobs=True) for _ in rows],
+            "params_per_request": lambda: [SamplingParams(**common) for _ in requests],
+            "seed_per_request": lambda: [SamplingParams(**common, seed=i) for i in range(len(requests))],
+            "logprobs": lambda: [SamplingParams(**common, logprobs=0, flat_logprobs=True) for _ in requests],
             "seed_and_logprobs": lambda: [SamplingParams(**common, seed=i, logprobs=0, flat_logprobs=True)
-                                          for i in range(len(rows))],
+                                          for i in range(len(requests))],
             # what --rollout-logprobs one-per-prompt asks for: a logprob on 1 request in n
             "seed_and_logprobs_1_in_n": lambda: [SamplingParams(**common, seed=i, logprobs=0 if i % n == 0 else None,
-                                                                flat_logprobs=True) for i in range(len(rows))],
+                                                                flat_logprobs=True) for i in range(len(requests))],
         }
         for name, make in variants.items():
-            params = make()
-            torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            outputs = engine.llm.generate(rows, params, use_tqdm=False)
-            seconds = max_over_ranks(time.perf_counter() - t0, info.device)
-            tokens = sum_over_ranks(sum(len(o.outputs[0].token_ids) for o in outputs), args.rollout_tp)
-            ablation[name] = round(tokens / seconds)
-            print0(f"ablation {name:20s} {tokens / seconds:9.0f} tok/s  {tokens / seconds / best['baseline']:.3f}x baseline")
+            variant = plain_side(lambda _pair, make=make: vllm_tokens(requests, make()))
+            stats = compare(*run_pairs(variant, baseline, args.reps))  # variant / baseline, per pair
+            ablation[name] = ratio_fields("ratio", stats)
+            print0(f"ablation {name:24s} {describe(stats, args.reps)}")
+    refused = ratio is None or any(v["ratio"] is None for v in ablation.values())
     if info.master_process:
-        settings = dict(shape=args.shape, device=torch.cuda.get_device_name(), world_size=info.world_size,
-                        tp=args.tp, rollout_tp=args.rollout_tp, num_prompts=args.num_prompts, n=n,
-                        prompt_len=args.prompt_len, max_new_tokens=max_tokens, temperature=args.temperature,
-                        logprob_samples=args.logprob_samples,
+        settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
+                        world_size=info.world_size, tp=args.tp, rollout_tp=rollout_tp, engine=engine_kind,
+                        num_prompts=args.num_prompts, n=n, prompt_len=args.prompt_len, max_new_tokens=max_tokens,
+                        temperature=args.temperature, logprob_samples=args.logprob_samples, reps=args.reps,
                         date=time.strftime("%Y-%m-%d"))
-        ratio, ratio_cycle = best["ours"] / best["baseline"], best["ours_cycle"] / best["baseline"]
-        print(f"\nrollout, {args.shape}, {settings['device']} x {info.world_size}, rollout TP={args.rollout_tp}, "
+        medians = dict(baseline_tok_s=statistics.median(tok_s(b) for b in base_pairs),
+                       ours_tok_s=statistics.median(tok_s(o) for o in our_pairs),
+                       ours_cycle_tok_s=statistics.median(tok_s(o, "seconds_with_cycle") for o in our_pairs),
+                       cycle_s=statistics.median(o["cycle_s"] for o in our_pairs))
+        tokens = [[b["tokens"], o["tokens"]] for b, o in zip(base_pairs, our_pairs)]  # per pair: baseline, ours
+        print(f"\nrollout, {args.shape}, {settings['device']} x {info.world_size}, rollout TP={rollout_tp}, {engine_kind}, "
               f"{args.num_prompts} prompts x {n} x {args.prompt_len} -> {max_tokens} tokens, T={args.temperature}")
-        print(f"  baseline (vLLM generate)   {best['baseline']:9.0f} tok/s")
-        print(f"  ours (engine.generate)     {best['ours']:9.0f} tok/s   {ratio:.3f}x")
-        print(f"  ours + sleep/wake/sync     {best['ours_cycle']:9.0f} tok/s   {ratio_cycle:.3f}x  (cycle {best['cycle']:.3f} s)")
-        print("BENCH_JSON " + json.dumps(dict(settings, baseline_tok_s=round(best["baseline"]), ours_tok_s=round(best["ours"]),
-                                              ours_cycle_tok_s=round(best["ours_cycle"]), cycle_s=round(best["cycle"], 4),
-                                              ratio=round(ratio, 4), ratio_with_cycle=round(ratio_cycle, 4), ablation=ablation)))
+        print(f"  baseline (plain generate)  {medians['baseline_tok_s']:9.0f} tok/s (median)")
+        print(f"  ours (engine.generate)     {medians['ours_tok_s']:9.0f} tok/s (median)   {describe(ratio, args.reps)}")
+        print(f"  ours + sleep/wake/sync     {medians['ours_cycle_tok_s']:9.0f} tok/s (median)   "
+              f"{describe(ratio_cycle, args.reps)}  (cycle {medians['cycle_s']:.3f} s)")
+        if ratio is None:
+            print(f"  generated tokens per pair (baseline, ours): {tokens}")
+        print("BENCH_JSON " + json.dumps(dict(settings, **{k: float(f"{v:.6g}") for k, v in medians.items()},
+                                              tokens_per_pair=tokens, **ratio_fields("ratio", ratio),
+                                              **ratio_fields("ratio_with_cycle", ratio_cycle), ablation=ablation)))
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # vLLM's in-process engine can block interpreter exit
+    os._exit(1 if refused else 0)  # os._exit: vLLM's in-process engine can block interpreter exit
 
 
 if __name__ == "__main__":

@@ -18,12 +18,16 @@ synchronised, max over ranks):
 and, once per repetition, "export only": the same generator consumed without vLLM, to
 separate the Megatron side from vLLM's load_weights.
 Baseline, in the same run: a device-to-device copy of the bytes vLLM holds per GPU
-(model bytes / rollout TP), i.e. the floor of any sync that writes every weight once.
+(model bytes / rollout TP), i.e. the floor of any sync that writes every weight once. Its
+buffers exist only while it runs (the memory goes back before vLLM's next wake).
+Repetitions and copies run in interleaved pairs (harness.run_pairs: one warm-up pair, then
+--reps pairs, which goes first alternating); sync / copy is the median of the per-pair ratios
+with their min and max (harness.paired_ratios; until issue 21 the ratio of the two medians).
 Targets (issue 7): 7B sync <= 0.1 s on one GPU, <= 0.2 s at Megatron TP=2 on two;
 sleep + wake <= 0.5 s per step at 7B.
 
 Output: a table on rank 0 and one `BENCH_JSON {...}` line (medians over --reps after one
-warm-up repetition).
+warm-up pair).
 """
 import argparse
 import functools
@@ -40,7 +44,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import SHAPES, shared_config_dir, timed  # noqa: E402
+from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir, timed  # noqa: E402
 
 
 def build_parser():
@@ -53,7 +57,8 @@ def build_parser():
     p.add_argument("--engine", choices=["vllm", "hf"], default=None, help="rollout engine (default: vllm on a GPU, hf on a CPU)")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="export bucket size, MB of full tensors")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of each GPU")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--reps", type=int, default=5, help="timed pairs (engine cycle, baseline copy; the order "
+                   "alternating) after one warm-up pair")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start-up)")
     return p
 
@@ -93,8 +98,8 @@ def main():
         for _ in export():
             pass
 
-    rows = []
-    for rep in range(args.reps + 1):  # rep 0 warms up (allocator, NCCL communicators, kernels)
+    def engine_cycle(rep):
+        """The engine part of train_grpo.py's step, each phase timed alone; rep seeds the check."""
         row = {}
         row["sleep_s"] = timed(engine.sleep, info.device)
         row["wake_weights_s"] = timed(engine.wake_weights, info.device)
@@ -104,25 +109,35 @@ def main():
         # the engine must be usable after the cycle (one token of one prompt)
         out = engine.generate([[5, 6, 7]], n=1, temperature=0.0, top_p=1.0, max_tokens=1, seed=rep)
         assert len(out) == 1 and len(out[0].response_ids) == 1
-        if rep:
-            rows.append(row)
-        print0(f"rep {rep}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()) + ("  (warm-up)" if rep == 0 else ""))
-    result = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        return row
 
-    # baseline: one device-to-device copy of what vLLM holds per GPU
     per_gpu = model_bytes // args.rollout_tp
-    src = torch.empty(per_gpu, dtype=torch.uint8, device=info.device)
-    dst = torch.empty_like(src)
-    copies = [timed(functools.partial(dst.copy_, src), info.device) for _ in range(5)]
-    del src, dst
-    result["baseline_copy_s"] = statistics.median(copies[1:])
+
+    def baseline_copy(rep):
+        """One device-to-device copy of what vLLM holds per GPU."""
+        src = torch.empty(per_gpu, dtype=torch.uint8, device=info.device)
+        dst = torch.empty_like(src)
+        seconds = timed(functools.partial(dst.copy_, src), info.device)
+        del src, dst
+        if on_gpu:
+            torch.cuda.empty_cache()  # give the memory back before vLLM wakes again
+        return seconds
+
+    # pair 0 warms up (allocator, NCCL communicators, kernels)
+    rows, copies = run_pairs(engine_cycle, baseline_copy, args.reps)
+    for rep, (row, copy_s) in enumerate(zip(rows, copies), 1):
+        print0(f"pair {rep}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()) + f"  baseline_copy_s {copy_s:.4f}")
+    result = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    result["baseline_copy_s"] = statistics.median(copies)
+    sync_vs_copy = paired_ratios([r["sync_s"] for r in rows], copies)  # sync seconds / copy seconds, per pair
 
     settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
                     world_size=info.world_size, tp=args.tp, pp=args.pp, rollout_tp=args.rollout_tp,
                     engine=engine_kind, bucket_mb=args.sync_bucket_mb, model_gb=model_bytes / 1e9,
                     reps=args.reps, date=time.strftime("%Y-%m-%d"))
     result["sleep_wake_s"] = result["sleep_s"] + result["wake_weights_s"] + result["wake_kv_s"]
-    result["sync_vs_copy"] = result["sync_s"] / max(result["baseline_copy_s"], 1e-9)
+    result["sync_vs_copy"] = sync_vs_copy["median"]
+    result["sync_vs_copy_min"], result["sync_vs_copy_max"] = sync_vs_copy["min"], sync_vs_copy["max"]
     result["sync_gb_per_s"] = model_bytes / 1e9 / result["sync_s"]
     if info.master_process:
         print(f"\nweight sync, {args.shape} ({model_bytes / 1e9:.2f} GB {str(dtype)[6:]}), {settings['device']} x "
@@ -130,10 +145,12 @@ def main():
         print(f"  sync                {result['sync_s']:8.4f} s   ({result['sync_gb_per_s']:.1f} GB/s of HF tensors)")
         print(f"  export only         {result['export_only_s']:8.4f} s")
         print(f"  baseline D2D copy   {result['baseline_copy_s']:8.4f} s   ({per_gpu / 1e9:.2f} GB per GPU)  "
-              f"sync / copy = {result['sync_vs_copy']:.1f}x")
+              f"sync / copy = {result['sync_vs_copy']:.1f}x (median of {args.reps} pairs; min "
+              f"{result['sync_vs_copy_min']:.1f}, max {result['sync_vs_copy_max']:.1f})")
         print(f"  sleep + wake        {result['sleep_wake_s']:8.4f} s   (sleep {result['sleep_s']:.4f}, wake weights "
               f"{result['wake_weights_s']:.4f}, wake KV {result['wake_kv_s']:.4f})")
-        print("BENCH_JSON " + json.dumps(dict(settings, **{k: float(f"{v:.6g}") for k, v in result.items()})))
+        print("BENCH_JSON " + json.dumps(dict(settings, **{k: float(f"{v:.6g}") for k, v in result.items()},
+                                              sync_vs_copy_per_pair=sync_vs_copy["ratios"])))
     dist.barrier()
     if engine_kind == "vllm":  # vLLM's in-process engine can block interpreter exit
         sys.stdout.flush()

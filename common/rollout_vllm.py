@@ -88,6 +88,10 @@ class VLLMEngine(RolloutEngine):
         max_model_len: prompt + response tokens per request, capped at config.json's
         max_position_embeddings (vLLM refuses a longer context; a request that reaches the cap
         ends with finish_reason "length").
+        eos_token_ids: the ids generation stops at (None: eos_token_ids_of(hf_dir)); [] stops
+        at none, every sample gets max_tokens tokens (the benchmarks on random weights, where
+        EOS comes by chance: generate then also sets vLLM's ignore_eos, without which vLLM adds
+        the model's generation-config eos to the stop tokens).
         llm_kwargs reach vllm.LLM unchanged (e.g. max_num_seqs, enable_prefix_caching)."""
         # flashinfer is not shipped with our GPU stack, and vLLM's sampler probes for it
         # unless told not to (shared/device/README.md). Must be set before vllm is imported.
@@ -283,7 +287,8 @@ class VLLMEngine(RolloutEngine):
         with_logprobs = [logprob_samples is None or i % n < logprob_samples for i in range(len(rows))]
         params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                  seed=base + i, logprobs=0 if with_lp else None, flat_logprobs=True,
-                                 detokenize=False, stop_token_ids=self.eos_token_ids)
+                                 detokenize=False, stop_token_ids=self.eos_token_ids,
+                                 ignore_eos=not self.eos_token_ids)  # no eos ids: stop at none (__init__)
                   for i, with_lp in enumerate(with_logprobs)]
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
         samples = []

@@ -1,20 +1,29 @@
-"""bench/train.py, bench/sync.py and bench/moe.py on the CPU: the numbers in their BENCH_JSON lines are consistent.
+"""The benches on the CPU: the numbers in their BENCH_JSON lines are consistent.
 
-    .venv/bin/python -m pytest -q tests/test_bench.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_bench.py
 
-- 1 process: tokens = num_seqs * seq_len * steps, tokens/s = tokens / seconds, the model FLOPs
-  per step equal a count made by hand below from the tiny shape, MFU = FLOPs / s / peak, the
-  baseline (local attention) ran and the ratio is candidate / baseline;
+- bench/harness.py's paired statistics by hand: run_pairs alternates which side goes first and
+  drops the warm-up pairs; paired_ratios gives the median / min / max of the per-pair ratios
+  (not the ratio of the medians) and each side's median;
+- bench/train.py, 1 process: tokens = num_seqs * seq_len * steps, tokens/s = tokens / seconds,
+  the model FLOPs per step equal a count made by hand below from the tiny shape, MFU = FLOPs /
+  s / peak, the baseline (local attention) ran and the ratio is candidate / baseline; the
+  median step time lies in [min, max] (and is the mean for 1 or 2 steps);
 - torchrun, 2 processes, TP=2 on gloo: one JSON line (rank 0), the same checks at another
   sequence length, MFU null without --peak-tflops on a CPU;
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
-- every flag of --help has a help string;
-- bench/sync.py with the CPU engine: the cycle runs and the bytes synced match a hand count;
-- bench/moe.py: one ratio per timed pair, the speed-up is their median (not a ratio of medians).
+- every flag of --help has a help string (train.py, sync.py, rollout.py);
+- bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
+  sync / copy is the median of one ratio per timed pair;
+- bench/moe.py: one ratio per timed pair, the speed-up is their median (not a ratio of medians);
+- bench/rollout.py with the CPU engine: both sides generate exactly prompts x n x max tokens
+  in every pair, the ratios are the median / min / max of one per pair; if one side generates
+  a token less, no ratio is reported and the exit status is 1.
 """
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -66,8 +75,12 @@ def check_run(r, *, seq_len, num_seqs, steps, world_size):
         assert c["tokens_per_s"] == pytest.approx(c["tokens"] / c["seconds"], rel=1e-9)
         assert c["step_s"] == pytest.approx(c["seconds"] / steps, rel=1e-9)
         assert c["step_s_min"] <= c["step_s"] <= c["step_s_max"]
+        assert c["step_s_min"] <= c["step_s_median"] <= c["step_s_max"]
+        if steps <= 2:  # the median of one or two numbers is their mean
+            assert c["step_s_median"] == pytest.approx(c["step_s"], rel=1e-9)
         assert c["peak_mem_gib"] is None  # no GPU
     assert r["ratio_tokens_per_s"] == pytest.approx(r["candidate"]["tokens_per_s"] / r["baseline"]["tokens_per_s"])
+    assert r["ratio_step_s_median"] == pytest.approx(r["baseline"]["step_s_median"] / r["candidate"]["step_s_median"])
 
 
 def test_single_process():
@@ -98,6 +111,39 @@ def test_summarize_kernels_by_hand():
     assert s["categories"] == pytest.approx({"matmul": 0.08, "attention": 0.02, "elementwise": 0.01,
                                              "fused (triton)": 0.005})
     assert s["top"][0] == (pytest.approx(0.08), 2, "sm90_xmma_gemm_bf16")
+
+
+def test_run_pairs_alternates_and_drops_warmup():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from harness import run_pairs
+
+    calls = []
+
+    def side(name, value):
+        def run(pair):
+            calls.append((name, pair))
+            return value + pair
+        return run
+
+    a, b = run_pairs(side("a", 10), side("b", 20), reps=3, warmup=1)
+    assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3)]
+    assert (a, b) == ([11, 12, 13], [21, 22, 23])  # pair 0 warmed up
+
+
+def test_paired_ratios_by_hand():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from harness import paired_ratios
+
+    # per pair: 2/1, 3/2, 1/1, 4/1, 6/4 = 2, 1.5, 1, 4, 1.5 -> median 1.5, min 1, max 4, while
+    # the ratio of the medians would be 3 / 1 = 3: one side's lucky pair does not decide
+    s = paired_ratios([2.0, 3.0, 1.0, 4.0, 6.0], [1.0, 2.0, 1.0, 1.0, 4.0])
+    assert s["ratios"] == [2.0, 1.5, 1.0, 4.0, 1.5]
+    assert (s["median"], s["min"], s["max"]) == (1.5, 1.0, 4.0)
+    assert (s["a_median"], s["b_median"]) == (3.0, 1.0)
+    # an even number of pairs: the mean of the middle two
+    assert paired_ratios([1.0, 2.0, 6.0, 4.0], [1.0, 1.0, 2.0, 1.0])["median"] == 2.5  # of 1, 2, 3, 4
+    with pytest.raises(AssertionError):
+        paired_ratios([1.0, 2.0], [1.0])
 
 
 def test_profile_flag_cpu():
@@ -138,15 +184,16 @@ def test_baseline_oom_is_reported():
     r = bench_json(out)
     assert r["baseline"] == {"status": "oom"}
     assert r["candidate"]["status"] == "ok" and r["candidate"]["tokens"] == 4 * 128
-    assert r["ratio_tokens_per_s"] is None and r["ratio_peak_mem"] is None
+    assert r["ratio_tokens_per_s"] is None and r["ratio_peak_mem"] is None and r["ratio_step_s_median"] is None
     assert "(baseline: OOM)" in out
 
 
 def test_help_documents_every_flag():
-    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, SCRIPT))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert_every_flag_documented(module.build_parser())
+    for script in (SCRIPT, os.path.join("bench", "sync.py"), os.path.join("bench", "rollout.py")):
+        spec = importlib.util.spec_from_file_location("bench_module", os.path.join(ROOT, script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert_every_flag_documented(module.build_parser())
     assert "--peak-tflops" in run("--help")
 
 
@@ -163,14 +210,16 @@ def test_sync_bench_cpu_smoke():
     params = 2 * per_layer + 512 * 64 + 64
     assert round(result["model_gb"] * 1e9) == params * 4  # fp32 on a CPU
     assert result["engine"] == "hf" and result["sync_s"] > 0 and result["export_only_s"] > 0
-    assert result["sync_vs_copy"] == pytest.approx(result["sync_s"] / result["baseline_copy_s"], rel=1e-2)
+    # one sync / copy ratio per timed pair; the reported ratio is their median, not a ratio of medians
+    ratios = result["sync_vs_copy_per_pair"]
+    assert len(ratios) == 2
+    assert result["sync_vs_copy"] == pytest.approx(statistics.median(ratios), rel=1e-5)
+    assert (result["sync_vs_copy_min"], result["sync_vs_copy_max"]) == pytest.approx((min(ratios), max(ratios)), rel=1e-5)
 
 
 def test_moe_bench_cpu_smoke():
     """bench/moe.py on a tiny MoE (no grouped path on a CPU, both sides run the loop): the
     timed pairs and the median of their ratios are what BENCH_JSON reports."""
-    import statistics
-
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3",
                            "--tokens", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -178,4 +227,60 @@ def test_moe_bench_cpu_smoke():
     result = bench_json(proc.stdout)
     assert result["grouped_path"] is False and len(result["ratios"]) == 3
     assert result["speedup_median_of_pairs"] == pytest.approx(statistics.median(result["ratios"]), rel=1e-3)
+    assert result["speedup_min"] == pytest.approx(min(result["ratios"]), rel=1e-3)
+    assert result["speedup_max"] == pytest.approx(max(result["ratios"]), rel=1e-3)
     assert result["loop_s"] > 0 and result["grouped_s"] > 0
+
+
+ROLLOUT_ARGS = ["--shape", "tiny", "--num-prompts", "2", "--samples-per-prompt", "3", "--prompt-len", "8",
+                "--max-new-tokens", "6", "--reps", "3"]
+
+
+def test_rollout_bench_cpu_smoke():
+    """bench/rollout.py with the CPU engine (HFEngine vs transformers' generate): both sides
+    generate 2 prompts x 3 samples x 6 tokens = 36 tokens in every timed pair (EOS impossible),
+    and the ratios are the median / min / max of one ratio per pair."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    r = bench_json(proc.stdout)
+    assert (r["engine"], r["reps"]) == ("hf", 3)
+    assert r["tokens_per_pair"] == [[36, 36]] * 3  # baseline, ours
+    for prefix in ("ratio", "ratio_with_cycle"):
+        ratios = r[f"{prefix}_per_pair"]
+        assert len(ratios) == 3 and all(x > 0 for x in ratios)
+        assert r[prefix] == statistics.median(ratios)
+        assert (r[f"{prefix}_min"], r[f"{prefix}_max"]) == (min(ratios), max(ratios))
+    # the cycle and the sleep are inside ours+cycle's seconds: slower than ours alone, pair by pair
+    assert all(c < o for c, o in zip(r["ratio_with_cycle_per_pair"], r["ratio_per_pair"]))
+    assert r["baseline_tok_s"] > 0 and r["ours_tok_s"] > r["ours_cycle_tok_s"] > 0
+
+
+def test_rollout_bench_refuses_unequal_work():
+    """One sample of ours one token short in the second timed pair: no ratio, exit status 1."""
+    script = os.path.join("bench", "rollout.py")
+    code = "\n".join([
+        "import runpy, sys",
+        "import common.rollout",
+        "real = common.rollout.HFEngine.generate",
+        "calls = []",
+        "def generate(self, *args, **kwargs):",
+        "    samples = real(self, *args, **kwargs)",
+        "    calls.append(1)",
+        "    if len(calls) == 3:  # the warm-up pair, pair 1, then pair 2",
+        "        samples[0].response_ids.pop()",
+        "    return samples",
+        "common.rollout.HFEngine.generate = generate",
+        f"sys.argv = {[script] + ROLLOUT_ARGS!r}",
+        f"runpy.run_path({script!r}, run_name='__main__')",
+    ])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-5000:]
+    r = bench_json(proc.stdout)
+    assert r["tokens_per_pair"] == [[36, 36], [36, 35], [36, 36]]
+    assert r["ratio"] is None and r["ratio_min"] is None and r["ratio_per_pair"] is None
+    assert r["ratio_with_cycle"] is None
+    assert "no ratio: the token counts differ" in proc.stdout

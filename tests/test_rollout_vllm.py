@@ -6,9 +6,9 @@ vLLM exists only on GPU machines, so here a small stand-in module named `vllm` r
 shapes of vLLM 0.26's API that VLLMEngine relies on (LLM.generate returning, per request,
 outputs[0].token_ids / finish_reason / FlatLogprobs with the sampled token first; the
 in-process model handle; sleep / wake_up). It checks our glue, not vLLM:
-replica arithmetic, eos ids, prompt-major order, one request and seed per sample, logprob
-extraction, the sleep/wake/sync state machine, and that a failing weight load still drains
-the producer (whose collectives every rank must finish). Agreement with the real vLLM is
+replica arithmetic, eos ids (none: ignore_eos), prompt-major order, one request and seed per
+sample, logprob extraction, the sleep/wake/sync state machine, and that a failing weight load
+still drains the producer (whose collectives every rank must finish). Agreement with the real vLLM is
 tests/gpu/test_vllm_agreement.py.
 """
 import json
@@ -132,7 +132,7 @@ def test_generate_and_weights_state_machine(engine):
     samples = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_tokens=4, seed=0)  # greedy, n > 1
     requests, params = engine.llm.requests[-1]
     assert [r["prompt_token_ids"] for r in requests] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
-    assert all(p.n == 1 and p.logprobs == 0 and p.stop_token_ids == [2] for p in params)
+    assert all(p.n == 1 and p.logprobs == 0 and p.stop_token_ids == [2] and not p.ignore_eos for p in params)
     seeds = [p.seed for p in params]
     assert len(set(seeds)) == 4                                     # one seed per sample
     assert [s.prompt_ids for s in samples] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
@@ -234,3 +234,16 @@ def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_
     with pytest.raises(RuntimeError, match="not written"):  # the wrongly shaped expert reached load_weights
         engine.update_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(5, 4))])
     assert model.seen == ["model.layers.0.mlp.experts.0.gate_proj.weight"]
+
+
+def test_no_eos_ids_ignore_eos(engine, tmp_path):
+    """eos_token_ids=[] (bench/rollout.py: identical work on both sides): no stop token and
+    vLLM's ignore_eos, which keeps vLLM from adding the generation config's eos (2 here)."""
+    from common.rollout_vllm import VLLMEngine
+
+    no_eos = VLLMEngine(str(tmp_path), rollout_tp=1, eos_token_ids=[])
+    assert no_eos.eos_token_ids == []
+    no_eos.update_weights([("a", torch.ones(2)), ("b", torch.ones(3))])
+    no_eos.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    params = no_eos.llm.requests[-1][1]
+    assert len(params) == 2 and all(p.stop_token_ids == [] and p.ignore_eos for p in params)
