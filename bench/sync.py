@@ -30,7 +30,6 @@ Output: a table on rank 0 and one `BENCH_JSON {...}` line (medians over --reps a
 warm-up pair).
 """
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -114,10 +113,19 @@ def main():
     per_gpu = model_bytes // args.rollout_tp
 
     def baseline_copy(rep):
-        """One device-to-device copy of what vLLM holds per GPU."""
-        src = torch.empty(per_gpu, dtype=torch.uint8, device=info.device)
+        """A device-to-device copy of as many bytes as vLLM holds per GPU, in copies of at most
+        2 GiB between two reused buffers (a whole-model pair would not fit beside megatron's and
+        vLLM's copies of a 16B model on one H200)."""
+        chunk = min(per_gpu, 2**31)
+        src = torch.empty(chunk, dtype=torch.uint8, device=info.device)
         dst = torch.empty_like(src)
-        seconds = timed(functools.partial(dst.copy_, src), info.device)
+        sizes = [chunk] * (per_gpu // chunk) + ([per_gpu % chunk] if per_gpu % chunk else [])
+
+        def copy():
+            for n in sizes:
+                dst[:n].copy_(src[:n])
+
+        seconds = timed(copy, info.device)
         del src, dst
         if on_gpu:
             torch.cuda.empty_cache()  # give the memory back before vLLM wakes again
