@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -37,31 +36,6 @@ MODEL = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_int
              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                               "rope_theta": 10000.0})
-
-
-def write_model(out_dir):
-    """Random weights as in test_moe_gpu.py (inner std 0.035, lm_head and router 0.1, norms
-    near 1), the score-correction bias ~ 0.05 (it changes which experts are chosen)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
-
-    config = DeepseekV3Config(**MODEL)
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    model = DeepseekV3ForCausalLM(config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name == "model.embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                std = 0.1 if name == "lm_head.weight" or name.endswith("mlp.gate.weight") else 0.035
-                p.copy_(std * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
-    model.to(torch.bfloat16).save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out_dir)
 
 
 def deepseek_select(logits, gate):
@@ -111,48 +85,26 @@ def packed_vs_padded(chunks, spec, samples, device):
 def run():
     from common.dist import init_distributed
     from common.model import build_model, load_hf_spec, load_hf_weights
-    from common.rollout_vllm import VLLMEngine
-    from tests.gpu.test_moe_gpu import capture_vllm_topk, megatron_topk
-    from tests.gpu.test_vllm_agreement import hf_logprobs, megatron_logprobs, sync
+    from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, topk_differences, vllm_against_megatron,
+                                        write_model)
 
     info = init_distributed()
     res = {}
     hf_dir = tempfile.mkdtemp(prefix="deepseek_gpu_")
-    write_model(hf_dir)
+    write_model(hf_dir, "DeepseekV3ForCausalLM", MODEL)
     spec = load_hf_spec(hf_dir)
     chunks = build_model(spec, dtype=torch.bfloat16)
     load_hf_weights(chunks, spec, hf_dir)
     for c in chunks:
         c.eval()
 
-    t = time.perf_counter()
-    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
-    res["engine_start_s"] = round(time.perf_counter() - t, 1)
-    timings = res["timings"] = {}
-    sync(engine, chunks, spec, timings, "deepseek")
-    g = torch.Generator().manual_seed(100)
-    prompts = [torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
-    samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1)
-    vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
-    ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
-    exact = torch.cat(hf_logprobs(hf, samples, 1.0))
-    del hf
-    res.update(tokens=len(vllm_lp), mean_abs_diff=(vllm_lp - ours).abs().mean().item(),
-               vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(), megatron_vs_fp32=(ours - exact).abs().mean().item())
+    engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "deepseek", res)
     res["packed_vs_padded"] = packed_vs_padded(chunks, spec, samples, info.device)
     sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
     theirs = capture_vllm_topk(engine, sequences, MODEL["num_experts_per_tok"], select=deepseek_select)
     mine = megatron_topk(chunks, sequences)
-    differ = total = 0
-    for a, b in zip(theirs, mine):
-        for layer in b:
-            if layer in a and a[layer].shape == b[layer].shape:
-                differ += int((a[layer] != b[layer]).any(-1).sum())
-                total += b[layer].shape[0]
-    res.update(topk_pairs_compared=total, topk_differ_frac=differ / max(total, 1))
+    res.update(topk_differences(theirs, mine))
+    total = res["topk_pairs_compared"]
     print("RESULT", json.dumps(res), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "deepseek_gpu.json"), "w") as f:

@@ -32,14 +32,15 @@ MODEL = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_inte
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def write_model(out_dir):
+def write_model(out_dir, arch="Qwen3MoeForCausalLM", fields=MODEL):
     """Random weights as in test_vllm_agreement.py (inner std 0.035, lm_head 0.1, norms near 1);
-    router std 0.1 so that routing is decided by the input, not by ties."""
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    router std 0.1 so that routing is decided by the input, not by ties; a router score-
+    correction bias (DeepSeek-V3) ~ 0.05, so that it changes which experts are chosen."""
+    import transformers
 
-    config = Qwen3MoeConfig(**MODEL)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    model = Qwen3MoeForCausalLM(config)
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
+    config.architectures = [arch]
+    model = getattr(transformers, arch)(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,8 +51,11 @@ def write_model(out_dir):
             else:
                 std = 0.1 if name == "lm_head.weight" or name.endswith("mlp.gate.weight") else 0.035
                 p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
     model.to(torch.bfloat16).save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out_dir)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out_dir)
 
 
 def grouped_vs_sequential(chunks, res):
@@ -133,11 +137,49 @@ def megatron_topk(chunks, sequences):
     return per_seq
 
 
+def topk_differences(theirs, mine):
+    """Per sequence {layer: (tokens, k) sorted expert indices} from vLLM and megatron -> the
+    number of (token, layer) pairs compared and the share whose expert sets differ."""
+    differ = total = 0
+    for a, b in zip(theirs, mine):
+        for layer in b:
+            if layer in a and a[layer].shape == b[layer].shape:
+                differ += int((a[layer] != b[layer]).any(-1).sum())
+                total += b[layer].shape[0]
+    return dict(topk_pairs_compared=total, topk_differ_frac=differ / max(total, 1))
+
+
+def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res):
+    """Start a VLLMEngine on hf_dir (config only, dummy weights), sync it from the megatron
+    chunks (timed: res["timings"]), sample 8 random prompts x 4 at T=1 and record the mean
+    |logprob difference| of the sampled tokens, vLLM vs megatron and each vs fp32
+    transformers, in res. Returns (engine, samples)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.rollout_vllm import VLLMEngine
+    from tests.gpu.test_vllm_agreement import hf_logprobs, megatron_logprobs, sync
+
+    t = time.perf_counter()
+    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    res["engine_start_s"] = round(time.perf_counter() - t, 1)
+    timings = res["timings"] = {}
+    sync(engine, chunks, spec, timings, tag)
+    g = torch.Generator().manual_seed(100)
+    prompts = [torch.randint(10, vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
+    samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1)
+    vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
+    ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
+    exact = torch.cat(hf_logprobs(hf, samples, 1.0))
+    del hf
+    res.update(tokens=len(vllm_lp), mean_abs_diff=(vllm_lp - ours).abs().mean().item(),
+               vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(), megatron_vs_fp32=(ours - exact).abs().mean().item())
+    return engine, samples
+
+
 def run():
     from common.dist import init_distributed
     from common.model import build_model, load_hf_spec, load_hf_weights
-    from common.rollout_vllm import VLLMEngine
-    from tests.gpu.test_vllm_agreement import hf_logprobs, megatron_logprobs, sync
 
     init_distributed()
     res = {}
@@ -151,32 +193,11 @@ def run():
     for c in chunks:
         c.eval()
 
-    t = time.perf_counter()
-    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
-    res["engine_start_s"] = round(time.perf_counter() - t, 1)
-    timings = res["timings"] = {}
-    sync(engine, chunks, spec, timings, "moe")
-    g = torch.Generator().manual_seed(100)
-    prompts = [torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
-    samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1)
-    vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
-    ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
-    exact = torch.cat(hf_logprobs(hf, samples, 1.0))
-    del hf
-    res.update(tokens=len(vllm_lp), mean_abs_diff=(vllm_lp - ours).abs().mean().item(),
-               vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(), megatron_vs_fp32=(ours - exact).abs().mean().item())
+    engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "moe", res)
     sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
     theirs, mine = capture_vllm_topk(engine, sequences, MODEL["num_experts_per_tok"]), megatron_topk(chunks, sequences)
-    differ = total = 0
-    for a, b in zip(theirs, mine):
-        for layer in b:
-            if layer in a and a[layer].shape == b[layer].shape:
-                differ += int((a[layer] != b[layer]).any(-1).sum())
-                total += b[layer].shape[0]
-    res.update(topk_pairs_compared=total, topk_differ_frac=differ / max(total, 1))
+    res.update(topk_differences(theirs, mine))
+    total = res["topk_pairs_compared"]
     print("RESULT", json.dumps(res), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_gpu.json"), "w") as f:
