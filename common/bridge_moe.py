@@ -21,7 +21,8 @@ Qwen2-MoE's shared expert is `mlp.shared_experts` (TP-sharded like a dense MLP) 
 sigmoid gate `shared_experts.gate_weight` (1, H); DeepSeek-V3's (`mlp.shared_experts.*` on
 disk, n_shared_experts of them fused into one MLP) has no gate.
 DeepSeek-V3 routing: sigmoid scores plus the score-correction bias choose the experts
-(`mlp.gate.e_score_correction_bias` <-> the router's fp32 buffer `expert_bias`, kept frozen),
+(`mlp.gate.e_score_correction_bias` <-> the router's fp32 buffer `expert_bias`; frozen unless
+--moe-router-bias-update-rate turns on megatron's aux-loss-free update),
 within the topk_group best of n_group groups, the chosen unbiased scores renormalised and
 multiplied by routed_scaling_factor. megatron scores a group by the sum of its top
 (topk / topk_group) experts, transformers by its top 2: the bridge takes configs where the
@@ -163,7 +164,7 @@ def moe_config_fields(moe: MoESpec, *, ep=1, etp=1, aux_loss_coef=None):
         moe_router_score_function=moe.score_function,
         moe_router_pre_softmax=moe.score_function == "softmax" and not moe.normalize_topk,  # module docstring
         moe_router_enable_expert_bias=moe.expert_bias,
-        moe_router_bias_update_rate=0.0,  # the loaded bias stays as it is
+        moe_router_bias_update_rate=0.0,  # the loaded bias stays (the scripts' --moe-router-bias-update-rate)
         moe_router_num_groups=moe.num_groups,
         moe_router_group_topk=moe.group_topk,
         moe_router_topk_scaling_factor=moe.scaling_factor,
