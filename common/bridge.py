@@ -22,7 +22,7 @@ Layout facts that the kinds encode (checked against transformers in tests/test_b
   replicated  norms: every rank holds the full tensor.
 Mixture-of-Experts families (the `experts` column of the table) add the rules of
 common/bridge_moe.py: routers, per-expert tensors, shared experts. Multi-latent attention
-(the `attention` column: DeepSeek-V3) replaces the q/k/v rules by common/bridge_mla.py's.
+(the `mla` column: DeepSeek-V3) replaces the q/k/v rules by common/bridge_mla.py's.
 How the layers split over pipeline stages, what TP/EP must divide, and activation recompute:
 common/bridge_layout.py (its functions are importable from here too).
 """
