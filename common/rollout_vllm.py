@@ -131,6 +131,7 @@ class VLLMEngine(RolloutEngine):
             **llm_kwargs,
         )
         self._asleep = set()                 # tags asleep: "weights", "kv_cache"
+        self._fused_cache = {}               # _fused_experts: vLLM MoE module name -> its w13/w2
         self._weights_valid = load_format != "dummy"
         self._prefix_cache_stale = False
         self._warned_top_p = False
@@ -246,19 +247,18 @@ class VLLMEngine(RolloutEngine):
     def _fused_experts(self, module_name):
         """((name, w13_weight), (name, w2_weight)) of vLLM's fused MoE module `module_name`
         (e.g. model.layers.3.mlp.experts), or None when it has no such single pair; cached."""
-        cache = self.__dict__.setdefault("_fused_cache", {})
-        if not cache:
+        if not self._fused_cache:  # first call: the model's modules and this rank's vLLM TP coordinates
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
             self._vllm_tp_rank, self._vllm_tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             self._modules = dict(self.model.named_modules())
-        if module_name not in cache:
+        if module_name not in self._fused_cache:
             module = self._modules.get(module_name)
             params = [] if module is None else list(module.named_parameters())
             w13 = [(f"{module_name}.{n}", p) for n, p in params if n.endswith("w13_weight") and p.dim() == 3]
             w2 = [(f"{module_name}.{n}", p) for n, p in params if n.endswith("w2_weight") and p.dim() == 3]
-            cache[module_name] = (w13[0], w2[0]) if len(w13) == len(w2) == 1 else None
-        return cache[module_name]
+            self._fused_cache[module_name] = (w13[0], w2[0]) if len(w13) == len(w2) == 1 else None
+        return self._fused_cache[module_name]
 
     # ---- sampling ------------------------------------------------------------------------
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
