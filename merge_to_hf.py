@@ -11,7 +11,7 @@ It loads unchanged with transformers `from_pretrained` and with vLLM. HF -> mcor
 bit-exact for every tensor (same dtype).
 
 How: the checkpoint is loaded into a GPTModel at --tp/--pp (dist_checkpointing reshards to
-any layout), then common/model.py:export_hf_weights streams full HF tensors (TP shards
+any layout), then common/weights.py:export_hf_weights streams full HF tensors (TP shards
 all-gathered, PP stages broadcast, in buckets); rank 0 writes each shard file as soon as it
 is full. Host memory: this rank's part of the model + one shard + two export buckets.
 
@@ -167,7 +167,8 @@ def run(args, created):
     from common.bridge import expected_hf_names, stage_layers
     from common.checkpoint import HF_SMALL_FILES, load_model_checkpoint
     from common.dist import init_distributed
-    from common.model import build_model, export_hf_weights
+    from common.model import build_model
+    from common.weights import export_hf_weights
 
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     print0(f"merging {ckpt} ({spec.architecture}, stored as {HF_DTYPE_NAMES.get(stored, stored)}) -> {out} "

@@ -188,7 +188,8 @@ def main():
     from common.flops import step_throughput
     from common.guard import RunControl, check_finite
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
-    from common.model import build_model, export_hf_weights, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import export_hf_weights, load_hf_weights
     from common.offload import Offloader, PhaseMemory, Timer
     from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward

@@ -121,7 +121,8 @@ def describe(stats, reps):
 def main():
     args = build_parser().parse_args()
     from common.dist import init_distributed, print0
-    from common.model import build_model, export_hf_weights, load_hf_spec
+    from common.model import build_model, load_hf_spec
+    from common.weights import export_hf_weights
     from common.rollout_vllm import rollout_replica
 
     info = init_distributed(tp=args.tp)

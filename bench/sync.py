@@ -66,7 +66,8 @@ def main():
     args = build_parser().parse_args()
     from common.bridge import expected_hf_names, expected_hf_shape
     from common.dist import init_distributed, print0
-    from common.model import build_model, export_hf_weights, load_hf_spec
+    from common.model import build_model, load_hf_spec
+    from common.weights import export_hf_weights
 
     info = init_distributed(tp=args.tp, pp=args.pp)
     on_gpu = info.device.type == "cuda"

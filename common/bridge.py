@@ -9,7 +9,7 @@ Two halves:
      megatron parameter and how it is sharded over tensor parallelism; then
      `shard_from_hf` cuts one TP rank's shard out of (lazily read) HF tensors and
      `hf_from_shards` puts the TP shards back together as HF tensors.
-No I/O and no collectives here: common/model.py does those.
+No I/O and no collectives here: common/weights.py does those.
 
 Layout facts that the kinds encode (checked against transformers in tests/test_bridge*.py):
   qkv      megatron fuses q, k, v *per query group*: rows [q heads of group g; k_g; v_g],

@@ -4,15 +4,16 @@
     load_critic_weights(chunks, spec, hf_dir)                # body from HF, head zero (or score.*)
     values = chunks[-1](tokens, positions, None)             # last stage: (B, T, 1), fp32
 
-Kept apart from common/model.py, which builds and loads the policy; this file only swaps the
-output layer and loads the head.
+Kept apart from common/model.py and common/weights.py, which build and load the policy; this
+file only swaps the output layer and loads the head.
 """
 import dataclasses
 
 import torch
 
 from common.bridge import HFModelSpec, UnsupportedModelError
-from common.model import HFCheckpointReader, build_model, load_hf_weights
+from common.model import build_model
+from common.weights import HFCheckpointReader, load_hf_weights
 
 
 class ValueHead(torch.nn.Module):

@@ -146,7 +146,7 @@ KNOWN_HARMLESS_WARNINGS = [
     (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning,
      r"megatron\.core\.transformer\.transformer_config", True),
     # torch renamed these collectives; the old names still work. Callers: megatron-core 0.16.1
-    # (distributed optimizer, TP gathers) and common/model.py's weight export. Attributed to
+    # (distributed optimizer, TP gathers) and common/weights.py's weight export. Attributed to
     # torch's deprecation wrapper (torch/distributed/c10d_logger.py).
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
      FutureWarning, r"torch\.distributed\.", True),

@@ -113,6 +113,6 @@ class RewardModel:
 
 
 def _has_score(rm_dir):
-    from common.model import HFCheckpointReader
+    from common.weights import HFCheckpointReader
 
     return "score.weight" in HFCheckpointReader(rm_dir).names()

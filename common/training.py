@@ -5,7 +5,7 @@
   ensure_adam_state / load_optimizer_state   megatron's torch-Adam path, made loadable
                                              (common/train_checkpoint.py uses them)
 
-Kept apart from common/model.py, which builds the model and moves weights (HF <-> megatron).
+Kept apart from common/model.py (builds the model) and common/weights.py (moves HF weights in and out).
 """
 import torch
 

@@ -24,7 +24,8 @@ def forward_backward(spec, hf_dir, attention, ids, tp, sequence_parallel):
     """(full-vocab logits (B, T, V), {param name: grad}) of one model on this rank."""
     from megatron.core import parallel_state as mpu
 
-    from common.model import build_model, load_hf_weights
+    from common.model import build_model
+    from common.weights import load_hf_weights
 
     model = build_model(spec, tp=tp, sequence_parallel=sequence_parallel, attention=attention)[0]
     load_hf_weights([model], spec, hf_dir)

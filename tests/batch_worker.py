@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def tiny_model(hf_dir):
     """(spec, fp32 model chunks with the HF weights), in a fresh world of one process."""
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
 
     init_distributed()
     spec = load_hf_spec(hf_dir)

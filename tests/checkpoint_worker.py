@@ -161,7 +161,8 @@ def error_of(fn, *args, **kwargs):
 def run_job(job, args, info, spec, out_dir):
     from common.critic import build_critic, load_critic_weights
     from common.dist import set_seed
-    from common.model import build_model, export_hf_weights, load_hf_weights
+    from common.model import build_model
+    from common.weights import export_hf_weights, load_hf_weights
     from common.train_checkpoint import CheckpointWriter, load_training_checkpoint, save_training_checkpoint
     from common.training import setup_training
 

@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def train(hf_dir, dtype, distributed_optimizer, offload):
     from common import batch as B
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
     from common.offload import Offloader
     from common.training import setup_training
     from megatron.core import parallel_state as mpu
@@ -95,7 +96,8 @@ def main():
 def frozen_model_roundtrip(hf_dir):
     """A plain (not DDP-wrapped) frozen model, as train_grpo.py's reference: same logits after
     offload + reload, and its storages empty in between."""
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
     from common.offload import Offloader
 
     spec = load_hf_spec(hf_dir)

@@ -82,7 +82,8 @@ def main():
     from common import rl
     from common.critic import build_critic, load_critic_weights
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
     from common.training import setup_training
 
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)

@@ -76,10 +76,11 @@ def main():
     from transformers import AutoModelForCausalLM
 
     import common.model as model_module
+    import common.weights as weights_module
     from common import bridge
     from common.dist import destroy_distributed, init_distributed
-    from common.model import (build_model, export_hf_weights, load_hf_spec, load_hf_weights, named_global_parameters,
-                              unwrap)
+    from common.model import build_model, load_hf_spec, named_global_parameters, unwrap
+    from common.weights import export_hf_weights, load_hf_weights
     from megatron.core import parallel_state as mpu
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
@@ -143,9 +144,9 @@ def main():
                     return full.chunk(tp_size)[tp_rank]
                 return original(kind, hf_names, read, spec, tp_rank, tp_size)
 
-            model_module.shard_from_hf = naive
+            weights_module.shard_from_hf = naive
             row["control_naive_fc1"] = (logits_with()[1] - reference).abs().max().item()
-            model_module.shard_from_hf = original
+            weights_module.shard_from_hf = original
         # negative control 3 (MoE): experts 0 and 1 of the first MoE layer of every rank exchanged
         if spec.moe is not None:
             chunks, _ = logits_with()

@@ -216,7 +216,8 @@ def test_llama3_rope_scaling_matters(tmp_path):
     """The llama3-scaled model matches transformers; the same weights with unscaled rope do
     not, so the scaling is really exercised by the parity tests."""
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
 
     init_distributed()
     hf = save_tiny_hf_model("llama", str(tmp_path))
@@ -238,7 +239,8 @@ def test_llama3_rope_scaling_matters(tmp_path):
 
 
 def test_reader_errors(tmp_path):
-    from common.model import HFCheckpointReader, load_hf_spec
+    from common.model import load_hf_spec
+    from common.weights import HFCheckpointReader
 
     save_tiny_hf_model("qwen3", str(tmp_path / "sharded"), max_shard_size="20KB")
     spec = load_hf_spec(str(tmp_path / "sharded"))

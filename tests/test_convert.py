@@ -120,7 +120,8 @@ def test_same_checkpoint_as_megatron_save(tiny_models_dir, tmp_path):
 
     from common.checkpoint import save_model_checkpoint
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
 
     def contents(ckpt):
         md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -152,7 +153,8 @@ def test_merge_training_checkpoint(tiny_models_dir, tmp_path, capsys):
     from common.checkpoint import copy_hf_small_files
     from common.train_checkpoint import save_training_checkpoint
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
     from common.training import setup_training
 
     hf_dir = tiny_models_dir / "llama"

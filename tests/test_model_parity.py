@@ -70,7 +70,8 @@ def test_logits_are_a_view_of_megatrons_values(tiny_models_dir):
     from megatron.core.models.gpt import GPTModel
 
     from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
 
     hf_dir = str(tiny_models_dir / "qwen2")
     init_distributed()

@@ -84,7 +84,8 @@ def packed_vs_padded(chunks, spec, samples, device):
 
 def run():
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
     from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, topk_differences, vllm_against_megatron,
                                         write_model)
 

@@ -179,7 +179,8 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res):
 
 def run():
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
 
     init_distributed()
     res = {}

@@ -94,7 +94,7 @@ def perturb(chunks):
 
 def exported_state(chunks, spec):
     """Every HF tensor, as vLLM receives it (bf16), copied to fp32 CPU: the reference weights."""
-    from common.model import export_hf_weights
+    from common.weights import export_hf_weights
 
     return {name: t.float().cpu().clone() for name, t in export_hf_weights(chunks, spec, dtype=torch.bfloat16)}
 
@@ -192,7 +192,7 @@ def logprob_checks(engine, chunks, spec, hf, prompts, temperature, seed):
 
 def sync(engine, chunks, spec, timings, tag):
     """The training loop's step: sleep, (train), wake weights, sync, wake KV cache; timed."""
-    from common.model import export_hf_weights
+    from common.weights import export_hf_weights
 
     def timed(key, fn):
         torch.cuda.synchronize(); dist.barrier()
@@ -209,7 +209,8 @@ def sync(engine, chunks, spec, timings, tag):
 def run_agreement(train_tp=1, rollout_tp=1):
     """Everything above on this process's ranks; returns this rank's results (asserts inside)."""
     from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, load_hf_weights
+    from common.model import build_model, load_hf_spec
+    from common.weights import load_hf_weights
     from common.rollout_vllm import VLLMEngine
 
     info = init_distributed(tp=train_tp)

@@ -1,0 +1,213 @@
+"""HF weights into and out of the model chunks common/model.py builds.
+
+  load_hf_weights(chunks, spec, hf_dir)   each rank reads only the slices it owns
+  export_hf_weights(chunks, spec, ...)    generator of (hf_name, full tensor): TP shards are
+                                          all-gathered and PP stages broadcast, in flat buckets
+  HFCheckpointReader(hf_dir)              lazy, sliced reads of safetensors checkpoints
+The name/shape mapping itself lives in common/bridge.py.
+"""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from common.bridge import HFModelSpec, UnsupportedModelError, expected_hf_shape, hf_from_shards, param_rule, shard_from_hf
+from common.bridge_moe import expert_index, global_expert_name
+from common.model import named_global_tensors
+
+
+# ---------------------------------------------------------------------------------------
+# HF -> megatron (sharded load)
+# ---------------------------------------------------------------------------------------
+class HFCheckpointReader:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index).
+
+    read(name, row_slice, col_slice) opens only the bytes of that slice.
+    """
+
+    def __init__(self, hf_dir, spec: HFModelSpec | None = None):
+        from safetensors import safe_open
+
+        self.hf_dir, self.spec, self._open, self._files = hf_dir, spec, safe_open, {}
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            self.weight_map = {name: "model.safetensors" for name in self._handle("model.safetensors").keys()}
+        else:
+            raise FileNotFoundError(
+                f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json "
+                "(only safetensors checkpoints are supported)")
+
+    def _handle(self, filename):
+        if filename not in self._files:
+            path = os.path.join(self.hf_dir, filename)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint shard {path} is missing (listed in the index)")
+            try:
+                self._files[filename] = self._open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error types for damaged headers
+                raise OSError(f"cannot read checkpoint shard {path}: {e} (truncated or damaged?)") from e
+        return self._files[filename]
+
+    def names(self):
+        return list(self.weight_map)
+
+    def shape(self, name):
+        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def read(self, name, row_slice=None, col_slice=None):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.hf_dir}")
+        filename = self.weight_map[name]
+        view = self._handle(filename).get_slice(name)
+        shape = tuple(view.get_shape())
+        if self.spec is not None:
+            expected = expected_hf_shape(name, self.spec)
+            if shape != expected:
+                raise UnsupportedModelError(
+                    f"tensor {name!r} in {filename} has shape {list(shape)} but config.json implies "
+                    f"{list(expected)}: config.json does not match the weights")
+        index = (row_slice or slice(None),) + ((col_slice,) if col_slice is not None else ())
+        try:
+            return view[index] if len(shape) else view[:]
+        except Exception as e:
+            raise OSError(f"cannot read {name!r} from {os.path.join(self.hf_dir, filename)}: {e} "
+                          "(truncated or damaged?)") from e
+
+
+def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=None, skip_prefixes=()):
+    """Copy this rank's shard of every parameter from the HF checkpoint. Reads only
+    owned slices, so host memory per rank ~ its shard. Returns the number of tensors set.
+    Parameters whose (global) name starts with one of skip_prefixes are left as they are
+    (the critic's value head, "output_layer.", has no HF counterpart in a causal LM)."""
+    from megatron.core import parallel_state as mpu
+
+    tp_rank = mpu.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    tp_size = mpu.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    # routed experts are split over the expert-TP group (of size etp), not the TP group
+    etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
+    reader = HFCheckpointReader(hf_dir, spec)
+    count = 0
+    for chunk in chunks:
+        for name, param in named_global_tensors(chunk):  # this rank's experts only
+            if name.startswith(tuple(skip_prefixes)):
+                continue
+            kind, hf_names = param_rule(name, spec)
+            expert = expert_index(name) is not None
+            shard = shard_from_hf(kind, hf_names, reader.read, spec, etp_rank if expert else tp_rank,
+                                  etp_size if expert else tp_size)
+            if shard.shape != param.shape:  # a bridge bug, not a user error
+                raise RuntimeError(f"{name}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(shard)
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------
+# megatron -> HF (export generator)
+# ---------------------------------------------------------------------------------------
+def _export_plan(chunks, spec, tp_size):
+    """This rank's exported parameters, and the ordered plan of every PP stage's ones.
+
+    Each plan entry: (owner pp rank, global name, local shard shape, is a routed expert, stays
+    fp32). Routed experts keep their local index j here (every EP rank has the same entries;
+    the export gathers them over EP). With tied embeddings only the first stage's embedding is
+    exported (the last stage's copy is the same). fp32 buffers (the router's score-correction
+    bias) stay fp32: rounded to bf16 it would change which experts are chosen."""
+    from megatron.core import parallel_state as mpu
+
+    local = []
+    for chunk in chunks:
+        for name, param in named_global_tensors(chunk, global_experts=False):
+            if name == "output_layer.weight" and spec.tie_word_embeddings:
+                continue
+            local.append((name, param))
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    mine = [(name, tuple(p.shape), expert_index(name) is not None, not isinstance(p, torch.nn.Parameter))
+            for name, p in local]
+    if pp_size > 1:
+        per_stage = [None] * pp_size
+        dist.all_gather_object(per_stage, mine, group=mpu.get_pipeline_model_parallel_group())
+    else:
+        per_stage = [mine]
+    plan = [(stage, *entry) for stage, entries in enumerate(per_stage) for entry in entries]
+    return dict(local), plan
+
+
+def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb=512):
+    """Yield (hf_name, full tensor in `dtype`) for every tensor of the HF checkpoint.
+
+    All ranks call this and must consume the generator to the end (it runs collectives):
+    TP shards are all-gathered in flat buckets of <= bucket_mb of full tensors (routed
+    experts: over the expert-TP group, then over the EP group, so every rank holds every
+    expert), then the owning PP stage broadcasts each bucket to the other stages, so every
+    rank receives every tensor. Peak extra memory ~ 2 buckets, never the whole model.
+    Yielded tensors may be views into a bucket buffer: copy them to keep them.
+    """
+    from megatron.core import parallel_state as mpu
+
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    ep_size, etp_size = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size()
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    local, plan = _export_plan(chunks, spec, tp_size)
+
+    def layout(expert):  # (copies over EP, shards per copy, the shards' group)
+        if expert:
+            return ep_size, etp_size, mpu.get_expert_tensor_parallel_group()
+        return 1, tp_size, mpu.get_tensor_model_parallel_group()
+
+    # Consecutive entries of one owner stage and kind, up to bucket_mb of full (gathered) bytes.
+    limit = bucket_mb * 2**20 // dtype.itemsize
+    buckets, current, current_numel = [], [], 0
+
+    def bucket_key(entry):  # what one bucket shares: owner stage, routed expert or not, fp32 or not
+        return entry[0], entry[3], entry[4]
+
+    for entry in plan:
+        copies, width, _ = layout(entry[3])
+        numel = torch.Size(entry[2]).numel() * copies * width
+        if current and (bucket_key(entry) != bucket_key(current[0]) or current_numel + numel > limit):
+            buckets.append(current)
+            current, current_numel = [], 0
+        current.append(entry)
+        current_numel += numel
+    if current:
+        buckets.append(current)
+
+    for bucket in buckets:
+        owner, expert, fp32 = bucket_key(bucket[0])
+        copies, width, shard_group = layout(expert)
+        local_numel = sum(torch.Size(entry[2]).numel() for entry in bucket)
+        kind_dtype = torch.float32 if fp32 else dtype
+        gathered = torch.empty(copies, width, local_numel, dtype=kind_dtype, device=device)  # (ep, tp, bucket/tp)
+        if pp_rank == owner:
+            flat = torch.cat([local[entry[1]].detach().reshape(-1).to(kind_dtype) for entry in bucket])
+            shards = gathered[0] if copies == 1 else torch.empty(width, local_numel, dtype=kind_dtype, device=device)
+            if width > 1:
+                dist.all_gather_into_tensor(shards.view(-1), flat, group=shard_group)
+            else:
+                shards[0].copy_(flat)
+            if copies > 1:  # every EP rank's experts: (ep, etp, n)
+                dist.all_gather_into_tensor(gathered.view(-1), shards.view(-1), group=mpu.get_expert_model_parallel_group())
+            del flat, shards
+        if pp_size > 1:
+            dist.broadcast(gathered, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        for copy in range(copies):
+            offset = 0
+            for _, name, shape, *_ in bucket:
+                numel = torch.Size(shape).numel()
+                shards = [gathered[copy, r, offset:offset + numel].view(shape) for r in range(width)]
+                offset += numel
+                if expert:  # local expert j of EP rank `copy`
+                    name = global_expert_name(name, copy, ep_size, spec.moe.num_experts)
+                kind, hf_names = param_rule(name, spec)
+                yield from hf_from_shards(kind, hf_names, shards, spec)
+        del gathered
