@@ -391,21 +391,25 @@ def shard_from_hf(kind, hf_names, read, spec: HFModelSpec, tp_rank, tp_size):
 
 
 def hf_from_shards(kind, hf_names, shards, spec: HFModelSpec):
-    """Inverse of shard_from_hf: the list of all TP ranks' shards -> [(hf_name, full tensor)]."""
+    """Inverse of shard_from_hf: the list of all TP ranks' shards -> [(hf_name, full tensor)].
+    One shard (TP=1) gives views of it wherever the layout allows, no copies."""
+    def cat(parts, dim=0):
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
     if kind == "replicated":
         return [(hf_names[0], shards[0])]
     if kind == "row":
-        return [(hf_names[0], torch.cat(shards, dim=1))]
+        return [(hf_names[0], cat(shards, dim=1))]
     if kind == "column":
-        return [(hf_names[0], torch.cat(shards, dim=0))]
+        return [(hf_names[0], cat(shards))]
     if kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [(hf_names[0], torch.cat([g for g, _ in halves])), (hf_names[1], torch.cat([u for _, u in halves]))]
+        return [(hf_names[0], cat([g for g, _ in halves])), (hf_names[1], cat([u for _, u in halves]))]
     if kind == "vocab":
-        return [(hf_names[0], torch.cat(shards, dim=0)[: spec.vocab_size])]
+        return [(hf_names[0], cat(shards)[: spec.vocab_size])]
     if kind == "qkv":
         d, hpg = spec.head_dim, spec.heads_per_group
-        full = torch.cat(shards, dim=0)
+        full = cat(shards)
         tail = tuple(full.shape[1:])
         q, k, v = full.reshape(spec.num_kv_heads, (hpg + 2) * d, *tail).split([hpg * d, d, d], dim=1)
         return [(n, t.reshape(-1, *tail)) for n, t in zip(hf_names, (q, k, v))]

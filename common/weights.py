@@ -147,7 +147,9 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     experts: over the expert-TP group, then over the EP group, so every rank holds every
     expert), then the owning PP stage broadcasts each bucket to the other stages, so every
     rank receives every tensor. Peak extra memory ~ 2 buckets, never the whole model.
-    Yielded tensors may be views into a bucket buffer: copy them to keep them.
+    Yielded tensors may be views into a bucket buffer or, where nothing is gathered (one
+    rank per TP/EP group and one stage), of the model's own parameters: copy them to keep
+    them, never write into them.
     """
     from megatron.core import parallel_state as mpu
 
@@ -182,11 +184,22 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     if current:
         buckets.append(current)
 
+    def hf_tensors(name, shards, expert, copy):  # one megatron tensor's full shards -> its HF tensors
+        if expert:  # local expert j of EP rank `copy`
+            name = global_expert_name(name, copy, ep_size, spec.moe.num_experts)
+        kind, hf_names = param_rule(name, spec)
+        return hf_from_shards(kind, hf_names, shards, spec)
+
     for bucket in buckets:
         owner, expert, fp32 = bucket_key(bucket[0])
         copies, width, shard_group = layout(expert)
-        local_numel = sum(torch.Size(entry[2]).numel() for entry in bucket)
         kind_dtype = torch.float32 if fp32 else dtype
+        if copies == width == pp_size == 1:  # nothing to gather or send: the parameters themselves
+            # (no flat bucket: at 7B on one GPU its concatenation was 2/3 of the sync, issue 21)
+            for _, name, *_ in bucket:
+                yield from hf_tensors(name, [local[name].detach().to(kind_dtype)], expert, 0)
+            continue
+        local_numel = sum(torch.Size(entry[2]).numel() for entry in bucket)
         gathered = torch.empty(copies, width, local_numel, dtype=kind_dtype, device=device)  # (ep, tp, bucket/tp)
         if pp_rank == owner:
             flat = torch.cat([local[entry[1]].detach().reshape(-1).to(kind_dtype) for entry in bucket])
@@ -206,8 +219,5 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
                 numel = torch.Size(shape).numel()
                 shards = [gathered[copy, r, offset:offset + numel].view(shape) for r in range(width)]
                 offset += numel
-                if expert:  # local expert j of EP rank `copy`
-                    name = global_expert_name(name, copy, ep_size, spec.moe.num_experts)
-                kind, hf_names = param_rule(name, spec)
-                yield from hf_from_shards(kind, hf_names, shards, spec)
+                yield from hf_tensors(name, shards, expert, copy)
         del gathered

@@ -214,7 +214,8 @@ class FakeMoEModel(torch.nn.Module):
 def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_rank, tp_size):
     """Routed experts' checkpoint tensors go straight into w13/w2 (this vLLM TP rank's slice of
     the intermediate dimension), everything else through load_weights; the sync check counts
-    the fused parameters as written. A tensor of an unexpected shape is left to load_weights."""
+    the fused parameters as written; the second sync replays the first. A tensor of an
+    unexpected shape is left to load_weights."""
     dist_module = types.ModuleType("vllm.distributed")
     dist_module.get_tensor_model_parallel_rank = lambda: tp_rank
     dist_module.get_tensor_model_parallel_world_size = lambda: tp_size
@@ -226,11 +227,20 @@ def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_
     engine.update_weights(list(ckpt.items()) + [("norm", torch.ones(4))])
     assert model.seen == ["norm"] and torch.equal(model.norm, torch.ones(4))
     rows = slice(tp_rank * 6 // tp_size, (tp_rank + 1) * 6 // tp_size)
-    for e in range(3):
-        gate, up, down = (ckpt[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
-        assert torch.equal(model.model.layers[0].mlp.experts.w13_weight[e], torch.cat([gate[rows], up[rows]]))
-        assert torch.equal(model.model.layers[0].mlp.experts.w2_weight[e], down[:, rows])
+
+    def check_experts(ckpt):
+        for e in range(3):
+            gate, up, down = (ckpt[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            assert torch.equal(model.model.layers[0].mlp.experts.w13_weight[e], torch.cat([gate[rows], up[rows]]))
+            assert torch.equal(model.model.layers[0].mlp.experts.w2_weight[e], down[:, rows])
+
+    check_experts(ckpt)
+    # the next sync replays the first one's writes (common/weight_replay.py): no loader call
     model.seen.clear()
+    ckpt = {name: torch.randn_like(t) for name, t in ckpt.items()}
+    engine.update_weights(list(ckpt.items()) + [("norm", torch.full((4,), 3.0))])
+    assert model.seen == [] and torch.equal(model.norm, torch.full((4,), 3.0))
+    check_experts(ckpt)
     with pytest.raises(RuntimeError, match="not written"):  # the wrongly shaped expert reached load_weights
         engine.update_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(5, 4))])
     assert model.seen == ["model.layers.0.mlp.experts.0.gate_proj.weight"]

@@ -86,6 +86,7 @@ def run():
     from common.dist import init_distributed
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
+    from tests.gpu.test_vllm_agreement import replay_against_loader
     from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, topk_differences, vllm_against_megatron,
                                         write_model)
 
@@ -100,6 +101,7 @@ def run():
         c.eval()
 
     engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "deepseek", res)
+    res["replay"] = replay_against_loader(engine, chunks, spec)  # the replayed sync = vLLM's loader
     res["packed_vs_padded"] = packed_vs_padded(chunks, spec, samples, info.device)
     sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
     theirs = capture_vllm_topk(engine, sequences, MODEL["num_experts_per_tok"], select=deepseek_select)
@@ -114,6 +116,7 @@ def run():
     assert res["megatron_vs_fp32"] <= 0.05, res
     assert res["packed_vs_padded"] <= max(0.02, 2 * res["megatron_vs_fp32"]), res
     assert total > 0, "no router outputs captured"
+    assert not res["replay"]["broken"] and res["replay"]["params_differ_count"] == 0, res["replay"]
 
 
 if __name__ == "__main__":

@@ -181,6 +181,7 @@ def run():
     from common.dist import init_distributed
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
+    from tests.gpu.test_vllm_agreement import replay_against_loader
 
     init_distributed()
     res = {}
@@ -195,6 +196,7 @@ def run():
         c.eval()
 
     engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "moe", res)
+    res["replay"] = replay_against_loader(engine, chunks, spec)  # the replayed sync = vLLM's loader
     sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
     theirs, mine = capture_vllm_topk(engine, sequences, MODEL["num_experts_per_tok"]), megatron_topk(chunks, sequences)
     res.update(topk_differences(theirs, mine))
@@ -205,6 +207,7 @@ def run():
             json.dump(res, f, indent=1)
     assert res["mean_abs_diff"] <= max(0.02, 2.5 * res["megatron_vs_fp32"]), res
     assert total > 0, "no router outputs captured"
+    assert not res["replay"]["broken"] and res["replay"]["params_differ_count"] == 0, res["replay"]
 
 
 if __name__ == "__main__":

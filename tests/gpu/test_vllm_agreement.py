@@ -206,6 +206,28 @@ def sync(engine, chunks, spec, timings, tag):
     timed("wake_kv_s", engine.wake_kv_cache)
 
 
+def replay_against_loader(engine, chunks, spec):
+    """The replayed sync (common/weight_replay.py) against vLLM's own loader, both from the
+    same export: vLLM's parameters after a replayed sync are kept, overwritten with noise,
+    then written by load_weights (+ the engine's direct expert copies, as its first sync
+    does); every parameter must come out bit-equal."""
+    from common.weights import export_hf_weights
+
+    plan = engine._write_plan
+    assert plan is not None, "no sync recorded yet"
+    engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64))  # replayed
+    params = dict(engine.model.named_parameters())
+    replayed = {name: p.detach().clone() for name, p in params.items()}
+    for p in params.values():
+        p.data.normal_()  # what the loader does not write stays noise and shows below
+    engine.model.load_weights(engine._copy_experts(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64),
+                                                   set()))
+    differ = sorted(name for name, p in params.items() if not torch.equal(p, replayed[name]))
+    return {"replayed_tensors": sum(1 for name in plan.steps if name not in plan.unreplayable),
+            "not_replayed": sorted(plan.unreplayable), "broken": plan.broken, "params": len(params),
+            "params_differ": differ[:5], "params_differ_count": len(differ)}
+
+
 def run_agreement(train_tp=1, rollout_tp=1):
     """Everything above on this process's ranks; returns this rank's results (asserts inside)."""
     from common.dist import init_distributed
@@ -263,6 +285,8 @@ def run_agreement(train_tp=1, rollout_tp=1):
             res["same_after_sleep_wake"] = [s.response_ids for s in again] == res["initial_tokens"]
     # 6. the perturbed weights really reached vLLM
     res["greedy_changed"] = sum(a != b for a, b in zip(res["initial_tokens"], res["perturbed_tokens"]))
+    # 7. the replayed syncs write what vLLM's loader writes, bit for bit
+    res["replay"] = replay_against_loader(engine, chunks, spec)
     t = time.perf_counter()
     out = engine.generate(prompts * 8, n=4, temperature=1.0, top_p=1.0, max_tokens=128, seed=3)
     res["gen_tok_per_s"] = round(sum(len(s.response_ids) for s in out) / (time.perf_counter() - t))
@@ -290,6 +314,8 @@ def check(res):
         row = res[f"{phase}_logprobs_T0.7"]
         assert row["wrong_temperature_mean_abs_diff"] > 5 * max(LOGPROB_TOLERANCE, row["mean_abs_diff"]), row
     assert res["same_after_sleep_wake"]
+    assert not res["replay"]["broken"] and res["replay"]["replayed_tensors"] > 0, res["replay"]
+    assert res["replay"]["params_differ_count"] == 0, res["replay"]
     assert res["greedy_changed"] >= len(res["initial_tokens"]) // 2
 
 

@@ -1,0 +1,115 @@
+"""common/weight_replay.py: a loader's writes recorded once and replayed give the parameters
+the loader itself gives, and what cannot be replayed is left to the loader.
+
+    .venv/bin/python -m pytest -q tests/test_weight_replay.py
+
+The stand-in loader below writes the way vLLM's do (a fused qkv / gate_up parameter filled
+slice by slice with narrow + copy_, a padded vocabulary zero-filled past its end, a row slice
+of a tensor for a TP rank, `param.data.copy_` for the rest); the real vLLM loaders are checked
+the same way on a GPU (tests/gpu/test_vllm_agreement.py, "replay").
+"""
+import torch
+
+from common.weight_replay import WritePlan
+
+H, Q, KV, I, V, V_PAD = 8, 8, 4, 12, 10, 16
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.empty(Q + 2 * KV, H))
+        self.gate_up = torch.nn.Parameter(torch.empty(2 * I // 2, H))  # this "rank"'s half of I, twice
+        self.embed = torch.nn.Parameter(torch.empty(V_PAD, H))
+        self.norm = torch.nn.Parameter(torch.empty(H))
+
+
+def hf_tensors(seed, flat=False):
+    """The HF tensors, each its own storage or (flat) views into one buffer at other offsets,
+    as export_hf_weights yields them (views of a bucket or of the model's parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (Q, H), "k": (KV, H), "v": (KV, H), "gate": (I, H), "up": (I, H), "embed": (V, H), "norm": (H,)}
+    tensors = [(name, torch.randn(shape, generator=g)) for name, shape in shapes.items()]
+    if flat:
+        buffer = torch.cat([torch.zeros(3)] + [t.reshape(-1) for _, t in tensors])
+        offset, views = 3, []
+        for name, t in tensors:
+            views.append((name, buffer[offset:offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+        tensors = views
+    return tensors
+
+
+def loader(model, weights, buffered=False, converting=False):
+    """vLLM-like: q/k/v into their rows of qkv, TP rank 1 of 2 of gate/up into gate_up, the
+    vocabulary copied and its padding zeroed, the norm through param.data."""
+    weights = list(weights) if buffered else weights
+    offsets = {"q": 0, "k": Q, "v": Q + KV}
+    for name, w in weights:
+        if name in offsets:
+            model.qkv.data.narrow(0, offsets[name], w.shape[0]).copy_(w.clone() if converting else w)
+        elif name in ("gate", "up"):
+            half = I // 2
+            model.gate_up.data.narrow(0, 0 if name == "gate" else half, half).copy_(w.narrow(0, half, half))
+        elif name == "embed":
+            model.embed.data[:V].copy_(w)
+            model.embed.data[V:].fill_(0)
+        else:
+            model.norm.data.copy_(w)
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def replay_all(plan, tensors):
+    return [name for name, t in tensors if not plan.replay(name, t)]
+
+
+def test_replay_equals_the_loader():
+    recorded, expected = Model(), Model()
+    plan = WritePlan(recorded)
+    with plan.record(hf_tensors(0, flat=True)) as stream:
+        loader(recorded, stream)
+    assert not plan.broken and not plan.unreplayable
+    assert plan.written["q"] == {"qkv"} and plan.written["embed"] == {"embed"}
+    torch.nn.init.normal_(recorded.embed)  # garbage, as after vLLM's level-2 sleep
+    torch.nn.init.normal_(recorded.qkv)
+    new = hf_tensors(1)
+    assert replay_all(plan, new) == []
+    loader(expected, new)
+    for name, value in params(expected).items():
+        assert torch.equal(params(recorded)[name], value), name
+    assert torch.equal(recorded.embed[V:], torch.zeros(V_PAD - V, H))
+
+
+def test_what_cannot_be_replayed_goes_to_the_loader():
+    # a converted copy as the source (here for q, k, v): not replayable, the others are
+    model = Model()
+    plan = WritePlan(model)
+    with plan.record(hf_tensors(0)) as stream:
+        loader(model, stream, converting=True)
+    assert plan.unreplayable == {"q", "k", "v"}
+    assert replay_all(plan, hf_tensors(1)) == ["q", "k", "v"]
+    # a loader that buffers the stream writes after it ended: nothing is replayed
+    model = Model()
+    plan = WritePlan(model)
+    with plan.record(hf_tensors(0)) as stream:
+        loader(model, stream, buffered=True)
+    assert plan.broken and len(replay_all(plan, hf_tensors(1))) == 7
+    # another shape, strides or dtype than recorded: not replayed
+    plan = WritePlan(model)
+    with plan.record(hf_tensors(0)) as stream:
+        loader(model, stream)
+    norm = torch.randn(H)
+    assert not plan.replay("norm", norm.double()) and not plan.replay("embed", torch.randn(V, 2 * H)[:, ::2])
+    assert plan.replay("norm", norm) and torch.equal(model.norm.detach(), norm)
+
+
+def test_a_non_contiguous_source_is_left_to_the_loader():
+    model = Model()
+    plan = WritePlan(model)
+    tensors = [(n, t.t().contiguous().t()) if n == "embed" else (n, t) for n, t in hf_tensors(0)]
+    with plan.record(tensors) as stream:
+        loader(model, stream)
+    assert plan.unreplayable == {"embed"}
