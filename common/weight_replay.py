@@ -60,8 +60,8 @@ class WritePlan:
         self._params = {}  # storage pointer -> (name, parameter)
         for name, p in model.named_parameters(remove_duplicate=False):
             self._params.setdefault(p.untyped_storage().data_ptr(), (name, p))
-        self.steps = {}    # HF name -> [(parameter, dst view, "copy", src view) or (..., "fill", value)]
-        self.signature = {}  # HF name -> (shape, stride, dtype) of the recorded tensor
+        self.steps = {}    # HF name -> [(destination view, "copy", source view or None: all) or (.., "fill", value)]
+        self.signature = {}  # HF name -> (torch.Size, stride tuple, dtype) of the recorded tensor
         self.written = {}  # HF name -> names of the parameters its steps write
         self.unreplayable = set()
         self.broken = False  # a write outside any tensor was seen: replay nothing
@@ -81,7 +81,7 @@ class WritePlan:
                 if item is None:
                     return
                 name, tensor = recorder.current = item
-                self.signature[name] = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+                self.signature[name] = (tensor.shape, tensor.stride(), tensor.dtype)
                 self.steps.setdefault(name, [])  # a tensor the loader writes nowhere replays as nothing
                 if not tensor.is_contiguous():
                     self.unreplayable.add(name)
@@ -94,18 +94,23 @@ class WritePlan:
 
     def replay(self, name, tensor):
         """Write `tensor` as the recorded loader would; False (nothing written) when `name`
-        was not recorded replayably or `tensor` differs in shape, strides or dtype."""
+        was not recorded replayably or `tensor` differs in shape, strides or dtype.
+        Host time matters here (~400 calls per sync at 7B): the destination views were made
+        once, and a source that is the whole tensor is used as is."""
         steps = None if self.broken else self.steps.get(name)
-        if steps is None or self.signature[name] != (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype):
+        if steps is None:
             return False
-        base = tensor.storage_offset()
-        for param, (size, stride, offset), kind, arg in steps:
-            dst = param.data.as_strided(size, stride, offset)
-            if kind == "copy":
-                src_size, src_stride, src_offset = arg
-                dst.copy_(tensor.as_strided(src_size, src_stride, base + src_offset))
-            else:
+        shape, stride, dtype = self.signature[name]
+        if tensor.shape != shape or tensor.dtype != dtype or tensor.stride() != stride:
+            return False
+        for dst, kind, arg in steps:
+            if kind == "fill":
                 dst.fill_(arg)
+            elif arg is None:  # the whole tensor
+                dst.copy_(tensor)
+            else:
+                src_size, src_stride, src_offset = arg
+                dst.copy_(tensor.as_strided(src_size, src_stride, tensor.storage_offset() + src_offset))
         return True
 
     def _note(self, current, func, args, only_dst):
@@ -120,11 +125,15 @@ class WritePlan:
             return
         dst = args[0]
         owner = self._params[dst.untyped_storage().data_ptr()] if only_dst else None
+        # the destination as a view of the parameter made now (it stays valid: vLLM's sleep
+        # and wake keep each parameter's tensor and address); the source relative to `tensor`
+        view = None if owner is None else owner[1].data.as_strided(*_view(dst))
         if owner is not None and func is aten.copy_.default and _within(args[1], tensor):
             src_size, src_stride, src_offset = _view(args[1])
-            step = (owner[1], _view(dst), "copy", (src_size, src_stride, src_offset - tensor.storage_offset()))
+            whole = (src_size, src_stride, src_offset) == _view(tensor)
+            step = (view, "copy", None if whole else (src_size, src_stride, src_offset - tensor.storage_offset()))
         elif owner is not None and func in _FILLS:
-            step = (owner[1], _view(dst), "fill", args[1] if func is aten.fill_.Scalar else 0)
+            step = (view, "fill", args[1] if func is aten.fill_.Scalar else 0)
         else:
             self.unreplayable.add(name)
             return

@@ -197,7 +197,8 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
         if copies == width == pp_size == 1:  # nothing to gather or send: the parameters themselves
             # (no flat bucket: at 7B on one GPU its concatenation was 2/3 of the sync, issue 21)
             for _, name, *_ in bucket:
-                yield from hf_tensors(name, [local[name].detach().to(kind_dtype)], expert, 0)
+                tensor = local[name].detach()
+                yield from hf_tensors(name, [tensor if tensor.dtype == kind_dtype else tensor.to(kind_dtype)], expert, 0)
             continue
         local_numel = sum(torch.Size(entry[2]).numel() for entry in bucket)
         gathered = torch.empty(copies, width, local_numel, dtype=kind_dtype, device=device)  # (ep, tp, bucket/tp)
