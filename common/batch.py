@@ -5,7 +5,7 @@
   micro_batches(batch, rows, ...)  a rank's rows -> micro-batches of similar lengths, padding cut
   packed_micro_batches(...)        ... or samples back to back in one row per pass (no padding)
   scatter_tokens(store, mb, x)     a pass's per-token output back into the (N, T) layout
-  context_parallel_slice(mb, ...)  a CP rank's chunks of every sequence (run_micro_batches applies it)
+  context_parallel_slice(mb, ...)  a CP rank's chunks of every sequence, padded or packed (run_micro_batches applies it)
   run_micro_batches(...)           megatron's forward(-backward) schedule over micro-batches
   train_step(...)                  zero grads, forward-backward, optimizer + scheduler step
   reduce_metrics(...)              per-micro-batch sums -> global means on every rank
@@ -74,7 +74,7 @@ def split_micro_batches(batch: dict, micro_batch_size):
 
 
 def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_length=False, max_tokens=0,
-                  pack=False, same_count_group=None):
+                  pack=False, same_count_group=None, sample_multiple=1):
     """Rows `rows` of a packed batch -> micro-batches with as little padding as possible.
 
     The rows are ordered by length (stable), so each micro-batch holds sequences of similar
@@ -95,7 +95,8 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
     same_length: cut every micro-batch at the longest of them all (megatron's pipeline
     schedules exchange activations of one shape: PP > 1 or VPP).
     pack: packed_micro_batches instead, passes of up to max_tokens tokens (0: micro_batch_size
-      full-width rows' worth, the most a padded pass could hold).
+      full-width rows' worth, the most a padded pass could hold); sample_multiple is its
+      per-sample padding (2 * cp under context parallelism).
     same_count_group: a process group whose ranks must run as many micro-batches as each
       other (their passes meet in collectives: the all-to-all of expert parallelism). With
       --micro-batch-tokens or packing the count depends on the lengths, so every rank takes
@@ -105,7 +106,7 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
     width = mask.shape[1]
     if pack:
         return packed_micro_batches(batch, rows, max_tokens or micro_batch_size * width, length_multiple, same_length,
-                                    same_count_group)
+                                    same_count_group, sample_multiple)
     # position after each row's last predicted token (0 for a row with none)
     ends = torch.where(mask.any(1), width - mask.flip(1).argmax(1), 0)  # (N,)
     rows = rows[torch.argsort(ends[rows], stable=True)]
@@ -156,7 +157,8 @@ def _split_to(groups, count, size_of):
     return groups
 
 
-def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_length=False, same_count_group=None):
+def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_length=False, same_count_group=None,
+                         sample_multiple=1):
     """Rows `rows` of a padded batch -> micro-batches of ONE row each, holding whole samples
     back to back with no padding between them ("sequence packing", megatron's THD format):
 
@@ -170,19 +172,24 @@ def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_
     pass holds up to max_tokens tokens (a longer sample gets a pass of its own); each pass is
     then padded at its end to length_multiple (sequence parallelism needs T % tp == 0), or
     with same_length to the longest pass (megatron's pipeline schedules need one shape).
-    Every (N, T) tensor of `batch` is gathered into this layout (0 at the tail), (N,) tensors
-    become one entry per sample (k,), and src_row / src_col say where each token came from
-    (the tail: row N, a spare row for scatter_tokens). The math of every per-token term is
-    unchanged; per-sequence terms (rl.aggregate_loss's seq modes, GSPO) take `seq`.
-    same_count_group: as micro_batches'."""
+    sample_multiple > 1: every sample is padded at its own end to a multiple of it, inside
+    its segment (context parallelism: megatron's THD + CP convention cuts EVERY sample into
+    2 * cp chunks, context_parallel_slice; padding after a sample's last token changes none
+    of its outputs, attention being causal). Its budget counts the padded lengths.
+    Every (N, T) tensor of `batch` is gathered into this layout (0 at the tail and at the
+    samples' padding), (N,) tensors become one entry per sample (k,), and src_row / src_col
+    say where each token came from (padding: row N, a spare row for scatter_tokens). The math
+    of every per-token term is unchanged; per-sequence terms (rl.aggregate_loss's seq modes,
+    GSPO) take `seq`. same_count_group: as micro_batches'."""
     mask = batch["mask"]
     num_rows, width = mask.shape
     # tokens a sample needs: up to its last predicted position (at least one, so that a sample
     # with nothing to predict still has its place and every pass has a token)
     ends = torch.where(mask.any(1), width - mask.flip(1).argmax(1), 1).clamp(min=1)
+    sizes = -(-ends // sample_multiple) * sample_multiple  # (N,) the place each sample takes in a pass
     bins, loads = [], []
-    for r in rows[torch.argsort(ends[rows], descending=True, stable=True)].tolist():
-        n = int(ends[r])
+    for r in rows[torch.argsort(sizes[rows], descending=True, stable=True)].tolist():
+        n = int(sizes[r])
         fit = next((b for b, load in enumerate(loads) if load + n <= max_tokens), None)
         if fit is None:
             bins.append([r])
@@ -191,18 +198,19 @@ def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_
             bins[fit].append(r)
             loads[fit] += n
     def load_of(members):
-        return sum(int(ends[r]) for r in members)
+        return sum(int(sizes[r]) for r in members)
 
     bins = _split_to(bins, _largest_count(len(bins), same_count_group), load_of)
     loads = [load_of(b) for b in bins]
     rounded = [-(-load // length_multiple) * length_multiple for load in loads]
     result = []
     for members, load, length in zip(bins, loads, [max(rounded)] * len(bins) if same_length else rounded):
-        lengths = [int(ends[r]) for r in members] + ([length - load] if length > load else [])
+        lengths = [int(sizes[r]) for r in members] + ([length - load] if length > load else [])
         seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         starts = torch.tensor([0] + lengths).cumsum(0)
         positions = torch.arange(length) - starts[seg]
-        real = seg < len(members)
+        own_end = torch.cat([ends[members], torch.zeros(1, dtype=ends.dtype)])  # (k + 1,), the tail: 0
+        real = positions < own_end[seg]  # a sample's own tokens, not its padding nor the tail
         src_row = torch.where(real, torch.tensor(members + [num_rows])[seg], num_rows)
         src_col = torch.where(real, positions, 0)
         mb = {}
@@ -229,14 +237,17 @@ def scatter_tokens(store, mb, values):
 
 
 def context_parallel_slice(mb, cp_size, cp_rank):
-    """This context-parallel rank's part of a padded micro-batch: the T positions cut into
+    """This context-parallel rank's part of a micro-batch. Padded rows: the T positions cut into
     2 * cp_size chunks, rank r keeping chunks r and 2*cp_size - 1 - r (megatron's layout: each
     rank gets as much causal-attention work as the others; common/attention.py attends over
     the other ranks' keys and values). Adds src_row / src_col (where each kept token sits in
     the padded batch, for scatter_tokens) and seq_counts (b,), the valid tokens of each whole
-    row (rl.aggregate_loss's per-sequence mean needs the full count, not this rank's)."""
+    row (rl.aggregate_loss's per-sequence mean needs the full count, not this rank's).
+    Packed rows: the same cut applied to EVERY sample of the row (thd_context_parallel_layout);
+    cu_seqlens and max_seqlen stay the whole row's (megatron's THD + CP convention: the rank's
+    own boundaries are cu_seqlens // cp), and seq_counts holds each sample's valid tokens."""
     if "cu_seqlens" in mb:
-        raise NotImplementedError("context parallelism with packed rows")
+        return _packed_context_parallel_slice(mb, cp_size, cp_rank)
     b, width = mb["tokens"].shape
     chunk = width // (2 * cp_size)
     if chunk * 2 * cp_size != width:
@@ -247,6 +258,44 @@ def context_parallel_slice(mb, cp_size, cp_rank):
              for k, v in mb.items()}
     local.update(src_row=mb["row"][:, None].expand(b, len(cols)), src_col=cols.expand(b, len(cols)),
                  seq_counts=mb["mask"].sum(1))
+    return local
+
+
+def thd_context_parallel_layout(cu_seqlens, cp_size, cp_rank, length):
+    """Megatron's THD + CP layout: each sample s of a packed row (n_s = cu_seqlens[s+1] -
+    cu_seqlens[s] tokens, a multiple of 2 * cp) is cut into 2 * cp chunks of n_s / (2 cp), and
+    CP rank r keeps chunks r and 2cp-1-r of every sample, sample after sample, so its own row
+    of `length` (the whole row's / cp) tokens has the boundaries cu_seqlens // cp. E.g.
+        cu_seqlens [0, 8, 12] (samples of 8 and 4), cp 2: chunks of 2 and 1 tokens
+        rank 0: sample 0 at positions 0 1 6 7, then sample 1 at 0 3
+        rank 1: sample 0 at positions 2 3 4 5, then sample 1 at 1 2
+    Returns (sample (length,), position inside that sample (length,)) of each of the rank's
+    tokens, int64 on cu_seqlens' device. All from cu_seqlens, no host sync (the attention
+    calls this for its own queries and for every rank's keys)."""
+    cu = cu_seqlens.long()
+    local_cu = cu // cp_size
+    index = torch.arange(length, device=cu.device)
+    sample = torch.searchsorted(local_cu, index, right=True) - 1
+    offset = index - local_cu[sample]  # in [0, 2 * chunk): the first chunk, then the mirrored one
+    chunk = (cu[sample + 1] - cu[sample]) // (2 * cp_size)
+    position = torch.where(offset < chunk, cp_rank * chunk + offset, (2 * cp_size - 2 - cp_rank) * chunk + offset)
+    return sample, position
+
+
+def _packed_context_parallel_slice(mb, cp_size, cp_rank):
+    """context_parallel_slice of one packed row (1, T) (packed_micro_batches)."""
+    cu = mb["cu_seqlens"].long()
+    width = mb["tokens"].shape[1]
+    if ((cu[1:] - cu[:-1]) % (2 * cp_size)).any():
+        raise ValueError("context parallelism with packed rows needs every sample's length divisible by 2 * cp: "
+                         "pack with sample_multiple=2 * cp")
+    sample, position = thd_context_parallel_layout(cu, cp_size, cp_rank, width // cp_size)
+    cols = cu[sample] + position  # (T/cp,) where each of this rank's tokens sits in the whole row
+    local = {k: (v[:, cols] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width else v)
+             for k, v in mb.items()}
+    # each sample's valid tokens in the whole row, indexed by sample id as rl.sequence_sums' result is
+    # (one entry per local token; a row has fewer samples than that)
+    local["seq_counts"] = torch.zeros(len(cols), dtype=mb["mask"].dtype).index_add_(0, mb["seq"][0], mb["mask"][0])
     return local
 
 

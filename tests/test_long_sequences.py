@@ -222,6 +222,41 @@ def test_context_parallel_split_by_hand():
     assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
+def test_context_parallel_packed_split_by_hand():
+    """Packed rows at CP=2 (megatron's THD + CP layout): samples ending at 5 and 2 padded to 8
+    and 4 tokens inside their segments (sample_multiple 4), each cut into 4 chunks, rank r
+    keeping chunks r and 3-r of EVERY sample; positions are each token's place in its sample
+    (what RoPE and the mask use), seq_counts each whole sample's valid tokens."""
+    batch = padded_batch([5, 2], width=8)
+    (mb,) = B.packed_micro_batches(batch, torch.arange(2), max_tokens=16, length_multiple=4, sample_multiple=4)
+    assert mb["cu_seqlens"].tolist() == [0, 8, 12] and mb["max_seqlen"] == 8
+    assert mb["tokens"].tolist() == [[100, 101, 102, 103, 104, 0, 0, 0, 108, 109, 0, 0]]
+    assert mb["mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0]]
+    assert mb["src_row"].tolist() == [[0, 0, 0, 0, 0, 2, 2, 2, 1, 1, 2, 2]]  # padding -> the spare row
+    parts = [B.context_parallel_slice(mb, 2, rank) for rank in (0, 1)]
+    assert parts[0]["tokens"].tolist() == [[100, 101, 0, 0, 108, 0]]
+    assert parts[1]["tokens"].tolist() == [[102, 103, 104, 0, 109, 0]]
+    assert parts[0]["positions"].tolist() == [[0, 1, 6, 7, 0, 3]] and parts[1]["positions"].tolist() == [[2, 3, 4, 5, 1, 2]]
+    for rank, part in enumerate(parts):  # the layout the attention computes from cu_seqlens alone
+        sample, position = B.thd_context_parallel_layout(mb["cu_seqlens"], 2, rank, 6)
+        assert sample.tolist() == part["seq"][0].tolist() and position.tolist() == part["positions"][0].tolist()
+    assert parts[0]["cu_seqlens"].tolist() == [0, 8, 12]  # the whole row's (megatron's convention)
+    assert parts[0]["seq_counts"].tolist() == [5, 2, 0, 0, 0, 0]
+    store = torch.zeros(3, 8)
+    for part in parts:
+        B.scatter_tokens(store, part, part["values"])
+    assert torch.equal(store[:2] * batch["mask"], batch["values"] * batch["mask"])
+    # seq_mean_token_mean over the two ranks' halves with the whole samples' counts = over whole rows
+    per_token = torch.rand(2, 8)
+    whole = rl.aggregate_loss(per_token, batch["mask"], "seq_mean_token_mean", num_seqs=2)
+    halves = sum(rl.aggregate_loss(per_token[p["src_row"].clamp(max=1), p["src_col"]], p["mask"], "seq_mean_token_mean",
+                                   num_seqs=2, seq_ids=p["seq"], seq_counts=p["seq_counts"]) for p in parts)
+    assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp"):  # samples not padded to 2 * cp
+        (unpadded,) = B.packed_micro_batches(batch, torch.arange(2), max_tokens=16, length_multiple=4)
+        B.context_parallel_slice(unpadded, 2, 0)
+
+
 def test_grpo_at_cp2_equals_one_process(tmp_path):
     """Two steps of one process, replayed at --cp 2: every training metric equal. The
     responses run to 24 tokens, so sequences span all four chunks of the CP split (a mask that
