@@ -275,7 +275,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2, is_weights=None, dual_clip=0.0,
-                sequence_mask=None, seq_ids=None):
+                sequence_mask=None, seq_ids=None, cp_group=None):
     """PPO clipped surrogate (Schulman et al. 2017), per token, to be minimised:
         loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A),  ratio = pi / pi_old
     clip_high > clip_low is DAPO's clip-higher (Yu et al. 2025, e.g. 0.2 / 0.28): it lets
@@ -288,6 +288,11 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     gets the ratio sg(s_i) * pi(y_t) / sg(pi(y_t)): value s_i, gradient s_i * grad log pi(y_t).
     With per-sequence advantages and seq_mean_token_mean aggregation this is GSPO's gradient.
     seq_ids (B, T): the sequence of each token where rows are packed (sequence_sums).
+    cp_group: context parallelism (common/batch.py:context_parallel_slice), where this call sees
+    only its rank's chunks of every sequence: the sequences' log-ratio sums and token counts are
+    summed over the group, so s_i is the whole sequence's, the same on every CP rank. They are
+    detached (s_i enters as sg(s_i)), so the sum needs no backward: each rank's gradient is
+    s_i * grad log pi of its own tokens. All ranks of cp_group call this, in the same order.
     The paper's clip range is tiny, as a sequence ratio moves little: clip_low 3e-4, clip_high 4e-4.
 
     logprobs (B, T) with grad; old_logprobs (B, T); advantages (B,) (one per sequence, GRPO) or
@@ -300,15 +305,15 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2,
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B, 1) broadcasts over tokens
     log_ratio = logprobs - old_logprobs  # (B, T)
-    if sequence_mask is not None:  # GSPO: the row's mean log-ratio, its gradient per token
-        mask = sequence_mask.to(log_ratio.dtype)
-        if seq_ids is None:
-            seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        else:  # each packed sample's own mean, back on its tokens
-            counts = sequence_sums(torch.ones_like(log_ratio), mask, seq_ids)
-            ratios = sequence_sums(log_ratio, mask, seq_ids) / counts.clamp(min=1)
-            seq_log_ratio = ratios[seq_ids]
-        log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    if sequence_mask is not None:  # GSPO: the sequence's mean log-ratio, its gradient per token
+        # (2, B) per row, or (2, B*T) per packed sample id: sums of log-ratios and token counts
+        sums = torch.stack([sequence_sums(log_ratio.detach(), sequence_mask, seq_ids),
+                            sequence_sums(torch.ones_like(log_ratio), sequence_mask, seq_ids)])
+        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            dist.all_reduce(sums, group=cp_group)  # the other ranks' chunks of the same sequences
+        ratios = sums[0] / sums[1].clamp(min=1)
+        seq_log_ratio = ratios[:, None] if seq_ids is None else ratios[seq_ids]  # back on the tokens
+        log_ratio = seq_log_ratio + logprobs - logprobs.detach()
     # log-ratio capped at 20 (ratio 5e8): exp overflowing to inf would turn a zero gradient
     # through min() into 0 * inf = nan. Such a ratio is clipped (A > 0) or pathological anyway.
     ratio = torch.exp(log_ratio.clamp(max=20.0))  # (B, T)
@@ -347,8 +352,9 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
     Defaults (None) are this call's local values (mask.sum(), B, T): right for a single batch.
     seq_ids (B, T): packed rows (common/batch.py:packed_micro_batches), where a sequence is
     the tokens of one id, not a row; pass num_seqs and max_len explicitly then.
-    seq_counts (B,): each row's valid tokens when this call sees only part of the row (context
-    parallelism: common/batch.py:context_parallel_slice), for seq_mean_token_mean.
+    seq_counts: each sequence's valid tokens when this call sees only part of it (context
+    parallelism: common/batch.py:context_parallel_slice), for seq_mean_token_mean: (B,) per
+    row, or with seq_ids one entry per id as sequence_sums' result.
     Summing the shares over micro-batches then gives each rank Sum_k L_k, and SUMMING gradients
     over DP ranks would give grad L. Megatron undoes part of that, so the caller rescales:
       - megatron DDP averages gradients over the DP group (divides by dp_size, unless
