@@ -35,6 +35,9 @@ products, a cat for rotate_half, a sum, a cat with the empty non-rotary part), f
 backward, in every layer. Positions are 0..T-1 of each row (right-padded rows), or, for
 packed rows (megatron's THD format, common/batch.py:packed_micro_batches), each sample's own,
 from the cu_seqlens of the PackedSeqParams megatron passes through (SDPAttention._packed).
+Context parallelism (a CP group in pg_collection): padded rows in _context_parallel, packed
+rows in _packed_context_parallel; both all-gather keys and values over the CP group and mask
+by each token's global position (in its row, or in its sample).
 """
 import functools
 import math
@@ -153,6 +156,8 @@ class SDPAttention(MegatronModule):
         the block-diagonal causal mask (the CPU tests' path). -> (t, heads/tp * d)."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SDPAttention: packed format {params.qkv_format!r} (only 'thd')")
+        if self.cp_group is not None:
+            return self._packed_context_parallel(query, key, value, params)
         cu = params.cu_seqlens_q
         t = query.shape[0]
         index = torch.arange(t, device=query.device, dtype=cu.dtype)
@@ -215,6 +220,44 @@ class SDPAttention(MegatronModule):
         k, v = self._kv_per_query_head(k, v, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, q.shape[0], self.hidden_size_per_partition)
+
+    def _packed_context_parallel(self, query, key, value, params):
+        """Packed rows under context parallelism (megatron's THD + CP convention,
+        common/batch.py:thd_context_parallel_layout): params.cu_seqlens_q are the WHOLE row's
+        sample boundaries (each sample a multiple of 2 * cp long) and this rank holds chunks r
+        and 2cp-1-r of every sample: query (t/cp, heads/tp, d), key/value (t/cp, groups/tp, d).
+        Keys and values are all-gathered over the CP group (as in _context_parallel: the
+        backward reduce-scatters their gradients); a query attends the keys of its own sample
+        at a position within the sample <= its own. RoPE angles are of each token's position
+        in its sample. -> (t/cp, heads/tp * v_d).
+        Masked SDPA on every device, with a (t/cp, t) boolean mask: exact, but O(t^2 / cp)
+        mask memory. The fast GPU path would reorder the gathered keys/values into sample
+        order and call varlen flash attention once, each of the rank's 2 chunks of a sample
+        being one query sequence against the sample's key prefix up to that chunk's end
+        (flash's causal mask is bottom-right aligned when q is shorter than k), so no mask
+        and no (t, t) anything; TE does the same with its THD ring-attention kernels."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        from common.batch import thd_context_parallel_layout
+
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        t = query.shape[0]
+        cu = params.cu_seqlens_q
+        q_sample, q_pos = thd_context_parallel_layout(cu, cp, rank, t)  # (t/cp,) each
+        if self.rotary is not None:
+            # packed_seq=True: the whole table, not megatron's slice of it for this CP rank
+            freqs = self.rotary(params.max_seqlen_q, packed_seq=True)[q_pos]  # (t/cp, 1, 1, d)
+            query = apply_rope(query.unsqueeze(1), freqs).squeeze(1)
+            key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
+        key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
+                      for x in (key, value))  # (cp * t/cp, groups, d), rank after rank
+        k_sample, k_pos = (torch.cat(parts) for parts in zip(*(thd_context_parallel_layout(cu, cp, r, t)
+                                                                 for r in range(cp))))  # (t,) each
+        allowed = (q_sample[:, None] == k_sample[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # (t/cp, t)
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # (1, heads, ., d)
+        k, v = self._kv_per_query_head(k, v, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return out.squeeze(0).permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
 
     def _kv_per_query_head(self, key, value, dim):
         """key/value with their groups repeated to one per query head along `dim` (GQA for the

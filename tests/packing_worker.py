@@ -2,11 +2,14 @@
 
     python tests/packing_worker.py --models-dir D --models qwen2 qwen3 --out R.json
     torchrun --nproc_per_node 2 tests/packing_worker.py --models-dir D --models qwen2 --tp 2 --sp --out R.json
+    torchrun --nproc_per_node 2 tests/packing_worker.py --models-dir D --models qwen2 --cp 2 --out R.json
 
 For each tiny HF model (fp32), 24 samples of very different lengths (prompts 2-9 tokens,
 responses 1-60) are scored twice by the same model: length-sorted padded micro-batches
 (batch.micro_batches) and packed rows of at most 64 tokens (batch.packed_micro_batches).
-Each data-parallel rank takes its rows, as train_grpo.py does. Compared, on response tokens:
+Each data-parallel rank takes its rows, as train_grpo.py does. With --cp both layouts are cut
+over the CP ranks (batch.context_parallel_slice; packed samples padded to 2 * cp as the scripts
+do), and the per-sequence terms sum over the CP group. Compared, on response tokens:
   - the logprobs of a forward-only pass, scattered back with batch.scatter_tokens and summed
     over all ranks (train_grpo.py's logprob_pass);
   - the gradient of a GSPO-style loss (sequence-level ratio, seq_mean_token_mean), whose two
@@ -71,6 +74,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--critic", action="store_true")
     ap.add_argument("--out", required=True)
@@ -86,9 +90,12 @@ def main():
     from common.weights import load_hf_weights
     from common.training import setup_training
 
-    info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)
-    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp)
+    info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
+    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, sequence_parallel=args.sp)
     tp_group = mpu.get_tensor_model_parallel_group()
+    cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
+    multiple = 8 * args.tp * (2 * args.cp if args.cp > 1 else 1)  # as the scripts'
+    sample_multiple = 2 * args.cp if args.cp > 1 else 1
     results = {}
     for name in args.models:
         hf_dir = os.path.join(args.models_dir, name)
@@ -98,16 +105,16 @@ def main():
         load_hf_weights(chunks, spec, hf_dir)
         model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
         samples = samples_for(spec)
-        batch = B.pack_sequences(samples, pad_id=0, length_multiple=8 * args.tp)
+        batch = B.pack_sequences(samples, pad_id=0, length_multiple=multiple)
         batch["row"] = torch.arange(len(samples))
         batch["advantages"] = torch.randn(len(samples), generator=torch.Generator().manual_seed(2))[:, None] * batch["mask"]
         batch["noise"] = torch.randn(batch["mask"].shape, generator=torch.Generator().manual_seed(1)) * 0.1
         per_dp = len(samples) // info.dp_size
         rows = torch.arange(info.dp_rank * per_dp, (info.dp_rank + 1) * per_dp)
         peers = mpu.get_data_parallel_group() if args.ep > 1 else None  # as the scripts' expert_peers
-        padded = B.micro_batches(batch, rows, 4, length_multiple=8 * args.tp, same_length=args.pp > 1)
-        packed = B.micro_batches(batch, rows, 4, length_multiple=8 * args.tp, same_length=args.pp > 1, max_tokens=64,
-                                 pack=True, same_count_group=peers)
+        padded = B.micro_batches(batch, rows, 4, length_multiple=multiple, same_length=args.pp > 1)
+        packed = B.micro_batches(batch, rows, 4, length_multiple=multiple, same_length=args.pp > 1, max_tokens=64,
+                                 pack=True, same_count_group=peers, sample_multiple=sample_multiple)
 
         def logprobs_of(mb, logits):
             return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)[0]
@@ -116,9 +123,9 @@ def main():
             logprobs = logprobs_of(mb, logits)
             old = logprobs.detach() + mb["noise"]
             per_token, _ = rl.policy_loss(logprobs, old, mb["advantages"], 0.2, 0.2, sequence_mask=mb["mask"],
-                                          seq_ids=mb.get("seq"))
+                                          seq_ids=mb.get("seq"), cp_group=cp_group)
             return rl.aggregate_loss(per_token, mb["mask"], "seq_mean_token_mean", num_seqs=len(samples),
-                                     seq_ids=mb.get("seq"))
+                                     seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))
 
         lp_pad, grad_pad = score(model, padded, batch, gspo_loss, logprobs_of, info)
         lp_pack, grad_pack = score(model, packed, batch, gspo_loss, logprobs_of, info)
