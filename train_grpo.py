@@ -73,7 +73,8 @@ def build_parser():
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models): each pipeline stage's ranks split the experts over ep ranks, tokens go to them by all-to-all")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models): each expert's weights split over etp ranks")
     p.add_argument("--cp", type=int, default=1, help="context parallel size: every sequence of the trainer's passes split over cp ranks "
-                   "(2*cp chunks, balanced for causal attention; keys/values all-gathered), for sequences that do not fit one GPU")
+                   "(2*cp chunks, balanced for causal attention; keys/values all-gathered; with --pack every sample of a pass is cut so, "
+                   "padded to a multiple of 2*cp), for sequences that do not fit one GPU")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     # --- rollout
@@ -297,6 +298,10 @@ def main():
     expert_peers = mpu.get_data_parallel_group() if spec.moe and args.ep * args.etp > 1 else None
     # sequence lengths: SP splits a (CP rank's part of a) sequence over TP, CP cuts it into 2*cp chunks
     multiple = 8 * args.tp * (2 * args.cp if args.cp > 1 else 1)
+    # packed passes under CP: every sample cut into 2*cp chunks (megatron's THD + CP layout), so each is
+    # padded to a multiple of 2*cp; GSPO's sequence ratio sums each sample's chunks over the CP group
+    sample_multiple = 2 * args.cp if args.cp > 1 else 1
+    cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
     def logprob_pass(chunks, mbs, store):
@@ -406,7 +411,8 @@ def main():
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
             return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=multiple,
                                    same_length=args.pp > 1, max_tokens=args.micro_batch_tokens, pack=args.pack,
-                                   same_count_group=expert_peers)  # (all-to-all in every pass)
+                                   same_count_group=expert_peers,  # (all-to-all in every pass)
+                                   sample_multiple=sample_multiple)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
@@ -453,7 +459,8 @@ def main():
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
                     per_token, clipped = rl.policy_loss(logprobs, old, mb["advantages"], args.clip_low,
                                                         args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
-                                                        sequence_mask=mask if args.gspo else None, seq_ids=mb.get("seq"))
+                                                        sequence_mask=mask if args.gspo else None, seq_ids=mb.get("seq"),
+                                                        cp_group=cp_group)
                     loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm_mb)
                     if reference is not None:
                         kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)

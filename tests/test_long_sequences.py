@@ -10,9 +10,10 @@ the gradient of a loss with both per-sequence terms (GSPO's ratio, seq_mean_toke
 and a critic's values and gradient. A negative control (the packed rows scored as one
 sequence each) must differ. The layout itself is checked by hand, and train_grpo.py's first
 step with --pack, and with --recompute selective / full, against the same step with neither.
-Context parallelism: train_grpo.py at --cp 2 replays one process's rollouts (responses long
-enough that every CP rank's queries attend the other rank's keys) and must give the same
-training metrics; the split by hand. (tests/test_train_ppo.py runs the critic at --cp 2.)
+Context parallelism: train_grpo.py at --cp 2, padded and packed, replays one process's
+rollouts (responses long enough that every CP rank's queries attend the other rank's keys;
+GSPO and seq_mean_token_mean, whose per-sequence terms span the CP ranks) and must give the
+same training metrics; the splits by hand. (tests/test_train_ppo.py runs the critic at --cp 2.)
 """
 import json
 
@@ -260,18 +261,35 @@ def test_context_parallel_packed_split_by_hand():
         B.context_parallel_slice(unpadded, 2, 0)
 
 
-def test_grpo_at_cp2_equals_one_process(tmp_path):
-    """Two steps of one process, replayed at --cp 2: every training metric equal. The
-    responses run to 24 tokens, so sequences span all four chunks of the CP split (a mask that
-    lets a rank's queries see the other rank's later chunk was measured to fail this; with the
-    4-token responses of tests/test_train_grpo.py it did not)."""
-    geometry = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16,
-                "--max-new-tokens", 24, "--steps", 2, "--eval-every", 0, "--log-samples-every", 0]
-    run_script("train_grpo.py", *geometry, "--out", tmp_path / "one", "--save-rollouts", tmp_path / "rollouts")
-    run_torchrun("train_grpo.py", 2, *geometry, "--cp", 2, "--out", tmp_path / "cp2",
-                 "--load-rollouts", tmp_path / "rollouts")
-    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "cp2"), strict=True):
-        for key in ("policy_loss", "grad_norm", "entropy", "kl", "logprob_mismatch", "lr"):
+# Responses run to 24 tokens (most hit the cap, some stop early: lengths differ), so sequences span
+# all four chunks of the CP split. GSPO's sequence ratio and seq_mean_token_mean are per-sequence
+# terms, summed over the CP ranks; DAPO's overlong penalty makes the rewards (so the advantages and
+# the policy gradient) nonzero: the embedded task's rule reward is 0 on such long responses.
+CP_GEOMETRY = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16,
+               "--max-new-tokens", 24, "--steps", 2, "--eval-every", 0, "--log-samples-every", 0,
+               "--gspo", "--loss-agg", "seq_mean_token_mean", "--overlong-buffer", 20]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_one_process")
+    run_script("train_grpo.py", *CP_GEOMETRY, "--out", root / "one", "--save-rollouts", root / "rollouts")
+    return root
+
+
+@pytest.mark.parametrize("flags", [[], ["--pack"]], ids=["padded", "packed"])
+def test_grpo_at_cp2_equals_one_process(flags, one_process_run, tmp_path):
+    """Two steps of one process (padded rows), replayed at --cp 2, padded or packed: every
+    training metric equal (rel 1e-4). Measured with breaks on purpose: a mask that lets a rank's
+    queries see the other rank's later chunk failed the padded run (with the 4-token responses
+    of tests/test_train_grpo.py it did not); packed, a query seeing one position ahead in its
+    sample gave logprob_mismatch 0.022, RoPE at the rank-local offset 5.4e-4 (here 1.3e-7), and
+    GSPO's ratio without the CP sum policy_loss 7e-4 / 2e-4 (padded / packed) off."""
+    run_torchrun("train_grpo.py", 2, *CP_GEOMETRY, "--cp", 2, *flags, "--out", tmp_path,
+                 "--load-rollouts", one_process_run / "rollouts")
+    for a, b in zip(read_metrics(one_process_run / "one"), read_metrics(tmp_path), strict=True):
+        assert a["grad_norm"] > 0.1 and a["reward_std"] > 0  # the policy gradient is in the comparison
+        for key in ("policy_loss", "grad_norm", "entropy", "kl", "ppo_kl", "logprob_mismatch", "lr"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
 
 
