@@ -277,7 +277,7 @@ def main():
     if reference_off and offload_params:
         reference_off.offload()  # needed only for its logprob pass
     # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
-    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, dtype=dtype,
+    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp, dtype=dtype,
                                     micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
 
     # ---- logging, resume ---------------------------------------------------------------

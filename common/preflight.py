@@ -217,8 +217,6 @@ def _check_layout(args, spec, critic=None):
     if world % model_parallel:
         raise UsageError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} x --cp {args.cp} = "
                          f"{model_parallel}: start a multiple of tp*pp*cp processes")
-    if args.cp > 1 and getattr(args, "reward_model", None):  # what context parallelism does not cover yet
-        raise UsageError(f"--cp {args.cp} does not work with --reward-model yet: use one or the other")
     if args.vpp is not None and args.pp == 1:
         raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
     ep, etp = args.ep, args.etp

@@ -1,6 +1,6 @@
 """A model-based reward: an HF `*ForSequenceClassification` reward model as a frozen Megatron model.
 
-    rm = RewardModel.load(rm_dir, tp=..., pp=..., dtype=..., offload=...)   # sharded like the policy
+    rm = RewardModel.load(rm_dir, tp=..., pp=..., cp=..., dtype=..., offload=...)   # sharded like the policy
     scores = rm.score(prompts, responses, device=...)   # (N,) fp32 on every rank; all ranks call it
 
 The model is the critic's (common/critic.py): build_model's GPTModel body with a scalar head on
@@ -10,7 +10,7 @@ take it at the last non-padding token. Text: the reward model's own tokenizer an
 (a user turn with the prompt, an assistant turn with the response), so a reward model trained
 with another template than the policy's scores what it was trained on; without a template,
 prompt + response as plain text. tests/test_reward_model.py compares with transformers (fp32,
-TP=1 and TP=2).
+TP=1, TP=2 and CP=2).
 """
 import json
 import os
@@ -54,12 +54,14 @@ class RewardModel:
             self.offloader.offload()
 
     @classmethod
-    def load(cls, rm_dir, *, tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.float32, micro_batch_size=8,
-             offload=False):
+    def load(cls, rm_dir, *, tp=1, pp=1, vpp=None, cp=1, sequence_parallel=False, dtype=torch.float32,
+             micro_batch_size=8, offload=False):
+        """cp: the policy's context parallel size. It must be the run's: B.run_micro_batches cuts
+        every pass over megatron's CP group, so the model's attention must gather over it too."""
         from transformers import AutoTokenizer
 
         spec = reward_model_spec(rm_dir)
-        chunks = build_critic(spec, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, dtype=dtype)
+        chunks = build_critic(spec, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sequence_parallel, dtype=dtype)
         if load_critic_weights(chunks, spec, rm_dir) == 0 or not _has_score(rm_dir):
             raise UnsupportedModelError(f"{rm_dir}: no score.weight (the reward head) in its safetensors")
         return cls(chunks, AutoTokenizer.from_pretrained(rm_dir), micro_batch_size, offload)
@@ -78,12 +80,17 @@ class RewardModel:
     def score(self, prompts, responses, device):
         """(N,) fp32 scores of the N (prompt, response) pairs, on every rank. All ranks call this
         with the same pairs: each data-parallel rank runs its share (rows dp_rank::dp_size) through
-        the pipeline, TP rank 0 of the last stage writes them, a sum over all ranks shares them."""
+        the pipeline, TP rank 0 of the last stage writes them, a sum over all ranks shares them.
+        Under context parallelism each text is cut over the CP ranks like the policy's sequences
+        (B.context_parallel_slice); its last token is on one of them, which writes the score,
+        the others add 0."""
         from megatron.core import parallel_state as mpu
 
         ids = [self.token_ids(p, r) for p, r in zip(prompts, responses)]
         lengths = torch.tensor([len(t) for t in ids])
-        width = -(-int(lengths.max()) // 8) * 8
+        cp = mpu.get_context_parallel_world_size()
+        multiple = 8 * mpu.get_tensor_model_parallel_world_size() * (2 * cp if cp > 1 else 1)  # SP, CP chunks
+        width = -(-int(lengths.max()) // multiple) * multiple
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)  # (N, T) right-padded
         for i, t in enumerate(ids):
@@ -95,8 +102,12 @@ class RewardModel:
         scores = torch.zeros(len(ids), device=device)
         write = mpu.get_tensor_model_parallel_rank() == 0
 
-        def loss_fn(mb, values):  # values (b, T_mb, 1) on the last stage
-            picked = values[torch.arange(values.shape[0], device=values.device), mb["last"], 0]
+        def loss_fn(mb, values):  # values (b, T_mb, 1) on the last stage (T_mb / cp of them under CP)
+            if "src_col" in mb:  # CP: this rank's columns of each row; 0 where the last token is elsewhere
+                values = torch.where(mb["src_col"] == mb["last"][:, None], values[..., 0], 0.0)
+                picked = values.sum(1)
+            else:
+                picked = values[torch.arange(values.shape[0], device=values.device), mb["last"], 0]
             if write:
                 scores[mb["row"]] = picked.float()
             return picked.sum() * 0, {}
@@ -104,7 +115,7 @@ class RewardModel:
         if self.offloader is not None:
             self.offloader.reload()
         if len(mine):
-            mbs = B.micro_batches(batch, mine, self.micro_batch_size,
+            mbs = B.micro_batches(batch, mine, self.micro_batch_size, length_multiple=multiple,
                                   same_length=mpu.get_pipeline_model_parallel_world_size() > 1)
             B.run_micro_batches(self.chunks, mbs, loss_fn, forward_only=True, device=device)
         if self.offloader is not None:

@@ -1,6 +1,6 @@
 """Model-based rewards (common/reward_model.py): an HF Qwen2ForSequenceClassification scored by
-the Megatron model at TP=1 and TP=2 equals transformers (fp32), and train_grpo.py --reward-model
-trains with it.
+the Megatron model at TP=1, TP=2 and CP=2 equals transformers (fp32), and train_grpo.py
+--reward-model trains with it (at --cp 2).
 
     .venv/bin/python -m pytest -q tests/test_reward_model.py
 """
@@ -29,18 +29,23 @@ def rm_dir(tmp_path_factory):
     return root / "rm"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_scores_equal_transformers(rm_dir, tmp_path, tp):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_scores_equal_transformers(rm_dir, tmp_path, ranks):
+    """One rank; two ranks at TP=2, then CP=2 (each text cut over the CP ranks, the score read
+    where its last token is: on rank 0 for some texts, rank 1 for others) in the same launch."""
     out = tmp_path / "scores.json"
-    if tp == 1:
+    if ranks == 1:
         run_script("tests/reward_model_worker.py", rm_dir, out)
     else:
-        run_torchrun("tests/reward_model_worker.py", 2, rm_dir, out, "--tp", 2)
+        run_torchrun("tests/reward_model_worker.py", 2, rm_dir, out, "--layouts", "tp2", "cp2")
     result = json.loads(out.read_text())
     assert result["templated"]  # the reward model's own chat template made its text
-    assert len(set(result["scores"])) == 3  # three different texts, three different scores
-    for ours, theirs in zip(result["scores"], result["transformers"]):
-        assert ours == pytest.approx(theirs, abs=1e-5)
+    if ranks == 2:
+        assert sorted(set(result["last_token_ranks"]["cp2"])) == [0, 1]
+    for layout, scores in result["scores"].items():
+        assert len(set(scores)) == 3, layout  # three different texts, three different scores
+        for ours, theirs in zip(scores, result["transformers"], strict=True):
+            assert ours == pytest.approx(theirs, abs=1e-5), layout
 
 
 def test_refusals(rm_dir, tmp_path):
@@ -58,11 +63,12 @@ def test_refusals(rm_dir, tmp_path):
 
 
 def test_train_grpo_with_a_reward_model(rm_dir, tmp_path):
-    """reward = 0.5 x rule + 2 x score: the scores' statistics and seconds are logged, and the
-    logged reward is that combination (rule rewards are 0 or 1 on the embedded task)."""
-    run_script("train_grpo.py", "--prompts-per-step", 4, "--samples-per-prompt", 4, "--micro-batch-size", 4,
-               "--mini-batch-size", 16, "--max-new-tokens", 4, "--steps", 2, "--out", tmp_path,
-               "--reward-model", rm_dir, "--reward-model-weight", 2, "--rule-reward-weight", 0.5)
+    """reward = 0.5 x rule + 2 x score, at --cp 2 (the reward model sharded like the policy, its
+    texts cut over the CP ranks): the scores' statistics and seconds are logged, and the logged
+    reward is that combination (rule rewards are 0 or 1 on the embedded task)."""
+    run_torchrun("train_grpo.py", 2, "--cp", 2, "--prompts-per-step", 4, "--samples-per-prompt", 4,
+                 "--micro-batch-size", 4, "--mini-batch-size", 16, "--max-new-tokens", 4, "--steps", 2, "--out", tmp_path,
+                 "--reward-model", rm_dir, "--reward-model-weight", 2, "--rule-reward-weight", 0.5)
     for m in read_metrics(tmp_path):
         assert m["reward_model_s"] > 0 and m["rm_score_std"] > 0
         rule_part = m["reward_mean"] - 2 * m["rm_score_mean"]
