@@ -15,8 +15,10 @@ Job keys (all optional but name):
                         same batches, saved and loaded as extra_models={"critic": ...}
   resume                checkpoint root to resume from (else: train from step 1)
   try_first             roots to load before `resume`; each error message is recorded
-  saves                 [{step, root, sharding, keep_last, meta, background}] after that step;
-                        background saves go through one CheckpointWriter, polled every step
+  saves                 [{step, root, sharding, keep_last, meta, background, hold_until,
+                        fail_first_write}] after that step; background saves go through one
+                        CheckpointWriter, polled every step (fail_first_write: the first file
+                        write fails once, the writer must write it again)
   compare_model_space_at  at this step compare our model-space optimizer state with megatron's
                         (None at DP>1, where ours does not apply)
   nan_save_at           at this step first try a save with a NaN in one weight of the last
@@ -231,6 +233,8 @@ def run_job(job, args, info, spec, out_dir):
                 if save.get("hold_until"):
                     HELD.clear()
                     threading.settrace(hold_writers)  # for the threads the save starts
+                if save.get("fail_first_write"):
+                    fail_first_write()
                 writer.save(save["root"], step, ddp_chunks, optimizer, scheduler, extra, **kwargs)
                 threading.settrace(None)
                 if save.get("hold_until"):
@@ -247,6 +251,7 @@ def run_job(job, args, info, spec, out_dir):
     published = writer.wait()
     if published:
         result["saves"]["published_at_end"] = published
+    result["injected_write_failures"] = list(INJECTED)
 
     weights = {name: tensor.clone() for name, tensor in export_hf_weights(chunks, spec, dtype=torch.float32)}
     if job.get("break_copy"):  # last: a failed load leaves the live objects half-loaded
@@ -259,6 +264,28 @@ def run_job(job, args, info, spec, out_dir):
 
 
 HELD = threading.Event()
+INJECTED = []  # failures fail_first_write raised
+
+
+def fail_first_write():
+    """Make the first tensor write of a checkpoint writer thread fail once, as torch's serializer
+    did on a GPU ("unexpected pos 704 vs 598", common/checkpoint_io.py PendingWrite._write_file):
+    the file must be written again from the host copies. One failure per process: afterwards
+    the wrapper only passes writes on."""
+    import functools
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fa
+
+    original = fa._write_item
+
+    @functools.wraps(original)  # megatron inspects its signature
+    def failing(*args, **kwargs):
+        if not INJECTED and threading.current_thread().name.startswith("ckpt-write") and torch.is_tensor(args[-3]):
+            INJECTED.append(threading.current_thread().name)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598 (injected)")
+        return original(*args, **kwargs)
+
+    fa._write_item = failing
 
 
 def hold_writers(frame, event, arg):

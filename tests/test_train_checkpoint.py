@@ -99,7 +99,9 @@ def reference(tmp_path_factory):
             {"step": 3, "root": r["full3"]},
             {"step": 3, "root": r["dp"], "sharding": "dp_reshardable"},
             # held (a slow disk) until step 4 has changed every parameter and Adam moment
-            {"step": 3, "root": r["dpbg"], "sharding": "dp_reshardable", "background": True, "hold_until": 4}]},
+            # ... and its first file write fails once (as torch's serializer did on a GPU): written again
+            {"step": 3, "root": r["dpbg"], "sharding": "dp_reshardable", "background": True, "hold_until": 4,
+             "fail_first_write": True}]},
         {"name": "ref_plain", "dist_opt": False, "exit_hard": True, "saves": [
             {"step": 3, "root": r["nd"]},
             {"step": 3, "root": r["ndbg"], "background": True, "hold_until": 4}]},
@@ -228,8 +230,10 @@ def test_save_layout_keep_last_and_tmp_cleanup(reference):
 def test_background_save_equals_synchronous_save(reference, resharded, tmp_path):
     """A background save is the synchronous save of the same step, file content for file
     content, although its writer was held until the next step had changed every parameter and
-    Adam moment (staging copies); `latest` and step_N appear only at the poll after the write."""
+    Adam moment (staging copies); `latest` and step_N appear only at the poll after the write.
+    The dp_reshardable one had a file write fail once: written again, the same files."""
     tmp = reference["tmp"]
+    assert len(reference["ref"]["injected_write_failures"]) == 1  # one writer thread hit it
     for job, sync_root, root, step in ((reference["ref"], reference["dp"], reference["dpbg"], 3),
                                        (reference["ref_plain"], reference["nd"], reference["ndbg"], 3),
                                        (resharded["dp2"], tmp / "dp2_4", tmp / "dp2_4bg", 4)):
