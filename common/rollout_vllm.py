@@ -228,7 +228,7 @@ class VLLMEngine(RolloutEngine):
     def _replayed(self, named_tensors, written):
         """named_tensors minus those written by replaying the first sync's writes
         (common/weight_replay.py: ~90 us of vLLM's Python per tensor saved, 7B's sync 39 ->
-        ~10 ms on one H200); names of the parameters written go into `written`."""
+        14 ms on one H200); names of the parameters written go into `written`."""
         plan = self._write_plan
         for name, tensor in named_tensors:
             if plan.replay(name, tensor):
