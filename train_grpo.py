@@ -509,6 +509,7 @@ def main():
                         meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
                         optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
             times["save_s"] = time.time() - tick
+            metrics["save_wait_sec"] = writer.wait_s  # of save_s: the previous save's files still being written
         times["step_s"] = time.time() - t0
         metrics.update(times, **memory.metrics, **side_metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
             spec, samples, times, forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs, world_size=info.world_size, device=info.device))

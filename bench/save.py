@@ -17,7 +17,9 @@ save pins its staging memory (torch's host cache), later ones reuse it: read the
 Runs train_grpo.py (a subprocess, output through a pipe) with a checkpoint at every step, once
 per optimizer layout on disk: --save-any-layout (the default: resumable at any TP/PP/DP) and
 --no-save-any-layout (each DP rank's shard as it is). Per step it reads from metrics.jsonl
-  save_s          what the loop waited for (checks, planning, copies to host memory)
+  save_s          what the loop waited for (the previous save's writing if still going on,
+                  checks, planning, copies to host memory)
+  save_wait_sec   of save_s, the wait for the previous save (a save every step meets it)
   save_total_sec  the whole save, published at a later step (written in the background)
   offload_s       the offload phase (pinned host buffers are made at start-up: step 1 should
                   cost what step 3 does)
@@ -149,10 +151,13 @@ def main():
         name = "any_layout" if any_layout else "dp_shards"
         rows, exit_s = run(model_dir, os.path.join(work, name), args.steps, any_layout)
         blocking = [r["save_s"] for r in rows]
+        waiting = [r.get("save_wait_sec", 0.0) for r in rows]  # of blocking: the previous save still writing
         total = [r["save_total_sec"] for r in rows if "save_total_sec" in r]
         offload = [r.get("offload_s", 0.0) for r in rows]
-        result[name] = dict(save_blocking_s=blocking, save_total_s=total, offload_s=offload, exit_after_last_step_s=exit_s)
-        print(f"{name:11s} blocking {', '.join(f'{b:.2f}' for b in blocking)} s | whole save (published later) "
+        result[name] = dict(save_blocking_s=blocking, save_wait_s=waiting, save_total_s=total, offload_s=offload,
+                            exit_after_last_step_s=exit_s)
+        print(f"{name:11s} blocking {', '.join(f'{b:.2f}' for b in blocking)} s (of which waiting for the previous "
+              f"save {', '.join(f'{w:.2f}' for w in waiting)} s) | whole save (published later) "
               f"{', '.join(f'{t:.2f}' for t in total)} s | offload {', '.join(f'{o:.2f}' for o in offload)} s | "
               f"exit {exit_s:.1f} s after the last step", flush=True)
     print("BENCH_JSON " + json.dumps(result))

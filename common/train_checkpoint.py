@@ -270,6 +270,7 @@ class CheckpointWriter:
         checkpoint_io.HostStaging), so that a save only copies. Host memory: the bytes of the
         params, fp32 main params and Adam moments of this rank (1.5B on one GPU: ~21 GB)."""
         self.pending = None  # the save in flight (a _PendingSave)
+        self.wait_s = 0.0  # of the last save(): waiting for the one before it to be written
         self.last = {}  # the last published save: step, blocking_s, stage_s, total_s (for the metrics)
         self.staging = checkpoint_io.HostStaging()
         tensors = []
@@ -280,8 +281,11 @@ class CheckpointWriter:
 
     def save(self, ckpt_root, step, ddp_chunks, optimizer, scheduler, extra=None, *, keep_last=2, meta=None,
              hf_source_dir=None, optimizer_sharding=DEFAULT_OPTIMIZER_SHARDING, extra_models=None):
-        """save_training_checkpoint's arguments; returns once the files are being written."""
+        """save_training_checkpoint's arguments; returns once the files are being written.
+        self.wait_s: the seconds it first waited for the previous save's files."""
+        started = time.perf_counter()
         self.wait()
+        self.wait_s = time.perf_counter() - started
         self.pending = _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=keep_last,
                                    meta=meta, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
                                    extra_models=extra_models, background=True, staging=self.staging)
