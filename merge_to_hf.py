@@ -43,7 +43,7 @@ SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16
 def resolve_checkpoint(path):
     """The model checkpoint directory --ckpt means, or a ConversionError saying why it is none."""
     from common.checkpoint import is_model_checkpoint
-    from common.train_checkpoint import check_step_dir
+    from common.train_resume import check_step_dir
 
     path = os.path.abspath(path)
     latest = os.path.join(path, "latest")

@@ -195,7 +195,8 @@ def main():
     from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
-    from common.train_checkpoint import CheckpointWriter, load_training_checkpoint
+    from common.train_checkpoint import CheckpointWriter
+    from common.train_resume import load_training_checkpoint
     from common.training import setup_training
     from megatron.core import parallel_state as mpu
 

@@ -7,6 +7,7 @@ resumable at any TP/PP/DP layout, optionally written in the background.
       writer.poll()                                every step, all ranks: publishes it
       writer.close()                               before exit: waits, ends helper processes
   load_training_checkpoint(ckpt_root, ...)         the newest usable checkpoint -> live objects
+                                                   (common/train_resume.py: the load side)
 
   ckpt_root/
     latest                  text: the name of the newest complete step directory
@@ -37,10 +38,9 @@ import torch.distributed as dist
 
 from common import checkpoint_io
 from common.bridge import stage_layers
-from common.checkpoint import HF_DIR, load_into_chunks, model_sharded_state_dict, write_meta
+from common.checkpoint import HF_DIR, model_sharded_state_dict, write_meta
 from common.model import named_global_parameters, unwrap
-from common.preflight import UsageError
-from common.training import ensure_adam_state, load_optimizer_state, model_space_optimizer_state, torch_adams
+from common.training import ensure_adam_state, model_space_optimizer_state, torch_adams
 
 
 TRAIN_STATE_FILE = "train_state.json"
@@ -65,10 +65,10 @@ OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 DEFAULT_OPTIMIZER_SHARDING = "fully_reshardable"
 _EXTRA_MODEL_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # what dp_reshardable optimizer state depends on (the distributed optimizer's flat buffers)
-_DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep", "stage_layers")
+DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep", "stage_layers")
 
 
-def _check_extra_models(extra_models):
+def check_extra_models(extra_models):
     """{name: (ddp_chunks, optimizer, scheduler)}: names become subdirectories of the step dir."""
     extra_models = dict(extra_models or {})
     for name in extra_models:
@@ -77,13 +77,13 @@ def _check_extra_models(extra_models):
     return extra_models
 
 
-def _is_distributed(ddp_chunks):
+def is_distributed_optimizer(ddp_chunks):
     return bool(ddp_chunks[0].ddp_config.use_distributed_optimizer)
 
 
-def _optimizer_metadata(ddp_chunks, optimizer_sharding):
+def optimizer_metadata(ddp_chunks, optimizer_sharding):
     # only the distributed optimizer reads it; a plain one keeps per-parameter state regardless
-    return {"distrib_optim_sharding_type": optimizer_sharding} if _is_distributed(ddp_chunks) else None
+    return {"distrib_optim_sharding_type": optimizer_sharding} if is_distributed_optimizer(ddp_chunks) else None
 
 
 def _training_tensors(ddp_chunks, optimizer):
@@ -106,7 +106,7 @@ def _optimizer_sharded_state_dict(ddp_chunks, optimizer, model_sd, optimizer_sha
         if own is not None:
             return own
     return optimizer.sharded_state_dict(model_sd, is_loading=False,
-                                        metadata=_optimizer_metadata(ddp_chunks, optimizer_sharding))
+                                        metadata=optimizer_metadata(ddp_chunks, optimizer_sharding))
 
 
 def _start_model_save(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding, background, staging=None):
@@ -121,28 +121,6 @@ def _start_model_save(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding, backg
                                     live=checkpoint_io.live_storages(live) if background else (),
                                     parallel_group=mpu.get_data_parallel_group(with_context_parallel=True),
                                     staging=staging)
-
-
-def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
-    """Inverse of _start_model_save, into the live objects. Collective."""
-    from megatron.core import dist_checkpointing
-
-    # A fresh torch Adam has no state until its first step; megatron's DistributedOptimizer
-    # reads it while building the sharded state dict for loading, so create zeros to load into.
-    ensure_adam_state(optimizer)
-    model_sd = model_sharded_state_dict(ddp_chunks)
-    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,  # as it was written
-                                            metadata=_optimizer_metadata(ddp_chunks, optimizer_sharding))
-    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
-    load_into_chunks(ddp_chunks, loaded["model"])
-    # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
-    load_optimizer_state(optimizer, loaded["optimizer"])
-
-
-def _load_scheduler(scheduler, state):
-    if scheduler is not None and state is not None:
-        scheduler.num_steps = 0  # load_state_dict *adds* the saved steps to num_steps
-        scheduler.load_state_dict(state)
 
 
 # --- save ---------------------------------------------------------------------------------
@@ -161,7 +139,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
     background). Collective."""
     if optimizer_sharding not in OPTIMIZER_SHARDINGS:
         raise ValueError(f"optimizer_sharding must be one of {OPTIMIZER_SHARDINGS}, not {optimizer_sharding!r}")
-    extra_models = _check_extra_models(extra_models)
+    extra_models = check_extra_models(extra_models)
     extra = dict(extra or {})
     json.dumps(extra)  # not JSON-able -> TypeError on every rank, before any collective
     rank = dist.get_rank()
@@ -192,11 +170,11 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
     if rank == 0:
         checkpoint_io.write_atomic(os.path.join(save.tmp_dir, TRAIN_STATE_FILE), json.dumps({
             "step": step, "extra": extra, "optimizer_sharding": optimizer_sharding,
-            "distributed_optimizer": _is_distributed(ddp_chunks),
+            "distributed_optimizer": is_distributed_optimizer(ddp_chunks),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra_models": {model_name: {"scheduler": s.state_dict() if s is not None else None}
                              for model_name, (_, _, s) in extra_models.items()},
-            "layout": _layout(ddp_chunks)}, indent=1))
+            "layout": run_layout(ddp_chunks)}, indent=1))
         if meta is not None:
             write_meta(save.tmp_dir, meta, hf_source_dir)
     return save
@@ -214,7 +192,7 @@ def _publish(save):
             checkpoint_io.publish(save.tmp_dir, save.final_dir, save.step, save.keep_last)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-    error = _broadcast_from_rank0(error)  # also the barrier: on return every rank sees it published
+    error = broadcast_from_rank0(error)  # also the barrier: on return every rank sees it published
     if error is not None:
         raise RuntimeError(f"publishing the training checkpoint {save.final_dir} failed on rank 0: {error}")
     return save.final_dir
@@ -324,122 +302,8 @@ def shutdown_checkpointing():
     checkpoint_io.shutdown()
 
 
-# --- load ---------------------------------------------------------------------------------
-def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, extra_models=None):
-    """Resume from the newest usable checkpoint in ckpt_root. All ranks call this, after
-    setup_training and before the first step.
-
-    Restores model, optimizer, scheduler and RNG states, and those of every model of
-    extra_models ({name: (ddp_chunks, optimizer, scheduler)}, as given to the save);
-    returns the `extra` dict given to save_training_checkpoint, or None when ckpt_root
-    holds no checkpoint (a fresh run). Any TP/PP/VPP/EP/DP layout loads a fully_reshardable
-    or plain-optimizer checkpoint; a dp_reshardable one at another TP/PP/VPP/EP (or layers per
-    pipeline stage), or one of the other optimizer kind, is refused (RuntimeError saying what
-    to do), never skipped.
-    A damaged newest checkpoint (no complete marker, a file missing or truncated, a
-    requested extra model missing, the load failing) is reported and the previous one is
-    used; if none is usable this raises.
-    """
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    extra_models = _check_extra_models(extra_models)
-    rank = dist.get_rank()
-    candidates = _broadcast_from_rank0(checkpoint_io.candidates(ckpt_root) if rank == 0 else None)
-    if not candidates:
-        return None
-    rejected = []
-    for name in candidates:
-        step_dir = os.path.join(ckpt_root, name)
-        # Rank 0 decides, everyone follows: a half-written directory on a network
-        # filesystem may look different from different nodes.
-        problem = _broadcast_from_rank0(check_step_dir(step_dir, extra_models=list(extra_models))
-                                        if rank == 0 else None)
-        if problem is None:
-            refusal = _broadcast_from_rank0(_layout_refusal(step_dir, ddp_chunks) if rank == 0 else None)
-            if refusal is not None:  # a good checkpoint, not for this run: never fall back past it
-                raise UsageError(refusal)
-            try:
-                extra = _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models)
-            # any failure means: not this checkpoint. torch's CheckpointException (a BaseException)
-            # is how DCP reports a read error of any rank on all ranks.
-            except (Exception, CheckpointException) as e:  # noqa: BLE001
-                detail = (str(e).strip().splitlines() or [""])[-1][:300]  # DCP's message ends in the cause
-                problem = f"loading failed on rank {rank}: {type(e).__name__}: {detail}"
-            problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p is not None), None)
-        if problem is None:
-            if rejected and rank == 0:
-                print(f"[checkpoint] resumed from {step_dir} instead of the newer damaged checkpoint(s)",
-                      flush=True)
-            return extra
-        rejected.append(f"{step_dir}: {problem}")
-        if rank == 0:
-            print(f"[checkpoint] WARNING: skipping damaged checkpoint {step_dir}: {problem}", flush=True)
-    raise UsageError(f"no usable training checkpoint in {ckpt_root}; refusing to start from scratch "
-                       "or from garbage. Tried:\n  " + "\n  ".join(rejected) +
-                       "\nMove the directory away to start a new run.")
-
-
-def _describe(layout):
-    stages = layout.get("stage_layers") or []
-    return " ".join(f"{key.upper()}={layout.get(key) or 1}" for key in ("tp", "pp", "vpp", "ep", "cp", "dp")) + \
-        f" ({layout['world_size']} ranks)" + (f", layers per stage {stages}" if len(stages) > 1 else "")
-
-
-def _layout_refusal(step_dir, ddp_chunks):
-    """Why the (complete) checkpoint step_dir cannot be loaded by this run, or None."""
-    try:
-        with open(os.path.join(step_dir, TRAIN_STATE_FILE)) as f:
-            state = json.load(f)
-        saved, sharding = state["layout"], state["optimizer_sharding"]
-    except (OSError, ValueError, KeyError):
-        return None  # unreadable: the load fails and calls it damaged
-    current, distributed = _layout(ddp_chunks), _is_distributed(ddp_chunks)
-    saved_distributed = state.get("distributed_optimizer", distributed)  # not recorded before 2026-11
-    if saved_distributed != distributed:
-        kinds = {True: "the distributed optimizer", False: "a plain optimizer (--no-distributed-optimizer)"}
-        return (f"{step_dir} was written with {kinds[saved_distributed]}; this run uses {kinds[distributed]}. "
-                "Their optimizer states are stored differently: resume with the optimizer kind it was "
-                "written with.")
-    moved = any(saved.get(key, current[key]) != current[key] for key in _DP_RESHARDABLE_FIXED)
-    if distributed and sharding == "dp_reshardable" and moved:
-        return (f"{step_dir} holds distributed-optimizer state in optimizer_sharding='dp_reshardable', "
-                "which only loads at the TP/PP/VPP/EP and layers per pipeline stage it was written at: "
-                f"saved at {_describe(saved)}, this "
-                f"run is at {_describe(current)}. Resume at the saved layout (DP may differ), or resume "
-                "there once and save with optimizer_sharding='fully_reshardable' (the scripts' default "
-                "--save-any-layout), which loads at any layout.")
-    return None
-
-
-def _load_step_dir(step_dir, ddp_chunks, optimizer, scheduler, extra_models):
-    """Load one step directory into the live objects; returns its extra dict."""
-    with open(os.path.join(step_dir, TRAIN_STATE_FILE)) as f:
-        state = json.load(f)
-    saved_models = state.get("extra_models", {})
-    missing = sorted(set(extra_models) - set(saved_models))
-    if missing:  # before touching any live object
-        raise RuntimeError(f"the checkpoint has no {', '.join(missing)} (saved: {sorted(saved_models) or 'none'})")
-    _load_model_and_optimizer(step_dir, ddp_chunks, optimizer, state["optimizer_sharding"])  # collective
-    _load_scheduler(scheduler, state["scheduler"])
-    for model_name, (chunks, model_optimizer, model_scheduler) in extra_models.items():
-        _load_model_and_optimizer(os.path.join(step_dir, model_name), chunks, model_optimizer,
-                                  state["optimizer_sharding"])
-        _load_scheduler(model_scheduler, saved_models[model_name]["scheduler"])
-    _restore_rng(step_dir, state["layout"])  # last: nothing after it may draw random numbers
-    return state["extra"]
-
-
-def check_step_dir(step_dir, extra_models=()):
-    """None if step_dir looks complete (with the subdirectories of the named extra models),
-    else why not (cheap: sizes, not checksums)."""
-    required = ("metadata.json", TRAIN_STATE_FILE) + tuple(f"{name}/metadata.json" for name in extra_models)
-    return checkpoint_io.check_step_dir(step_dir, required)
-
-
-# --- layouts, RNG ------------------------------------------------------------------------
-def _layout(ddp_chunks=None):
+# --- layout, rank 0's word ------------------------------------------------------------
+def run_layout(ddp_chunks=None):
     """This run's parallel layout; given the model, also its decoder layers per pipeline stage
     (uneven stages: bridge.pipeline_layout), which a PP size alone does not fix."""
     from megatron.core import parallel_state as mpu
@@ -453,30 +317,8 @@ def _layout(ddp_chunks=None):
     return layout
 
 
-def _same_layout(saved, current):
-    return all(saved.get(key, value) == value for key, value in current.items())  # vpp: recorded since 2026-11
-
-
-def _restore_rng(step_dir, saved_layout):
-    """Each rank restores the RNG states its own rank saved. If the layout changed, every rank
-    takes the global generators (python/numpy/torch/CUDA) of one saved rank -- our scripts seed
-    all ranks alike, so these are the same on every rank -- and megatron's tracker (TP-rank
-    dependent dropout streams) only from a saved rank with the same TP/EP coordinates."""
-    from megatron.core import parallel_state as mpu
-
-    rank, layout, same = dist.get_rank(), _layout(), _same_layout(saved_layout, _layout())
-    # megatron's default rank order puts TP innermost: saved rank t has tp_rank t
-    source = rank if same else mpu.get_tensor_model_parallel_rank() if saved_layout["tp"] == layout["tp"] else 0
-    state = torch.load(os.path.join(step_dir, RNG_DIR, f"rank_{source:05d}.pt"), weights_only=False)
-    tracker_restored = checkpoint_io.set_rng_state(state)
-    if not same and rank == 0:
-        print(f"[checkpoint] saved at {_describe(saved_layout)}, resuming at {_describe(layout)}: "
-              f"python/numpy/torch RNG states taken from saved rank {source}; megatron's model-parallel RNG "
-              f"tracker {'restored' if tracker_restored else 'NOT restored (TP/EP changed), kept freshly seeded'}",
-              flush=True)
-
-
-def _broadcast_from_rank0(obj):
+def broadcast_from_rank0(obj):
+    """obj as rank 0 has it, on every rank (collective; also a barrier)."""
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]

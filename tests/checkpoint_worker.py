@@ -165,7 +165,8 @@ def run_job(job, args, info, spec, out_dir):
     from common.dist import set_seed
     from common.model import build_model
     from common.weights import export_hf_weights, load_hf_weights
-    from common.train_checkpoint import CheckpointWriter, load_training_checkpoint, save_training_checkpoint
+    from common.train_checkpoint import CheckpointWriter, save_training_checkpoint
+    from common.train_resume import load_training_checkpoint
     from common.training import setup_training
 
     set_seed(1234)  # as init_distributed: a job later in the process starts like a fresh process
@@ -379,7 +380,7 @@ def failing_save(writer, ddp_chunks, optimizer, scheduler, extra, root, step):
 def break_and_load(root, copy, ddp_chunks, optimizer, scheduler):
     """Every checkpoint of a copy of root damaged: the newest one (already missing a file)
     structurally, the older one so that its files look complete but the load itself fails."""
-    from common.train_checkpoint import load_training_checkpoint
+    from common.train_resume import load_training_checkpoint
 
     if dist.get_rank() == 0:
         shutil.copytree(root, copy)

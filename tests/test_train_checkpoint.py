@@ -1,5 +1,6 @@
-"""Training checkpoints (common/train_checkpoint.py, common/checkpoint_io.py): exact resume at the
-same layout and at other TP/PP/DP layouts, background saves, refusals, damaged checkpoints.
+"""Training checkpoints (common/train_checkpoint.py, train_resume.py, checkpoint_io.py): exact
+resume at the same layout and at other TP/PP/DP layouts, background saves, refusals, damaged
+checkpoints.
 
     .venv/bin/python -m pytest tests/test_train_checkpoint.py -q
 
@@ -393,7 +394,7 @@ def test_refusals_name_both_layouts_and_never_fall_back(reference, resharded, on
 def test_check_step_dir_andcandidates(reference, tmp_path):
     """The structural checks, without any process group."""
     from common.checkpoint_io import candidates
-    from common.train_checkpoint import check_step_dir
+    from common.train_resume import check_step_dir
 
     root = tmp_path / "root"
     shutil.copytree(reference["root"], root)
