@@ -57,6 +57,15 @@ SHAPES["qwen3-30b-a3b-6l"] = {
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
     "router_aux_loss_coef": 0.001, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
 }
+# the whole model (bench/sync.py at EP=2), and as many layers as train on two H200s at EP=2
+SHAPES["qwen3-30b-a3b"] = dict(SHAPES["qwen3-30b-a3b-6l"], num_hidden_layers=48)
+SHAPES["qwen3-30b-a3b-16l"] = dict(SHAPES["qwen3-30b-a3b-6l"], num_hidden_layers=16)
+SHAPES["moonlight-16b-a3b-16l"] = dict(SHAPES["moonlight-16b-a3b"], num_hidden_layers=16)
+# a CPU-sized Qwen3-MoE (smoke runs of the MoE paths: --ep 2 on gloo)
+SHAPES["tiny-moe"] = dict(SHAPES["qwen3-30b-a3b-6l"], vocab_size=512, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+                          torch_dtype="float32")
 
 
 def write_config_dir(out_dir, shape):

@@ -3,6 +3,7 @@
     python bench/sync.py --shape qwen2-7b                                              # 1 GPU
     torchrun --nproc_per_node 2 bench/sync.py --shape qwen2-7b --tp 2 --rollout-tp 1   # 2 GPUs
     torchrun --nproc_per_node 2 bench/sync.py --shape qwen2-7b --tp 2 --rollout-tp 2
+    torchrun --nproc_per_node 2 bench/sync.py --shape qwen3-30b-a3b --ep 2 --rollout-tp 2      # MoE, 2 GPUs
     python bench/sync.py --shape tiny --engine hf --reps 2                             # CPU smoke run
 
 Random bf16 weights of a Qwen2 shape (bench/harness.py) in a Megatron GPTModel at --tp/--pp, and
@@ -52,6 +53,8 @@ def build_parser():
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="model shape (bench/harness.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size (MoE shapes; the export gathers "
+                   "each layer's experts over it)")
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--engine", choices=["vllm", "hf"], default=None, help="rollout engine (default: vllm on a GPU, hf on a CPU)")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="export bucket size, MB of full tensors")
@@ -69,7 +72,7 @@ def main():
     from common.model import build_model, load_hf_spec
     from common.weights import export_hf_weights
 
-    info = init_distributed(tp=args.tp, pp=args.pp)
+    info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)
     on_gpu = info.device.type == "cuda"
     engine_kind = args.engine or ("vllm" if on_gpu else "hf")
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -78,7 +81,7 @@ def main():
     # (HFEngine loads weights at start: give it random ones)
     hf_dir = shared_config_dir(args.shape, "bench_sync_", info.master_process, with_weights=engine_kind == "hf")
     spec = load_hf_spec(hf_dir)
-    model = build_model(spec, tp=args.tp, pp=args.pp, dtype=dtype, init_weights=True)
+    model = build_model(spec, tp=args.tp, pp=args.pp, ep=args.ep, dtype=dtype, init_weights=True)
     model_bytes = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec)) * dtype.itemsize
 
     if engine_kind == "vllm":
@@ -141,7 +144,7 @@ def main():
     sync_vs_copy = paired_ratios([r["sync_s"] for r in rows], copies)  # sync seconds / copy seconds, per pair
 
     settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
-                    world_size=info.world_size, tp=args.tp, pp=args.pp, rollout_tp=args.rollout_tp,
+                    world_size=info.world_size, tp=args.tp, pp=args.pp, ep=args.ep, rollout_tp=args.rollout_tp,
                     engine=engine_kind, bucket_mb=args.sync_bucket_mb, model_gb=model_bytes / 1e9,
                     reps=args.reps, date=time.strftime("%Y-%m-%d"))
     result["sleep_wake_s"] = result["sleep_s"] + result["wake_weights_s"] + result["wake_kv_s"]
@@ -150,7 +153,7 @@ def main():
     result["sync_gb_per_s"] = model_bytes / 1e9 / result["sync_s"]
     if info.master_process:
         print(f"\nweight sync, {args.shape} ({model_bytes / 1e9:.2f} GB {str(dtype)[6:]}), {settings['device']} x "
-              f"{info.world_size}, Megatron TP={args.tp} PP={args.pp}, rollout TP={args.rollout_tp}, {engine_kind}")
+              f"{info.world_size}, Megatron TP={args.tp} PP={args.pp} EP={args.ep}, rollout TP={args.rollout_tp}, {engine_kind}")
         print(f"  sync                {result['sync_s']:8.4f} s   ({result['sync_gb_per_s']:.1f} GB/s of HF tensors)")
         print(f"  export only         {result['export_only_s']:8.4f} s")
         print(f"  baseline D2D copy   {result['baseline_copy_s']:8.4f} s   ({per_gpu / 1e9:.2f} GB per GPU)  "

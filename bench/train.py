@@ -3,6 +3,8 @@
     python bench/train.py --shape qwen2-1.5b                                    # 1 GPU, Qwen2-1.5B
     torchrun --nproc_per_node 2 bench/train.py --shape qwen2-7b --tp 2          # nvidia-h200-x2, Qwen2-7B
     torchrun --nproc_per_node 4 bench/train.py --shape qwen2-7b --tp 4          # nvidia-h200-x4 (or --tp 2: DP=2)
+    torchrun --nproc_per_node 2 bench/train.py --shape qwen2-7b --cp 2 --seq-len 32768 --num-seqs 1 --no-baseline
+    torchrun --nproc_per_node 2 bench/train.py --shape qwen3-30b-a3b-6l --ep 2 --no-baseline   # MoE at EP=2
     python bench/train.py --shape tiny --steps 2 --warmup 1                     # CPU smoke run (fp32)
     torchrun --nproc_per_node 2 bench/train.py --shape tiny --tp 2 --steps 1 --warmup 1   # CPU, gloo
 
@@ -110,6 +112,11 @@ def build_parser():
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallel size: every sequence cut over N ranks (common/attention.py); no baseline "
+                        "then, megatron's local attention has no context parallelism")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE shapes)")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE shapes)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="shard optimizer state over data-parallel ranks (as train_grpo.py does by default)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP gradient reduce with backward")
@@ -175,8 +182,8 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
         return False
 
 
-def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, micro_batch_size, steps, warmup,
-               distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False):
+def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
+               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
@@ -206,7 +213,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
 
     def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
-        old_logprobs[mb["row"]] = logprobs.float()  # on the device (as mb): no sync per micro-batch
+        B.scatter_tokens(old_logprobs, mb, logprobs.float())  # on the device: no sync per micro-batch
         return logprobs.sum() * 0, {}
 
     def ppo_loss_fn(mb, logits):  # the train_grpo.py loss with --loss-agg token_mean, no KL
@@ -223,11 +230,13 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
     def training_step():
         """One step; returns the seconds of its three phases (the device synchronised after each)."""
         ticks = [time.perf_counter()]
-        # 1. old logprobs: forward only; each DP rank fills its rows, the sum gives all rows everywhere
+        # 1. old logprobs: forward only; each DP rank fills its rows (each CP rank its columns), the
+        #    sum gives all rows everywhere
         old_logprobs.zero_()
         with torch.no_grad():
             B.run_micro_batches(model, my_micro_batches(), logprob_loss_fn, forward_only=True, device=info.device)
-        batch["old_logprobs"] = B.all_reduce_sum(old_logprobs, mpu.get_data_parallel_group(), info.device).cpu()
+        batch["old_logprobs"] = B.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
+                                                 info.device).cpu()
         _sync(on_gpu)
         ticks.append(time.perf_counter())
         # 2. forward/backward of the PPO loss (DDP reduces the gradients at the end)
@@ -238,19 +247,23 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
         _sync(on_gpu)
         ticks.append(time.perf_counter())
         # 3. optimizer step (grad norm + clipping, Adam, bf16 params from the fp32 main params)
-        optimizer.step()
+        _, grad_norm, _ = optimizer.step()
+        if not check:  # the first step's numbers: equal at any layout of the same batch (e.g. --cp 2 vs dp 2)
+            mask = batch["mask"].bool()
+            check.update(logprob_mean=batch["old_logprobs"][mask].mean().item(), grad_norm=float(grad_norm or 0.0))
         scheduler.step(1)
         _sync(on_gpu)
         ticks.append(time.perf_counter())
         return [b - a for a, b in zip(ticks, ticks[1:])]
 
     model = optimizer = scheduler = None
-    old_logprobs = torch.zeros(num_rows, seq_len, device=info.device)  # (N, T), as in train_grpo.py
+    old_logprobs = torch.zeros(num_rows + 1, seq_len, device=info.device)  # (N, T) + scatter_tokens' spare row
     batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
     phase_times, oom, kernels = [], False, None  # per timed step: [logprob, fwd_bwd, optimizer] seconds
+    check = {}  # the first step's mean old logprob over response tokens and gradient norm
     try:
-        chunks = build_model(spec, tp=tp, pp=pp, sequence_parallel=sp, dtype=dtype, init_weights=True,
-                             attention=attention, **overrides)
+        chunks = build_model(spec, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp, dtype=dtype,
+                             init_weights=True, attention=attention, **overrides)
         model, optimizer, scheduler = setup_training(
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
@@ -280,7 +293,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, mi
         return dict(oom=True)
     return dict(step_times=[max_over_ranks(sum(phases), info.device) for phases in phase_times],
                 phase_times=[[max_over_ranks(t, info.device) for t in phases] for phases in phase_times],
-                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None, profile=kernels)
+                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None, profile=kernels, check=check)
 
 
 def time_logprob_kernels(num_tokens, v_local, dtype, device, reps=5):
@@ -330,7 +343,7 @@ def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, worl
     achieved = flops_per_step / step_s  # model FLOP/s, all devices together
     mfu = achieved / (world_size * peak_flops) if peak_flops else None
     mfu_full = flops_per_step_full / step_s / (world_size * peak_flops) if peak_flops else None
-    return dict(status="ok", profile=run.get("profile"), tokens=tokens_per_step * len(times), seconds=sum(times),
+    return dict(status="ok", profile=run.get("profile"), first_step=run["check"], tokens=tokens_per_step * len(times), seconds=sum(times),
                 tokens_per_s=tokens_per_step * len(times) / sum(times), step_s=step_s,
                 tokens_per_s_per_device=tokens_per_step * len(times) / sum(times) / world_size,
                 step_s_median=statistics.median(times), step_s_min=min(times), step_s_max=max(times),
@@ -357,7 +370,7 @@ def main():
     spec = parse_hf_config(config)
     overrides = recompute_overrides(args.recompute, args.recompute_modules, args.recompute_num_layers)
 
-    info = init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
+    info = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
@@ -367,8 +380,10 @@ def main():
     if num_seqs % (info.dp_size * micro_batch_size):
         raise SystemExit(f"--num-seqs {num_seqs} must be a multiple of dp {info.dp_size} x "
                          f"--micro-batch-size {micro_batch_size}")
-    if args.sp and seq_len % args.tp:
-        raise SystemExit(f"--sp needs --seq-len {seq_len} divisible by --tp {args.tp}")
+    if args.sp and seq_len % (args.tp * args.cp):
+        raise SystemExit(f"--sp needs --seq-len {seq_len} divisible by --tp x --cp {args.tp * args.cp}")
+    if args.cp > 1 and seq_len % (2 * args.cp):
+        raise SystemExit(f"--cp {args.cp} needs --seq-len {seq_len} divisible by 2 x cp (each rank takes two chunks)")
 
     # FLOPs of one step: 4 forward passes' worth per token (logprob pass 1x, fwd+bwd 3x)
     tokens_per_step = num_seqs * seq_len
@@ -376,7 +391,8 @@ def main():
     flops_per_step_full = 4 * forward_flops_per_token(spec, seq_len, causal=False) * tokens_per_step
     params = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec))
     batch = make_batch(spec, num_seqs, seq_len, args.seed)
-    common = dict(dtype=dtype, tp=args.tp, pp=args.pp, sp=args.sp, micro_batch_size=micro_batch_size,
+    common = dict(dtype=dtype, tp=args.tp, pp=args.pp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp,
+                  micro_batch_size=micro_batch_size,
                   steps=args.steps, warmup=args.warmup, distributed_optimizer=args.distributed_optimizer,
                   overlap_grad_reduce=args.overlap_grad_reduce)
     numbers = dict(tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
@@ -385,7 +401,8 @@ def main():
     params_text = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params:,}"
     print0(f"{shape_name}: {params_text} params, {seq_len} tokens x {num_seqs} sequences per step, "
            f"micro-batch {micro_batch_size}, {str(dtype).replace('torch.', '')}, world {info.world_size} "
-           f"(tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}{' sp' if args.sp else ''}) on {device_name}")
+           f"(tp {info.tp_size} pp {info.pp_size} cp {info.cp_size} ep {info.ep_size} dp {info.dp_size}"
+           f"{' sp' if args.sp else ''}) on {device_name}")
 
     flash = (sdpa_takes_flash(spec, args.tp, seq_len, micro_batch_size, dtype)
              if on_gpu and args.attention == "sdpa" else None)
@@ -395,7 +412,7 @@ def main():
                                      kernels=args.kernels, profile=args.profile, **common),
                           **numbers)
     left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
-    if args.no_baseline:
+    if args.no_baseline or args.cp > 1:  # megatron's local attention refuses context parallelism
         baseline = dict(status="skipped")
     else:
         baseline = summarize(run_config(spec, info, batch, attention="local", overrides={}, **common), **numbers)
@@ -424,6 +441,8 @@ def main():
         print0(f"{'':4s}per step: median {r['step_s_median']:.3f} s (min {r['step_s_min']:.3f}, max "
                f"{r['step_s_max']:.3f}, {args.steps} steps); mean logprob pass {r['logprob_s']:.3f} s, "
                f"forward/backward {r['fwd_bwd_s']:.3f} s, optimizer {r['optimizer_s']:.3f} s")
+        print0(f"{'':4s}first step: mean old logprob {r['first_step']['logprob_mean']:.6f}, "
+               f"grad norm {r['first_step']['grad_norm']:.6f} (the same at any layout with the same random weights: not across --ep sizes, each EP rank initialises its own experts)")
         if r.get("profile"):
             for line in format_kernel_summary(r["profile"]):
                 print0(f"{'':4s}{line}")
@@ -449,7 +468,8 @@ def main():
 
     result = dict(
         bench="train", device=device_name, torch=torch.__version__, megatron_core=package_info.__version__,
-        world_size=info.world_size, tp=info.tp_size, pp=info.pp_size, dp=info.dp_size, sp=args.sp,
+        world_size=info.world_size, tp=info.tp_size, pp=info.pp_size, cp=info.cp_size, ep=info.ep_size,
+        etp=info.etp_size, dp=info.dp_size, sp=args.sp,
         shape=shape_name, params=params, seq_len=seq_len, num_seqs=num_seqs,
         micro_batch_size=micro_batch_size, num_micro_batches=num_seqs // info.dp_size // micro_batch_size,
         packing="none (every row a full seq_len sequence; response mask = second half)",

@@ -9,8 +9,9 @@
   the model FLOPs per step equal a count made by hand below from the tiny shape, MFU = FLOPs /
   s / peak, the baseline (local attention) ran and the ratio is candidate / baseline; the
   median step time lies in [min, max] (and is the mean for 1 or 2 steps);
-- torchrun, 2 processes, TP=2 on gloo: one JSON line (rank 0), the same checks at another
-  sequence length, MFU null without --peak-tflops on a CPU;
+- torchrun, 2 processes, TP=2 and CP=2 on gloo: one JSON line (rank 0), the same checks at
+  another sequence length, MFU null without --peak-tflops on a CPU, and the first step's mean
+  logprob and gradient norm equal at both layouts (CP's attention over the other rank's keys);
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
 - every flag of --help has a help string (train.py, sync.py, rollout.py);
 - bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
@@ -63,11 +64,11 @@ def tiny_step_flops(seq_len, num_seqs, causal):
     return 4 * forward * num_seqs * seq_len  # logprob pass (1x) + forward/backward (3x)
 
 
-def check_run(r, *, seq_len, num_seqs, steps, world_size):
+def check_run(r, *, seq_len, num_seqs, steps, world_size, baseline=True):
     assert (r["seq_len"], r["num_seqs"], r["steps"], r["world_size"]) == (seq_len, num_seqs, steps, world_size)
     assert r["flops_per_step"] == tiny_step_flops(seq_len, num_seqs, causal=True)
     assert r["flops_per_step_full_attn"] == tiny_step_flops(seq_len, num_seqs, causal=False)
-    for name in ("candidate", "baseline"):
+    for name in ("candidate", "baseline") if baseline else ("candidate",):
         c = r[name]
         assert c["status"] == "ok", r
         assert c["tokens"] == num_seqs * seq_len * steps
@@ -79,8 +80,9 @@ def check_run(r, *, seq_len, num_seqs, steps, world_size):
         if steps <= 2:  # the median of one or two numbers is their mean
             assert c["step_s_median"] == pytest.approx(c["step_s"], rel=1e-9)
         assert c["peak_mem_gib"] is None  # no GPU
-    assert r["ratio_tokens_per_s"] == pytest.approx(r["candidate"]["tokens_per_s"] / r["baseline"]["tokens_per_s"])
-    assert r["ratio_step_s_median"] == pytest.approx(r["baseline"]["step_s_median"] / r["candidate"]["step_s_median"])
+    if baseline:
+        assert r["ratio_tokens_per_s"] == pytest.approx(r["candidate"]["tokens_per_s"] / r["baseline"]["tokens_per_s"])
+        assert r["ratio_step_s_median"] == pytest.approx(r["baseline"]["step_s_median"] / r["candidate"]["step_s_median"])
 
 
 def test_single_process():
@@ -158,12 +160,21 @@ def test_profile_flag_cpu():
     assert any(op == "aten::mm" and shapes.startswith("[[") for _, _, op, shapes in ops)
 
 
-def test_torchrun_tp2():
-    proc = run_torchrun(SCRIPT, 2, "--shape", "tiny", "--tp", 2, "--steps", 1, "--warmup", 1, "--seq-len", 64)
-    r = bench_json(proc.stdout)
-    assert (r["tp"], r["dp"], r["pp"]) == (2, 1, 1)
-    check_run(r, seq_len=64, num_seqs=4, steps=1, world_size=2)
-    assert r["candidate"]["mfu"] is None and r["peak_tflops"] is None  # a CPU and no --peak-tflops
+def test_torchrun_tp2_and_cp2():
+    """TP=2 and CP=2 on the same batch: the bench's numbers, and the first step's mean old
+    logprob and gradient norm equal between the two layouts (on a CPU megatron initialises
+    the full weights, then shards them: the same model at both; fp32)."""
+    common = ("--shape", "tiny", "--steps", 1, "--warmup", 1, "--seq-len", 64)
+    runs = {}
+    for flag in ("--tp", "--cp"):
+        runs[flag] = r = bench_json(run_torchrun(SCRIPT, 2, *common, flag, 2).stdout)
+        check_run(r, seq_len=64, num_seqs=4, steps=1, world_size=2, baseline=flag == "--tp")
+        assert r["candidate"]["mfu"] is None and r["peak_tflops"] is None  # a CPU and no --peak-tflops
+    assert [(r["tp"], r["cp"], r["dp"], r["pp"]) for r in runs.values()] == [(2, 1, 1, 1), (1, 2, 1, 1)]
+    assert runs["--cp"]["baseline"] == {"status": "skipped"}  # megatron's local attention has no CP
+    tp, cp = (r["candidate"]["first_step"] for r in runs.values())
+    assert cp["logprob_mean"] == pytest.approx(tp["logprob_mean"], rel=1e-5)
+    assert cp["grad_norm"] == pytest.approx(tp["grad_norm"], rel=1e-4)
 
 
 def test_baseline_oom_is_reported():

@@ -55,6 +55,10 @@ if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   # synchronous ones, resume at TP=2/PP=2/DP=2 (the CPU suite's test, here on GPUs)
   run "training checkpoints (2 GPUs)"    400 python -m pytest -q -p no:cacheprovider tests/test_train_checkpoint.py
   run "vllm train TP=2, rollout TP=2"    400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 2
+  # MoE / DeepSeek-V3 with megatron's experts over 2 GPUs (NCCL all-to-all, the sync gathering
+  # experts over EP) against one vLLM engine over both GPUs (experts TP-sharded there)
+  run "moe EP=2, rollout TP=2"           400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2
+  run "deepseek EP=2, rollout TP=2"      400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2
   if [ "$MODE" != quick ]; then
     run "vllm train TP=2, rollout TP=1 x2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 1
     run "vllm train TP=1 (DP=2), rollout TP=2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 1 --rollout-tp 2

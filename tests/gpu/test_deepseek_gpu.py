@@ -1,6 +1,7 @@
 """GPU: DeepSeek-V3 (multi-latent attention, sigmoid group-limited routing) on the GPU stack.
 
     torchrun --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py     (tests/gpu/run_all.sh)
+    torchrun --standalone --nproc_per_node 2 tests/gpu/test_deepseek_gpu.py --ep 2 [--rollout-tp 2]
 
 A random DeepSeek-V3-shaped model (bf16; DeepSeek-V3's attention head sizes, which vLLM's
 MLA kernels on sm_90 require: kv_lora_rank 512, q/k nope 128 + rope 64, v 128, q LoRA,
@@ -15,12 +16,12 @@ transformers plus the released config.json's topk_method/scoring_func. Checked:
      mean |logprob difference| of sampled tokens <= 0.02 (or 2.5x megatron's own bf16 error
      against fp32 transformers), the share of (token, layer) pairs whose top-k experts differ,
      and the weight sync's time.
-Results go to $OUT/deepseek_gpu.json when OUT is set.
+--ep / --rollout-tp as in tests/gpu/test_moe_gpu.py. Results go to
+$OUT/deepseek_gpu[_ep2_rankN].json when OUT is set.
 """
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -82,25 +83,16 @@ def packed_vs_padded(chunks, spec, samples, device):
     return (out["padded"] - out["packed"]).abs().mean().item()
 
 
-def run():
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
+def run(ep=1, rollout_tp=1):
     from tests.gpu.test_vllm_agreement import replay_against_loader
-    from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, topk_differences, vllm_against_megatron,
-                                        write_model)
+    from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, result_path, setup, topk_differences,
+                                        vllm_against_megatron)
 
-    info = init_distributed()
-    res = {}
-    hf_dir = tempfile.mkdtemp(prefix="deepseek_gpu_")
-    write_model(hf_dir, "DeepseekV3ForCausalLM", MODEL)
-    spec = load_hf_spec(hf_dir)
-    chunks = build_model(spec, dtype=torch.bfloat16)
-    load_hf_weights(chunks, spec, hf_dir)
+    info, hf_dir, spec, chunks, res = setup(ep, "deepseek_gpu_", "DeepseekV3ForCausalLM", MODEL)
     for c in chunks:
         c.eval()
 
-    engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "deepseek", res)
+    engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "deepseek", res, rollout_tp)
     res["replay"] = replay_against_loader(engine, chunks, spec)  # the replayed sync = vLLM's loader
     res["packed_vs_padded"] = packed_vs_padded(chunks, spec, samples, info.device)
     sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
@@ -110,7 +102,7 @@ def run():
     total = res["topk_pairs_compared"]
     print("RESULT", json.dumps(res), flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "deepseek_gpu.json"), "w") as f:
+        with open(result_path("deepseek_gpu", info, ep), "w") as f:
             json.dump(res, f, indent=1)
     assert res["mean_abs_diff"] <= max(0.02, 2.5 * res["megatron_vs_fp32"]), res
     assert res["megatron_vs_fp32"] <= 0.05, res
@@ -120,6 +112,6 @@ def run():
 
 
 if __name__ == "__main__":
-    from tests.gpu.test_vllm_agreement import run_then_exit
+    from tests.gpu.test_moe_gpu import main
 
-    run_then_exit(run)
+    main(run)

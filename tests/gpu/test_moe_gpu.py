@@ -1,6 +1,7 @@
 """GPU: Mixture-of-Experts on the GPU stack: grouped experts, and vLLM agreeing with megatron.
 
     torchrun --standalone --nproc_per_node 1 tests/gpu/test_moe_gpu.py     (tests/gpu/run_all.sh)
+    torchrun --standalone --nproc_per_node 2 tests/gpu/test_moe_gpu.py --ep 2 [--rollout-tp 2]
 
 A random Qwen3-MoE-shaped model (bf16; hidden 512, 4 layers, 32 experts of 256, top-8,
 q/k norm, renormalised top-k) is written with transformers. Checked:
@@ -13,7 +14,10 @@ q/k norm, renormalised top-k) is written with transformers. Checked:
      against fp32 transformers), and the share of (token, layer) pairs whose top-k experts
      differ between vLLM and megatron on the same teacher-forced sequences (reported: the
      root of MoE trainer/rollout mismatch).
-Results go to $OUT/moe_gpu.json when OUT is set.
+With --ep 2 (two GPUs) megatron holds half of every layer's experts per rank (NCCL
+all-to-all dispatch, the sync gathering experts over EP) and vLLM runs one engine per GPU
+(--rollout-tp 1) or one over both (--rollout-tp 2); the samples of both replicas are scored.
+Results go to $OUT/moe_gpu[_ep2_rankN].json when OUT is set.
 """
 import json
 import os
@@ -149,7 +153,7 @@ def topk_differences(theirs, mine):
     return dict(topk_pairs_compared=total, topk_differ_frac=differ / max(total, 1))
 
 
-def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res):
+def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res, rollout_tp=1):
     """Start a VLLMEngine on hf_dir (config only, dummy weights), sync it from the megatron
     chunks (timed: res["timings"]), sample 8 random prompts x 4 at T=1 and record the mean
     |logprob difference| of the sampled tokens, vLLM vs megatron and each vs fp32
@@ -157,16 +161,18 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res):
     from transformers import AutoModelForCausalLM
 
     from common.rollout_vllm import VLLMEngine
-    from tests.gpu.test_vllm_agreement import hf_logprobs, megatron_logprobs, sync
+    from tests.gpu.test_vllm_agreement import gather_all, hf_logprobs, megatron_logprobs, sync
 
     t = time.perf_counter()
-    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=0.3, max_model_len=512, seed=0,
+                        enforce_eager=True)
     res["engine_start_s"] = round(time.perf_counter() - t, 1)
     timings = res["timings"] = {}
     sync(engine, chunks, spec, timings, tag)
-    g = torch.Generator().manual_seed(100)
+    g = torch.Generator().manual_seed(100 + engine.replica)  # different prompts per vLLM replica
     prompts = [torch.randint(10, vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
-    samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1)
+    # every rank scores every replica's samples (expert-parallel ranks run each forward together)
+    samples = gather_all(engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1))
     vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
     ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
@@ -177,25 +183,44 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res):
     return engine, samples
 
 
-def run():
+def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL):
+    """torch.distributed + megatron at expert parallel size ep, the random model written by
+    rank 0 into a temporary dir (one node: a shared /tmp), built and loaded sharded.
+    Returns (DistInfo, hf_dir, spec, chunks, res with the layout)."""
+    import torch.distributed as dist
+
     from common.dist import init_distributed
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
+
+    info = init_distributed(ep=ep)
+    hf_dir = [tempfile.mkdtemp(prefix=prefix) if info.rank == 0 else None]
+    dist.broadcast_object_list(hf_dir)
+    hf_dir = hf_dir[0]
+    if info.rank == 0:
+        write_model(hf_dir, arch, fields)
+    dist.barrier()
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, ep=ep, dtype=torch.bfloat16)
+    load_hf_weights(chunks, spec, hf_dir)
+    return info, hf_dir, spec, chunks, {"rank": info.rank, "world": info.world_size, "ep": ep}
+
+
+def result_path(name, info, ep):
+    suffix = f"_ep{ep}_rank{info.rank}" if info.world_size > 1 else ""
+    return os.path.join(os.environ["OUT"], f"{name}{suffix}.json")
+
+
+def run(ep=1, rollout_tp=1):
     from tests.gpu.test_vllm_agreement import replay_against_loader
 
-    init_distributed()
-    res = {}
-    hf_dir = tempfile.mkdtemp(prefix="moe_gpu_")
-    write_model(hf_dir)
-    spec = load_hf_spec(hf_dir)
-    chunks = build_model(spec, dtype=torch.bfloat16)
-    load_hf_weights(chunks, spec, hf_dir)
+    info, hf_dir, spec, chunks, res = setup(ep, "moe_gpu_")
     grouped_vs_sequential(chunks, res)
     print("RESULT grouped", json.dumps(res), flush=True)
     for c in chunks:
         c.eval()
 
-    engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "moe", res)
+    engine, samples = vllm_against_megatron(hf_dir, chunks, spec, VOCAB, "moe", res, rollout_tp)
     res["replay"] = replay_against_loader(engine, chunks, spec)  # the replayed sync = vLLM's loader
     sequences = [s.prompt_ids + s.response_ids for s in samples[::4]]
     theirs, mine = capture_vllm_topk(engine, sequences, MODEL["num_experts_per_tok"]), megatron_topk(chunks, sequences)
@@ -203,14 +228,24 @@ def run():
     total = res["topk_pairs_compared"]
     print("RESULT", json.dumps(res), flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_gpu.json"), "w") as f:
+        with open(result_path("moe_gpu", info, ep), "w") as f:
             json.dump(res, f, indent=1)
     assert res["mean_abs_diff"] <= max(0.02, 2.5 * res["megatron_vs_fp32"]), res
     assert total > 0, "no router outputs captured"
     assert not res["replay"]["broken"] and res["replay"]["params_differ_count"] == 0, res["replay"]
 
 
-if __name__ == "__main__":
+def main(run):
+    import argparse
+
     from tests.gpu.test_vllm_agreement import run_then_exit
 
-    run_then_exit(run)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=1, help="megatron's expert parallel size (one process per GPU)")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor parallel size")
+    args = ap.parse_args()
+    run_then_exit(run, args.ep, args.rollout_tp)
+
+
+if __name__ == "__main__":
+    main(run)
