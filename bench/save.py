@@ -1,6 +1,7 @@
 """Benchmark what a checkpoint save costs the training loop, and the offload phase's first steps.
 
     python bench/save.py --shape 1.5b                     # GPU (vLLM): a Qwen2-1.5B-shaped random model
+    python bench/save.py --shape 1.5b --steps 4 --save-every 2   # saves that do not meet each other
     python bench/save.py --shape embedded --steps 4       # CPU smoke run, the embedded tiny model
     python bench/save.py --shape 1.5b --direct            # the save alone, ours vs megatron's, one process
 
@@ -45,14 +46,17 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=["embedded", "0.5b", "1.5b", "7b"], default="1.5b",
                     help="model: the embedded tiny model, or a random Qwen2-shaped one (tests/gpu/make_random_model.py)")
-    ap.add_argument("--steps", type=int, default=3, help="training steps, a checkpoint after each")
+    ap.add_argument("--steps", type=int, default=3, help="training steps")
+    ap.add_argument("--save-every", type=int, default=1,
+                    help="a checkpoint every N steps (1: after each, so a save meets the previous one's writing; "
+                         "2 or more at 1.5B: the save's own blocking)")
     ap.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary dir)")
     ap.add_argument("--direct", action="store_true", help="time the save alone in this process, ours vs megatron's")
     return ap.parse_args(argv)
 
 
-def run(model_dir, out, steps, any_layout):
-    cmd = [sys.executable, "train_grpo.py", "--steps", str(steps), "--save-every", "1", "--out", out,
+def run(model_dir, out, steps, any_layout, save_every=1):
+    cmd = [sys.executable, "train_grpo.py", "--steps", str(steps), "--save-every", str(save_every), "--out", out,
            "--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4", "--mini-batch-size", "32",
            "--save-any-layout" if any_layout else "--no-save-any-layout"]
     if model_dir:
@@ -146,12 +150,13 @@ def main():
         t = time.time()
         write_embedded_model(model_dir, seed=0, max_position_embeddings=4096, rope_theta=1e6, **SHAPES[args.shape])
         print(f"random model {model_dir} ({time.time() - t:.0f} s)", flush=True)
-    result = {"shape": args.shape, "steps": args.steps}
+    result = {"shape": args.shape, "steps": args.steps, "save_every": args.save_every}
     for any_layout in (True, False):
         name = "any_layout" if any_layout else "dp_shards"
-        rows, exit_s = run(model_dir, os.path.join(work, name), args.steps, any_layout)
-        blocking = [r["save_s"] for r in rows]
-        waiting = [r.get("save_wait_sec", 0.0) for r in rows]  # of blocking: the previous save still writing
+        rows, exit_s = run(model_dir, os.path.join(work, name), args.steps, any_layout, args.save_every)
+        saved = [r for r in rows if "save_s" in r]  # the steps that saved
+        blocking = [r["save_s"] for r in saved]
+        waiting = [r.get("save_wait_sec", 0.0) for r in saved]  # of blocking: the previous save still writing
         total = [r["save_total_sec"] for r in rows if "save_total_sec" in r]
         offload = [r.get("offload_s", 0.0) for r in rows]
         result[name] = dict(save_blocking_s=blocking, save_wait_s=waiting, save_total_s=total, offload_s=offload,

@@ -50,7 +50,7 @@ def score(model, mbs, batch, loss_of, output_of, info):
     from common import batch as B
 
     num_rows, width = batch["mask"].shape
-    store = torch.zeros(num_rows + 1, width)  # + the spare row of packed tails
+    store = torch.zeros(num_rows + 1, width, device=info.device)  # + the spare row of packed tails
     tp_first = mpu.get_tensor_model_parallel_rank() == 0
 
     def loss_fn(mb, output):
@@ -64,7 +64,7 @@ def score(model, mbs, batch, loss_of, output_of, info):
     B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=info.device)  # (grads reduced over DP)
     dist.all_reduce(store)
     grads = torch.cat([p.main_grad.flatten().clone() for chunk in model for p in chunk.parameters()])
-    return store[:num_rows], grads
+    return store[:num_rows].cpu(), grads.cpu()
 
 
 def main():
