@@ -5,6 +5,10 @@
 Prints one JSON line: the median of every *_s metric over the steps after --skip (the first
 step pays for start-up: CUDA graphs, allocator, NCCL communicators), the max of every mem_*
 metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
+Plus issue 21's split of a step: overhead_s, the median over steps of what is neither
+generation nor the trainer's compute (sync, sleep, wake, offload, reload, reward), and
+overhead_share = overhead_s / step_s (the target is <= 0.10); generation and gathers of
+samples stay in rollout_s, the trainer's passes in old_logprob_s, ref_s and train_s.
 """
 import argparse
 import json
@@ -28,4 +32,8 @@ if __name__ == "__main__":
             out[k] = round(statistics.mean(r[k] for r in timed if k in r), 4)
     rewards = [r["reward_mean"] for r in rows]
     out["reward_first5"], out["reward_last5"] = round(statistics.mean(rewards[:5]), 4), round(statistics.mean(rewards[-5:]), 4)
+    overheads = ("sync_s", "sleep_s", "wake_s", "offload_s", "reload_s", "reward_s")
+    per_step = [sum(r.get(k, 0.0) for k in overheads) for r in timed]
+    out["overhead_s"] = round(statistics.median(per_step), 4)
+    out["overhead_share"] = round(statistics.median(o / r["step_s"] for o, r in zip(per_step, timed)), 4)
     print(json.dumps(out))
