@@ -343,7 +343,8 @@ def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, worl
     achieved = flops_per_step / step_s  # model FLOP/s, all devices together
     mfu = achieved / (world_size * peak_flops) if peak_flops else None
     mfu_full = flops_per_step_full / step_s / (world_size * peak_flops) if peak_flops else None
-    return dict(status="ok", profile=run.get("profile"), first_step=run["check"], tokens=tokens_per_step * len(times), seconds=sum(times),
+    return dict(status="ok", profile=run.get("profile"), first_step=run["check"],
+                tokens=tokens_per_step * len(times), seconds=sum(times),
                 tokens_per_s=tokens_per_step * len(times) / sum(times), step_s=step_s,
                 tokens_per_s_per_device=tokens_per_step * len(times) / sum(times) / world_size,
                 step_s_median=statistics.median(times), step_s_min=min(times), step_s_max=max(times),
@@ -442,7 +443,8 @@ def main():
                f"{r['step_s_max']:.3f}, {args.steps} steps); mean logprob pass {r['logprob_s']:.3f} s, "
                f"forward/backward {r['fwd_bwd_s']:.3f} s, optimizer {r['optimizer_s']:.3f} s")
         print0(f"{'':4s}first step: mean old logprob {r['first_step']['logprob_mean']:.6f}, "
-               f"grad norm {r['first_step']['grad_norm']:.6f} (the same at any layout with the same random weights: not across --ep sizes, each EP rank initialises its own experts)")
+               f"grad norm {r['first_step']['grad_norm']:.6f} (the same at any layout with the same random "
+               f"weights: not across --ep sizes, each EP rank initialises its own experts)")
         if r.get("profile"):
             for line in format_kernel_summary(r["profile"]):
                 print0(f"{'':4s}{line}")
