@@ -297,11 +297,8 @@ def main():
     tp_group = mpu.get_tensor_model_parallel_group()
     # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
     expert_peers = mpu.get_data_parallel_group() if spec.moe and args.ep * args.etp > 1 else None
-    # sequence lengths: SP splits a (CP rank's part of a) sequence over TP, CP cuts it into 2*cp chunks
-    multiple = 8 * args.tp * (2 * args.cp if args.cp > 1 else 1)
-    # packed passes under CP: every sample cut into 2*cp chunks (megatron's THD + CP layout), so each is
-    # padded to a multiple of 2*cp; GSPO's sequence ratio sums each sample's chunks over the CP group
-    sample_multiple = 2 * args.cp if args.cp > 1 else 1
+    # row and packed-sample length multiples of SP and CP; GSPO's ratio sums each sample's CP chunks
+    multiple, sample_multiple = B.length_multiples(args.tp, args.cp)
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 

@@ -2,6 +2,7 @@
 
   gather_samples(local)            every rank gets the global list (rollout replicas differ)
   pack_sequences(samples, ...)     prompt+response, right-padded, with the response mask
+  length_multiples(tp, cp)         the row / sample length multiples SP and CP need
   micro_batches(batch, rows, ...)  a rank's rows -> micro-batches of similar lengths, padding cut
   packed_micro_batches(...)        ... or samples back to back in one row per pass (no padding)
   scatter_tokens(store, mb, x)     a pass's per-token output back into the (N, T) layout
@@ -71,6 +72,15 @@ def split_micro_batches(batch: dict, micro_batch_size):
     """dict of (B, ...) tensors -> list of dicts of (micro_batch_size, ...) tensors."""
     size = next(iter(batch.values())).shape[0]
     return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
+
+
+def length_multiples(tp, cp):
+    """(row, sample) length multiples of a pass at tensor parallel size tp and context parallel
+    size cp: sequence parallelism splits a (CP rank's part of a) row over TP, CP cuts a row into
+    2*cp chunks (so rows are multiples of 8 * tp * 2cp), and a packed pass under CP cuts EVERY
+    sample into 2*cp chunks (megatron's THD + CP layout), so each sample is padded to 2*cp."""
+    chunks = 2 * cp if cp > 1 else 1
+    return 8 * tp * chunks, chunks
 
 
 def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_length=False, max_tokens=0,

@@ -88,8 +88,8 @@ class RewardModel:
 
         ids = [self.token_ids(p, r) for p, r in zip(prompts, responses)]
         lengths = torch.tensor([len(t) for t in ids])
-        cp = mpu.get_context_parallel_world_size()
-        multiple = 8 * mpu.get_tensor_model_parallel_world_size() * (2 * cp if cp > 1 else 1)  # SP, CP chunks
+        multiple, _ = B.length_multiples(mpu.get_tensor_model_parallel_world_size(),
+                                         mpu.get_context_parallel_world_size())
         width = -(-int(lengths.max()) // multiple) * multiple
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)  # (N, T) right-padded

@@ -94,8 +94,7 @@ def main():
     layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, sequence_parallel=args.sp)
     tp_group = mpu.get_tensor_model_parallel_group()
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
-    multiple = 8 * args.tp * (2 * args.cp if args.cp > 1 else 1)  # as the scripts'
-    sample_multiple = 2 * args.cp if args.cp > 1 else 1
+    multiple, sample_multiple = B.length_multiples(args.tp, args.cp)  # as the scripts'
     results = {}
     for name in args.models:
         hf_dir = os.path.join(args.models_dir, name)

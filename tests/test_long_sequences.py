@@ -205,7 +205,11 @@ print("COUNTS " + json.dumps(dict(counts, layers=spec.num_layers)))
 def test_context_parallel_split_by_hand():
     """CP=2 cuts a row of 8 into 4 chunks of 2: rank 0 keeps chunks 0 and 3, rank 1 chunks 1
     and 2 (equal causal work); src_col says where each token came from, seq_counts are the
-    whole rows' valid tokens; and the scattered parts of both ranks rebuild the row."""
+    whole rows' valid tokens; and the scattered parts of both ranks rebuild the row. The
+    length multiples the scripts pad to: rows of 8 per SP rank, times 2*cp chunks under CP;
+    packed samples of 2*cp under CP."""
+    assert [B.length_multiples(tp, cp) for tp, cp in ((1, 1), (2, 1), (1, 2), (2, 3))] == \
+        [(8, 1), (16, 1), (32, 4), (96, 6)]
     batch = padded_batch([5, 8], width=8)
     mb = {k: v for k, v in batch.items()}
     parts = [B.context_parallel_slice(mb, 2, rank) for rank in (0, 1)]
