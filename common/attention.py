@@ -37,7 +37,9 @@ packed rows (megatron's THD format, common/batch.py:packed_micro_batches), each 
 from the cu_seqlens of the PackedSeqParams megatron passes through (SDPAttention._packed).
 Context parallelism (a CP group in pg_collection): padded rows in _context_parallel, packed
 rows in _packed_context_parallel; both all-gather keys and values over the CP group and mask
-by each token's global position (in its row, or in its sample).
+by each token's global position (in its row, or in its sample). On GPUs the padded rows
+skip the mask: each of the rank's two chunks attends its key prefix through varlen flash
+attention (context_parallel_prefix_attention).
 """
 import functools
 import math
@@ -166,22 +168,8 @@ class SDPAttention(MegatronModule):
             freqs = self.rotary(params.max_seqlen_q)[(index - cu[seg]).long()]  # (t, 1, 1, d): own positions
             query = apply_rope(query.unsqueeze(1), freqs).squeeze(1)
             key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
-        gqa = self.heads_per_partition != self.groups_per_partition
         if varlen_usable(query):
-            from torch.nn.attention.varlen import varlen_attn
-
-            gqa_flag = {}
-            if gqa and _varlen_takes_gqa():
-                gqa_flag = dict(enable_gqa=True)
-            elif gqa:  # torch < 2.13's varlen_attn: one k/v head per query head
-                key, value = self._kv_per_query_head(key, value, dim=1)
-            # MLA: flash wants one head size. Zero columns change nothing: in the values they
-            # only pad the output (cut off below), in q and k they add 0 to every score.
-            size = max(self.head_dim, self.v_head_dim)
-            query, key, value = (F.pad(x, (0, size - x.shape[-1])) for x in (query, key, value))
-            out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
-                              scale=self.softmax_scale, window_size=(-1, 0), **gqa_flag)  # (-1, 0): causal
-            out = out[..., :self.v_head_dim]
+            out = self._varlen(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv)
         else:
             allowed = (seg[:, None] == seg[None, :]) & (index[:, None] >= index[None, :])  # (t, t)
             q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # (1, heads, t, d)
@@ -214,6 +202,9 @@ class SDPAttention(MegatronModule):
             query, key = apply_rope(query, freqs), apply_rope(key, freqs)
         key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
                       for x in (key, value))  # (cp * s, b, groups, d), rank after rank
+        if varlen_usable(query):  # flash: each chunk against its key prefix, no mask
+            out = context_parallel_prefix_attention(query, key, value, cp, rank, self._varlen)
+            return out.reshape(sq, query.shape[1], self.hidden_size_per_partition)
         k_pos = torch.cat([positions(r) for r in range(cp)])
         allowed = k_pos[None, :] <= q_pos[:, None]  # (s, cp * s): causal in global positions
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -259,6 +250,26 @@ class SDPAttention(MegatronModule):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.squeeze(0).permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
 
+    def _varlen(self, query, key, value, cu_q, cu_k, max_q, max_k):
+        """torch's varlen flash attention, causal (bottom-right aligned where a query sequence is
+        shorter than its key sequence, as in flash attention): query (t_q, heads/tp, d), key /
+        value (t_k, groups/tp, d), sequences cut at cu_q / cu_k. -> (t_q, heads/tp, v_d)."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        gqa_flag = {}
+        if self.heads_per_partition != self.groups_per_partition:
+            if _varlen_takes_gqa():
+                gqa_flag = dict(enable_gqa=True)
+            else:  # torch < 2.13's varlen_attn: one k/v head per query head
+                key, value = self._kv_per_query_head(key, value, dim=1)
+        # MLA: flash wants one head size. Zero columns change nothing: in the values they
+        # only pad the output (cut off below), in q and k they add 0 to every score.
+        size = max(self.head_dim, self.v_head_dim)
+        query, key, value = (F.pad(x, (0, size - x.shape[-1])) for x in (query, key, value))
+        out = varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=self.softmax_scale,
+                          window_size=(-1, 0), **gqa_flag)  # (-1, 0): causal
+        return out[..., :self.v_head_dim]
+
     def _kv_per_query_head(self, key, value, dim):
         """key/value with their groups repeated to one per query head along `dim` (GQA for the
         kernels without it: masked SDPA, older varlen attention); unchanged without GQA."""
@@ -266,6 +277,40 @@ class SDPAttention(MegatronModule):
         if repeat == 1:
             return key, value
         return key.repeat_interleave(repeat, dim=dim), value.repeat_interleave(repeat, dim=dim)
+
+
+def context_parallel_prefixes(s, cp, rank):
+    """The key prefixes of CP rank `rank`'s two chunks (common/batch.py:context_parallel_slice:
+    chunks rank and 2cp-1-rank of a sequence of 2cp chunks of h = s/2 tokens) in the keys
+    all-gathered over the CP group (cp * s, rank after rank). Returns (index, lengths): index
+    (L,) picks from the gathered keys, in global order, positions 0..(rank+1)h-1 (what the
+    first chunk attends) and then 0..(2cp-rank)h-1 (the second chunk's), lengths = those two
+    counts. With causal attention aligned bottom-right, query i of a chunk sees exactly the
+    keys at global positions <= its own."""
+    h = s // 2
+    chunk = torch.arange(2 * cp)
+    start = torch.where(chunk < cp, chunk * s, (2 * cp - 1 - chunk) * s + h)  # where global chunk c was gathered
+    order = (start[:, None] + torch.arange(h)).reshape(-1)  # global position -> gathered position
+    lengths = [(rank + 1) * h, (2 * cp - rank) * h]
+    return torch.cat([order[:n] for n in lengths]), lengths
+
+
+def context_parallel_prefix_attention(query, key, value, cp, rank, varlen):
+    """Causal attention of CP rank `rank`'s tokens without a mask: each of its two chunks (per
+    row) is one query sequence against its key prefix (context_parallel_prefixes), through
+    varlen(q, k, v, cu_q, cu_k, max_q, max_k) -- flash attention, causal bottom-right.
+    query (s, b, heads, d); key / value all-gathered (cp * s, b, groups, d). -> (s, b, heads, v_d)."""
+    s, b = query.shape[:2]
+    h = s // 2
+    index, lengths = context_parallel_prefixes(s, cp, rank)
+    index = index.to(query.device)
+    total = index.numel()
+    q = query.transpose(0, 1).reshape(b * s, *query.shape[2:])  # row after row: chunk, chunk
+    k, v = (x.index_select(0, index).transpose(0, 1).reshape(b * total, *x.shape[2:]) for x in (key, value))
+    cu_q = torch.arange(2 * b + 1, dtype=torch.int32, device=query.device) * h
+    cu_k = torch.tensor([0] + lengths * b, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
+    out = varlen(q, k, v, cu_q, cu_k, h, max(lengths))  # (b * s, heads, v_d)
+    return out.reshape(b, s, *out.shape[1:]).transpose(0, 1)
 
 
 def varlen_usable(query):

@@ -204,3 +204,55 @@ def test_apply_rope_matches_megatron_and_compiles():
         torch.testing.assert_close(compiled_grad, grad, atol=1e-6, rtol=0)
         bf16 = apply_rope(t.detach().bfloat16(), freqs)
         assert bf16.dtype == torch.bfloat16 and (bf16.float() - ours).abs().max() < 0.05
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, bottom_right=True):
+    """What flash attention's varlen kernel computes (the CPU has none): each sequence's queries
+    against its keys, causal aligned bottom-right (query i sees keys <= i + len_k - len_q), GQA
+    by repeating k/v. (t, heads, d) in, (t, heads, v_d) out, fp32 math."""
+    out = []
+    for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qs, ks, vs = q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1)  # (heads, ., d)
+        repeat = qs.shape[0] // ks.shape[0]
+        ks, vs = ks.repeat_interleave(repeat, 0), vs.repeat_interleave(repeat, 0)
+        shift = (e - c) - (b - a) if bottom_right else 0
+        allowed = torch.arange(e - c)[None, :] <= torch.arange(b - a)[:, None] + shift
+        out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_prefixes_equal_the_global_mask(cp):
+    """The GPU path of context parallelism (padded rows): each CP rank's two chunks as query
+    sequences against their key prefixes of the gathered keys, through a varlen kernel with
+    bottom-right causal alignment, equal causal attention over the whole sequence restricted
+    to that rank's tokens (what the masked path computes), for every rank; GQA, two rows,
+    and v's head size != q/k's (MLA). Top-left alignment (the wrong convention) differs."""
+    from common.attention import context_parallel_prefix_attention
+
+    torch.manual_seed(0)
+    h, b, heads, groups, d, dv = 3, 2, 4, 2, 8, 6
+    s = 2 * h  # one rank's tokens: two chunks
+    full = 2 * cp * h
+    q_all = torch.randn(full, b, heads, d)
+    k_all, v_all = torch.randn(full, b, groups, d), torch.randn(full, b, groups, dv)
+    # ground truth: causal attention over the whole sequence
+    rep = heads // groups
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q_all.permute(1, 2, 0, 3), k_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
+        v_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1), is_causal=True).permute(2, 0, 1, 3)  # (full, b, heads, dv)
+
+    def positions(r):  # global positions of rank r's tokens (common/batch.py:context_parallel_slice)
+        return torch.cat([torch.arange(r * h, (r + 1) * h), torch.arange((2 * cp - 1 - r) * h, (2 * cp - r) * h)])
+
+    gathered_k = torch.cat([k_all[positions(r)] for r in range(cp)])  # rank after rank, as the all-gather
+    gathered_v = torch.cat([v_all[positions(r)] for r in range(cp)])
+    for rank in range(cp):
+        mine = positions(rank)
+        out = context_parallel_prefix_attention(q_all[mine], gathered_k, gathered_v, cp, rank, varlen_reference)
+        assert out.shape == (s, b, heads, dv)
+        torch.testing.assert_close(out, ref[mine], atol=1e-6, rtol=1e-5)
+        top_left = context_parallel_prefix_attention(
+            q_all[mine], gathered_k, gathered_v, cp, rank,
+            lambda *a: varlen_reference(*a, bottom_right=False))
+        assert (top_left - ref[mine]).abs().max() > 1e-2  # every rank's second chunk starts past position 0
