@@ -242,6 +242,12 @@ class SDPAttention(MegatronModule):
             key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
         key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
                       for x in (key, value))  # (cp * t/cp, groups, d), rank after rank
+        if varlen_usable(query):  # flash: each sample's two chunks against their key prefixes, no mask
+            index, cu_q, cu_k = context_parallel_packed_prefixes(cu, cp, rank, t * cp)
+            chunk = params.max_seqlen_q // (2 * cp)  # the longest chunk (max_seqlen: the longest sample)
+            out = self._varlen(query, key.index_select(0, index), value.index_select(0, index), cu_q, cu_k,
+                               chunk, (2 * cp - rank) * chunk)
+            return out.reshape(t, self.hidden_size_per_partition)
         k_sample, k_pos = (torch.cat(parts) for parts in zip(*(thd_context_parallel_layout(cu, cp, r, t)
                                                                  for r in range(cp))))  # (t,) each
         allowed = (q_sample[:, None] == k_sample[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # (t/cp, t)
@@ -311,6 +317,35 @@ def context_parallel_prefix_attention(query, key, value, cp, rank, varlen):
     cu_k = torch.tensor([0] + lengths * b, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
     out = varlen(q, k, v, cu_q, cu_k, h, max(lengths))  # (b * s, heads, v_d)
     return out.reshape(b, s, *out.shape[1:]).transpose(0, 1)
+
+
+def context_parallel_packed_prefixes(cu_seqlens, cp, rank, length):
+    """context_parallel_prefixes for a packed row (megatron's THD + CP layout,
+    common/batch.py:thd_context_parallel_layout): the whole row of `length` tokens holds samples
+    at cu_seqlens (each a multiple of 2cp long), each cut into 2cp chunks of c_s tokens, and CP
+    rank `rank` holds chunks rank and 2cp-1-rank of every sample, sample after sample. Returns
+    (index, cu_q, cu_k), all on cu_seqlens' device, no host sync: cu_q cuts the rank's own
+    tokens into its 2 chunks per sample (query sequences), index picks from the keys gathered
+    over the CP group (length tokens, rank after rank) each chunk's key prefix within its
+    sample, positions 0..(rank+1)c_s-1 and 0..(2cp-rank)c_s-1, and cu_k cuts those."""
+    cu = cu_seqlens.long()
+    device, local = cu.device, length // cp
+    chunk = (cu[1:] - cu[:-1]) // (2 * cp)  # (S,)
+    local_start = cu[:-1] // cp  # where each sample begins in a rank's own row
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    q_lengths = chunk.repeat_interleave(2)
+    k_lengths = torch.stack([(rank + 1) * chunk, (2 * cp - rank) * chunk], 1).reshape(-1)
+    cu_q, cu_k = (torch.cat([zero, lengths.cumsum(0)]) for lengths in (q_lengths, k_lengths))
+    total = (2 * cp + 1) * (length // (2 * cp))  # = cu_k[-1] when every sample divides by 2cp
+    j = torch.arange(total, device=device)
+    seq = torch.searchsorted(cu_k, j, right=True) - 1
+    sample = seq // 2
+    position = j - cu_k[seq]  # within the sample
+    c = chunk[sample]
+    k = position // c  # the sample's global chunk
+    owner = torch.where(k < cp, k, 2 * cp - 1 - k)
+    index = owner * local + local_start[sample] + (k >= cp) * c + position % c
+    return index, cu_q.int(), cu_k.int()
 
 
 def varlen_usable(query):

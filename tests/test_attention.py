@@ -256,3 +256,38 @@ def test_context_parallel_prefixes_equal_the_global_mask(cp):
             q_all[mine], gathered_k, gathered_v, cp, rank,
             lambda *a: varlen_reference(*a, bottom_right=False))
         assert (top_left - ref[mine]).abs().max() > 1e-2  # every rank's second chunk starts past position 0
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_packed_prefixes_equal_per_sample_attention(cp):
+    """The same for packed rows under CP (megatron's THD + CP layout): with the index and
+    boundaries of context_parallel_packed_prefixes, a varlen kernel (bottom-right causal) over
+    each rank's chunks of every sample equals each sample's own causal attention, restricted
+    to that rank's tokens, for every rank (samples of different lengths, GQA); a layout that
+    takes the gathered keys as if they were in sample order fails."""
+    from common.attention import context_parallel_packed_prefixes
+    from common.batch import thd_context_parallel_layout
+
+    torch.manual_seed(0)
+    lengths = [4 * cp, 2 * cp, 6 * cp, 2 * cp]  # multiples of 2cp, as the packing pads them
+    cu = torch.tensor([0] + lengths).cumsum(0).int()
+    total, heads, groups, d, dv = int(cu[-1]), 4, 2, 8, 6
+    q_all, k_all = torch.randn(total, heads, d), torch.randn(total, groups, d)
+    v_all = torch.randn(total, groups, dv)
+    ref = torch.cat([varlen_reference(q_all[a:b], k_all[a:b], v_all[a:b], torch.tensor([0, b - a]),
+                                      torch.tensor([0, b - a]), b - a, b - a)
+                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])  # each sample alone
+
+    def mine(r):  # where rank r's tokens sit in the whole row
+        sample, position = thd_context_parallel_layout(cu, cp, r, total // cp)
+        return cu.long()[sample] + position
+
+    gathered_k = torch.cat([k_all[mine(r)] for r in range(cp)])
+    gathered_v = torch.cat([v_all[mine(r)] for r in range(cp)])
+    for rank in range(cp):
+        index, cu_q, cu_k = context_parallel_packed_prefixes(cu, cp, rank, total)
+        assert int(cu_q[-1]) == total // cp and int(cu_k[-1]) == len(index)
+        out = varlen_reference(q_all[mine(rank)], gathered_k[index], gathered_v[index], cu_q, cu_k, 0, 0)
+        torch.testing.assert_close(out, ref[mine(rank)], atol=1e-6, rtol=1e-5)
+        wrong = varlen_reference(q_all[mine(rank)], k_all[index], v_all[index], cu_q, cu_k, 0, 0)  # keys in sample order
+        assert (wrong - ref[mine(rank)]).abs().max() > 1e-2

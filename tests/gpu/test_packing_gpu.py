@@ -128,8 +128,9 @@ def test_context_parallel_prefixes_flash():
     can run (SDPA with the (s, cp*s) global-position mask), per CP rank, no process group
     needed: the rank's queries and the gathered keys/values are built here. bf16 outputs and
     q/k/v gradients no further from the fp32 masked result than the bf16 masked ones (x1.5 +
-    1e-3), at cp 2 and 4 with 7B's GQA (28 heads on 4 groups of 128). Then the time of one
-    rank's forward + backward both ways at 2 x 16384 tokens (cp 2: one 32k sequence)."""
+    1e-3), at cp 2 and 4 with 7B's GQA (28 heads on 4 groups of 128), for padded rows and for
+    packed rows of 5 samples (context_parallel_packed_prefixes). Then the time of one rank's
+    forward + backward both ways at 2 x 16384 tokens (cp 2: one 32k sequence)."""
     import torch.nn.functional as F
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -179,6 +180,41 @@ def test_context_parallel_prefixes_flash():
                       for name, fn in (("masked", masked), ("flash", flash))}
             result[f"cp{cp}_rank{rank}"] = errors
             for flash_err, masked_err in zip(errors["flash"], errors["masked"]):  # out, dq, dk, dv
+                assert flash_err <= 1.5 * masked_err + 1e-3, (cp, rank, errors)
+    # packed rows under CP: each sample's two chunks per rank against their prefixes (flash) vs the mask
+    from common.attention import context_parallel_packed_prefixes
+    from common.batch import thd_context_parallel_layout
+
+    for cp in (2, 4):
+        cu = torch.tensor([0, 1024, 256, 512, 2048, 256]).cumsum(0).int().cuda()  # multiples of 2cp
+        total = int(cu[-1])
+        k_sample, k_pos = (torch.cat(p) for p in zip(*(thd_context_parallel_layout(cu, cp, r, total // cp)
+                                                         for r in range(cp))))
+
+        def packed_masked(q, k, v, cp, rank):
+            q_sample, q_pos = thd_context_parallel_layout(cu, cp, rank, total // cp)
+            allowed = (q_sample[:, None] == k_sample[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            q_, k_, v_ = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+            k_, v_ = (x.repeat_interleave(heads // groups, 1) for x in (k_, v_))
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=allowed, scale=module.softmax_scale)
+            return out.squeeze(0).permute(1, 0, 2)
+
+        def packed_flash(q, k, v, cp, rank):
+            index, cu_q, cu_k = context_parallel_packed_prefixes(cu, cp, rank, total)
+            chunk = 2048 // (2 * cp)
+            return module._varlen(q, k.index_select(0, index), v.index_select(0, index), cu_q, cu_k, chunk,
+                                  (2 * cp - rank) * chunk)
+
+        for rank in range(cp):
+            inputs = [torch.randn(total // cp, heads, d, generator=g, device="cuda"),
+                      torch.randn(total, groups, d, generator=g, device="cuda"),
+                      torch.randn(total, groups, d, generator=g, device="cuda")]
+            weights = torch.randn(total // cp, heads, d, generator=g, device="cuda")
+            reference = run(packed_masked, inputs, weights, torch.float32, cp, rank)
+            errors = {name: [rel(a, b) for a, b in zip(run(fn, inputs, weights, torch.bfloat16, cp, rank), reference)]
+                      for name, fn in (("masked", packed_masked), ("flash", packed_flash))}
+            result[f"packed_cp{cp}_rank{rank}"] = errors
+            for flash_err, masked_err in zip(errors["flash"], errors["masked"]):
                 assert flash_err <= 1.5 * masked_err + 1e-3, (cp, rank, errors)
     # speed: one rank of cp 2 on a 32k-token sequence, forward + backward, paired, median of 3
     cp, h = 2, 8192
