@@ -221,12 +221,11 @@ class SDPAttention(MegatronModule):
         backward reduce-scatters their gradients); a query attends the keys of its own sample
         at a position within the sample <= its own. RoPE angles are of each token's position
         in its sample. -> (t/cp, heads/tp * v_d).
-        Masked SDPA on every device, with a (t/cp, t) boolean mask: exact, but O(t^2 / cp)
-        mask memory. The fast GPU path would reorder the gathered keys/values into sample
-        order and call varlen flash attention once, each of the rank's 2 chunks of a sample
-        being one query sequence against the sample's key prefix up to that chunk's end
-        (flash's causal mask is bottom-right aligned when q is shorter than k), so no mask
-        and no (t, t) anything; TE does the same with its THD ring-attention kernels."""
+        On GPUs (varlen_usable): varlen flash attention once, each of the rank's 2 chunks of a
+        sample one query sequence against the sample's key prefix up to that chunk's end
+        (context_parallel_packed_prefixes; flash's causal mask is bottom-right aligned when q
+        is shorter than k), so no mask. Elsewhere masked SDPA with a (t/cp, t) boolean mask:
+        exact, but O(t^2 / cp) mask memory."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         from common.batch import thd_context_parallel_layout
