@@ -366,7 +366,7 @@ def main():
                 engine.wake_weights()  # weights first: the KV cache is not needed while syncing
             with timer("sync"):
                 engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                        bucket_mb=args.sync_bucket_mb))
+                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks))
             with timer("offload"):
                 if offload_params:
                     actor_off.offload()  # its weights now live in the engine

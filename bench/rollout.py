@@ -154,7 +154,7 @@ def main():
     n, max_tokens = args.samples_per_prompt, args.max_new_tokens
 
     def export():
-        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb)
+        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks)
 
     def cycle():
         """The engine part of a training step before generation (train_grpo.py step 1)."""

@@ -95,7 +95,7 @@ def main():
         engine = HFEngine(hf_dir, dtype=dtype, device=info.device, eos_token_ids=[])
 
     def export():
-        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb)
+        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks)
 
     def export_only():
         for _ in export():

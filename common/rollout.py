@@ -63,6 +63,8 @@ def vllm_available():
 class RolloutEngine:
     """The interface every rollout engine implements (HFEngine here; VLLMEngine on GPUs)."""
 
+    expert_blocks = False  # True: update_weights takes routed experts as (module, common.weights.ExpertBlock)
+
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seed: int, logprob_samples: int | None = None) -> list[Sample]:
         """Sample n responses per prompt (token ids). Returns len(prompts) * n Samples in

@@ -77,6 +77,8 @@ class VLLMEngine(RolloutEngine):
     """vLLM colocated with the trainer on the same GPUs. All ranks construct it together,
     after common.dist.init_distributed (torch.distributed must exist)."""
 
+    expert_blocks = True  # routed experts arrive stacked per layer (export_hf_weights(expert_blocks=True))
+
     def __init__(self, hf_dir, rollout_tp=1, gpu_memory_utilization=0.5, max_model_len=4096,
                  dtype="bfloat16", seed=0, enforce_eager=False, enable_sleep=True, load_format="dummy",
                  eos_token_ids=None, **llm_kwargs):
@@ -245,7 +247,16 @@ class VLLMEngine(RolloutEngine):
         for Moonlight-16B-A3B's 4,992); a slice copy is one kernel. Names of the parameters
         written go into `written`. A layer whose fused parameters are not found in that form
         (another MoE backend, vLLM's own expert parallelism) goes through load_weights."""
-        for name, tensor in named_tensors:
+        from common.weights import ExpertBlock
+
+        def expanded():  # blocks this method cannot copy as a whole go on as per-expert tensors
+            for name, tensor in named_tensors:
+                if isinstance(tensor, ExpertBlock) and not self._copy_block(tensor, written):
+                    yield from tensor.hf()
+                elif not isinstance(tensor, ExpertBlock):
+                    yield name, tensor
+
+        for name, tensor in expanded():
             match = EXPERT_NAME.fullmatch(name)
             fused = self._fused_experts(name[:name.index(".experts.") + len(".experts")]) if match else None
             if fused is None or match[3] not in EXPERT_HALF:
@@ -265,6 +276,26 @@ class VLLMEngine(RolloutEngine):
                 w13[expert, half * rows:(half + 1) * rows].copy_(
                     tensor[self._vllm_tp_rank * rows:(self._vllm_tp_rank + 1) * rows])
                 written.add(w13_name)
+
+    def _copy_block(self, block, written):
+        """Copy an ExpertBlock (experts first .. first + n - 1 of one layer, stacked) into this
+        vLLM TP rank's slices of the layer's w13 / w2 in three copies; False (nothing written)
+        where the fused parameters are not found in the layout _copy_experts assumes."""
+        fused = self._fused_experts(block.prefix)
+        if fused is None:
+            return False
+        (w13_name, w13), (w2_name, w2) = fused
+        n, rows, cols, r = block.fc1.shape[0], w13.shape[1] // 2, w2.shape[2], self._vllm_tp_rank
+        inter = block.fc1.shape[1] // 2
+        if (inter != rows * self._vllm_tp_size or tuple(block.fc2.shape[1:]) != (w2.shape[1], cols * self._vllm_tp_size)
+                or block.fc1.shape[2] != w13.shape[2] or block.first + n > w13.shape[0]):
+            return False
+        experts = slice(block.first, block.first + n)
+        w13[experts, :rows].copy_(block.fc1[:, r * rows:(r + 1) * rows])                  # gate
+        w13[experts, rows:].copy_(block.fc1[:, inter + r * rows:inter + (r + 1) * rows])  # up
+        w2[experts].copy_(block.fc2[:, :, r * cols:(r + 1) * cols])                       # down
+        written.update((w13_name, w2_name))
+        return True
 
     def _fused_experts(self, module_name):
         """((name, w13_weight), (name, w2_weight)) of vLLM's fused MoE module `module_name`

@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
+_IGNORED = object()  # WritePlan.record: the stream's current item is not a tensor (not recorded)
 _FILLS = (aten.fill_.Scalar, aten.zero_.default)
 
 
@@ -80,7 +81,12 @@ class WritePlan:
                     item = next(source, None)
                 if item is None:
                     return
-                name, tensor = recorder.current = item
+                name, tensor = item
+                if not isinstance(tensor, torch.Tensor):  # e.g. an ExpertBlock the caller copies itself:
+                    recorder.current = _IGNORED               # its writes are neither recorded nor a break
+                    yield name, tensor
+                    continue
+                recorder.current = item
                 self.signature[name] = (tensor.shape, tensor.stride(), tensor.dtype)
                 self.steps.setdefault(name, [])  # a tensor the loader writes nowhere replays as nothing
                 if not tensor.is_contiguous():
@@ -97,7 +103,7 @@ class WritePlan:
         was not recorded replayably or `tensor` differs in shape, strides or dtype.
         Host time matters here (~400 calls per sync at 7B): the destination views were made
         once, and a source that is the whole tensor is used as is."""
-        steps = None if self.broken else self.steps.get(name)
+        steps = None if self.broken or not isinstance(tensor, torch.Tensor) else self.steps.get(name)
         if steps is None:
             return False
         shape, stride, dtype = self.signature[name]
@@ -117,6 +123,8 @@ class WritePlan:
         """An aten op of the loader that writes into a parameter, while it handles `current`
         ((name, tensor), or None between tensors). only_dst: the op's first argument is the
         one tensor it writes into a parameter."""
+        if current is _IGNORED:
+            return
         if current is None:  # a write nothing can be attributed to: the loader must always run
             self.broken = True
             return

@@ -8,6 +8,7 @@ The name/shape mapping itself lives in common/bridge.py.
 """
 import json
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,60 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
 # ---------------------------------------------------------------------------------------
 # megatron -> HF (export generator)
 # ---------------------------------------------------------------------------------------
+class ExpertBlock(NamedTuple):
+    """Routed experts first .. first + n - 1 of one layer, stacked: fc1 (n, 2I, H) holds each
+    expert's [gate; up], fc2 (n, H, I) its down projection (views of the export's buffers or
+    of the parameters; never write into them). hf() gives the same as (hf_name, tensor)
+    pairs, as export_hf_weights yields them without expert_blocks."""
+    prefix: str   # the layer's HF experts module, e.g. model.layers.3.mlp.experts
+    first: int
+    fc1: torch.Tensor
+    fc2: torch.Tensor
+    projections: tuple  # HF names of (gate, up, down), e.g. ("gate_proj", "up_proj", "down_proj")
+
+    def hf(self):
+        inter = self.fc1.shape[1] // 2
+        gate, up, down = self.projections
+        for i in range(self.fc1.shape[0]):
+            e = f"{self.prefix}.{self.first + i}"
+            yield f"{e}.{gate}.weight", self.fc1[i, :inter]
+            yield f"{e}.{up}.weight", self.fc1[i, inter:]
+            yield f"{e}.{down}.weight", self.fc2[i]
+
+
+def _expert_pairs(bucket):
+    """Runs of consecutive (fc1, fc2) entries of consecutive local experts of one layer in a
+    bucket (megatron's SequentialMLP order: expert j's fc1, its fc2, expert j+1's ...), all of
+    one shape. Yields ("run", [entry index of each fc1]) or ("single", entry index)."""
+    def info(i):  # (layer, local expert, is fc1) of a routed expert's projection, else None
+        name = bucket[i][1]
+        j = expert_index(name)
+        if j is None or not name.endswith(("linear_fc1.weight", "linear_fc2.weight")):
+            return None
+        return name[:name.index(".experts.")], j, name.endswith("linear_fc1.weight")
+
+    def pair_at(i):  # expert j's fc1 at i, its fc2 at i + 1
+        a, b = (info(i), info(i + 1)) if i + 1 < len(bucket) else (None, None)
+        return a is not None and b is not None and a[2] and not b[2] and a[:2] == b[:2]
+
+    def continues(run, i):  # the next expert of the run's layer, with the run's shapes
+        first, last = info(run[0]), info(run[-1])
+        return (info(i)[0] == first[0] and info(i)[1] == last[1] + 1
+                and bucket[i][2] == bucket[run[0]][2] and bucket[i + 1][2] == bucket[run[0] + 1][2])
+
+    i = 0
+    while i < len(bucket):
+        run = []
+        while pair_at(i) and (not run or continues(run, i)):
+            run.append(i)
+            i += 2
+        if run:
+            yield "run", run
+        else:
+            yield "single", i
+            i += 1
+
+
 def _export_plan(chunks, spec, tp_size):
     """This rank's exported parameters, and the ordered plan of every PP stage's ones.
 
@@ -139,8 +194,13 @@ def _export_plan(chunks, spec, tp_size):
     return dict(local), plan
 
 
-def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb=512):
+def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb=512, expert_blocks=False):
     """Yield (hf_name, full tensor in `dtype`) for every tensor of the HF checkpoint.
+
+    expert_blocks (without expert TP): routed experts come as (HF experts module,
+    ExpertBlock) items, a layer's experts stacked (one item per run of experts in a bucket
+    instead of three tensors per expert: Qwen3-30B-A3B has 18,432), for a consumer that copies
+    them in a few kernels (VLLMEngine); ExpertBlock.hf() gives the per-expert tensors.
 
     All ranks call this and must consume the generator to the end (it runs collectives):
     TP shards are all-gathered in flat buckets of <= bucket_mb of full tensors (routed
@@ -190,15 +250,39 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
         kind, hf_names = param_rule(name, spec)
         return hf_from_shards(kind, hf_names, shards, spec)
 
+    def block(name, copy, fc1, fc2):  # (HF experts module, ExpertBlock) from expert j's fc1 name
+        fc1_name = global_expert_name(name, copy, ep_size, spec.moe.num_experts)
+        (gate_name, up_name), (down_name,) = (param_rule(n, spec)[1] for n in
+                                              (fc1_name, fc1_name.replace("linear_fc1", "linear_fc2")))
+        prefix, first, gate, _ = gate_name.rsplit(".", 3)  # model.layers.L.mlp.experts, e, gate_proj, weight
+        projections = (gate, up_name.rsplit(".", 2)[1], down_name.rsplit(".", 2)[1])
+        return prefix, ExpertBlock(prefix, int(first), fc1, fc2, projections)
+
+    def stacked(tensors):  # one (n, ...) tensor: a strided view where the parameters are evenly spaced
+        t0 = tensors[0]
+        step = (tensors[1].data_ptr() - t0.data_ptr()) // t0.element_size() if len(tensors) > 1 else t0.numel()
+        if step >= t0.numel() and all(t.is_contiguous() and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
+                                      and t.data_ptr() == t0.data_ptr() + i * step * t0.element_size()
+                                      for i, t in enumerate(tensors)):
+            return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
+        return torch.stack(tensors)
+
+    blocks = expert_blocks and spec.moe is not None
     for bucket in buckets:
         owner, expert, fp32 = bucket_key(bucket[0])
         copies, width, shard_group = layout(expert)
         kind_dtype = torch.float32 if fp32 else dtype
         if copies == width == pp_size == 1:  # nothing to gather or send: the parameters themselves
             # (no flat bucket: at 7B on one GPU its concatenation was 2/3 of the sync, issue 21)
-            for _, name, *_ in bucket:
-                tensor = local[name].detach()
-                yield from hf_tensors(name, [tensor if tensor.dtype == kind_dtype else tensor.to(kind_dtype)], expert, 0)
+            def own(i):
+                tensor = local[bucket[i][1]].detach()
+                return tensor if tensor.dtype == kind_dtype else tensor.to(kind_dtype)
+
+            for what, where in (_expert_pairs(bucket) if blocks and expert else (("single", i) for i in range(len(bucket)))):
+                if what == "single":
+                    yield from hf_tensors(bucket[where][1], [own(where)], expert, 0)
+                else:
+                    yield block(bucket[where[0]][1], 0, stacked([own(i) for i in where]), stacked([own(i + 1) for i in where]))
             continue
         local_numel = sum(torch.Size(entry[2]).numel() for entry in bucket)
         gathered = torch.empty(copies, width, local_numel, dtype=kind_dtype, device=device)  # (ep, tp, bucket/tp)
@@ -214,11 +298,24 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
             del flat, shards
         if pp_size > 1:
             dist.broadcast(gathered, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        offsets = [0]
+        for entry in bucket:
+            offsets.append(offsets[-1] + torch.Size(entry[2]).numel())
         for copy in range(copies):
-            offset = 0
-            for _, name, shape, *_ in bucket:
-                numel = torch.Size(shape).numel()
-                shards = [gathered[copy, r, offset:offset + numel].view(shape) for r in range(width)]
-                offset += numel
-                yield from hf_tensors(name, shards, expert, copy)
+            pieces = (_expert_pairs(bucket) if blocks and expert and width == 1
+                      else (("single", i) for i in range(len(bucket))))
+            for what, where in pieces:
+                if what == "single":
+                    _, name, shape, *_ = bucket[where]
+                    numel = torch.Size(shape).numel()
+                    shards = [gathered[copy, r, offsets[where]:offsets[where] + numel].view(shape) for r in range(width)]
+                    yield from hf_tensors(name, shards, expert, copy)
+                    continue
+                flat = gathered[copy, 0]
+                shape1, shape2 = bucket[where[0]][2], bucket[where[0] + 1][2]
+                pair = offsets[where[0] + 2] - offsets[where[0]]  # one expert's fc1 + fc2 elements
+                fc1 = flat.as_strided((len(where), *shape1), (pair, shape1[1], 1), flat.storage_offset() + offsets[where[0]])
+                fc2 = flat.as_strided((len(where), *shape2), (pair, shape2[1], 1),
+                                      flat.storage_offset() + offsets[where[0] + 1])
+                yield block(bucket[where[0]][1], copy, fc1, fc2)
         del gathered

@@ -116,6 +116,18 @@ def main():
         row["export_missing"] = sorted(set(on_disk) - set(exported))
         row["export_extra"] = sorted(set(exported) - set(on_disk))
         row["export_mismatch"] = sorted(k for k in set(on_disk) & set(exported) if not torch.equal(on_disk[k], exported[k]))
+        # routed experts as stacked ExpertBlocks (the vLLM sync's form): expanded, the same tensors
+        from common.weights import ExpertBlock
+
+        via_blocks, row["expert_blocks"] = {}, 0
+        for hf_name, t in export_hf_weights(chunks, spec, dtype=torch.float32, bucket_mb=0.05, expert_blocks=True):
+            if isinstance(t, ExpertBlock):
+                row["expert_blocks"] += 1
+                via_blocks.update((n, x.clone()) for n, x in t.hf())
+            else:
+                via_blocks[hf_name] = t.clone()
+        row["blocks_mismatch"] = sorted(k for k in set(on_disk) | set(via_blocks)
+                                        if k not in via_blocks or k not in on_disk or not torch.equal(on_disk[k], via_blocks[k]))
 
         # negative control 1: k and v swapped in the fused qkv; with multi-latent attention
         # (no qkv) the router's score-correction bias left at zero instead

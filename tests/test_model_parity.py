@@ -54,6 +54,7 @@ def test_parity(layout, tiny_models_dir, uneven_models_dir, tmp_path):
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [], where
             assert row["export_mismatch"] == [], where
+            assert row["blocks_mismatch"] == [] and row["expert_blocks"] == 0, where  # dense: nothing to stack
             assert row["control_kv_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags:
                 assert row["control_naive_fc1"] > 100 * TOLERANCE, where

@@ -45,6 +45,9 @@ def test_moe_parity(layout, tiny_moe_models_dir, tmp_path):
             print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e} experts_swapped={row['control_experts_swapped']:.2e}")
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [] and row["export_mismatch"] == [], where
+            # experts stacked per layer (the vLLM sync): the same tensors; blocks wherever experts are not TP-split
+            assert row["blocks_mismatch"] == [], where
+            assert (row["expert_blocks"] > 0) == ("--etp" not in flags), where
             assert row["control_kv_swapped"] > 100 * TOLERANCE, where
             assert row["control_experts_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags and name != "mixtral":  # mixtral has no TP-sharded gate_up at etp 1

@@ -257,3 +257,45 @@ def test_no_eos_ids_ignore_eos(engine, tmp_path):
     no_eos.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
     params = no_eos.llm.requests[-1][1]
     assert len(params) == 2 and all(p.stop_token_ids == [] and p.ignore_eos for p in params)
+
+
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
+def test_stacked_experts_are_copied_like_single_ones(engine, monkeypatch, tp_rank, tp_size):
+    """Routed experts as ExpertBlocks (export_hf_weights(expert_blocks=True): a layer's experts
+    stacked) land in w13 / w2 exactly as the same experts sent one tensor at a time; a block for
+    a module without fused parameters goes to load_weights as per-expert tensors; the first
+    sync's recording neither records nor breaks on a block, and the second sync replays the rest."""
+    from common.weights import ExpertBlock
+
+    dist_module = types.ModuleType("vllm.distributed")
+    dist_module.get_tensor_model_parallel_rank = lambda: tp_rank
+    dist_module.get_tensor_model_parallel_world_size = lambda: tp_size
+    monkeypatch.setitem(sys.modules, "vllm.distributed", dist_module)
+    torch.manual_seed(0)
+    fc1, fc2 = torch.randn(3, 12, 4), torch.randn(3, 4, 6)  # 3 experts: [gate; up] (2 x 6, 4), down (4, 6)
+    names = ("gate_proj", "up_proj", "down_proj")
+    prefix = "model.layers.0.mlp.experts"
+
+    def sync(items):
+        engine.update_weights(items + [("norm", torch.ones(4))])
+        experts = engine.llm.model.model.layers[0].mlp.experts
+        return experts.w13_weight.detach().clone(), experts.w2_weight.detach().clone()
+
+    engine.llm.model = FakeMoEModel(tp=tp_size)
+    single = sync(list(ExpertBlock(prefix, 0, fc1, fc2, names).hf()))
+    engine.llm.model, engine._fused_cache, engine._write_plan = FakeMoEModel(tp=tp_size), {}, None
+    # experts 0 and 1..2 in two blocks, as when a layer's experts span two export buckets
+    blocks = [(prefix, ExpertBlock(prefix, 0, fc1[:1], fc2[:1], names)), (prefix, ExpertBlock(prefix, 1, fc1[1:], fc2[1:], names))]
+    stacked = sync(blocks)
+    assert engine.llm.model.seen == ["norm"] and not engine._write_plan.broken
+    assert all(torch.equal(a, b) for a, b in zip(single, stacked))
+    rows = slice(tp_rank * 6 // tp_size, (tp_rank + 1) * 6 // tp_size)
+    assert torch.equal(stacked[0][2], torch.cat([fc1[2, :6][rows], fc1[2, 6:][rows]]))
+    engine.llm.model.seen.clear()
+    sync(blocks)  # second sync: the norm replayed, the blocks copied
+    assert engine.llm.model.seen == []
+    # no fused parameters under that module: the block's experts go to load_weights one by one
+    other = "model.layers.1.mlp.experts"
+    with pytest.raises(RuntimeError):  # FakeMoEModel's loader ignores them: reported as not written
+        engine.update_weights([(other, ExpertBlock(other, 0, fc1, fc2, names))])
+    assert engine.llm.model.seen == [f"{other}.{e}.{p}.weight" for e in range(3) for p in names]

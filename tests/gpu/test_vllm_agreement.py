@@ -202,20 +202,23 @@ def sync(engine, chunks, spec, timings, tag):
     timed("sleep_s", engine.sleep)
     timings[f"{tag}_free_GiB_asleep"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     timed("wake_weights_s", engine.wake_weights)
-    timed("sync_s", lambda: engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64)))
+    timed("sync_s", lambda: engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64,
+                                                                    expert_blocks=engine.expert_blocks)))
     timed("wake_kv_s", engine.wake_kv_cache)
 
 
 def replay_against_loader(engine, chunks, spec):
     """The replayed sync (common/weight_replay.py) against vLLM's own loader, both from the
     same export: vLLM's parameters after a replayed sync are kept, overwritten with noise,
-    then written by load_weights (+ the engine's direct expert copies, as its first sync
-    does); every parameter must come out bit-equal."""
+    then written by load_weights (+ the engine's direct expert copies, one expert tensor at a
+    time, as before experts were stacked); every parameter must come out bit-equal. So the
+    stacked expert copies (ExpertBlock, three per layer) are checked against per-expert ones."""
     from common.weights import export_hf_weights
 
     plan = engine._write_plan
     assert plan is not None, "no sync recorded yet"
-    engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64))  # replayed
+    engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64,
+                                            expert_blocks=True))  # replayed, experts stacked
     params = dict(engine.model.named_parameters())
     replayed = {name: p.detach().clone() for name, p in params.items()}
     for p in params.values():
