@@ -37,6 +37,7 @@ import torch.distributed as dist
 from common.bridge import RECOMPUTE_MODULES, recompute_config
 from common.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.preflight import check_training_run
+from common.rollout import generate_checked, rollout_logprobs_mode
 
 
 def build_parser():
@@ -87,7 +88,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)")
-    p.add_argument("--rollout-logprobs", choices=["all", "one-per-prompt", "none"], default=None, help="which samples bring the rollout engine's logprobs (for logprob_mismatch and --tis-cap); one-per-prompt saves vLLM ~20%% of its time, none (no logprob_mismatch metric) ~5%% more at 1.5B (default: all with --tis-cap, else one-per-prompt)")
+    p.add_argument("--rollout-logprobs", choices=["prefill", "one-per-prompt", "all", "none"], default=None, help="which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and --tis-cap: prefill scores one sample per replica after sampling in a prefill pass (T=1 only; costs no decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of vLLM's time at 7B), all for every sample, none (no logprob_mismatch) (default: all with --tis-cap, else prefill at --temperature 1, else one-per-prompt)")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
     p.add_argument("--offload-params", action=argparse.BooleanOptionalAction, default=None, help="move Megatron's params (actor, critic, reference) to host memory while they idle (default: on with vLLM)")
     p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None, help="move both Adam states + main params to host memory and free grad buffers between updates (default: on with vLLM)")
@@ -161,10 +162,10 @@ def parse_args(argv=None):
     p = build_parser()
     # without --model, the flags the user did not give take the embedded task's values
     args = parse_with_defaults(p, argv, lambda known: EMBEDDED_DEFAULTS if known.model is None else None)
-    if args.rollout_logprobs is None:
-        args.rollout_logprobs = "all" if args.tis_cap > 0 else "one-per-prompt"
-    if args.tis_cap > 0 and args.rollout_logprobs != "all":
-        p.error("--tis-cap needs the rollout logprobs of every sample: --rollout-logprobs all")
+    try:
+        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
+    except ValueError as e:
+        p.error(str(e))
     check_training_run(p, args, critic_model=args.critic_model)  # every mistake found here, before anything is built
     if args.kl_estimator is None:
         args.kl_estimator = {"reward": "k1", "loss": "k3"}[args.kl_mode]
@@ -377,9 +378,9 @@ def main():
             # ---- 2. rollout: each replica samples its share of the prompts
             with timer("rollout"):
                 mine = prompts_idx[replica::num_replicas]
-                local = engine.generate([prompt_ids[i] for i in mine], n=group, temperature=args.temperature,
-                                        top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed * 100_003 + step * 1009 + replica,
-                                        logprob_samples={"all": None, "one-per-prompt": 1, "none": 0}[args.rollout_logprobs])
+                local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
+                                         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                                         seed=args.seed * 100_003 + step * 1009 + replica)
             if evaluator.due(step):  # held-out validation with the weights this step samples with
                 with timer("eval"):
                     eval_metrics = evaluator.run(engine, step)

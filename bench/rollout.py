@@ -15,10 +15,10 @@ Each rollout replica (world / rollout TP) takes its share of the prompts, as in 
              max_tokens, seed, ignore_eos)) with one SamplingParams for the batch, no logprobs,
              on the same LLM object (vLLM allows one engine per process, and the same object
              keeps KV-cache size, CUDA graphs and kernels identical);
-  ours       train_grpo.py's rollout: engine.generate (one request per sample with its own
-             seed; the sampled token's logprob for --logprob-samples samples per prompt, as
-             --rollout-logprobs one-per-prompt does) after the step's sleep -> wake weights ->
-             sync -> wake KV cycle;
+  ours       train_grpo.py's rollout: common/rollout.generate_checked (one request per sample
+             with its own seed; the weight-sync check's logprobs as --rollout-logprobs says: by
+             default one prefill request scoring the replica's first sample after sampling)
+             after the step's sleep -> wake weights -> sync -> wake KV cycle;
   ours+cycle the same, including that cycle and the sleep after generation (each of the
              three timed on its own).
 tokens/s counts generated tokens (all replicas) over the slowest replica's seconds.
@@ -40,7 +40,8 @@ max_new_tokens (EOS masked): a smoke run of the code, not a measurement.
 Default geometry: a GRPO batch, 32 prompts x 8 samples x 128 -> 512 tokens, T=1 (256
 sequences). Target (issue 7): ours >= 0.95x baseline. Reference points from the issue
 (standalone vLLM, H200, 256 prompts x 1 x 128 -> 512 tokens, T=1): 44.8k tok/s at 1.5B,
-23.3k tok/s at 7B (--num-prompts 256 --samples-per-prompt 1 --logprob-samples 1).
+23.3k tok/s at 7B (--num-prompts 256 --samples-per-prompt 1 --rollout-logprobs all).
+(Until session 12 the flag was --logprob-samples N: 1 = one-per-prompt, 0 = none.)
 """
 import argparse
 import json
@@ -58,6 +59,8 @@ import torch.distributed as dist  # noqa: E402
 
 from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir, timed  # noqa: E402
 
+from common.rollout import ROLLOUT_LOGPROBS, generate_checked, rollout_logprobs_mode  # noqa: E402
+
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -69,8 +72,8 @@ def build_parser():
                    "hf on a CPU, a smoke run against transformers' generate)")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per round, global")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="samples per prompt (n, the GRPO group)")
-    p.add_argument("--logprob-samples", type=int, default=1, help="samples per prompt that ask vLLM for logprobs "
-                   "(train_grpo.py's default --rollout-logprobs one-per-prompt: 1; all: --samples-per-prompt)")
+    p.add_argument("--rollout-logprobs", choices=sorted(ROLLOUT_LOGPROBS), default="prefill",
+                   help="ours' logprobs for the weight-sync check, as train_grpo.py's flag (its default at T=1: prefill)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per sample (EOS is ignored)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
@@ -120,6 +123,10 @@ def describe(stats, reps):
 
 def main():
     args = build_parser().parse_args()
+    try:
+        rollout_logprobs_mode(args.rollout_logprobs, args.temperature, tis_cap=0.0)
+    except ValueError as e:
+        raise SystemExit(f"bench/rollout.py: {e}")
     from common.dist import init_distributed, print0
     from common.model import build_model, load_hf_spec
     from common.weights import export_hf_weights
@@ -203,9 +210,9 @@ def main():
     def ours(pair):
         """train_grpo.py's engine work of one step: the cycle, generate, sleep."""
         cycle_s = timed(cycle, info.device)
-        gen_s, tokens = timed_tokens(lambda: sum(len(s.response_ids) for s in engine.generate(
-            mine, n=n, temperature=args.temperature, top_p=1.0, max_tokens=max_tokens, seed=pair,
-            logprob_samples=args.logprob_samples)))
+        gen_s, tokens = timed_tokens(lambda: sum(len(s.response_ids) for s in generate_checked(
+            engine, mine, args.rollout_logprobs, n=n, temperature=args.temperature, top_p=1.0, max_tokens=max_tokens,
+            seed=pair)))
         sleep_s = timed(engine.sleep, info.device)
         engine.wake()  # untimed: the next side needs the weights, which sleep (level 2) discarded
         engine.update_weights(export())
@@ -244,7 +251,7 @@ def main():
         settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
                         world_size=info.world_size, tp=args.tp, rollout_tp=rollout_tp, engine=engine_kind,
                         num_prompts=args.num_prompts, n=n, prompt_len=args.prompt_len, max_new_tokens=max_tokens,
-                        temperature=args.temperature, logprob_samples=args.logprob_samples, reps=args.reps,
+                        temperature=args.temperature, rollout_logprobs=args.rollout_logprobs, reps=args.reps,
                         date=time.strftime("%Y-%m-%d"))
         medians = dict(baseline_tok_s=statistics.median(tok_s(b) for b in base_pairs),
                        ours_tok_s=statistics.median(tok_s(o) for o in our_pairs),

@@ -23,6 +23,7 @@ Logprob semantics (the trainer must recompute the same quantity, see rl.py):
     return the renormalised nucleus logprob, so pick the matching mode there.)
   - temperature == 0 means greedy (argmax); the logprob is then log_softmax(logits) (T = 1).
 """
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -53,6 +54,39 @@ def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, m
     return HFEngine(hf_dir, dtype=torch.float32, device=device), 1
 
 
+# --rollout-logprobs: which samples bring the engine's own logprobs (generate's logprob_samples)
+ROLLOUT_LOGPROBS = {"prefill": 0, "one-per-prompt": 1, "all": None, "none": 0}
+
+
+def rollout_logprobs_mode(requested, temperature, tis_cap):
+    """The --rollout-logprobs mode of a run (ValueError: what to change). Default: all with
+    --tis-cap (its weights need every sample's), else prefill at temperature 1 (the check
+    costs no decode time), else one-per-prompt (vLLM's prompt logprobs ignore temperature)."""
+    if requested is None:
+        return "all" if tis_cap > 0 else "prefill" if temperature == 1.0 else "one-per-prompt"
+    if tis_cap > 0 and requested != "all":
+        raise ValueError("--tis-cap needs the rollout logprobs of every sample: --rollout-logprobs all")
+    if requested == "prefill" and temperature != 1.0:
+        raise ValueError(f"--rollout-logprobs prefill scores a sample with the engine's prompt logprobs, which "
+                         f"vLLM computes at temperature 1, not --temperature {temperature}: use one-per-prompt")
+    return requested
+
+
+def generate_checked(engine, prompts, mode, **kwargs):
+    """engine.generate(prompts, **kwargs) with --rollout-logprobs `mode`: the samples that carry
+    the engine's logprobs (the others NaN) for logprob_mismatch and --tis-cap.
+    prefill: sampling asks for none (vLLM computes the batch's log-softmax at every decode step
+    once any request asks: 3% of the 7B rollout, docs/benchmarks.md); afterwards the first
+    sample is scored in one prefill pass (engine.score), which sees the synced weights as the
+    sampler does, so a sync that did not happen still shows (tests/gpu/test_vllm_agreement.py)."""
+    samples = engine.generate(prompts, logprob_samples=ROLLOUT_LOGPROBS[mode], **kwargs)
+    if mode == "prefill" and samples:
+        first = engine.score(samples[:1])[0]
+        for i, s in enumerate(samples):
+            s.response_logprobs = first if i == 0 else [math.nan] * len(s.response_ids)
+    return samples
+
+
 def vllm_available():
     """Whether vllm can be imported here (without importing it: it is slow and GPU-only)."""
     import importlib.util
@@ -73,6 +107,12 @@ class RolloutEngine:
         logprob_samples: only the first logprob_samples samples of each prompt must carry
         response_logprobs (None: all); an engine may return NaNs for the others when
         logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/benchmarks.md)."""
+        raise NotImplementedError
+
+    def score(self, samples: list[Sample]) -> list[list[float]]:
+        """log_softmax(logits)[token] of every response token of each sample at temperature 1
+        over the full vocabulary, from one forward pass over prompt + response (no sampling):
+        the trainer's logprobs at T=1. Positions the engine cannot hold are NaN."""
         raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -192,6 +232,15 @@ class HFEngine(RolloutEngine):
             else:
                 samples.append(Sample(r, toks, lps, "length"))
         return samples
+
+    @torch.inference_mode()
+    def score(self, samples):
+        scores = []
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids], device=self.device)
+            logprobs = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            scores.append(logprobs.gather(-1, ids[0, 1:, None])[len(s.prompt_ids) - 1:, 0].tolist())
+        return scores
 
     @torch.no_grad()
     def update_weights(self, named_tensors):

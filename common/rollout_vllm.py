@@ -118,6 +118,7 @@ class VLLMEngine(RolloutEngine):
                 print(f"[vllm] max_model_len {max_model_len} capped at the model's max_position_embeddings "
                       f"{max_positions}", flush=True)
             max_model_len = max_positions
+        self.max_model_len = max_model_len
         self.llm = LLM(
             model=hf_dir,
             tensor_parallel_size=rollout_tp,
@@ -314,6 +315,23 @@ class VLLMEngine(RolloutEngine):
         return self._fused_cache[module_name]
 
     # ---- sampling ------------------------------------------------------------------------
+    def score(self, samples):
+        """RolloutEngine.score through vLLM's prompt logprobs: prompt + response as one prompt
+        of a one-token request (prefill only; such requests bypass the prefix cache). vLLM
+        computes prompt logprobs from the raw logits (temperature 1, full vocabulary), whatever
+        logprobs_mode says. A sample of max_model_len tokens loses its last token's score."""
+        from vllm import SamplingParams
+
+        assert not self._asleep and self._weights_valid, "score() needs the engine awake with synced weights"
+        rows = [(list(s.prompt_ids) + list(s.response_ids))[:self.max_model_len - 1] for s in samples]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        scores = []
+        for s, row, out in zip(samples, rows, outputs):  # prompt_logprobs[j]: token j given those before it
+            got = [out.prompt_logprobs[j][row[j]].logprob for j in range(len(s.prompt_ids), len(row))]
+            scores.append(got + [math.nan] * (len(s.response_ids) - len(got)))
+        return scores
+
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
         """Sample n responses per prompt; prompt-major, as RolloutEngine.generate says.
 

@@ -2,10 +2,12 @@
 
     .venv/bin/python -m pytest -q tests/test_rollout.py
 """
+import math
+
 import pytest
 import torch
 
-from common.rollout import HFEngine, Sample
+from common.rollout import HFEngine, Sample, generate_checked, rollout_logprobs_mode
 from tests.tiny_models import make_tiny_hf_model
 
 # Variable lengths on purpose: left padding must not change any row.
@@ -66,6 +68,34 @@ def test_logprobs_match_full_forward(tiny_models_dir, temperature, top_p):
             for t, tok in enumerate(s.response_ids):
                 mass_before = probs[t][probs[t] > probs[t, tok]].sum()
                 assert mass_before < top_p
+
+
+def test_score_and_the_prefill_check(tiny_models_dir):
+    """engine.score: the T=1 logprobs of one forward over prompt + response (what vLLM's prompt
+    logprobs give); --rollout-logprobs prefill: the same samples as without the check, the first
+    scored that way and the others NaN (excluded from logprob_mismatch)."""
+    engine = HFEngine(str(tiny_models_dir / "qwen2"))
+    samples = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    for s, scored in zip(samples, engine.score(samples)):
+        torch.testing.assert_close(torch.tensor(scored), recomputed_logprobs(engine.model, s, 1.0), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(scored), torch.tensor(s.response_logprobs), rtol=0, atol=1e-5)
+    checked = generate_checked(engine, PROMPTS, "prefill", n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    assert [s.response_ids for s in checked] == [s.response_ids for s in samples]
+    assert checked[0].response_logprobs == engine.score(samples[:1])[0]
+    assert all(math.isnan(x) for s in checked[1:] for x in s.response_logprobs)
+    one = generate_checked(engine, PROMPTS, "one-per-prompt", n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    assert [s.response_logprobs for s in one] == [s.response_logprobs for s in samples]  # HFEngine: all, by-product
+
+
+def test_rollout_logprobs_defaults():
+    assert rollout_logprobs_mode(None, 1.0, 0.0) == "prefill"
+    assert rollout_logprobs_mode(None, 0.7, 0.0) == "one-per-prompt"  # vLLM's prompt logprobs are at T=1
+    assert rollout_logprobs_mode(None, 1.0, 2.0) == "all"             # TIS weights need every sample's
+    assert rollout_logprobs_mode("none", 0.7, 0.0) == "none"
+    with pytest.raises(ValueError, match="at temperature 1, not --temperature 0.7"):
+        rollout_logprobs_mode("prefill", 0.7, 0.0)
+    with pytest.raises(ValueError, match="--tis-cap needs"):
+        rollout_logprobs_mode("one-per-prompt", 1.0, 2.0)
 
 
 def test_seed_determinism(tiny_models_dir):

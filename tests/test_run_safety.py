@@ -102,6 +102,8 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (["--dynamic-sampling", "--load-rollouts", str(inputs)], 1, "--dynamic-sampling samples more prompts"),
         (["--model", "Qwen2-7B"], 1, "did you mean Qwen/Qwen2-7B?"),
         (["--resume"], 1, "there is no checkpoint"),
+        (["--temperature", "0.7", "--rollout-logprobs", "prefill"], 1, "which vLLM computes at temperature 1"),
+        (["--tis-cap", "2", "--rollout-logprobs", "prefill"], 1, "--tis-cap needs the rollout logprobs of every sample"),
     ]
     for argv, world, says in cases:
         err = parse_error(capsys, train_grpo.parse_args, argv + out, monkeypatch, world)

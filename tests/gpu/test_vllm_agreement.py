@@ -20,13 +20,18 @@ load_format="dummy", so every vLLM weight comes from the sync). Checked, in orde
      0.02-0.04 on a CPU for this model); vLLM no further from fp32 than 2x megatron's error;
      a wrong temperature (0.76) or a wrong weight (~0.7) is far off;
   5. sleep / wake / re-sync of the same weights: greedy outputs identical;
-  6. perturbed megatron weights, re-synced: greedy outputs change, and 3-4 hold again.
+  6. perturbed megatron weights, re-synced: greedy outputs change, and 3-4 hold again;
+  7. the loop's weight-sync check of --rollout-logprobs prefill (common/rollout.generate_checked:
+     the first sample of each replica scored by a prefill pass): as close to megatron as the
+     sampled logprobs of 4, and far off when megatron's weights changed and the sync did not
+     happen (the sampler's own logprobs of that stale engine are reported beside it).
 Exact greedy equality of whole sequences is reported, not required: on this random model a
 bf16 forward picks another argmax than fp32 at ~2-4% of positions (measured on a CPU with
 transformers), so 16-token sequences diverge now and then without anything being wrong.
 Timings (engine start, sleep, wake, sync) go to $OUT/vllm_agreement_*.json when OUT is set.
 """
 import json
+import math
 import os
 import sys
 import tempfile
@@ -172,22 +177,41 @@ def gather_all(samples):
     return [s for part in parts for s in part]
 
 
-def logprob_checks(engine, chunks, spec, hf, prompts, temperature, seed):
+def logprob_checks(engine, chunks, spec, hf, prompts, temperature, seed, exact=True):
     """Over the sampled tokens of every replica: mean |vLLM - megatron| (the number the
-    trainer cares about), each one's error against fp32 transformers (the bf16 noise floor),
-    and vLLM against megatron at a wrong temperature (a negative control, when T != 1)."""
+    trainer cares about), each one's error against fp32 transformers (the bf16 noise floor;
+    exact=False: not computed), and vLLM against megatron at a wrong temperature (a negative
+    control, when T != 1)."""
     samples = gather_all(engine.generate(prompts, n=4, temperature=temperature, top_p=1.0, max_tokens=32, seed=seed))
     vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
     ours = torch.cat(megatron_logprobs(chunks, spec, samples, temperature))
-    exact = torch.cat(hf_logprobs(hf, samples, temperature))
     row = {"tokens": len(vllm_lp), "mean_abs_diff": (vllm_lp - ours).abs().mean().item(),
-           "max_abs_diff": (vllm_lp - ours).abs().max().item(),
-           "vllm_vs_fp32": (vllm_lp - exact).abs().mean().item(),
-           "megatron_vs_fp32": (ours - exact).abs().mean().item()}
+           "max_abs_diff": (vllm_lp - ours).abs().max().item()}
+    if not exact:
+        return row
+    exact = torch.cat(hf_logprobs(hf, samples, temperature))
+    row.update(vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(), megatron_vs_fp32=(ours - exact).abs().mean().item())
     if temperature != 1.0:
         wrong = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
         row["wrong_temperature_mean_abs_diff"] = (vllm_lp - wrong).abs().mean().item()
     return row
+
+
+def prefill_check(engine, chunks, spec, samples):
+    """The loop's logprob_mismatch under --rollout-logprobs prefill: mean |logprob from the
+    engine's prefill of a sample (engine.score, T=1) - megatron's| over the samples given."""
+    scored = torch.cat([torch.tensor(lp) for lp in engine.score(samples)])
+    return (scored - torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))).abs().mean().item()
+
+
+def checked_samples(engine, prompts, seed):
+    """Every replica's samples as the loop draws them under --rollout-logprobs prefill; the
+    first of each replica carries its prefill score (what the loop's metric averages)."""
+    from common.rollout import generate_checked
+
+    samples = gather_all(generate_checked(engine, prompts, "prefill", n=2, temperature=1.0, top_p=1.0,
+                                          max_tokens=32, seed=seed))
+    return samples, [s for s in samples if not math.isnan(s.response_logprobs[0])]
 
 
 def sync(engine, chunks, spec, timings, tag):
@@ -268,6 +292,10 @@ def run_agreement(train_tp=1, rollout_tp=1):
     for phase in ("initial", "perturbed"):
         if phase == "perturbed":
             perturb(chunks)
+            # 7. a sync that did not happen: the engine still holds the initial weights
+            res["stale_prefill_mismatch"] = prefill_check(engine, chunks, spec, checked)
+            res["stale_sampled_mismatch"] = logprob_checks(engine, chunks, spec, None, prompts, 1.0, seed=5,
+                                                           exact=False)["mean_abs_diff"]
         # 2. the loop's memory choreography
         sync(engine, chunks, spec, timings, phase)
         # 3. greedy against transformers with the same (bf16) weights
@@ -279,6 +307,12 @@ def run_agreement(train_tp=1, rollout_tp=1):
         # 4. sampled-token logprobs against megatron (and both against fp32)
         res[f"{phase}_logprobs_T1"] = logprob_checks(engine, chunks, spec, hf, prompts, 1.0, seed=1)
         res[f"{phase}_logprobs_T0.7"] = logprob_checks(engine, chunks, spec, hf, prompts, 0.7, seed=2)
+        # 7. the prefill check, as the loop logs it, and over every sample
+        checked, first = checked_samples(engine, prompts, seed=4)
+        loop = (torch.cat([torch.tensor(s.response_logprobs) for s in first])
+                - torch.cat(megatron_logprobs(chunks, spec, first, 1.0)))
+        res[f"{phase}_prefill"] = {"first_samples": len(first), "loop_mismatch": loop.abs().mean().item(),
+                                   "all_samples_mismatch": prefill_check(engine, chunks, spec, checked)}
         del hf
         res[f"{phase}_tokens"] = [s.response_ids for s in greedy]
         if phase == "initial":
@@ -316,6 +350,13 @@ def check(res):
             assert row["vllm_vs_fp32"] <= 2 * row["megatron_vs_fp32"] + 0.005, (phase, key, row)
         row = res[f"{phase}_logprobs_T0.7"]
         assert row["wrong_temperature_mean_abs_diff"] > 5 * max(LOGPROB_TOLERANCE, row["mean_abs_diff"]), row
+        # the prefill check holds as the sampled logprobs do (its numbers come from prefill kernels)
+        bound = max(LOGPROB_TOLERANCE, 2.5 * res[f"{phase}_logprobs_T1"]["megatron_vs_fp32"])
+        prefill = res[f"{phase}_prefill"]
+        assert prefill["first_samples"] == res["world"] and prefill["all_samples_mismatch"] <= bound, (phase, prefill)
+        assert prefill["loop_mismatch"] <= bound, (phase, prefill)
+    # ... and shows a sync that did not happen
+    assert res["stale_prefill_mismatch"] > 5 * max(LOGPROB_TOLERANCE, res["initial_prefill"]["all_samples_mismatch"]), res
     assert res["same_after_sleep_wake"]
     assert not res["replay"]["broken"] and res["replay"]["replayed_tensors"] > 0, res["replay"]
     assert res["replay"]["params_differ_count"] == 0, res["replay"]
