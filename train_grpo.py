@@ -399,6 +399,7 @@ def main():
         batch = B.pack_sequences(samples, pad_id, length_multiple=multiple)  # (N, T) tensors
         if args.mask_truncated:  # DAPO's overlong filtering: a cut-off response says nothing of its answer
             batch["mask"][torch.tensor([s.finish_reason == "length" for s in samples])] = 0.0
+            batch["rollout_mask"] *= batch["mask"]  # logprob_mismatch: the trainer's passes skip those rows
         batch["advantages"] = advantages[:, None] * batch["mask"]
         batch["row"] = torch.arange(len(samples))
         num_rows, seq_len = batch["tokens"].shape
@@ -500,6 +501,8 @@ def main():
         if not on_policy and args.rollout_logprobs != "none":  # |engine - trainer| on the samples that brought logprobs
             metrics["logprob_mismatch"] = rl.masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"]).abs(),
                                                          batch["rollout_mask"]).item()
+        if not batch["rollout_mask"].any():  # no engine logprob in the loss this step: no number, not a 0
+            metrics.pop("logprob_mismatch", None)
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
             metrics["save_total_sec"] = writer.last["total_s"]  # its whole time, mostly hidden
         save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal

@@ -76,14 +76,17 @@ def generate_checked(engine, prompts, mode, **kwargs):
     """engine.generate(prompts, **kwargs) with --rollout-logprobs `mode`: the samples that carry
     the engine's logprobs (the others NaN) for logprob_mismatch and --tis-cap.
     prefill: sampling asks for none (vLLM computes the batch's log-softmax at every decode step
-    once any request asks: 3% of the 7B rollout, docs/benchmarks.md); afterwards the first
-    sample is scored in one prefill pass (engine.score), which sees the synced weights as the
-    sampler does, so a sync that did not happen still shows (tests/gpu/test_vllm_agreement.py)."""
+    once any request asks: 3% of the 7B rollout, docs/benchmarks.md); afterwards one sample,
+    the first that ended on EOS (else the first: --mask-truncated leaves cut-off ones out of
+    the trainer's passes), is scored in one prefill pass (engine.score), which sees the synced
+    weights as the sampler does, so a sync that did not happen still shows
+    (tests/gpu/test_vllm_agreement.py)."""
     samples = engine.generate(prompts, logprob_samples=ROLLOUT_LOGPROBS[mode], **kwargs)
     if mode == "prefill" and samples:
-        first = engine.score(samples[:1])[0]
+        pick = next((i for i, s in enumerate(samples) if s.finish_reason == "stop"), 0)
+        scored = engine.score(samples[pick:pick + 1])[0]
         for i, s in enumerate(samples):
-            s.response_logprobs = first if i == 0 else [math.nan] * len(s.response_ids)
+            s.response_logprobs = scored if i == pick else [math.nan] * len(s.response_ids)
     return samples
 
 

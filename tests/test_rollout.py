@@ -81,10 +81,16 @@ def test_score_and_the_prefill_check(tiny_models_dir):
         torch.testing.assert_close(torch.tensor(scored), torch.tensor(s.response_logprobs), rtol=0, atol=1e-5)
     checked = generate_checked(engine, PROMPTS, "prefill", n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
     assert [s.response_ids for s in checked] == [s.response_ids for s in samples]
-    assert checked[0].response_logprobs == engine.score(samples[:1])[0]
+    assert checked[0].response_logprobs == engine.score(samples[:1])[0]  # none ended on EOS: the first
     assert all(math.isnan(x) for s in checked[1:] for x in s.response_logprobs)
     one = generate_checked(engine, PROMPTS, "one-per-prompt", n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
     assert [s.response_logprobs for s in one] == [s.response_logprobs for s in samples]  # HFEngine: all, by-product
+    # the first sample that ended on EOS is the one scored (--mask-truncated keeps only those)
+    engine.eos_token_ids = [samples[3].response_ids[2]]
+    checked = generate_checked(engine, PROMPTS, "prefill", n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    pick = next(i for i, s in enumerate(checked) if s.finish_reason == "stop")
+    assert pick <= 3 and checked[pick].response_logprobs == engine.score(checked[pick:pick + 1])[0]
+    assert all(math.isnan(x) for i, s in enumerate(checked) if i != pick for x in s.response_logprobs)
 
 
 def test_rollout_logprobs_defaults():

@@ -74,6 +74,19 @@ def test_rollout_logprobs_none_logs_no_mismatch(tmp_path):
     assert "logprob_mismatch" not in row and "policy_loss" in row  # not a 0.0 from zero samples
 
 
+def test_mask_truncated_keeps_the_sync_check_honest(tmp_path):
+    """--mask-truncated takes cut-off samples out of the trainer's passes (their old logprobs
+    stay 0): the sample scored for logprob_mismatch (--rollout-logprobs prefill, the default)
+    is one that ended on EOS, and a step with none logs no mismatch rather than |engine - 0|
+    (a GPU run logged 3.1 that way)."""
+    run(*SMALL, "--steps", 3, "--mask-truncated", "--out", tmp_path)
+    rows = metrics(tmp_path)
+    assert any(row["truncated_frac"] == 1.0 for row in rows), rows  # the random model rarely stops in 4 tokens
+    for row in rows:
+        assert ("logprob_mismatch" in row) == (row["truncated_frac"] < 1.0), row
+        assert row.get("logprob_mismatch", 0.0) < 1e-5, row
+
+
 @pytest.fixture(scope="module")
 def saved_rollouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay")
