@@ -490,6 +490,11 @@ def main():
         times["train_s"] = time.time() - tick
         memory.end("train")
 
+        if not on_policy and args.rollout_logprobs != "none" and mpu.is_pipeline_last_stage(ignore_virtual=True):
+            has_lp = batch["rollout_mask"]  # |engine - trainer| on the samples that brought logprobs (old
+            train_metrics.append({"logprob_mismatch": rl.masked_sum(  # logprobs: on the last stage only)
+                (batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), has_lp), "logprob_mismatch__n": has_lp.sum()})
+
         # ---- 7. log (every rank joins the metric reduction), then checkpoint
         metrics = B.reduce_metrics(train_metrics, info.device)
         if spec.moe:  # expert load (max/mean routed tokens per layer) and the aux loss of the updates
@@ -498,9 +503,6 @@ def main():
                        grad_norm=sum(grad_norms) / len(grad_norms), lr=optimizer.param_groups[0]["lr"],
                        response_len_mean=batch["response_len"].mean().item(),
                        truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
-        if not on_policy and args.rollout_logprobs != "none":  # |engine - trainer| on the samples that brought logprobs
-            metrics["logprob_mismatch"] = rl.masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"]).abs(),
-                                                         batch["rollout_mask"]).item()
         if not batch["rollout_mask"].any():  # no engine logprob in the loss this step: no number, not a 0
             metrics.pop("logprob_mismatch", None)
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
