@@ -56,6 +56,10 @@ def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, m
 
 # --rollout-logprobs: which samples bring the engine's own logprobs (generate's logprob_samples)
 ROLLOUT_LOGPROBS = {"prefill": 0, "one-per-prompt": 1, "all": None, "none": 0}
+# prompt + response tokens the prefill check scores at most: for prompt logprobs vLLM
+# materialises each prefill chunk's (tokens, vocabulary) logits in fp32 and their log-softmax,
+# outside its memory budget (4096 x 152k x 4 B = 2.5 GB each), and a long prefill costs time
+PREFILL_CHECK_TOKENS = 4096
 
 
 def rollout_logprobs_mode(requested, temperature, tis_cap):
@@ -78,15 +82,20 @@ def generate_checked(engine, prompts, mode, **kwargs):
     prefill: sampling asks for none (vLLM computes the batch's log-softmax at every decode step
     once any request asks: 3% of the 7B rollout, docs/benchmarks.md); afterwards one sample,
     the first that ended on EOS (else the first: --mask-truncated leaves cut-off ones out of
-    the trainer's passes), is scored in one prefill pass (engine.score), which sees the synced
+    the trainer's passes), is scored in one prefill pass (engine.score; its first
+    PREFILL_CHECK_TOKENS tokens, the rest NaN like the other samples), which sees the synced
     weights as the sampler does, so a sync that did not happen still shows
     (tests/gpu/test_vllm_agreement.py)."""
     samples = engine.generate(prompts, logprob_samples=ROLLOUT_LOGPROBS[mode], **kwargs)
     if mode == "prefill" and samples:
         pick = next((i for i, s in enumerate(samples) if s.finish_reason == "stop"), 0)
-        scored = engine.score(samples[pick:pick + 1])[0]
-        for i, s in enumerate(samples):
-            s.response_logprobs = scored if i == pick else [math.nan] * len(s.response_ids)
+        chosen = samples[pick]  # its first PREFILL_CHECK_TOKENS tokens (prompt included) are scored
+        keep = max(0, min(len(chosen.response_ids), PREFILL_CHECK_TOKENS - len(chosen.prompt_ids)))
+        part = Sample(chosen.prompt_ids, chosen.response_ids[:keep], [], chosen.finish_reason)
+        scored = engine.score([part])[0] if keep else []
+        for s in samples:
+            s.response_logprobs = [math.nan] * len(s.response_ids)
+        chosen.response_logprobs = scored + [math.nan] * (len(chosen.response_ids) - keep)
     return samples
 
 

@@ -93,6 +93,23 @@ def test_score_and_the_prefill_check(tiny_models_dir):
     assert all(math.isnan(x) for i, s in enumerate(checked) if i != pick for x in s.response_logprobs)
 
 
+def test_prefill_check_scores_a_bounded_prefix(tiny_models_dir, monkeypatch):
+    """A long sample is scored on its first PREFILL_CHECK_TOKENS tokens (vLLM's prompt
+    logprobs materialise the request's logits), the rest NaN; a prompt that fills the bound
+    leaves nothing to score (the step logs no mismatch) instead of a huge request."""
+    import common.rollout as rollout
+
+    engine = HFEngine(str(tiny_models_dir / "qwen2"))
+    full = generate_checked(engine, PROMPTS, "prefill", n=1, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    monkeypatch.setattr(rollout, "PREFILL_CHECK_TOKENS", len(PROMPTS[0]) + 2)
+    cut = generate_checked(engine, PROMPTS, "prefill", n=1, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    assert cut[0].response_logprobs[:2] == pytest.approx(full[0].response_logprobs[:2], abs=1e-6)
+    assert all(math.isnan(x) for x in cut[0].response_logprobs[2:]) and len(cut[0].response_logprobs) == 6
+    monkeypatch.setattr(rollout, "PREFILL_CHECK_TOKENS", len(PROMPTS[0]))
+    none = generate_checked(engine, PROMPTS, "prefill", n=1, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
+    assert all(math.isnan(x) for s in none for x in s.response_logprobs)
+
+
 def test_rollout_logprobs_defaults():
     assert rollout_logprobs_mode(None, 1.0, 0.0) == "prefill"
     assert rollout_logprobs_mode(None, 0.7, 0.0) == "one-per-prompt"  # vLLM's prompt logprobs are at T=1
