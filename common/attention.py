@@ -183,8 +183,10 @@ class SDPAttention(MegatronModule):
         r and 2cp-1-r of every sequence (q, k, v (s, b, ., d), s = 2 chunks). Its keys and
         values are all-gathered over the CP group (the Llama 3 recipe; the backward
         reduce-scatters their gradients back), and each query attends every key at a global
-        position <= its own, through SDPA with that (s, cp*s) mask. RoPE uses the global
-        positions."""
+        position <= its own: on GPUs (varlen_usable) each of the rank's two chunks as one query
+        sequence against its key prefix through varlen flash attention
+        (context_parallel_prefix_attention, no mask), elsewhere SDPA with that (s, cp*s) mask.
+        RoPE uses the global positions."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         cp, rank = self.cp_group.size(), self.cp_group.rank()
