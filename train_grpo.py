@@ -37,7 +37,7 @@ import torch.distributed as dist
 from common.bridge import RECOMPUTE_MODULES, recompute_config
 from common.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.preflight import check_training_run
-from common.rollout import generate_checked, rollout_logprobs_mode
+from common.rollout import ROLLOUT_LOGPROBS, generate_checked, rollout_logprobs_mode
 
 
 def build_parser():
@@ -87,7 +87,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)")
-    p.add_argument("--rollout-logprobs", choices=["prefill", "one-per-prompt", "all", "none"], default=None, help="which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and --tis-cap: prefill scores one sample per replica after sampling in a prefill pass (T=1 only; costs no decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of vLLM's time at 7B), all for every sample, none (no logprob_mismatch) (default: all with --tis-cap, else prefill at --temperature 1, else one-per-prompt)")
+    p.add_argument("--rollout-logprobs", choices=list(ROLLOUT_LOGPROBS), default=None, help="which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and --tis-cap: prefill scores one sample per replica after sampling in a prefill pass (T=1 only; costs no decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of vLLM's time at 7B), all for every sample, none (no logprob_mismatch) (default: all with --tis-cap, else prefill at --temperature 1, else one-per-prompt)")
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
     p.add_argument("--offload-params", action=argparse.BooleanOptionalAction, default=None, help="move Megatron's params (policy, reference) to host memory during the rollout (default: on with vLLM)")
     p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None, help="move Adam state + main params to host memory and free grad buffers between updates (default: on with vLLM)")
