@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 
+from common.checkpoint_io import in_process_results
 from common.model import unwrap
 
 META_FILE = "rl_meta.json"
@@ -51,6 +52,7 @@ def save_model_checkpoint(ckpt_dir, chunks):
     from megatron.core import dist_checkpointing
 
     os.makedirs(ckpt_dir, exist_ok=True)
+    in_process_results()  # no helper process for the results (common/checkpoint_io.py)
     dist_checkpointing.save({"model": model_sharded_state_dict(chunks)}, ckpt_dir)
 
 

@@ -16,11 +16,16 @@ process is delicate, and a spawned helper that outlives the program keeps the la
 stdout open (`python train_grpo.py | tee log` never ended on the GPU machine). A thread dies
 with the program; the write itself (fsync'ed file I/O) runs mostly without the GIL.
 
-megatron still starts one helper process on the first save of a process, whatever the mode:
-the spawned multiprocessing Manager behind FileSystemWriterAsync's results queue
-(filesystem_async._get_write_results_queue). Its server does not watch its parent, so after
-os._exit (train_grpo.py's vLLM exit path) or a kill it runs on, holding stdout: shutdown()
-ends it. tests/test_train_checkpoint.py shows both (test_exit_closes_stdout).
+megatron would still start one helper process on the first save of a process, whatever the
+mode: FileSystemWriterAsync's results queue (filesystem_async._get_write_results_queue) is
+served by a multiprocessing Manager in a spawned process, made for megatron's writer
+processes. Here every result is put and read in this process (by our writer threads, or by
+megatron's synchronous save in the main thread), so before each save in_process_results()
+hands megatron a plain in-process queue in that lazily filled module-level slot. The Manager
+cost ~1.4 s to start (the spawned process imports the script again) and ~0.6 s to stop per
+process that saves, and its server does not watch its parent: after os._exit (the vLLM exit
+path) or a kill it ran on, holding stdout (tests/test_train_checkpoint.py:
+test_exit_closes_stdout). shutdown() still ends a Manager if something else made one.
 """
 import json
 import os
@@ -249,6 +254,7 @@ def start_save(sharded_state_dict, ckpt_dir, *, background, live=(), parallel_gr
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    in_process_results()
     strategy = get_default_save_sharded_strategy()  # torch_dist
     if parallel_group is not None and dist.get_world_size(parallel_group) > 1:
         strategy = FullyParallelSaveStrategyWrapper(strategy, parallel_group)
@@ -286,15 +292,25 @@ def finish(writes, what):
         raise RuntimeError(f"finalizing {what} failed: {e}") from e
 
 
-def shutdown():
-    """End the helper process megatron's dist_checkpointing started in this process (the
-    results-queue Manager, see the module docstring); a later save starts a new one.
-    Call on every rank before exit, after the last save was finished."""
+def in_process_results():
+    """Before a dist_checkpointing save: megatron's write-results queue as a plain queue of this
+    process instead of its default, a queue served by a spawned Manager process (see the module
+    docstring). megatron creates its queue only where this module-level slot is empty."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    results_queue = filesystem_async._results_queue
-    if results_queue is not None:
-        results_queue._manager.shutdown()  # the proxy holds its Manager; this joins its process
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def shutdown():
+    """End a results-queue Manager process megatron started in this process, if one was made
+    (in_process_results keeps it from starting in this project's saves); a later save starts
+    anew. Call on every rank before exit, after the last save was finished."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    manager = getattr(filesystem_async._results_queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()  # joins its process
         filesystem_async._results_queue = None  # megatron's lazily created queue, now dead
 
 

@@ -226,14 +226,14 @@ def run_training(main):
         print(message, file=sys.stderr, flush=True)
     from common.train_checkpoint import shutdown_checkpointing
 
-    shutdown_checkpointing()  # megatron's helper process would hold stdout open after os._exit
+    shutdown_checkpointing()  # a helper process of megatron's, if any, would hold stdout open after os._exit
     sys.stdout.flush()
     os._exit(code)  # not sys.exit: an in-process vLLM engine can block interpreter exit
 
 
 def finish_training(writer, logger, *, summary, exit_hard):
     """The end of a training script, all ranks: wait for the last checkpoint save and publish
-    it (CheckpointWriter.close, which also ends megatron's helper process), close the metrics,
+    it (CheckpointWriter.close, which also ends a helper process of megatron's, if any), close the metrics,
     print the last step's metrics (summary; None: nothing was trained, e.g. a resume of a
     finished run), then leave. exit_hard (with a vLLM engine): os._exit once every rank is
     here, because vLLM 0.26's in-process engine can block interpreter exit (a 1-GPU run hung

@@ -280,7 +280,7 @@ class CheckpointWriter:
         return self._finish(block=True)
 
     def close(self):
-        """wait(), then end megatron's helper process (checkpoint_io.shutdown). Before exit."""
+        """wait(), then end a helper process of megatron's if one was started (checkpoint_io.shutdown). Before exit."""
         try:
             self.wait()
         finally:
@@ -297,7 +297,7 @@ class CheckpointWriter:
 
 
 def shutdown_checkpointing():
-    """End the helper process megatron's checkpoint writer starts (see common/checkpoint_io.py).
+    """End a helper process of megatron's checkpoint writer, if one was started (see common/checkpoint_io.py).
     All ranks, before exit, when saving only with save_training_checkpoint."""
     checkpoint_io.shutdown()
 

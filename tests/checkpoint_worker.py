@@ -28,8 +28,10 @@ Job keys (all optional but name):
                         error wait() raises on every rank
   break_copy            after training, copy `resume` there, damage every checkpoint in it and
                         record the error of loading it
-  exit_hard             (last job only) end like train_grpo.py with vLLM: shutdown_checkpointing
-                        (unless "no_shutdown"), then os._exit(0)
+  exit_hard             (last job only) end like train_grpo.py with vLLM: writer.close(), then
+                        os._exit(0)
+  megatron_queue        (with exit_hard) the control: megatron's own results queue (its spawned
+                        Manager process) made before the saves, and no close()
 Every step draws its batch from the global python, numpy and torch RNGs, so the losses
 after a resume only match if those RNG states were restored.
 """
@@ -410,14 +412,16 @@ def main():
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=1234)
     spec = load_hf_spec(args.hf_dir)
     jobs = json.loads(args.jobs)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if jobs[-1].get("megatron_queue"):
+        filesystem_async._get_write_results_queue()  # what megatron makes unless given a queue
     for job in jobs:
         writer = run_job(job, args, info, spec, pathlib.Path(args.out_dir))
     if jobs[-1].get("exit_hard"):
         # train_grpo.py's exit with vLLM: no interpreter shutdown, so no atexit handler runs
-        if not jobs[-1].get("no_shutdown"):
+        if not jobs[-1].get("megatron_queue"):
             writer.close()
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
         manager = getattr(filesystem_async._results_queue, "_manager", None)  # for the test to clean up
         print(f"[worker] megatron's results-queue Manager: pid {manager._process.pid if manager else None}",
               flush=True)

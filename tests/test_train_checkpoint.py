@@ -19,8 +19,9 @@ Six launches of tests/checkpoint_worker.py (gloo, CPU), each running several job
              held on one rank (not published before it is written everywhere);
   one rank   1 process: resume the TP=2, PP=2, DP=2 checkpoints, and the damaged reference
              root at the same layout (falls back, bit-identical, RNG states identical);
-  control    1 process that saves and leaves by os._exit without shutdown: megatron's helper
-             process keeps its stdout open (what the reference run must not do).
+  control    1 process that makes megatron's own results queue first (served by a spawned
+             Manager process), saves and leaves by os._exit: that helper process keeps its
+             stdout open (what the reference run must not do).
 Every step draws its batch from the python, numpy and torch RNGs, so the losses after a
 resume only match if the RNG states were restored. After a resume at another layout the
 losses, grad norms and final weights match the uninterrupted run to <= 1e-5 relative (fp32,
@@ -116,7 +117,7 @@ def reference(tmp_path_factory):
     os.remove(damaged / "step_000004" / distcp[-1])
     (damaged / "step_000009.tmp").mkdir()
     (damaged / "step_000009.tmp" / "complete").write_text("{}")
-    return dict(tmp=tmp, **r, damaged=damaged, removed=distcp[-1], eof_after=eof_after,
+    return dict(tmp=tmp, **r, damaged=damaged, removed=distcp[-1], eof_after=eof_after, output=output,
                 ref=load(tmp, "ref"), ref_plain=load(tmp, "ref_plain"))
 
 
@@ -305,11 +306,13 @@ def test_background_write_failure_raised_on_every_rank(resharded):
 def test_exit_closes_stdout(reference, tmp_path):
     """The reference run saved (synchronously and in the background) and left like
     train_grpo.py with vLLM, os._exit after CheckpointWriter.close(): its stdout pipe ended
-    with it. Control: the same exit without close() leaves megatron's helper process holding
-    the pipe (so the check above can fail); that process is then ended here by its pid."""
+    with it, and megatron started no results-queue Manager (common/checkpoint_io.py:
+    in_process_results). Control: with megatron's own queue made first, its helper process
+    holds the pipe (so the check above can fail); that process is then ended here by its pid."""
     assert reference["eof_after"] is not None and reference["eof_after"] < 5
+    assert "results-queue Manager: pid None" in reference["output"]
     tmp = reference["tmp"]
-    jobs = [{"name": "control", "exit_hard": True, "no_shutdown": True,
+    jobs = [{"name": "control", "exit_hard": True, "megatron_queue": True,
              "saves": [{"step": 1, "root": tmp_path / "control"}]}]
     code, output, eof_after, reader = run_to_eof(worker_args(tmp, jobs), eof_within=5)
     assert code == 0 and eof_after is None, "the control's pipe ended: the test above could not fail"
