@@ -162,10 +162,14 @@ class SDPAttention(MegatronModule):
             return self._packed_context_parallel(query, key, value, params)
         cu = params.cu_seqlens_q
         t = query.shape[0]
-        index = torch.arange(t, device=query.device, dtype=cu.dtype)
-        seg = torch.searchsorted(cu, index, right=True) - 1  # (t,) sample of each token
+
+        def layout():  # (t,) each: every token's index in the row, its sample, its position in the sample
+            index = torch.arange(t, device=query.device, dtype=cu.dtype)
+            seg = torch.searchsorted(cu, index, right=True) - 1
+            return index, seg, (index - cu[seg]).long()
+        index, seg, position = per_micro_batch(params, ("packed", t), layout)
         if self.rotary is not None:
-            freqs = self.rotary(params.max_seqlen_q)[(index - cu[seg]).long()]  # (t, 1, 1, d): own positions
+            freqs = self.rotary(params.max_seqlen_q)[position]  # (t, 1, 1, d): own positions
             query = apply_rope(query.unsqueeze(1), freqs).squeeze(1)
             key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
         if varlen_usable(query):
@@ -191,13 +195,7 @@ class SDPAttention(MegatronModule):
 
         cp, rank = self.cp_group.size(), self.cp_group.rank()
         sq = query.shape[0]
-        chunk = sq // 2
-
-        def positions(r):  # global positions of CP rank r's tokens
-            return torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
-                              torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]).to(query.device)
-
-        q_pos = positions(rank)
+        q_pos = context_parallel_positions(sq, cp, rank, query.device)
         if self.rotary is not None:
             freqs = self.rotary(sq * cp)  # megatron's module keeps this CP rank's positions (same layout)
             freqs = freqs if freqs.shape[0] == sq else freqs[q_pos]  # (s, 1, 1, d)
@@ -207,7 +205,7 @@ class SDPAttention(MegatronModule):
         if varlen_usable(query):  # flash: each chunk against its key prefix, no mask
             out = context_parallel_prefix_attention(query, key, value, cp, rank, self._varlen)
             return out.reshape(sq, query.shape[1], self.hidden_size_per_partition)
-        k_pos = torch.cat([positions(r) for r in range(cp)])
+        k_pos = torch.cat([context_parallel_positions(sq, cp, r, query.device) for r in range(cp)])
         allowed = k_pos[None, :] <= q_pos[:, None]  # (s, cp * s): causal in global positions
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         k, v = self._kv_per_query_head(k, v, dim=1)
@@ -235,7 +233,8 @@ class SDPAttention(MegatronModule):
         cp, rank = self.cp_group.size(), self.cp_group.rank()
         t = query.shape[0]
         cu = params.cu_seqlens_q
-        q_sample, q_pos = thd_context_parallel_layout(cu, cp, rank, t)  # (t/cp,) each
+        q_sample, q_pos = per_micro_batch(params, ("cp", t, cp, rank),  # (t/cp,) each
+                                          lambda: thd_context_parallel_layout(cu, cp, rank, t))
         if self.rotary is not None:
             # packed_seq=True: the whole table, not megatron's slice of it for this CP rank
             freqs = self.rotary(params.max_seqlen_q, packed_seq=True)[q_pos]  # (t/cp, 1, 1, d)
@@ -244,7 +243,8 @@ class SDPAttention(MegatronModule):
         key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
                       for x in (key, value))  # (cp * t/cp, groups, d), rank after rank
         if varlen_usable(query):  # flash: each sample's two chunks against their key prefixes, no mask
-            index, cu_q, cu_k = context_parallel_packed_prefixes(cu, cp, rank, t * cp)
+            index, cu_q, cu_k = per_micro_batch(params, ("cp prefixes", t, cp, rank),
+                                                lambda: context_parallel_packed_prefixes(cu, cp, rank, t * cp))
             chunk = params.max_seqlen_q // (2 * cp)  # the longest chunk (max_seqlen: the longest sample)
             out = self._varlen(query, key.index_select(0, index), value.index_select(0, index), cu_q, cu_k,
                                chunk, (2 * cp - rank) * chunk)
@@ -308,16 +308,42 @@ def context_parallel_prefix_attention(query, key, value, cp, rank, varlen):
     varlen(q, k, v, cu_q, cu_k, max_q, max_k) -- flash attention, causal bottom-right.
     query (s, b, heads, d); key / value all-gathered (cp * s, b, groups, d). -> (s, b, heads, v_d)."""
     s, b = query.shape[:2]
-    h = s // 2
-    index, lengths = context_parallel_prefixes(s, cp, rank)
-    index = index.to(query.device)
+    index, cu_q, cu_k, max_k = _prefix_layout(s, b, cp, rank, query.device)
     total = index.numel()
     q = query.transpose(0, 1).reshape(b * s, *query.shape[2:])  # row after row: chunk, chunk
     k, v = (x.index_select(0, index).transpose(0, 1).reshape(b * total, *x.shape[2:]) for x in (key, value))
-    cu_q = torch.arange(2 * b + 1, dtype=torch.int32, device=query.device) * h
-    cu_k = torch.tensor([0] + lengths * b, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
-    out = varlen(q, k, v, cu_q, cu_k, h, max(lengths))  # (b * s, heads, v_d)
+    out = varlen(q, k, v, cu_q, cu_k, s // 2, max_k)  # (b * s, heads, v_d)
     return out.reshape(b, s, *out.shape[1:]).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix_layout(s, b, cp, rank, device):
+    """context_parallel_prefix_attention's index and cu_seqlens, on `device`: made once per
+    shape, not copied to the device again in every layer (each copy is a host sync)."""
+    index, lengths = context_parallel_prefixes(s, cp, rank)
+    cu_q = torch.arange(2 * b + 1, dtype=torch.int32) * (s // 2)
+    cu_k = torch.tensor([0] + lengths * b, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return index.to(device), cu_q.to(device), cu_k.to(device), max(lengths)
+
+
+@functools.lru_cache(maxsize=64)
+def context_parallel_positions(s, cp, rank, device):
+    """Global positions (s,) of CP rank `rank`'s s tokens of a row (its chunks rank and
+    2cp-1-rank, s/2 tokens each: common/batch.py:context_parallel_slice), on `device`; made
+    once per shape."""
+    chunk = s // 2
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]).to(device)
+
+
+def per_micro_batch(params, key, make):
+    """make(), computed by the first layer that asks for a micro-batch's packed layout and
+    reused by the others (and by recompute): kept on the micro-batch's PackedSeqParams, which
+    megatron hands to every layer. Saves each layer ~10 small kernels of index arithmetic."""
+    cache = params.__dict__.setdefault("_sdpa_layouts", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def context_parallel_packed_prefixes(cu_seqlens, cp, rank, length):

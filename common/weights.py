@@ -137,12 +137,14 @@ def _expert_pairs(bucket):
     """Runs of consecutive (fc1, fc2) entries of consecutive local experts of one layer in a
     bucket (megatron's SequentialMLP order: expert j's fc1, its fc2, expert j+1's ...), all of
     one shape. Yields ("run", [entry index of each fc1]) or ("single", entry index)."""
-    def info(i):  # (layer, local expert, is fc1) of a routed expert's projection, else None
-        name = bucket[i][1]
+    def parse(name):  # (layer, local expert, is fc1) of a routed expert's projection, else None
         j = expert_index(name)
         if j is None or not name.endswith(("linear_fc1.weight", "linear_fc2.weight")):
             return None
         return name[:name.index(".experts.")], j, name.endswith("linear_fc1.weight")
+
+    parsed = [parse(entry[1]) for entry in bucket]  # each name once (the checks below ask again and again)
+    info = parsed.__getitem__
 
     def pair_at(i):  # expert j's fc1 at i, its fc2 at i + 1
         a, b = (info(i), info(i + 1)) if i + 1 < len(bucket) else (None, None)
@@ -301,9 +303,9 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
         offsets = [0]
         for entry in bucket:
             offsets.append(offsets[-1] + torch.Size(entry[2]).numel())
+        pieces = (list(_expert_pairs(bucket)) if blocks and expert and width == 1
+                  else [("single", i) for i in range(len(bucket))])  # the same for every EP rank's copy
         for copy in range(copies):
-            pieces = (_expert_pairs(bucket) if blocks and expert and width == 1
-                      else (("single", i) for i in range(len(bucket))))
             for what, where in pieces:
                 if what == "single":
                     _, name, shape, *_ = bucket[where]
