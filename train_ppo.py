@@ -25,7 +25,6 @@ Launch:
       sbatch launch/slurm.sh train_ppo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
   On CPUs, torchrun works the same on gloo: torchrun --nproc_per_node 2 train_ppo.py --tp 2
 """
-import argparse
 import functools
 import math
 import os
@@ -34,10 +33,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.bridge import RECOMPUTE_MODULES, recompute_config
+from common import flags as F
+from common.bridge import recompute_config
 from common.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.preflight import check_training_run
-from common.rollout import ROLLOUT_LOGPROBS, generate_checked, rollout_logprobs_mode
+from common.rollout import generate_checked, rollout_logprobs_mode
 
 
 def build_parser():
@@ -45,116 +45,41 @@ def build_parser():
         description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
                + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
-    # --- model and data
-    p.add_argument("--model", default=None, help="HF model dir (config.json + safetensors + tokenizer) or hub id ORG/NAME (downloaded to the HF cache on first use; HF_HUB_OFFLINE=1: the cache only); default: the embedded tiny model")
-    p.add_argument("--embedded-model", choices=["dense", "moe", "deepseek"], default="dense", help="without --model: the tiny dense Qwen2, the same body with a Qwen3-MoE MLP (8 experts, top-2) in every layer, or a tiny DeepSeek-V3 (multi-latent attention, a dense layer then 8 sigmoid-routed experts in 4 groups + a shared expert)")
-    p.add_argument("--mcore-ckpt", default=None, help="start the actor and reference from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
-    p.add_argument("--critic-model", default=None, help="HF causal-LM dir or hub id to initialise the critic's body from (a score.weight/score.bias value head in it is used too); default: --model")
-    p.add_argument("--data", default=None, help="prompts with prompt+answer fields: .jsonl / .parquet, a datasets dir, or a hub dataset ORG/NAME (e.g. openai/gsm8k --data-config main); default: the synthetic arithmetic task")
-    p.add_argument("--data-config", default=None, help="config of a --data dataset repository that has several (gsm8k: main or socratic)")
-    p.add_argument("--data-split", default="train", help="split of --data to train on")
-    p.add_argument("--eval-data", default=None, help="held-out prompts for validation, as --data (its --data-config); default: the embedded task's prompts without --data, else none")
-    p.add_argument("--eval-split", default="test", help="split of --eval-data")
-    p.add_argument("--eval-every", type=int, default=10, help="validate at step 0 (before any update), every N steps and at the last step, on the rollout engine (0: off)")
-    p.add_argument("--eval-samples", type=int, default=1, help="responses per held-out prompt: k of eval_pass@k and eval_maj@k")
-    p.add_argument("--eval-temperature", type=float, default=0.0, help="sampling temperature of validation (0: greedy, with --eval-samples 1)")
-    p.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
-    p.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
-    p.add_argument("--system-prompt", default=None, help="system message put before every prompt")
-    p.add_argument("--raw-prompts", action="store_true", help="tokenize prompts as they are, without the chat template (always so for the synthetic task)")
-    p.add_argument("--max-prompt-len", type=int, default=1024, help="prompts longer than this (in tokens) are dropped")
-    # --- parallelism (data parallelism is what is left: world / (tp * pp)); the critic is sharded like the actor
-    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
-    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
-    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
-    p.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first pipeline stage; the "
-                   "middle stages share the rest equally (default: even when the layers divide by pp*vpp, else automatic)")
-    p.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline stage, "
-                   "which also runs the output layer and the loss (default: automatic, no more than the other stages)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1; MoE models with --tp > 1 need it)")
-    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models): each pipeline stage's ranks split the experts over ep ranks, tokens go to them by all-to-all")
-    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models): each expert's weights split over etp ranks")
-    p.add_argument("--cp", type=int, default=1, help="context parallel size: every sequence of the trainer's passes split over cp ranks "
-                   "(2*cp chunks, balanced for causal attention; keys/values all-gathered; with --pack every sample of a pass is cut so, "
-                   "padded to a multiple of 2*cp), for sequences that do not fit one GPU")
-    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
-    # --- rollout
-    p.add_argument("--rollout", choices=["auto", "vllm", "cpu"], default="auto", help="rollout engine; auto = vllm when a GPU and vllm are present, else the CPU engine")
-    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size (independent of --tp); world/rollout-tp replicas get different prompts")
-    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step, global")
-    p.add_argument("--samples-per-prompt", type=int, default=8, help="responses sampled per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="response length budget")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)")
-    p.add_argument("--rollout-logprobs", choices=list(ROLLOUT_LOGPROBS), default=None, help="which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and --tis-cap: prefill scores one sample per replica after sampling in a prefill pass (T=1 only; costs no decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of vLLM's time at 7B), all for every sample, none (no logprob_mismatch) (default: all with --tis-cap, else prefill at --temperature 1, else one-per-prompt)")
-    p.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
-    p.add_argument("--offload-params", action=argparse.BooleanOptionalAction, default=None, help="move Megatron's params (actor, critic, reference) to host memory while they idle (default: on with vLLM)")
-    p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None, help="move both Adam states + main params to host memory and free grad buffers between updates (default: on with vLLM)")
-    # --- algorithm: advantages
-    p.add_argument("--gamma", type=float, default=1.0, help="GAE discount (1: no discount within a response)")
-    p.add_argument("--lam", type=float, default=0.95, help="GAE lambda (1: Monte-Carlo returns, 0: one-step TD)")
-    p.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
-    p.add_argument("--kl-mode", choices=["reward", "loss"], default="reward", help="reward: -kl_coef * KL added to every token's reward (InstructGPT); loss: a KL term in the actor loss (GRPO-style)")
-    p.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default=None, help="per-token KL estimator; default k1 (log pi/ref) in the reward, k3 in the loss (k1's gradient as a loss is 0 in expectation)")
-    # --- algorithm: losses
-    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
-    p.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
-    p.add_argument("--reward-model", default=None, help="HF *ForSequenceClassification reward model dir or hub id (frozen, sharded like the policy, its own tokenizer and chat template): reward = --rule-reward-weight x rule + --reward-model-weight x score")
-    p.add_argument("--reward-model-weight", type=float, default=1.0, help="weight of the reward model's score in the reward")
-    p.add_argument("--rule-reward-weight", type=float, default=1.0, help="weight of the rule-based reward (0: the reward model alone)")
-    p.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
-    p.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
-    p.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
-    p.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="policy loss aggregation (the value loss is always token_mean)")
-    p.add_argument("--moe-aux-loss-coef", type=float, default=None, help="MoE load-balancing loss coefficient (megatron's aux loss per MoE layer, added to the loss; 0: off); default: the model config's router_aux_loss_coef")
-    p.add_argument("--moe-router-bias-update-rate", type=float, default=0.0, help="DeepSeek-V3 models: after every optimizer step move each router's score-correction bias by this amount towards balanced expert load (megatron's aux-loss-free balancing; DeepSeek-V3's pretraining used 0.001); 0: the loaded bias stays frozen")
-    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
-    p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
-    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
-    p.add_argument("--mini-batch-size", type=int, default=None, help="samples per optimizer step, global (default: the whole rollout batch)")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass per rank")
-    p.add_argument("--micro-batch-tokens", type=int, default=0,
-                   help="instead of --micro-batch-size, fill each forward pass with length-sorted samples up to this many "
-                        "tokens per rank (samples x padded length; 0 = off): fewer, fuller passes (docs/benchmarks.md)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="activation recompute (less memory, more compute): selective = the --recompute-modules of "
-                        "every layer, full = whole layers, --recompute-layers at a time")
-    p.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES), default=["core_attn"],
-                   help="with --recompute selective: megatron's recompute_modules (mlp, moe, moe_act, "
-                        "shared_experts: MLP / MoE activations; core_attn: the attention kernel)")
-    p.add_argument("--recompute-layers", type=int, default=1,
-                   help="with --recompute full: layers per recomputed chunk (megatron's recompute_num_layers)")
-    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
-                   help="sequence packing: each forward pass is one row of whole samples back to back, no padding, "
-                        "attention confined to each sample; up to --micro-batch-tokens tokens per pass (0: "
-                        "--micro-batch-size rows of the step's longest sample)")
-    p.add_argument("--critic-warmup-steps", type=int, default=0, help="the first N steps update only the critic (the actor is left unchanged)")
-    # --- optimisation (two optimizers: actor and critic)
-    p.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
-    p.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
-    p.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay (actor and critic)")
-    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps (actor and critic)")
-    p.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant", help="decay after warmup, to --min-lr at the last step")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
-    # --- run
-    p.add_argument("--steps", type=int, default=200, help="training steps (rollout batches)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of everything")
-    p.add_argument("--out", default="runs/ppo", help="output dir: metrics.jsonl, curves.png, checkpoints/")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: by time only); the last step and a stop signal always save")
-    p.add_argument("--save-every-minutes", type=float, default=30.0, help="checkpoint when this many minutes passed since the last save (0: off)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
-    p.add_argument("--save-any-layout", action=argparse.BooleanOptionalAction, default=True, help="write the distributed optimizer's state per parameter, so that the checkpoint resumes at any TP/PP/DP layout; --no-save-any-layout writes each DP rank's shard as it is: less blocking time and host memory, resumable at the same TP/PP only (any DP)")
-    p.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"], default=None, help="continue the run in --out from its latest checkpoint (refused when there is none); --resume auto: continue if there is a checkpoint, else start over (launch/slurm.sh's requeue)")
-    p.add_argument("--start-over", action="store_true", help="start a new run in a non-empty --out: its old contents are moved to <out>.old-<time>")
-    p.add_argument("--log-samples-every", type=int, default=10, help="every N steps print 3 decoded (prompt, response, reward) samples, append them to --out/samples.jsonl and wandb (0: off)")
-    p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None, help="default: online if a wandb key is set, else disabled")
-    p.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
-    p.add_argument("--run-name", default=None, help="wandb run name")
-    p.add_argument("--save-rollouts", default=None, help="write each step's samples and rewards to this dir")
-    p.add_argument("--load-rollouts", default=None, help="train on samples saved by --save-rollouts instead of generating (no engine)")
+    m = F.model_flags(p)
+    m.add_argument("--mcore-ckpt", default=None, help="start the actor and reference from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
+    m.add_argument("--critic-model", default=None, help="HF causal-LM dir or hub id to initialise the critic's body from (a score.weight/score.bias value head in it is used too); default: --model")
+    F.data_flags(p)
+    F.parallel_flags(p)  # the critic is sharded like the actor
+    F.rollout_flags(p, group_help="responses sampled per prompt", models="actor, critic, reference")
+    a = p.add_argument_group("algorithm (PPO)")
+    # advantages
+    a.add_argument("--gamma", type=float, default=1.0, help="GAE discount (1: no discount within a response)")
+    a.add_argument("--lam", type=float, default=0.95, help="GAE lambda (1: Monte-Carlo returns, 0: one-step TD)")
+    a.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
+    a.add_argument("--kl-mode", choices=["reward", "loss"], default="reward", help="reward: -kl_coef * KL added to every token's reward (InstructGPT); loss: a KL term in the actor loss (GRPO-style)")
+    a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default=None, help="per-token KL estimator; default k1 (log pi/ref) in the reward, k3 in the loss (k1's gradient as a loss is 0 in expectation)")
+    # losses
+    a.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
+    a.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
+    a.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
+    a.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
+    a.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
+    a.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="policy loss aggregation (the value loss is always token_mean)")
+    a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    a.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
+    a.add_argument("--critic-warmup-steps", type=int, default=0, help="the first N steps update only the critic (the actor is left unchanged)")
+    F.reward_flags(p)
+    b = F.batch_flags(p)
+    b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
+    o = p.add_argument_group("optimisation (two optimizers: actor and critic)")
+    o.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
+    o.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
+    o.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay (actor and critic)")
+    o.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps (actor and critic)")
+    o.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant", help="decay after warmup, to --min-lr at the last step")
+    o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
+    F.run_flags(p, out="runs/ppo")
     return p
 
 
