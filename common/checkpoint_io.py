@@ -27,6 +27,7 @@ process that saves, and its server does not watch its parent: after os._exit (th
 path) or a kill it ran on, holding stdout (tests/test_train_checkpoint.py:
 test_exit_closes_stdout). shutdown() still ends a Manager if something else made one.
 """
+import errno
 import json
 import os
 import queue
@@ -40,6 +41,12 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint's files could not be written (on any rank; raised on every rank). The step
+    directory stays *.tmp and `latest` keeps pointing at the previous checkpoint. The training
+    scripts stop with this message (exit code 4)."""
 
 
 def device_for_collectives():
@@ -152,6 +159,7 @@ class PendingWrite:
 
         self.request = request
         self.results = queue.Queue()  # (bucket index, write results or the exception)
+        self.notes = {}  # bucket index -> what a failure's message adds (the free disk space)
         self.threads = []
         self.buckets = []
         self.stage_s = 0.0  # seconds of copying to host memory
@@ -178,6 +186,11 @@ class PendingWrite:
         else:
             self.buckets = request.preload_fn()  # a synchronous save: the loop waits for the files anyway
         self.stage_s = time.perf_counter() - started
+        short = disk_space_shortfall(self.buckets)
+        if short:  # the files cannot fit: nothing written, the failure reported at finish() on every rank
+            for index in range(len(self.buckets)):
+                self.results.put((index, OSError(errno.ENOSPC, short)))
+            return
         # One thread per file (megatron's default: 2 per rank), for a synchronous save too (joined
         # at once). daemon: a program that dies mid-write is not kept alive by its checkpoint
         # (the step directory then stays *.tmp and is never published).
@@ -188,11 +201,11 @@ class PendingWrite:
 
     def _write_file(self, index, bucket, attempts=2):
         """megatron's per-file writer for one bucket, from the host copies; a failed file is
-        written once more from scratch (the copies are unchanged, the file is reopened "wb").
-        Why: on an H200, 1 of 2 runs of bench/save.py --shape 1.5b failed one file with
-        torch's serializer error "[enforce fail at inline_container.cc:672] . unexpected pos 704
-        vs 598" (the same numbers are reported from torchforge's threaded checkpoints); the cause
-        is not known, the next run wrote every file. A failure that repeats is reported."""
+        written once more from scratch (the copies are unchanged, the file is reopened "wb"),
+        unless the disk has no room for it. A full disk shows as torch's serializer error
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (the secondary
+        error of its failed write; torch drops the errno): the reported failure says how much
+        space is left, so that the cause is visible."""
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
         for attempt in range(1, attempts + 1):
@@ -200,7 +213,13 @@ class PendingWrite:
             FileSystemWriterAsync.write_preloaded_data(self.transforms, index, bucket, results, _DoneCounter(),
                                                        True)  # True: fsync
             outcome = results.get()
-            if not isinstance(outcome[1], BaseException) or attempt == attempts:
+            if not isinstance(outcome[1], BaseException):
+                break
+            free = shutil.disk_usage(os.path.dirname(bucket[0])).free
+            room = free >= bucket_bytes(bucket)
+            if attempt == attempts or not room:  # what error() adds to the failure's message
+                self.notes[index] = (f" ({_size(free)} free on its filesystem"
+                                     f"{', less than the file needs: the disk is full' if not room else ''})")
                 break
             print(f"[checkpoint] writing {bucket[0]} failed ({type(outcome[1]).__name__}: {outcome[1]}); "
                   "writing it again", file=sys.stderr, flush=True)
@@ -217,7 +236,8 @@ class PendingWrite:
     def error(self):
         """None, or what went wrong writing this rank's files (after written())."""
         self.outcomes = dict(self.results.get_nowait() for _ in range(self.results.qsize()))
-        failed = [f"{type(e).__name__}: {e}" for e in self.outcomes.values() if isinstance(e, BaseException)]
+        failed = [f"{type(e).__name__}: {e}{self.notes.get(index, '')}" for index, e in self.outcomes.items()
+                  if isinstance(e, BaseException)]
         if len(self.outcomes) != len(self.buckets):
             failed.append(f"{len(self.buckets) - len(self.outcomes)} file writer(s) gave no result")
         return "; ".join(dict.fromkeys(failed)) or None  # each message once
@@ -229,6 +249,34 @@ class PendingWrite:
             self.megatron_queue.put(self.outcomes)  # what FileSystemWriterAsync.retrieve_write_results reads
         for fn in self.request.finalize_fns:
             fn()
+
+
+def bucket_bytes(bucket):
+    """Bytes one of megatron's write buckets (path, name, (byte items, tensor items)) puts on
+    disk: its tensors' and byte items' sizes, plus torch.save's per-tensor overhead (~1 KB)."""
+    _, _, (byte_items, tensor_items) = bucket
+    return (sum(t.numel() * t.element_size() + 1024 for _, t in tensor_items)
+            + sum(len(data.getbuffer()) for _, data in byte_items))
+
+
+def disk_space_shortfall(buckets):
+    """None when the filesystem of the buckets' files has room for all of them (and 1%), else
+    what is missing, as a message. This rank's files only: ranks sharing a disk each check
+    their own share, so a shared disk can still fill up (then the write reports it)."""
+    if not buckets:
+        return None
+    directory = os.path.dirname(buckets[0][0])
+    need = sum(bucket_bytes(b) for b in buckets) * 1.01
+    free = shutil.disk_usage(directory).free
+    if need <= free:
+        return None
+    return (f"not enough disk space for this rank's checkpoint files: they need {_size(need)}, "
+            f"{_size(free)} is free on the filesystem of {directory}. Free space there, keep fewer "
+            "checkpoints (--keep-checkpoints) or write the run to a larger disk (--out)")
+
+
+def _size(nbytes):
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
 class _DoneCounter:
@@ -283,7 +331,7 @@ def finish(writes, what):
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, local)
     if any(errors):
-        raise RuntimeError(f"writing {what} failed: " + "; ".join(
+        raise CheckpointWriteError(f"writing {what} failed (the checkpoint before it is kept): " + "; ".join(
             f"rank {rank}: {error}" for rank, error in enumerate(errors) if error))
     try:
         for write in writes:

@@ -208,9 +208,12 @@ def run_cli(run, args):
 
 def run_training(main):
     """Run a training script's main(). A mistake found after start-up (common.preflight's
-    UsageError: all prompts too long, ...) or a non-finite loss, gradient or logprob
-    (common.guard's NonFiniteError) ends the run with one message from rank 0 and exit code
-    2 or 3; every rank raises these alike, so every rank leaves. Bugs keep their traceback."""
+    UsageError: all prompts too long, ...), a non-finite loss, gradient or logprob
+    (common.guard's NonFiniteError) or a checkpoint that could not be written (a full disk:
+    common.checkpoint_io's CheckpointWriteError) ends the run with one message from rank 0 and
+    exit code 2, 3 or 4; every rank raises these alike, so every rank leaves. Bugs keep their
+    traceback."""
+    from common.checkpoint_io import CheckpointWriteError
     from common.guard import NonFiniteError
     from common.preflight import UsageError
 
@@ -222,6 +225,8 @@ def run_training(main):
         code, message = 2, f"{prog}: error: {e}"
     except NonFiniteError as e:
         code, message = 3, f"{prog}: stopped: {e}"
+    except CheckpointWriteError as e:
+        code, message = 4, f"{prog}: stopped: {e}"
     if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     from common.train_checkpoint import shutdown_checkpointing

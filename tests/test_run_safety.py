@@ -186,6 +186,38 @@ def test_nan_stops_the_run_before_the_update(tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # nothing non-finite was saved
 
 
+FULL_DISK = """import runpy, shutil, sys
+real = shutil.disk_usage
+def disk_usage(path):  # the checkpoint disk is full from the second save on
+    usage = real(path)
+    return usage._replace(free=100_000) if "step_000002" in str(path) else usage
+shutil.disk_usage = disk_usage
+sys.argv = sys.argv[1:]
+sys.path.insert(0, ".")  # the repository root (the working directory), as for the script itself
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    """A checkpoint whose files do not fit (here: the disk reports 0.1 MB free from the second
+    save on) is not written: the run stops with one message that names the space needed and
+    free, exit code 4, and `latest` stays at the first checkpoint. (A real full disk made torch's
+    serializer fail with "unexpected pos 704 vs 598", which said nothing of the cause.)"""
+    wrapper = tmp_path / "full_disk.py"
+    wrapper.write_text(FULL_DISK)
+    proc = subprocess.run([sys.executable, str(wrapper), "train_grpo.py", *SMALL, "--steps", "4", "--save-every", "1",
+                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled"))
+    assert proc.returncode == 4, (proc.stdout + proc.stderr)[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_grpo.py: stopped: writing the training checkpoint") and "step_000002.tmp" in last
+    assert "not enough disk space" in last and "0.1 MB is free" in last and "--keep-checkpoints" in last, last
+    assert "Traceback" not in proc.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000001"
+    assert sorted(os.listdir(checkpoints)) == ["latest", "step_000001", "step_000002.tmp"]
+
+
 def _popen(cmd, out, **env):
     return subprocess.Popen(cmd + ["--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",

@@ -298,8 +298,9 @@ def test_background_write_failure_raised_on_every_rank(resharded):
     both ranks, naming that rank; nothing is published; the run went on to a good save."""
     fail = resharded["dp2"]["fail"]
     assert fail["errors_agree"]
-    assert re.match(r"writing the training checkpoint \S+dp2_fail/step_000004.tmp failed: "
-                    r"rank 1: OSError: \[Errno 27\] File too large$", fail["error"]), fail["error"]
+    assert re.match(r"writing the training checkpoint \S+dp2_fail/step_000004.tmp failed \(the checkpoint "
+                    r"before it is kept\): rank 1: OSError: \[Errno 27\] File too large "
+                    r"\([0-9.]+ [MG]B free on its filesystem\)$", fail["error"]), fail["error"]
     assert fail["listing"] == ["step_000004.tmp"]  # no latest, no step_000004
 
 
