@@ -25,7 +25,7 @@ resumable at any TP/PP/DP layout, optionally written in the background.
                             its scheduler in train_state.json under "extra_models"
       complete              written last: every file above with its size in bytes
 The model part is a model checkpoint of common/checkpoint.py; the writing (background
-threads, the step-directory protocol) is in common/checkpoint_io.py.
+threads) is in common/checkpoint_io.py, the step-directory protocol in common/checkpoint_dirs.py.
 """
 import json
 import os
@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import checkpoint_io
+from common import checkpoint_dirs, checkpoint_io
 from common.bridge import stage_layers
 from common.checkpoint import HF_DIR, model_sharded_state_dict, write_meta
 from common.model import named_global_parameters, unwrap
@@ -143,7 +143,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
     extra = dict(extra or {})
     json.dumps(extra)  # not JSON-able -> TypeError on every rank, before any collective
     rank = dist.get_rank()
-    rng_state = checkpoint_io.rng_state()  # first: nothing below may advance a generator before
+    rng_state = checkpoint_dirs.rng_state()  # first: nothing below may advance a generator before
     models = {"": (ddp_chunks, optimizer, scheduler), **extra_models}  # "": the step directory itself
     # A diverged run must not overwrite good checkpoints with NaNs (keep_last would prune them).
     named = [(f"{model_name}/{name}" if model_name else name, t) for model_name, (chunks, opt, _) in models.items()
@@ -168,7 +168,7 @@ def _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, *, kee
     os.makedirs(os.path.join(save.tmp_dir, RNG_DIR), exist_ok=True)
     torch.save(rng_state, os.path.join(save.tmp_dir, RNG_DIR, f"rank_{rank:05d}.pt"))
     if rank == 0:
-        checkpoint_io.write_atomic(os.path.join(save.tmp_dir, TRAIN_STATE_FILE), json.dumps({
+        checkpoint_dirs.write_atomic(os.path.join(save.tmp_dir, TRAIN_STATE_FILE), json.dumps({
             "step": step, "extra": extra, "optimizer_sharding": optimizer_sharding,
             "distributed_optimizer": is_distributed_optimizer(ddp_chunks),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -189,7 +189,7 @@ def _publish(save):
     error = None
     if dist.get_rank() == 0:
         try:
-            checkpoint_io.publish(save.tmp_dir, save.final_dir, save.step, save.keep_last)
+            checkpoint_dirs.publish(save.tmp_dir, save.final_dir, save.step, save.keep_last)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
     error = broadcast_from_rank0(error)  # also the barrier: on return every rank sees it published

@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common import checkpoint_io
+from common import checkpoint_dirs
 from common.checkpoint import load_into_chunks, model_sharded_state_dict
 from common.preflight import UsageError
 from common.train_checkpoint import (DP_RESHARDABLE_FIXED, RNG_DIR, TRAIN_STATE_FILE, broadcast_from_rank0,
@@ -39,7 +39,7 @@ def load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler, *, ext
 
     extra_models = check_extra_models(extra_models)
     rank = dist.get_rank()
-    candidates = broadcast_from_rank0(checkpoint_io.candidates(ckpt_root) if rank == 0 else None)
+    candidates = broadcast_from_rank0(checkpoint_dirs.candidates(ckpt_root) if rank == 0 else None)
     if not candidates:
         return None
     rejected = []
@@ -130,7 +130,7 @@ def check_step_dir(step_dir, extra_models=()):
     """None if step_dir looks complete (with the subdirectories of the named extra models),
     else why not (cheap: sizes, not checksums)."""
     required = ("metadata.json", TRAIN_STATE_FILE) + tuple(f"{name}/metadata.json" for name in extra_models)
-    return checkpoint_io.check_step_dir(step_dir, required)
+    return checkpoint_dirs.check_step_dir(step_dir, required)
 
 
 def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
@@ -171,7 +171,7 @@ def _restore_rng(step_dir, saved_layout):
     # megatron's default rank order puts TP innermost: saved rank t has tp_rank t
     source = rank if same else mpu.get_tensor_model_parallel_rank() if saved_layout["tp"] == layout["tp"] else 0
     state = torch.load(os.path.join(step_dir, RNG_DIR, f"rank_{source:05d}.pt"), weights_only=False)
-    tracker_restored = checkpoint_io.set_rng_state(state)
+    tracker_restored = checkpoint_dirs.set_rng_state(state)
     if not same and rank == 0:
         print(f"[checkpoint] saved at {_describe(saved_layout)}, resuming at {_describe(layout)}: "
               f"python/numpy/torch RNG states taken from saved rank {source}; megatron's model-parallel RNG "

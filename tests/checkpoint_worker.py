@@ -271,8 +271,8 @@ INJECTED = []  # failures fail_first_write raised
 
 
 def fail_first_write():
-    """Make the first tensor write of a checkpoint writer thread fail once, as torch's serializer
-    did on a GPU ("unexpected pos 704 vs 598", common/checkpoint_io.py PendingWrite._write_file):
+    """Make the first tensor write of a checkpoint writer thread fail once (as a write can fail
+    for a moment, e.g. a disk that had no room: common/checkpoint_io.py PendingWrite._write_file):
     the file must be written again from the host copies. One failure per process: afterwards
     the wrapper only passes writes on."""
     import functools

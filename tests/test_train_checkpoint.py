@@ -397,7 +397,7 @@ def test_refusals_name_both_layouts_and_never_fall_back(reference, resharded, on
 
 def test_check_step_dir_andcandidates(reference, tmp_path):
     """The structural checks, without any process group."""
-    from common.checkpoint_io import candidates
+    from common.checkpoint_dirs import candidates
     from common.train_resume import check_step_dir
 
     root = tmp_path / "root"
