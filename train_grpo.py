@@ -69,12 +69,7 @@ def build_parser():
     F.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=1e-6, help="peak learning rate")
-    o.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay")
-    o.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps")
-    o.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant", help="decay after warmup, to --min-lr at the last step")
-    o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
     F.run_flags(p, out="runs/grpo")
     return p

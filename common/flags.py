@@ -108,6 +108,17 @@ def batch_flags(p):
     return g
 
 
+def optim_flags(p, title, lr_help, scope=""):
+    """The learning rate, its schedule and AdamW's weight decay (scope: which models they apply
+    to, said in the help); the script adds its clipping (and PPO its critic's learning rate)."""
+    g = p.add_argument_group(title)
+    g.add_argument("--lr", type=float, default=1e-6, help=lr_help)
+    g.add_argument("--min-lr", type=float, default=0.0, help=f"final learning rate of the decay{scope}")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, help=f"linear warmup, in optimizer steps{scope}")
+    g.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant", help="decay after warmup, to --min-lr at the last step")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    return g
+
 def run_flags(p, out):
     """Steps, seeds, output, checkpoints, logging."""
     g = p.add_argument_group("run")
