@@ -133,7 +133,7 @@ def direct(shape, steps, work):
                   f"| whole save {seconds['total_s']} s", flush=True)
         print(f"{sharding:17s} blocking ours / megatron per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median "
               f"{result[sharding]['blocking_ratio_ours_vs_megatron']:.3f}", flush=True)
-    ours.close(), theirs.close()
+    ours.wait(), theirs.wait()
     print("BENCH_JSON " + json.dumps(result))
 
 

@@ -26,7 +26,8 @@ hands megatron a plain in-process queue in that lazily filled module-level slot.
 cost ~1.4 s to start (the spawned process imports the script again) and ~0.6 s to stop per
 process that saves, and its server does not watch its parent: after os._exit (the vLLM exit
 path) or a kill it ran on, holding stdout (tests/test_train_checkpoint.py:
-test_exit_closes_stdout). shutdown() still ends a Manager if something else made one.
+test_exit_closes_stdout). megatron makes that queue nowhere else (0.16.1: only when a save
+prepares its writes), so no save of this project starts the process.
 """
 import errno
 import os
@@ -345,15 +346,3 @@ def in_process_results():
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-def shutdown():
-    """End a results-queue Manager process megatron started in this process, if one was made
-    (in_process_results keeps it from starting in this project's saves); a later save starts
-    anew. Call on every rank before exit, after the last save was finished."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    manager = getattr(filesystem_async._results_queue, "_manager", None)
-    if manager is not None:
-        manager.shutdown()  # joins its process
-        filesystem_async._results_queue = None  # megatron's lazily created queue, now dead

@@ -229,23 +229,20 @@ def run_training(main):
         code, message = 4, f"{prog}: stopped: {e}"
     if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
-    from common.train_checkpoint import shutdown_checkpointing
-
-    shutdown_checkpointing()  # a helper process of megatron's, if any, would hold stdout open after os._exit
     sys.stdout.flush()
     os._exit(code)  # not sys.exit: an in-process vLLM engine can block interpreter exit
 
 
 def finish_training(writer, logger, *, summary, exit_hard):
     """The end of a training script, all ranks: wait for the last checkpoint save and publish
-    it (CheckpointWriter.close, which also ends a helper process of megatron's, if any), close the metrics,
+    it (CheckpointWriter.wait), close the metrics,
     print the last step's metrics (summary; None: nothing was trained, e.g. a resume of a
     finished run), then leave. exit_hard (with a vLLM engine): os._exit once every rank is
     here, because vLLM 0.26's in-process engine can block interpreter exit (a 1-GPU run hung
     after its last step, docs/gpu.md); everything is written by then."""
     import torch.distributed as dist
 
-    writer.close()
+    writer.wait()
     logger.close()
     if summary is not None:
         print0(json.dumps({k: round(v, 4) for k, v in summary.items()}))

@@ -5,7 +5,7 @@ resumable at any TP/PP/DP layout, optionally written in the background.
   writer = CheckpointWriter()                      in the background (see the class):
       writer.save(ckpt_root, step, ...)            blocks for checks, planning, host copies
       writer.poll()                                every step, all ranks: publishes it
-      writer.close()                               before exit: waits, ends helper processes
+      writer.wait()                                before exit: waits for the last save
   load_training_checkpoint(ckpt_root, ...)         the newest usable checkpoint -> live objects
                                                    (common/train_resume.py: the load side)
 
@@ -230,7 +230,7 @@ class CheckpointWriter:
             writer.poll()                         # every step: publishes a finished save
             if (step + 1) % save_every == 0:
                 writer.save(ckpt_root, step + 1, model, optimizer, scheduler, extra=..., ...)
-        writer.close()                            # before exit: waits for the last save, ends helpers
+        writer.wait()                             # before exit: waits for the last save and publishes it
 
     save() blocks for the finite check, the planning and the copy of this rank's share to host
     memory (and, for fully_reshardable, the distributed optimizer's gather: pass
@@ -279,13 +279,6 @@ class CheckpointWriter:
         """Block until the save in flight (if any) is written everywhere, and publish it."""
         return self._finish(block=True)
 
-    def close(self):
-        """wait(), then end a helper process of megatron's if one was started (checkpoint_io.shutdown). Before exit."""
-        try:
-            self.wait()
-        finally:
-            checkpoint_io.shutdown()
-
     def _finish(self, block):
         if self.pending is None or not checkpoint_io.all_written(self.pending.writes, block):
             return None
@@ -294,12 +287,6 @@ class CheckpointWriter:
         self.last = {"step": save.step, "blocking_s": save.blocking_s, "stage_s": save.stage_s,
                      "total_s": time.perf_counter() - save.started}
         return step_dir
-
-
-def shutdown_checkpointing():
-    """End a helper process of megatron's checkpoint writer, if one was started (see common/checkpoint_io.py).
-    All ranks, before exit, when saving only with save_training_checkpoint."""
-    checkpoint_io.shutdown()
 
 
 # --- layout, rank 0's word ------------------------------------------------------------

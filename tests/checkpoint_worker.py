@@ -28,10 +28,10 @@ Job keys (all optional but name):
                         error wait() raises on every rank
   break_copy            after training, copy `resume` there, damage every checkpoint in it and
                         record the error of loading it
-  exit_hard             (last job only) end like train_grpo.py with vLLM: writer.close(), then
+  exit_hard             (last job only) end like train_grpo.py with vLLM: writer.wait(), then
                         os._exit(0)
   megatron_queue        (with exit_hard) the control: megatron's own results queue (its spawned
-                        Manager process) made before the saves, and no close()
+                        Manager process) made before the saves
 Every step draws its batch from the global python, numpy and torch RNGs, so the losses
 after a resume only match if those RNG states were restored.
 """
@@ -407,7 +407,6 @@ def main():
 
     from common.dist import destroy_distributed, init_distributed
     from common.model import load_hf_spec
-    from common.train_checkpoint import shutdown_checkpointing
 
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=1234)
     spec = load_hf_spec(args.hf_dir)
@@ -420,15 +419,13 @@ def main():
         writer = run_job(job, args, info, spec, pathlib.Path(args.out_dir))
     if jobs[-1].get("exit_hard"):
         # train_grpo.py's exit with vLLM: no interpreter shutdown, so no atexit handler runs
-        if not jobs[-1].get("megatron_queue"):
-            writer.close()
+        writer.wait()
         manager = getattr(filesystem_async._results_queue, "_manager", None)  # for the test to clean up
         print(f"[worker] megatron's results-queue Manager: pid {manager._process.pid if manager else None}",
               flush=True)
         dist.barrier()
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
-    shutdown_checkpointing()
     destroy_distributed()
 
 

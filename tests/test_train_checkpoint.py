@@ -306,7 +306,7 @@ def test_background_write_failure_raised_on_every_rank(resharded):
 
 def test_exit_closes_stdout(reference, tmp_path):
     """The reference run saved (synchronously and in the background) and left like
-    train_grpo.py with vLLM, os._exit after CheckpointWriter.close(): its stdout pipe ended
+    train_grpo.py with vLLM, os._exit after CheckpointWriter.wait(): its stdout pipe ended
     with it, and megatron started no results-queue Manager (common/checkpoint_io.py:
     in_process_results). Control: with megatron's own queue made first, its helper process
     holds the pipe (so the check above can fail); that process is then ended here by its pid."""
