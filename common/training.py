@@ -2,11 +2,14 @@
 
   ddp_chunks, optimizer, scheduler = setup_training(chunks, lr=..., ...)
   torch_adams(optimizer)   the torch Adam instances inside
+  global_grad_norm(grads, group)             the L2 norm over ranks, one host wait
   ensure_adam_state / load_optimizer_state   megatron's torch-Adam path, made loadable
                                              (common/train_checkpoint.py uses them)
 
 Kept apart from common/model.py (builds the model) and common/weights.py (moves HF weights in and out).
 """
+import functools
+
 import torch
 
 from common.model import unwrap
@@ -62,6 +65,8 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
         for group in adam.param_groups:
             group.update(fused=True, foreach=False)
         adam.defaults.update(fused=True, foreach=False)
+    # the gradient norm for clipping without megatron's one host wait per tensor (no TE/apex)
+    optimizer = _foreach_norm_optimizer_class()(getattr(optimizer, "chained_optimizers", [optimizer]))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=max(total_steps, warmup_steps + 1),
@@ -69,6 +74,41 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
         wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
     )
     return ddp_chunks, optimizer, scheduler
+
+
+def global_grad_norm(grads, group):
+    """The L2 norm of all these gradients on all ranks of group (each rank passes the ones it
+    owns), as a float: torch's foreach norms, one all-reduce of the squared sum, one host wait."""
+    if grads:
+        squared = torch.nn.utils.get_total_norm(grads, 2.0).float().reshape(1) ** 2
+    else:  # e.g. a distributed-optimizer rank whose shard holds no gradient of this group
+        squared = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(squared, group=group)
+    return squared.item() ** 0.5
+
+
+@functools.cache
+def _foreach_norm_optimizer_class():
+    """megatron's ChainedOptimizer with the gradient norm of global_grad_norm.
+
+    Without TE/apex megatron-core computes the norm for clipping with a fallback that copies
+    each parameter's norm to the host in turn (utils.py local_multi_tensor_l2_norm: one host
+    wait per gradient tensor, 198 per step at Qwen2-1.5B, 1,581 in a 6-layer Qwen3-30B-A3B
+    with 128 experts, each draining the GPU's queue; docs/benchmarks.md). The same norm from
+    torch's foreach kernels waits once. Optimizers whose gradient statistics use different
+    process groups keep megatron's way.
+    """
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    class ForeachNormOptimizer(ChainedOptimizer):
+        @torch.no_grad()
+        def get_grad_norm(self):
+            if not self.chained_optimizers or not self.grads_states_parallel_group_is_shared():
+                return super().get_grad_norm()
+            grads = [g for opt in self.chained_optimizers for g in opt.get_main_grads_for_grad_norm()]
+            return global_grad_norm(grads, self.get_grad_stats_parallel_group())
+
+    return ForeachNormOptimizer
 
 
 def torch_adams(optimizer):

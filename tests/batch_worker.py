@@ -93,7 +93,7 @@ def adam():
     m = {n: torch.zeros_like(p) for n, p in named}
     v = {n: torch.zeros_like(p) for n, p in named}
     gen = torch.Generator().manual_seed(1)
-    errors = []
+    errors, norm_errors = [], []
     for t in (1, 2):
         tokens = torch.randint(3, spec.vocab_size, (2, 16), generator=gen)
         mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
@@ -102,7 +102,9 @@ def adam():
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
             return -logprobs.mean(), {}
 
-        B.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
+        _, grad_norm = B.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
+        by_hand = sum(float(p.main_grad.double().square().sum()) for _, p in named) ** 0.5
+        norm_errors.append(abs(grad_norm - by_hand) / by_hand)
         for n, p in named:
             g = p.main_grad
             m[n] = beta1 * m[n] + (1 - beta1) * g
@@ -111,7 +113,8 @@ def adam():
             update = (m[n] / (1 - beta1 ** t)) / ((v[n] / (1 - beta2 ** t)).sqrt() + eps)
             expected[n] = expected[n] * (1 - lr * decay) - lr * update
             errors.append(float((p.detach() - expected[n]).abs().max()))
-    print("RESULT " + json.dumps(dict(fused=fused, max_err=max(errors), params=len(named))))
+    print("RESULT " + json.dumps(dict(fused=fused, max_err=max(errors), params=len(named), grad_norm_rel_err=max(norm_errors),
+                                      optimizer=type(optimizer).__name__)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from tests.conftest import ROOT
 
 def test_train_step_is_adamw_by_hand(tmp_path):
     """Two optimizer steps of setup_training's (fused) AdamW equal the formula applied here to
-    the same gradients."""
+    the same gradients, and the gradient norm it reports (common/training.py's foreach norm,
+    not megatron's fallback) equals the one computed here."""
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
@@ -24,3 +25,5 @@ def test_train_step_is_adamw_by_hand(tmp_path):
     print(r)
     assert r["fused"]
     assert r["max_err"] < 1e-6  # the step itself is lr = 1e-2 per element
+    assert r["optimizer"] == "ForeachNormOptimizer"
+    assert r["grad_norm_rel_err"] < 1e-6
