@@ -178,7 +178,7 @@ def kernel_category(name):
     return "other"
 
 
-def summarize_kernels(kernels, wall_us, top=15):
+def summarize_kernels(kernels, wall_us, top=25):
     """kernels: (name, start_us, duration_us) of every device kernel in a window of wall_us.
     Returns dict(wall_ms, busy_ms (union of kernel intervals: time the device was doing
     anything), idle_frac, categories {name: ms}, top [(ms, count, name)])."""
@@ -223,7 +223,7 @@ def profile_kernels(fn, device):
     summary = summarize_kernels(kernels, wall_us)
     # host side: the ops that cost the CPU most of its own time (launch overhead shows up here)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in ops[:10]]
+    summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in ops[:20]]
     summary["host_ms"] = sum(e.self_cpu_time_total for e in ops) / 1e3
     # which op (and input shapes) launched the device time: tells a transpose copy of the
     # logits from a weight-gradient accumulation, which the kernel names do not

@@ -21,8 +21,14 @@ EAGER = set()  # names of decorated functions to run eagerly even on a GPU
 
 
 def compile_fn(fn):
-    # dynamic shapes: micro-batches of any length reuse one kernel; fullgraph: fail, not fall back
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    """fullgraph: fail, not fall back. Shapes: torch's automatic dynamic (dynamic=None). The
+    first call compiles for its exact shapes; a call whose shape differs recompiles once with
+    just the dimensions that changed (tokens, rows) symbolic, and later lengths reuse that
+    kernel. The vocabulary, head count and head size stay constants, so the kernels index with
+    constant divisors: with every dimension symbolic (dynamic=True) the vocabulary logprobs of
+    4 x 4096 tokens took 17.3 ms forward + backward on an H200, 10.0 ms this way
+    (docs/benchmarks.md, section 3)."""
+    return torch.compile(fn, dynamic=None, fullgraph=True)
 
 
 def on_gpu_compiled(fn):

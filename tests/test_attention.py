@@ -186,7 +186,8 @@ def test_apply_rope_matches_megatron_and_compiles():
     from common.fused import compile_fn
 
     torch.manual_seed(0)
-    for s in (7, 12):  # two lengths: the compiled kernel takes dynamic shapes
+    compiled_rope = compile_fn(apply_rope.eager)  # one compiled function for all lengths, as on a GPU
+    for s in (7, 12, 9):  # lengths: the second recompiles with a symbolic length, the third reuses it
         t = torch.randn(s, 2, 3, 16, requires_grad=True)
         freqs = torch.rand(s, 1, 1, 8) * 10
         freqs = torch.cat((freqs, freqs), dim=-1)  # megatron's layout: each angle twice
@@ -198,7 +199,7 @@ def test_apply_rope_matches_megatron_and_compiles():
         torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
         torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
         assert (ours - t).abs().max() > 0.1  # the rotation did something
-        compiled = compile_fn(apply_rope.eager)(t, freqs)
+        compiled = compiled_rope(t, freqs)
         torch.testing.assert_close(compiled, ours, atol=1e-6, rtol=0)
         (compiled_grad,) = torch.autograd.grad((compiled * w).sum(), t)
         torch.testing.assert_close(compiled_grad, grad, atol=1e-6, rtol=0)

@@ -109,24 +109,26 @@ def test_logprobs_of_time_major_logits_view():
 
 
 def test_logprobs_kernels_compile_like_eager():
-    # On a GPU the three helpers run torch.compile'd (common/fused.py: fullgraph, dynamic shapes).
-    # Compile them here with inductor's CPU backend: they must trace as one graph each, give the
-    # eager values, and take a second shape without failing (micro-batches differ in length).
+    # On a GPU the three helpers run torch.compile'd (common/fused.py: fullgraph, automatic dynamic
+    # shapes). Compile them here with inductor's CPU backend, once: they must trace as one graph
+    # each, give the eager values, and take a second shape (micro-batches differ in length: the
+    # recompile with symbolic sizes).
     from common import rl
     from common.fused import compile_fn
     torch.manual_seed(4)
-    for B, T in [(2, 5), (3, 9)]:
+    shard_max, shard_sums, shard_grad = (compile_fn(f.eager) for f in (rl._shard_max, rl._shard_sums, rl._shard_grad))
+    for B, T in [(2, 5), (3, 9), (4, 6)]:
         logits = (3 * torch.randn(B, T, 40)).bfloat16()
         g = [torch.randn(B, T) for _ in range(4)]
         targets = torch.randint(0, 40, (B, T))
         max_x = rl._shard_max(logits, 37, 0.7)
-        close(compile_fn(rl._shard_max.eager)(logits, 37, 0.7), max_x, 0)
+        close(shard_max(logits, 37, 0.7), max_x, 0)
         for entropy in (True, False):
-            close(compile_fn(rl._shard_sums.eager)(logits, max_x, 37, 0.7, entropy),
+            close(shard_sums(logits, max_x, 37, 0.7, entropy),
                   rl._shard_sums(logits, max_x, 37, 0.7, entropy), 1e-5)
         for grad_entropy in (g[2], None):
             args = (logits, targets, g[0], max_x, g[1], g[0], grad_entropy, g[3], 37, 0.7)
-            close(compile_fn(rl._shard_grad.eager)(*args).float(), rl._shard_grad(*args).float(), 1e-2)  # bf16 output
+            close(shard_grad(*args).float(), rl._shard_grad(*args).float(), 1e-2)  # bf16 output
 
 
 def test_logprobs_gradcheck_float64():

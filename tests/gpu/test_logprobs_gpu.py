@@ -8,7 +8,7 @@ logits of the real size (Qwen2's 151936-entry vocabulary, 4096 tokens), with voc
   1. logprobs, entropy and the gradient of (logprobs * w + entropy * w2).sum(), compiled, are
      as close to float64 torch.log_softmax on the same bf16 values as eager mode is
      (x1.5 + 1e-6 of eager's max error), and the gradient is 0 on the padding columns;
-  2. a second, shorter micro-batch reuses the compiled kernels (dynamic shapes: no error);
+  2. a second, shorter micro-batch runs too (a recompile with a symbolic length: no error);
   3. peak memory above the logits themselves is smaller compiled than eager, and the two
      timings are printed (bench/train.py --profile reports them for the bench shapes).
 """
