@@ -111,7 +111,7 @@ def main():
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, load_hf_spec
     from common.weights import export_hf_weights, load_hf_weights
-    from common.offload import Offloader, PhaseMemory, Timer
+    from common.offload import Colocation, PhaseMemory, Timer
     from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
@@ -190,13 +190,13 @@ def main():
                           reward_fn=math_reward if args.eval_data else reward_fn, answer_fn=final_answer if args.eval_data else synthetic_answer,
                           replica=replica, num_replicas=num_replicas, first_of_replica=info.rank % rollout_tp == 0, master_process=info.master_process)
     # Memory choreography on a shared GPU (common/offload.py): what the rollout does not use
-    # waits in pinned host memory. No-ops for tensors already on the CPU.
+    # waits in pinned host memory, the reference but for its logprob pass. No-ops for tensors
+    # already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
-    offload_optimizer = use_vllm if args.offload_optimizer is None else args.offload_optimizer
-    policy_off, optim_off = Offloader.of_model(model), Offloader.of_optimizer(optimizer, model)
-    reference_off = Offloader.of_model(reference) if reference is not None else None
-    if reference_off and offload_params:
-        reference_off.offload()  # needed only for its logprob pass
+    colo = Colocation(engine, model, [(optimizer, model)], frozen=[reference], params=offload_params,
+                      optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
+                      weights=lambda: export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
+                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks))
     # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
     reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp, dtype=dtype,
                                     micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
@@ -236,9 +236,7 @@ def main():
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
         store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
 
-    # every pinned host buffer now (Adam's state included): the first steps would pay seconds for them
-    for off in ([optim_off] if offload_optimizer else []) + ([policy_off] if offload_params else []):
-        off.allocate()
+    colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
@@ -248,66 +246,46 @@ def main():
         times, t0, side_metrics = {}, time.time(), {}  # side: validation, dynamic sampling
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
-        # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
+        # ---- 1. weight sync -> 2. rollout -> 3. reward. Each replica samples G responses for its share
+        # of the prompts; the ranks of one vLLM TP group hold the same samples (the first contributes),
+        # then all have all
+        def sample_round(prompts_idx, round_):
+            with timer("rollout"):
+                mine = prompts_idx[replica::num_replicas]
+                local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
+                                         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                                         seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_)
+                samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
+            answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+            with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
+                rewards = args.rule_reward_weight * torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                                                                  for s, a in zip(samples, answers)], dtype=torch.float32)
+                if args.overlong_buffer:
+                    rewards += dapo.overlong_penalty([len(s.response_ids) for s in samples], args.max_new_tokens,
+                                                     args.overlong_buffer, args.overlong_penalty_factor)
+            return samples, rewards
+
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
-        memory.start()
-        if engine is not None:
-            with timer("offload"):
-                if offload_optimizer:
-                    optim_off.offload()  # Adam state and grads wait until the update
-            with timer("wake"):
-                engine.wake_weights()  # weights first: the KV cache is not needed while syncing
-            with timer("sync"):
-                engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks))
-            with timer("offload"):
-                if offload_params:
-                    policy_off.offload()  # its weights now live in the engine
-            with timer("wake"):
-                engine.wake_kv_cache()
-            memory.end("sync")
-
-            # ---- 2. rollout + 3. reward: each replica samples G responses for its share of the prompts;
-            # the ranks of one vLLM TP group hold the same samples (the first contributes), then all have all
-            def sample_round(prompts_idx, round_):
-                with timer("rollout"):
-                    mine = prompts_idx[replica::num_replicas]
-                    local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
-                                             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                             seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_)
-                    samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-                answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
-                with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
-                    rewards = args.rule_reward_weight * torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                                                                      for s, a in zip(samples, answers)], dtype=torch.float32)
-                    if args.overlong_buffer:
-                        rewards += dapo.overlong_penalty([len(s.response_ids) for s in samples], args.max_new_tokens,
-                                                         args.overlong_buffer, args.overlong_penalty_factor)
-                return samples, rewards
-
-            samples, rewards = sample_round(prompts_idx, 0)
-            if args.dynamic_sampling:  # DAPO: only groups whose rewards differ, more prompts until the batch is full
-                samples, rewards, sampling = dapo.dynamic_sampling(samples, rewards, group, max_rounds=args.max_sampling_rounds,
-                                                                   more=lambda round_: sample_round(sampler.next_batch(), round_))
-                side_metrics.update(sampling)
-            if evaluator.due(step):  # held-out validation with the weights this step samples with
-                with timer("eval"):
-                    side_metrics.update(evaluator.run(engine, step))
-            memory.end("rollout")
-            with timer("sleep"):
-                engine.sleep()  # level 2: weights and KV cache freed, nothing copied
-            with timer("reload"):
-                policy_off.reload()
-        else:
+        if engine is None:  # --load-rollouts: a saved run's samples and rewards
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
-        if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
-            with timer("reward_model"):
-                order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
-                scores = reward_model.score([items[i]["prompt"] for i in order],
-                                            [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], info.device)
-            rewards = rewards + args.reward_model_weight * scores
-            side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
+        else:  # weights synced first (all ranks: the export runs collectives); after the block the engine sleeps
+            with colo.rollout(timer, memory):
+                samples, rewards = sample_round(prompts_idx, 0)
+                if args.dynamic_sampling:  # DAPO: only groups whose rewards differ, more prompts until the batch is full
+                    samples, rewards, sampling = dapo.dynamic_sampling(samples, rewards, group, max_rounds=args.max_sampling_rounds,
+                                                                       more=lambda round_: sample_round(sampler.next_batch(), round_))
+                    side_metrics.update(sampling)
+                if evaluator.due(step):  # held-out validation with the weights this step samples with
+                    with timer("eval"):
+                        side_metrics.update(evaluator.run(engine, step))
+            if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
+                with timer("reward_model"):
+                    order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+                    scores = reward_model.score([items[i]["prompt"] for i in order],
+                                                [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], info.device)
+                rewards = rewards + args.reward_model_weight * scores  # (saved with --save-rollouts: replayed as they are)
+                side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         check_finite("rewards", rewards, step=step)
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)
@@ -347,19 +325,15 @@ def main():
             check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:
-            with timer("ref"):
-                reference_off.reload()
+            with timer("ref"), colo.frozen_model(reference):
                 logprob_pass(reference, all_mine, batch["ref_logprobs"])
-                check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
-                if offload_params:
-                    reference_off.offload()
+            check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         memory.end("logprob")
         batch["is_weights"] = (rl.truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
                                if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
 
         # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
-        with timer("reload"):
-            optim_off.reload()
+        colo.reload_optimizers(timer)
         tick = time.time()
         train_metrics, grad_norms = [], []
         for epoch in range(args.ppo_epochs):

@@ -118,7 +118,7 @@ def main():
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, load_hf_spec
     from common.weights import export_hf_weights, load_hf_weights
-    from common.offload import Offloader, PhaseMemory, Timer
+    from common.offload import Colocation, PhaseMemory, Timer
     from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout import make_engine, vllm_available
@@ -209,12 +209,10 @@ def main():
     # idles from its update until the next values pass, the reference but for its logprob
     # pass, both Adam states but for the updates. No-ops for tensors already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
-    offload_optimizer = use_vllm if args.offload_optimizer is None else args.offload_optimizer
-    actor_off, critic_off = Offloader.of_model(model), Offloader.of_model(critic)
-    optim_offs = [Offloader.of_optimizer(optimizer, model), Offloader.of_optimizer(critic_optimizer, critic)]
-    reference_off = Offloader.of_model(reference) if reference is not None else None
-    if reference_off and offload_params:
-        reference_off.offload()
+    colo = Colocation(engine, model, [(optimizer, model), (critic_optimizer, critic)], idle=[critic], frozen=[reference],
+                      params=offload_params, optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
+                      weights=lambda: export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
+                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks))
     # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
     reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp, dtype=dtype,
                                     micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
@@ -262,9 +260,7 @@ def main():
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
-    # every pinned host buffer now (Adam's state included): the first steps would pay seconds for them
-    for off in (optim_offs if offload_optimizer else []) + ([actor_off, critic_off] if offload_params else []):
-        off.allocate()
+    colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
@@ -274,42 +270,19 @@ def main():
         times, t0, eval_metrics = {}, time.time(), {}  # eval_metrics: validation, reward model scores
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
-        # ---- 1. weight sync: trainer -> rollout engine (all ranks: the export runs collectives)
+        # ---- 1. weight sync -> 2. rollout: each replica samples its share of the prompts (the
+        # sync runs on all ranks: the export runs collectives; after the block the engine sleeps)
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
-        memory.start()
         if engine is not None:
-            with timer("offload"):
-                if offload_params:
-                    critic_off.offload()  # idle until the values pass
-                if offload_optimizer:
-                    for off in optim_offs:
-                        off.offload()  # Adam states and grads wait until the updates
-            with timer("wake"):
-                engine.wake_weights()  # weights first: the KV cache is not needed while syncing
-            with timer("sync"):
-                engine.update_weights(export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks))
-            with timer("offload"):
-                if offload_params:
-                    actor_off.offload()  # its weights now live in the engine
-            with timer("wake"):
-                engine.wake_kv_cache()
-            memory.end("sync")
-
-            # ---- 2. rollout: each replica samples its share of the prompts
-            with timer("rollout"):
-                mine = prompts_idx[replica::num_replicas]
-                local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
-                                         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                         seed=args.seed * 100_003 + step * 1009 + replica)
-            if evaluator.due(step):  # held-out validation with the weights this step samples with
-                with timer("eval"):
-                    eval_metrics = evaluator.run(engine, step)
-            memory.end("rollout")
-            with timer("sleep"):
-                engine.sleep()  # level 2: weights and KV cache freed, nothing copied
-            with timer("reload"):
-                actor_off.reload()
+            with colo.rollout(timer, memory):  # optimizer states, critic and actor out, weights in, then the KV cache
+                with timer("rollout"):
+                    mine = prompts_idx[replica::num_replicas]
+                    local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
+                                             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                                             seed=args.seed * 100_003 + step * 1009 + replica)
+                if evaluator.due(step):  # held-out validation with the weights this step samples with
+                    with timer("eval"):
+                        eval_metrics = evaluator.run(engine, step)
             with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
             order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]  # item of each sample
@@ -355,15 +328,12 @@ def main():
         check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:
-            with timer("ref"):
-                reference_off.reload()
+            with timer("ref"), colo.frozen_model(reference):
                 forward_pass(reference, all_mine, logprobs_of, batch["ref_logprobs"])
-                check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
-                if offload_params:
-                    reference_off.offload()
+            check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
         with timer("values"):
-            critic_off.reload()  # back for its values pass and its update
+            colo.reload_idle()  # the critic, back for its values pass and its update
             forward_pass(critic, all_mine, lambda mb, values: values.squeeze(-1), batch["old_values"])
         check_finite("critic values", batch["old_values"], batch["mask"], step)
         memory.end("logprob")
@@ -383,9 +353,7 @@ def main():
         batch["advantages"] = rl.masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
 
         # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
-        with timer("reload"):
-            for off in optim_offs:
-                off.reload()
+        colo.reload_optimizers(timer)
         tick = time.time()
         train_actor = step >= args.critic_warmup_steps  # critic warmup: the actor is left as it is
         train_metrics, grad_norms, critic_grad_norms = [], [], []

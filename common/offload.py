@@ -23,6 +23,7 @@ The pinned host buffers are allocated once, at start-up (allocate()), and reused
 (pinning GBs each step would cost more than the copy). Host memory needed: the bytes moved
 (see .nbytes).
 """
+import contextlib
 import threading
 import time
 
@@ -134,6 +135,89 @@ class Offloader:
         if self._moved and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._moved = []
+
+
+class Colocation:
+    """The memory choreography of one step with the rollout engine on the trainer's GPUs.
+
+        colo = Colocation(engine, policy, [(optimizer, policy)], weights=lambda: export_hf_weights(...),
+                          idle=[critic], frozen=[reference], params=True, optimizer_state=True)
+        colo.allocate()                               # once: pinned host buffers for all of it
+        with colo.rollout(timer, memory):             # trainer state out, weights synced, KV cache in
+            samples = engine.generate(...)
+        # (after the block: the engine asleep, the policy back)
+        with colo.frozen_model(reference): ...        # back for its logprob pass only
+        colo.reload_idle(); colo.reload_optimizers(timer)
+
+    params: the models' parameters (and DDP grad buffers) go to host memory while unused: the
+    policy once its weights are in the engine, idle models (PPO's critic) from the rollout
+    until reload_idle(), frozen models (reference) but for frozen_model() blocks.
+    optimizer_state: Adam's state and the main params/grads from the rollout until
+    reload_optimizers(). Phases are timed into timer's offload_s / wake_s / sync_s / sleep_s /
+    reload_s, peak memory into memory's mem_sync_gb / mem_rollout_gb. include_cpu: as
+    Offloader's (tests on a CPU machine).
+    """
+
+    def __init__(self, engine, policy, optimizers, *, weights, idle=(), frozen=(), params=True, optimizer_state=True,
+                 include_cpu=False):
+        self.engine, self.weights = engine, weights
+        self.params, self.optimizer_state = params, optimizer_state
+        self.policy = Offloader.of_model(policy, include_cpu)
+        self.idle = [Offloader.of_model(m, include_cpu) for m in idle]
+        self.frozen = {id(m): Offloader.of_model(m, include_cpu) for m in frozen if m is not None}
+        self.optimizers = [Offloader.of_optimizer(opt, chunks, include_cpu) for opt, chunks in optimizers]
+        if params:
+            for off in self.frozen.values():
+                off.offload()  # needed only for their own passes
+
+    def allocate(self):
+        """Every pinned host buffer now (Adam's state included): the first steps would pay seconds for them."""
+        for off in (self.optimizers if self.optimizer_state else []) + ([self.policy, *self.idle] if self.params else []):
+            off.allocate()
+
+    @contextlib.contextmanager
+    def rollout(self, timer, memory):
+        """Around the rollout: the weight sync into a woken engine, then its KV cache; after the
+        block the engine sleeps (level 2: weights and KV cache freed, nothing copied) and the
+        policy's parameters come back. An exception in the block leaves everything as it is."""
+        memory.start()
+        with timer("offload"):
+            for off in (self.optimizers if self.optimizer_state else []) + (self.idle if self.params else []):
+                off.offload()  # Adam state, grads and idle models wait until their turn
+        with timer("wake"):
+            self.engine.wake_weights()  # weights first: the KV cache is not needed while syncing
+        with timer("sync"):
+            self.engine.update_weights(self.weights())
+        with timer("offload"):
+            if self.params:
+                self.policy.offload()  # its weights now live in the engine
+        with timer("wake"):
+            self.engine.wake_kv_cache()
+        memory.end("sync")
+        yield
+        memory.end("rollout")
+        with timer("sleep"):
+            self.engine.sleep()
+        with timer("reload"):
+            self.policy.reload()
+
+    @contextlib.contextmanager
+    def frozen_model(self, model):
+        """A frozen model (reference, reward model) on the GPU for the block, offloaded after it."""
+        off = self.frozen[id(model)]
+        off.reload()
+        yield
+        if self.params:
+            off.offload()
+
+    def reload_idle(self):
+        for off in self.idle:
+            off.reload()
+
+    def reload_optimizers(self, timer):
+        with timer("reload"):
+            for off in self.optimizers:
+                off.reload()
 
 
 def _ddp_buffers(chunk):

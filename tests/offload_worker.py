@@ -89,6 +89,7 @@ def main():
                 moved=offloaded["moved"], left=offloaded["left"], numel=offloaded["numel"],
                 freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"], late_buffers=offloaded["late_buffers"])
     result["reference"] = frozen_model_roundtrip(hf_dir)
+    result["colocation"] = colocation_phases(hf_dir)
     if info.rank == 0:
         print("RESULT " + json.dumps(result))
 
@@ -115,6 +116,98 @@ def frozen_model_roundtrip(hf_dir):
         after = chunks[0](tokens, positions, None)
     return dict(equal=bool(torch.equal(before, after)), left=left, moved=off.nbytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in chunks[0].parameters()))
+
+
+class RecordingEngine:
+    """A rollout engine that only records its calls; update_weights consumes the weights."""
+
+    expert_blocks = False
+
+    def __init__(self, on_sync):
+        self.calls, self.on_sync = [], on_sync
+
+    def wake_weights(self):
+        self.calls.append("wake_weights")
+
+    def update_weights(self, weights):
+        self.calls.append("update_weights")
+        self.on_sync(list(weights))
+
+    def wake_kv_cache(self):
+        self.calls.append("wake_kv_cache")
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+
+def colocation_phases(hf_dir):
+    """common/offload.Colocation as the scripts drive it (a policy with Adam, PPO's critic as the
+    idle model, a frozen reference; a recording engine): what is on the device in each phase,
+    and every tensor the same after its round trip."""
+    from common.model import build_model, load_hf_spec
+    from common.offload import Colocation, Timer
+    from common.training import setup_training
+    from common.weights import load_hf_weights
+
+    spec = load_hf_spec(hf_dir)
+
+    def load():
+        chunks = build_model(spec, dtype=torch.bfloat16)
+        load_hf_weights(chunks, spec, hf_dir)
+        return chunks
+
+    policy, optimizer, _ = setup_training(load(), lr=1e-2)
+    critic, critic_optimizer, _ = setup_training(load(), lr=1e-2)
+    reference = load()
+
+    def params(chunks):
+        return [p for chunk in chunks for p in chunk.parameters()]
+
+    def resident(tensors):  # every storage there (True), none (False), or some (None)
+        sizes = [t.untyped_storage().nbytes() > 0 for t in tensors]
+        return True if all(sizes) else False if not any(sizes) else None
+
+    def adam_state():
+        return [v for s in optimizer_states(optimizer) + optimizer_states(critic_optimizer)
+                for v in s.values() if torch.is_tensor(v) and v.dim()]
+
+    seen = {}
+
+    def on_sync(weights):  # the export reads the policy: whole then, the optimizer state already out
+        seen.update(policy_at_sync=resident(params(policy)), adam_at_sync=resident(adam_state()), synced=len(weights))
+
+    engine = RecordingEngine(on_sync)
+    colo = Colocation(engine, policy, [(optimizer, policy), (critic_optimizer, critic)], idle=[critic], frozen=[reference],
+                      weights=lambda: ((f"w{i}", p.detach()) for i, p in enumerate(params(policy))), include_cpu=True)
+    seen["reference_at_start"] = resident(params(reference))
+    colo.allocate()  # creates Adam's state (zeros), as the first step would
+    with colo.frozen_model(reference):  # (reading an offloaded tensor's emptied storage would crash)
+        before = {name: [t.detach().clone() for t in tensors] for name, tensors in
+                  dict(policy=params(policy), critic=params(critic), reference=params(reference), adam=adam_state()).items()}
+    times = {}
+
+    class Memory:
+        def start(self):
+            seen.setdefault("memory", []).append("start")
+
+        def end(self, name):
+            seen.setdefault("memory", []).append(name)
+
+    with colo.rollout(Timer(times), Memory()):
+        seen.update(policy_in_rollout=resident(params(policy)), critic_in_rollout=resident(params(critic)),
+                    adam_in_rollout=resident(adam_state()), calls_in_rollout=list(engine.calls))
+    seen.update(policy_after=resident(params(policy)), critic_after=resident(params(critic)),
+                adam_after=resident(adam_state()), calls_after=list(engine.calls))
+    with colo.frozen_model(reference):
+        seen["reference_in_block"] = resident(params(reference))
+    seen["reference_after_block"] = resident(params(reference))
+    colo.reload_idle()
+    colo.reload_optimizers(Timer(times))
+    after = dict(policy=params(policy), critic=params(critic), reference=params(reference), adam=adam_state())
+    with colo.frozen_model(reference):
+        seen["same"] = {name: all(torch.equal(a, b) for a, b in zip(before[name], after[name])) for name in before}
+    seen["timed"] = sorted(times)
+    return seen
 
 
 if __name__ == "__main__":

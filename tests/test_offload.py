@@ -46,6 +46,7 @@ def parse(proc):
 
 def check(result, dp):
     reference = result.pop("reference")  # a plain frozen model (train_grpo.py's reference)
+    check_colocation(result.pop("colocation"))
     assert reference["equal"] and reference["left"] == 0 and reference["moved"] == reference["param_bytes"], reference
     assert set(result) == {"float32_distopt", "float32_ddp", "bfloat16_distopt", "bfloat16_ddp"}
     for name, r in result.items():
@@ -63,6 +64,21 @@ def check(result, dp):
         assert expected <= r["moved"][-1] <= 1.05 * expected + 64 * 1024, (name, r["moved"], expected)
         if on_gpu():  # the GPU memory was released (torch's allocator; empty_cache gave it back)
             assert r["freed_gpu"][-1] >= 0.95 * r["moved"][-1], (name, r["freed_gpu"], r["moved"])
+
+
+def check_colocation(seen):
+    """The phases of common/offload.Colocation (the scripts' choreography), all offloads on."""
+    assert seen["reference_at_start"] is False  # frozen models wait in host memory from the start
+    assert seen["policy_at_sync"] is True and seen["adam_at_sync"] is False  # the sync reads a whole policy
+    assert seen["synced"] > 0
+    assert seen["calls_in_rollout"] == ["wake_weights", "update_weights", "wake_kv_cache"]
+    assert seen["policy_in_rollout"] is False and seen["critic_in_rollout"] is False and seen["adam_in_rollout"] is False
+    assert seen["calls_after"][-1] == "sleep" and seen["policy_after"] is True  # the engine asleep, the policy back
+    assert seen["critic_after"] is False and seen["adam_after"] is False  # until reload_idle / reload_optimizers
+    assert seen["reference_in_block"] is True and seen["reference_after_block"] is False
+    assert seen["memory"] == ["start", "sync", "rollout"]
+    assert seen["same"] == {"policy": True, "critic": True, "reference": True, "adam": True}
+    assert seen["timed"] == ["offload_s", "reload_s", "sleep_s", "sync_s", "wake_s"]
 
 
 def on_gpu():
