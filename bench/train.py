@@ -120,6 +120,9 @@ def build_parser():
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="shard optimizer state over data-parallel ranks (as train_grpo.py does by default)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP gradient reduce with backward")
+    p.add_argument("--wgrad-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight gradients accumulated into the fp32 buffer inside the GEMM (as the scripts do; "
+                        "--no-wgrad-fusion: megatron's separate bf16 gradient + add, to measure the difference)")
     # --- measurement
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (allocator, optimizer state)")
@@ -183,7 +186,7 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
 
 
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
-               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False):
+               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, wgrad_fusion=True):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
@@ -193,7 +196,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     from common import batch as B
     from common import fused, rl
     from common.model import build_model
-    from common.training import setup_training
+    from common.training import fuse_wgrad_accumulation, setup_training
     from harness import host_syncs, profile_kernels
     from megatron.core import parallel_state as mpu
 
@@ -267,6 +270,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         model, optimizer, scheduler = setup_training(
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
+        fuse_wgrad_accumulation(model, enabled=wgrad_fusion)
         del chunks
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()  # from here: weights, grads, optimizer state, activations
@@ -395,7 +399,7 @@ def main():
     common = dict(dtype=dtype, tp=args.tp, pp=args.pp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp,
                   micro_batch_size=micro_batch_size,
                   steps=args.steps, warmup=args.warmup, distributed_optimizer=args.distributed_optimizer,
-                  overlap_grad_reduce=args.overlap_grad_reduce)
+                  overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion)
     numbers = dict(tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                    flops_per_step_full=flops_per_step_full, world_size=info.world_size,
                    peak_flops=peak_tflops * 1e12 if peak_tflops else None)
@@ -479,7 +483,7 @@ def main():
         recompute_modules=args.recompute_modules if args.recompute == "selective" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute == "full" else None,
         dtype=str(dtype).replace("torch.", ""), distributed_optimizer=args.distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce, steps=args.steps, warmup=args.warmup,
+        overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion, steps=args.steps, warmup=args.warmup,
         peak_tflops=peak_tflops, flops_per_step=flops_per_step, flops_per_step_full_attn=flops_per_step_full,
         flop_convention="4x forward per token (logprob pass + fwd/bwd); forward = 2 x matmul weights incl. LM head "
                         "+ 4 x layers x seq_len x heads*head_dim x 1/2 (causal); *_full_attn without the 1/2",

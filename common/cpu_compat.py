@@ -6,9 +6,10 @@ torch.cuda.current_device() in tensor factories, keeps a CUDA RNG tracker, and
 compares Tensor.type() strings against 'torch.cuda.FloatTensor'. Each patch below
 says which of those it adapts and where megatron does it (file:line of 0.16.1).
 
-This is the only monkey-patching in the project (STYLE.md rule 6). One function here,
-megatron_without_te, also runs on GPUs: it fixes a megatron bug that any machine without
-TransformerEngine hits.
+This is the only monkey-patching in the project (STYLE.md rule 6). Two functions here also
+run on GPUs: megatron_without_te fixes a megatron bug that any machine without
+TransformerEngine hits, and wgrad_accumulation_without_apex gives megatron's linear layers
+the fused weight-gradient accumulation that otherwise needs apex's CUDA extension.
 """
 import sys
 
@@ -160,3 +161,39 @@ def megatron_without_te():
 
     if not te_extension.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
+
+
+class _TorchWgradAccumulation:
+    """Stands in for apex's fused_weight_gradient_mlp_cuda extension: main_grad (out, in) +=
+    grad_output^T (out, N) @ total_input (N, in), one GEMM writing into the gradient buffer.
+    On CUDA the bf16 product is accumulated into the fp32 buffer by the GEMM itself
+    (torch.addmm with out_dtype, cuBLAS beta=1); torch's CPU backend has no such kernel, so
+    there the product is formed in fp32 first."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        if total_input.dtype == torch.float32:
+            torch.addmm(main_grad, grad_output.t(), total_input, out=main_grad)
+        elif main_grad.is_cuda:
+            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+        else:
+            main_grad.addmm_(grad_output.t().float(), total_input.float())
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        torch.addmm(main_grad, grad_output.t(), total_input, out=main_grad)
+
+
+def wgrad_accumulation_without_apex():
+    """megatron-core 0.16.1's linear layers (tensor_parallel/layers.py:561-577), with
+    gradient_accumulation_fusion, hand each weight gradient to apex's
+    fused_weight_gradient_mlp_cuda, which layers.py imports at its top (:44-48) and, without
+    apex, never has. Otherwise every weight gradient is a bf16 tensor that megatron's DDP hook
+    then adds into the fp32 buffer (distributed_data_parallel.py:438): at Qwen2-1.5B 792
+    separate adds per step, 28 ms on an H100 (docs/benchmarks.md). Give layers.py a
+    torch stand-in for that extension (no-op where apex provides it); common/training.py
+    switches the fusion on for the layers of the models it wraps for training."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = _TorchWgradAccumulation

@@ -3,6 +3,7 @@
   ddp_chunks, optimizer, scheduler = setup_training(chunks, lr=..., ...)
   torch_adams(optimizer)   the torch Adam instances inside
   global_grad_norm(grads, group)             the L2 norm over ranks, one host wait
+  fuse_wgrad_accumulation(ddp_chunks)        weight gradients written straight into the fp32 buffer
   ensure_adam_state / load_optimizer_state   megatron's torch-Adam path, made loadable
                                              (common/train_checkpoint.py uses them)
 
@@ -65,6 +66,7 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
         for group in adam.param_groups:
             group.update(fused=True, foreach=False)
         adam.defaults.update(fused=True, foreach=False)
+    fuse_wgrad_accumulation(ddp_chunks)
     # the gradient norm for clipping without megatron's one host wait per tensor (no TE/apex)
     optimizer = _foreach_norm_optimizer_class()(getattr(optimizer, "chained_optimizers", [optimizer]))
     scheduler = OptimizerParamScheduler(
@@ -74,6 +76,24 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
         wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
     )
     return ddp_chunks, optimizer, scheduler
+
+
+def fuse_wgrad_accumulation(ddp_chunks, enabled=True):
+    """Megatron's linear layers in these DDP-wrapped chunks accumulate their weight gradients
+    into the parameters' fp32 main_grad buffers inside the gradient GEMM (megatron's
+    gradient_accumulation_fusion, with common/cpu_compat.py's torch stand-in for apex's
+    kernel), instead of a bf16 gradient that DDP's hook adds afterwards. Only for wrapped
+    chunks: the fused path needs each weight's main_grad, which DDP makes. Returns the number
+    of layers switched."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from common.cpu_compat import wgrad_accumulation_without_apex
+
+    wgrad_accumulation_without_apex()
+    layers = [m for chunk in ddp_chunks for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    for layer in layers:
+        layer.gradient_accumulation_fusion = enabled
+    return len(layers)
 
 
 def global_grad_norm(grads, group):

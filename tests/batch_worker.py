@@ -3,6 +3,7 @@ train_step's optimizer against Adam written out by hand.
 
     python tests/batch_worker.py HF_DIR          # padding cut
     python tests/batch_worker.py HF_DIR adam     # two optimizer steps
+    python tests/batch_worker.py HF_DIR wgrad    # fused weight-gradient accumulation vs megatron's
 
 A tiny Qwen2 (fp32) scores a batch of samples of very different lengths twice: micro-batches
 at the batch's full width (split_micro_batches) and length-sorted micro-batches cut after
@@ -23,15 +24,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def tiny_model(hf_dir):
-    """(spec, fp32 model chunks with the HF weights), in a fresh world of one process."""
+def tiny_model(hf_dir, dtype=torch.float32):
+    """(spec, model chunks with the HF weights), in a world of one process."""
     from common.dist import init_distributed
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
 
-    init_distributed()
+    if not torch.distributed.is_initialized():
+        init_distributed()
     spec = load_hf_spec(hf_dir)
-    chunks = build_model(spec, dtype=torch.float32)
+    chunks = build_model(spec, dtype=dtype)
     load_hf_weights(chunks, spec, hf_dir)
     return spec, chunks
 
@@ -117,5 +119,40 @@ def adam():
                                       optimizer=type(optimizer).__name__)))
 
 
+def wgrad():
+    """Weight gradients accumulated inside the GEMM (common/training.py fuse_wgrad_accumulation)
+    against megatron's own path (a weight gradient, then DDP's hook adds it), over three
+    micro-batches so the accumulation itself is compared, for fp32 and bf16 models."""
+    from common import batch as B
+    from common import rl
+    from common.training import fuse_wgrad_accumulation, setup_training
+
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        spec, chunks = tiny_model(sys.argv[1], dtype)
+        model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
+        gen = torch.Generator().manual_seed(2)
+        mbs = []
+        for _ in range(3):
+            tokens = torch.randint(3, spec.vocab_size, (2, 16), generator=gen)
+            mbs.append(dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1)))
+
+        def loss_fn(mb, logits):
+            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+            return -logprobs.float().mean(), {}
+
+        grads = {}
+        for fused in (False, True):
+            layers = fuse_wgrad_accumulation(model, enabled=fused)
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+            grads[fused] = {n: p.main_grad.clone() for n, p in model[0].named_parameters()}
+        rel = {n: float((grads[True][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads[False].items()}
+        result[str(dtype).split(".")[-1]] = dict(layers=layers, device=str(next(model[0].parameters()).device), params=len(rel), max_rel_err=max(rel.values()),
+                                                 worst=max(rel, key=rel.get), tied=spec.tie_word_embeddings)
+    print("RESULT " + json.dumps(result))
+
+
 if __name__ == "__main__":
-    adam() if sys.argv[2:] == ["adam"] else main()
+    {"adam": adam, "wgrad": wgrad}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)()

@@ -27,3 +27,24 @@ def test_train_step_is_adamw_by_hand(tmp_path):
     assert r["max_err"] < 1e-6  # the step itself is lr = 1e-2 per element
     assert r["optimizer"] == "ForeachNormOptimizer"
     assert r["grad_norm_rel_err"] < 1e-6
+
+
+def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
+    """Weight gradients accumulated inside the GEMM (common/training.py, with
+    common/cpu_compat.py's stand-in for apex's kernel) equal megatron's own path over three
+    micro-batches: every parameter's main_grad, with untied and tied embeddings (the tied
+    weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook)."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    for name in ("qwen2", "qwen2_tied"):
+        save_tiny_hf_model(name, str(tmp_path / name))
+        proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / name), "wgrad"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+        print(name, r)
+        assert r["float32"]["tied"] == (name == "qwen2_tied")
+        assert r["float32"]["layers"] >= 4 * 2 + 1  # qkv, proj, fc1, fc2 per layer (2 layers) + the LM head
+        assert r["float32"]["max_rel_err"] < 1e-6, r  # a doubled or a lost gradient would be >= 1
+        # bf16: megatron's path rounds each micro-batch's gradient to bf16 first, the fused one does not
+        assert r["bfloat16"]["max_rel_err"] < 1e-2, r
