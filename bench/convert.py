@@ -153,7 +153,7 @@ def main():
             else:  # --keep DIR from an earlier run: the sizes from the headers
                 import torch
 
-                from convert_hf_to_mcore import SafetensorsDir
+                from common.convert_io import SafetensorsDir
 
                 tensors = SafetensorsDir(args.phase[1]).tensors.values()
                 sizes = [torch.Size(t.shape).numel() * t.dtype.itemsize for t in tensors]

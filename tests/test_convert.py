@@ -274,7 +274,9 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
 
         monkeypatch.setattr(module, "open", fake_open, raising=False)
 
-    full_disk(convert_hf_to_mcore, ".distcp")
+    from common import convert_io  # the converter's writer lives there
+
+    full_disk(convert_io, ".distcp")
     expect_error(convert, "--hf", src, "--out", tmp_path / "o", says=["disk full"])
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.incomplete").exists()
     monkeypatch.undo()
