@@ -203,7 +203,8 @@ class Colocation:
 
     @contextlib.contextmanager
     def frozen_model(self, model):
-        """A frozen model (reference, reward model) on the GPU for the block, offloaded after it."""
+        """A frozen model (the reference; the reward model keeps its own Offloader) on the GPU for
+        the block, offloaded after it when params is on."""
         off = self.frozen[id(model)]
         off.reload()
         yield
