@@ -207,6 +207,10 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, first_s
         if on_gpu:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
+    if spec.moe is not None:
+        from common.moe import sort_tokens_on_device
+
+        sort_tokens_on_device(chunks)  # EP=1: no host waits in the token dispatch
     return chunks
 
 

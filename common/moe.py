@@ -8,16 +8,68 @@ is used as it is; its layer spec takes two modules of ours:
                   It also counts the tokens routed to each expert during updates, for
                   the expert-load metrics (step_metrics).
   GroupedExperts  megatron's SequentialMLP (same parameters, names and checkpoint layout:
-                  `experts.local_experts.{j}.linear_fc1/fc2`) whose forward on a GPU runs all
-                  local experts in two grouped GEMMs (torch._grouped_mm) instead of a Python
-                  loop over experts; elsewhere (CPU, fp32) the loop runs unchanged.
-                  tests/gpu/test_moe_gpu.py checks the two equal; bench/moe.py times them.
+                  `experts.local_experts.{j}.linear_fc1/fc2`) whose forward runs all local
+                  experts in two grouped GEMMs (torch._grouped_mm) instead of a Python loop
+                  over experts, and, under training (fuse_wgrad), adds the experts' weight
+                  gradients into megatron's fp32 buffers itself (_StackedWeights). The loop
+                  remains where torch has no grouped GEMM for the tensors (CUDA other than
+                  bf16, rows not 16-byte aligned). tests/gpu/test_moe_gpu.py checks the two
+                  equal on a GPU; bench/moe.py times them.
+and build_model gives its all-gather token dispatcher, where this rank holds every expert
+(EP=1) and no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted by
+expert on the device, where megatron's dispatcher waits for the device three times per layer
+and pass (the expert counts to the host, two masked_selects).
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.transformer.moe import moe_layer
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+
+class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron's all-gather dispatcher for a rank that holds every expert, without host waits.
+
+    Every token goes to exactly top-k experts (no capacity, no dropping), so the permuted rows
+    number tokens x top-k, known on the host: the (expert, token) pairs of the routing map are
+    found by a stable sort on the device, expert-major with tokens ascending, which is the order
+    of megatron's masked_select (same rows, same probs, same results), and the counts per expert
+    stay on the device (GroupedExperts takes them there). The combine is megatron's.
+    """
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        self.hidden_shape_before_permute = hidden_states.shape
+        routing_map = self.routing_map  # (tokens, E) bool, this rank's gathered tokens
+        num_tokens = routing_map.shape[0]
+        flat = routing_map.T.reshape(-1).to(torch.uint8)  # expert-major
+        picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * self.config.moe_router_topk]
+        self.local_map, self.routing_map = routing_map, None
+        self.reversed_local_input_permutation_mapping = picks % num_tokens  # the token of each permuted row
+        self.local_probs = probs.T.reshape(-1).index_select(0, picks)
+        permuted = hidden_states.index_select(0, self.reversed_local_input_permutation_mapping)
+        return permuted, routing_map.sum(0), self.local_probs
+
+
+def sort_tokens_on_device(chunks):
+    """Give every MoE layer of these model chunks DeviceSortDispatcher where it applies: the
+    all-gather dispatcher (EP=1), every expert on this rank, no capacity (no dropped tokens).
+    The dispatcher keeps its state and gains its methods (a subclass without state of its own:
+    the class is swapped in place; megatron's TransformerLayer builds MoELayer with its own
+    arguments only for MoELayer itself, so the layer spec keeps megatron's class). Returns the
+    number of layers changed."""
+    from common.model import unwrap
+
+    changed = 0
+    for chunk in chunks:
+        for module in unwrap(chunk).modules():
+            if (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
+                    and module.config.moe_expert_capacity_factor is None
+                    and module.num_local_experts == module.config.num_moe_experts):
+                module.token_dispatcher.__class__ = DeviceSortDispatcher
+                changed += 1
+    return changed
 
 
 class Router(TopKRouter):
@@ -41,8 +93,43 @@ class Router(TopKRouter):
 
 
 def _grouped_mm_usable(weight, num_local_experts):
-    return (weight.is_cuda and weight.dtype == torch.bfloat16 and num_local_experts > 1
-            and hasattr(torch, "_grouped_mm"))
+    """torch's grouped GEMM takes these weights: bf16 on CUDA (sm90's kernel), any float dtype on a
+    CPU (torch's reference loop there, the same per-expert matmuls as SequentialMLP's); rows of
+    16-byte multiples either way."""
+    if not hasattr(torch, "_grouped_mm") or num_local_experts < 2:
+        return False
+    if weight.is_cuda and weight.dtype != torch.bfloat16:
+        return False
+    return all(size * weight.element_size() % 16 == 0 for size in weight.shape)
+
+
+class _StackedWeights(torch.autograd.Function):
+    """torch.stack of the local experts' weights, (E_local, ...), whose backward adds each expert's
+    slice of the gradient straight into that weight's fp32 main_grad (megatron DDP's buffer) with
+    one cast and one foreach add, and hands autograd no gradient for the weights.
+
+    Without it each expert weight's gradient goes through its own autograd accumulation and
+    DDP's per-parameter hook (which adds it into main_grad): 2 x E_local per MoE layer and
+    micro-batch, 8,192 per step of a 4-layer Qwen3-30B-A3B shape, the largest host cost of that
+    step (docs/benchmarks.md). The sums are the same: the bf16 gradient, cast exactly to fp32,
+    then added. Valid when DDP reduces its whole buffer after the backward (no
+    overlap_grad_reduce, which would wait for the per-parameter hooks): fuse_wgrad is set only
+    then, by common/training.py's fuse_wgrad_accumulation.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, weights):
+        """anchor: weights[0], the one weight autograd sees (it makes the stack require a gradient);
+        weights: all of them, as a list, which autograd does not track. A tensor input per
+        weight would still run autograd's accumulation node and DDP's hook per weight."""
+        ctx.weights = weights
+        return torch.stack(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        main_grads = [w.main_grad for w in ctx.weights]
+        torch._foreach_add_(main_grads, grad.to(main_grads[0].dtype).unbind(0))
+        return None, None
 
 
 class GroupedExperts(SequentialMLP):
@@ -56,7 +143,8 @@ class GroupedExperts(SequentialMLP):
     slice; the dispatcher reduces the partial sums, as for SequentialMLP.
     """
 
-    grouped = True  # False: always the per-expert loop (bench/moe.py compares the two)
+    grouped = True      # False: always the per-expert loop (bench/moe.py compares the two)
+    fuse_wgrad = False  # True: weight gradients added into main_grad by _StackedWeights (set for training)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -68,15 +156,18 @@ class GroupedExperts(SequentialMLP):
         # group holds the same ranks.
         for param in self.parameters():
             param.allreduce = False
+
     def forward(self, hidden, tokens_per_expert, probs):
-        fc1 = self.local_experts[0].linear_fc1.weight
-        if not (self.grouped and _grouped_mm_usable(fc1, self.num_local_experts)
+        first = self.local_experts[0]
+        if not (self.grouped and _grouped_mm_usable(first.linear_fc1.weight, self.num_local_experts)
+                and _grouped_mm_usable(first.linear_fc2.weight, self.num_local_experts)
                 and not self.config.moe_apply_probs_on_input and self.config.gated_linear_unit
                 and self.config.activation_func is F.silu and not self.config.add_bias_linear):
             return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
+        stack = (lambda w: _StackedWeights.apply(w[0], w)) if self.fuse_wgrad and torch.is_grad_enabled() else torch.stack
+        w1 = stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
+        w2 = stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
         h = torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends)  # (N, 2F/etp)
         gate, up = h.chunk(2, dim=-1)
         h = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)  # weighted by the router's probs

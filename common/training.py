@@ -3,7 +3,7 @@
   ddp_chunks, optimizer, scheduler = setup_training(chunks, lr=..., ...)
   torch_adams(optimizer)   the torch Adam instances inside
   global_grad_norm(grads, group)             the L2 norm over ranks, one host wait
-  fuse_wgrad_accumulation(ddp_chunks)        weight gradients written straight into the fp32 buffer
+  fuse_wgrad_accumulation(ddp_chunks)        weight gradients written straight into the fp32 buffer (experts too)
   ensure_adam_state / load_optimizer_state   megatron's torch-Adam path, made loadable
                                              (common/train_checkpoint.py uses them)
 
@@ -82,17 +82,26 @@ def fuse_wgrad_accumulation(ddp_chunks, enabled=True):
     """Megatron's linear layers in these DDP-wrapped chunks accumulate their weight gradients
     into the parameters' fp32 main_grad buffers inside the gradient GEMM (megatron's
     gradient_accumulation_fusion, with common/cpu_compat.py's torch stand-in for apex's
-    kernel), instead of a bf16 gradient that DDP's hook adds afterwards. Only for wrapped
-    chunks: the fused path needs each weight's main_grad, which DDP makes. Returns the number
-    of layers switched."""
+    kernel), instead of a bf16 gradient that DDP's hook adds afterwards; and MoE layers'
+    grouped experts add their weight gradients into main_grad per layer, not per expert
+    (common/moe.py _StackedWeights; not with overlap_grad_reduce, which waits for DDP's
+    per-parameter hooks). Only for wrapped chunks: the fused paths need each weight's
+    main_grad, which DDP makes. Returns the number of layers switched."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from common.cpu_compat import wgrad_accumulation_without_apex
+    from common.moe import GroupedExperts
 
     wgrad_accumulation_without_apex()
-    layers = [m for chunk in ddp_chunks for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    for layer in layers:
-        layer.gradient_accumulation_fusion = enabled
+    layers = []
+    for chunk in ddp_chunks:
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.gradient_accumulation_fusion = enabled
+                layers.append(module)
+            elif isinstance(module, GroupedExperts):
+                module.fuse_wgrad = enabled and not chunk.ddp_config.overlap_grad_reduce
+                layers.append(module)
     return len(layers)
 
 

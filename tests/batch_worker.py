@@ -4,6 +4,7 @@ train_step's optimizer against Adam written out by hand.
     python tests/batch_worker.py HF_DIR          # padding cut
     python tests/batch_worker.py HF_DIR adam     # two optimizer steps
     python tests/batch_worker.py HF_DIR wgrad    # fused weight-gradient accumulation vs megatron's
+    python tests/batch_worker.py HF_DIR dispatch # MoE: tokens sorted by expert on the device vs megatron's
 
 A tiny Qwen2 (fp32) scores a batch of samples of very different lengths twice: micro-batches
 at the batch's full width (split_micro_batches) and length-sorted micro-batches cut after
@@ -122,7 +123,8 @@ def adam():
 def wgrad():
     """Weight gradients accumulated inside the GEMM (common/training.py fuse_wgrad_accumulation)
     against megatron's own path (a weight gradient, then DDP's hook adds it), over three
-    micro-batches so the accumulation itself is compared, for fp32 and bf16 models."""
+    micro-batches so the accumulation itself is compared, for fp32 and bf16 models. For an MoE
+    model the grouped experts' per-layer accumulation (common/moe.py) too, compared exactly."""
     from common import batch as B
     from common import rl
     from common.training import fuse_wgrad_accumulation, setup_training
@@ -149,10 +151,52 @@ def wgrad():
             B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
             grads[fused] = {n: p.main_grad.clone() for n, p in model[0].named_parameters()}
         rel = {n: float((grads[True][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads[False].items()}
+        experts = {n: float((grads[True][n] - g).abs().max()) for n, g in grads[False].items() if ".local_experts." in n}
         result[str(dtype).split(".")[-1]] = dict(layers=layers, device=str(next(model[0].parameters()).device), params=len(rel), max_rel_err=max(rel.values()),
-                                                 worst=max(rel, key=rel.get), tied=spec.tie_word_embeddings)
+                                                 worst=max(rel, key=rel.get), tied=spec.tie_word_embeddings,
+                                                 expert_params=len(experts), experts_max_abs_diff=max(experts.values(), default=None),
+                                                 experts_nonzero=sum(bool(grads[True][n].any()) for n in experts))
     print("RESULT " + json.dumps(result))
 
 
+def dispatch():
+    """MoE layers' tokens sorted by expert on the device (common/moe.py DeviceSortDispatcher)
+    against megatron's all-gather dispatcher, same weights and tokens (fp32): the loss and every
+    gradient, which cover the permutation, the probs and the combine both ways."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from common import batch as B
+    from common import rl
+    from common.training import fuse_wgrad_accumulation, setup_training
+
+    spec, chunks = tiny_model(sys.argv[1])
+    model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
+    fuse_wgrad_accumulation(model, enabled=False)  # autograd's gradients both ways
+    layers = [layer.mlp for layer in model[0].module.decoder.layers if hasattr(layer.mlp, "token_dispatcher")]
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, spec.vocab_size, (2, 24), generator=gen)
+    mb = dict(tokens=tokens, positions=torch.arange(24).expand(2, 24), targets=tokens.roll(-1, 1))
+
+    def loss_fn(mb, logits):
+        logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+        loss = -logprobs.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    runs = {}
+    for name in ("ours", "megatron"):
+        runs[name + "_dispatchers"] = sorted({type(layer.token_dispatcher).__name__ for layer in layers})
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        metrics = B.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+        runs[name] = (float(metrics[0]["loss"]), {n: p.main_grad.clone() for n, p in model[0].named_parameters()})
+        for layer in layers:  # megatron's own dispatcher for the second run (same state, its methods)
+            layer.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher
+    (loss, grads), (ref_loss, ref_grads) = runs.pop("ours"), runs.pop("megatron")
+    diff = {n: float((grads[n] - g).abs().max()) for n, g in ref_grads.items()}
+    print("RESULT " + json.dumps(dict(runs, moe_layers=len(layers), loss=loss, loss_diff=abs(loss - ref_loss),
+                                      max_grad_diff=max(diff.values()), params=len(diff),
+                                      experts_with_grads=sum(bool(g.any()) for n, g in grads.items() if ".local_experts." in n))))
+
+
 if __name__ == "__main__":
-    {"adam": adam, "wgrad": wgrad}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)()
+    {"adam": adam, "wgrad": wgrad, "dispatch": dispatch}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)()

@@ -33,10 +33,11 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
     """Weight gradients accumulated inside the GEMM (common/training.py, with
     common/cpu_compat.py's stand-in for apex's kernel) equal megatron's own path over three
     micro-batches: every parameter's main_grad, with untied and tied embeddings (the tied
-    weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook)."""
+    weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook), and
+    an MoE model's grouped experts (their gradients added per layer, common/moe.py)."""
     from tests.tiny_models import save_tiny_hf_model
 
-    for name in ("qwen2", "qwen2_tied"):
+    for name in ("qwen2", "qwen2_tied", "qwen3_moe"):
         save_tiny_hf_model(name, str(tmp_path / name))
         proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / name), "wgrad"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -48,3 +49,8 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
         assert r["float32"]["max_rel_err"] < 1e-6, r  # a doubled or a lost gradient would be >= 1
         # bf16: megatron's path rounds each micro-batch's gradient to bf16 first, the fused one does not
         assert r["bfloat16"]["max_rel_err"] < 1e-2, r
+        if name == "qwen3_moe":  # grouped experts: the same bf16 gradient cast and added, per layer: equal bits
+            for dtype in ("float32", "bfloat16"):
+                assert r[dtype]["expert_params"] >= 8 * 2 * 2, r  # 8 experts x fc1/fc2 in >= 2 MoE layers
+                assert r[dtype]["experts_nonzero"] == r[dtype]["expert_params"], r  # every expert got tokens
+                assert r[dtype]["experts_max_abs_diff"] == 0.0, r
