@@ -89,6 +89,8 @@ def build_parser():
     # --- model (random weights: the shape is all that matters)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="built-in config.json of the model to time")
     p.add_argument("--config", default=None, help="an HF config.json to take the shape from instead of --shape")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep only the first N decoder layers of the shape (e.g. an MoE shape that must fit one H100)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     # --- candidate configuration (the baseline is always attention=local, no recompute)
     p.add_argument("--attention", choices=["sdpa", "local", "te"], default="sdpa",
@@ -122,9 +124,17 @@ def build_parser():
     p.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP gradient reduce with backward")
     p.add_argument("--wgrad-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="weight gradients accumulated into the fp32 buffer inside the GEMM (as the scripts do; "
-                        "--no-wgrad-fusion: megatron's separate bf16 gradient + add, to measure the difference)")
+                        "--no-wgrad-fusion: megatron's separate bf16 gradient + add, and MoE experts' gradients "
+                        "one by one, to measure the difference)")
+    p.add_argument("--device-sort", action=argparse.BooleanOptionalAction, default=True,
+                   help="MoE at EP=1: tokens sorted by expert on the device, as the scripts do (common/moe.py; "
+                        "--no-device-sort: megatron's all-gather dispatcher, which waits for the device)")
     # --- measurement
-    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (with --ab: also its pairs)")
+    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort"], default=None,
+                   help="after the timed steps, time the candidate with this feature off and on in alternate steps "
+                        "(--steps pairs after one warm-up pair, order alternating) and print the median of the "
+                        "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (allocator, optimizer state)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device for MFU (default: from the GPU name, H100/H200 989; "
@@ -185,8 +195,25 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
         return False
 
 
+def device_sort_switch(model):
+    """MoE at EP=1: a function(on) that gives the layers common/moe.py sorts tokens for its
+    device-sorted dispatch (on) or megatron's all-gather dispatcher (off)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from common.moe import DeviceSortDispatcher
+
+    dispatchers = [m.token_dispatcher for chunk in model for m in chunk.modules()
+                   if type(getattr(m, "token_dispatcher", None)) is DeviceSortDispatcher]
+
+    def switch(on):
+        for dispatcher in dispatchers:
+            dispatcher.__class__ = DeviceSortDispatcher if on else MoEAllGatherTokenDispatcher
+    return switch
+
+
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
-               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, wgrad_fusion=True):
+               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, wgrad_fusion=True,
+               device_sort=True, ab=None):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
@@ -197,7 +224,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     from common import fused, rl
     from common.model import build_model
     from common.training import fuse_wgrad_accumulation, setup_training
-    from harness import host_syncs, profile_kernels
+    from harness import host_syncs, paired_ratios, profile_kernels, run_pairs
     from megatron.core import parallel_state as mpu
 
     fused.COMPILE = kernels != "eager"
@@ -259,7 +286,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         ticks.append(time.perf_counter())
         return [b - a for a, b in zip(ticks, ticks[1:])]
 
-    model = optimizer = scheduler = None
+    model = optimizer = scheduler = ab_pairs = None
     old_logprobs = torch.zeros(num_rows + 1, seq_len, device=info.device)  # (N, T) + scatter_tokens' spare row
     batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
     phase_times, oom, kernels = [], False, None  # per timed step: [logprob, fwd_bwd, optimizer] seconds
@@ -270,7 +297,10 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         model, optimizer, scheduler = setup_training(
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
-        fuse_wgrad_accumulation(model, enabled=wgrad_fusion)
+        features = {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
+                    "device-sort": device_sort_switch(model)}
+        features["wgrad-fusion"](wgrad_fusion)
+        features["device-sort"](device_sort)
         del chunks
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()  # from here: weights, grads, optimizer state, activations
@@ -279,6 +309,15 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
             phases = training_step()
             if step >= warmup:
                 phase_times.append(phases)
+        if ab:  # the feature off and on in alternate steps of this process: paired, drift cancels
+            def step_with(on):
+                def run(_pair):
+                    features[ab](on)
+                    _sync(on_gpu)
+                    return max_over_ranks(sum(training_step()), info.device)
+                return run
+            ab_pairs = paired_ratios(*run_pairs(step_with(False), step_with(True), reps=steps))  # off / on
+            features[ab](dict(wgrad_fusion=wgrad_fusion, device_sort=device_sort)[ab.replace("-", "_")])
         if profile:
             kernels = profile_kernels(training_step, info.device)
             kernels["syncs"] = host_syncs(training_step) if on_gpu else None
@@ -297,7 +336,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         return dict(oom=True)
     return dict(step_times=[max_over_ranks(sum(phases), info.device) for phases in phase_times],
                 phase_times=[[max_over_ranks(t, info.device) for t in phases] for phases in phase_times],
-                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None, profile=kernels, check=check)
+                peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None, profile=kernels, check=check,
+                ab=ab_pairs)
 
 
 def time_logprob_kernels(num_tokens, v_local, dtype, device, reps=5):
@@ -347,7 +387,7 @@ def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, worl
     achieved = flops_per_step / step_s  # model FLOP/s, all devices together
     mfu = achieved / (world_size * peak_flops) if peak_flops else None
     mfu_full = flops_per_step_full / step_s / (world_size * peak_flops) if peak_flops else None
-    return dict(status="ok", profile=run.get("profile"), first_step=run["check"],
+    return dict(status="ok", profile=run.get("profile"), first_step=run["check"], ab=run.get("ab"),
                 tokens=tokens_per_step * len(times), seconds=sum(times),
                 tokens_per_s=tokens_per_step * len(times) / sum(times), step_s=step_s,
                 tokens_per_s_per_device=tokens_per_step * len(times) / sum(times) / world_size,
@@ -372,6 +412,8 @@ def main():
             config, shape_name = json.load(f), args.config
     else:
         config, shape_name = SHAPES[args.shape], args.shape
+    if args.num_layers:
+        config, shape_name = dict(config, num_hidden_layers=args.num_layers), f"{shape_name}, {args.num_layers} layers"
     spec = parse_hf_config(config)
     overrides = recompute_overrides(args.recompute, args.recompute_modules, args.recompute_num_layers)
 
@@ -399,7 +441,8 @@ def main():
     common = dict(dtype=dtype, tp=args.tp, pp=args.pp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp,
                   micro_batch_size=micro_batch_size,
                   steps=args.steps, warmup=args.warmup, distributed_optimizer=args.distributed_optimizer,
-                  overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion)
+                  overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion,
+                  device_sort=args.device_sort)
     numbers = dict(tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                    flops_per_step_full=flops_per_step_full, world_size=info.world_size,
                    peak_flops=peak_tflops * 1e12 if peak_tflops else None)
@@ -414,7 +457,7 @@ def main():
 
     # ---- candidate, then baseline (megatron-core's local spec as it comes), same batch
     candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides,
-                                     kernels=args.kernels, profile=args.profile, **common),
+                                     kernels=args.kernels, profile=args.profile, ab=args.ab, **common),
                           **numbers)
     left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
     if args.no_baseline or args.cp > 1:  # megatron's local attention refuses context parallelism
@@ -449,6 +492,10 @@ def main():
         print0(f"{'':4s}first step: mean old logprob {r['first_step']['logprob_mean']:.6f}, "
                f"grad norm {r['first_step']['grad_norm']:.6f} (the same at any layout with the same random "
                f"weights: not across --ep sizes, each EP rank initialises its own experts)")
+        if r.get("ab"):
+            a = r["ab"]
+            print0(f"{'':4s}--ab {args.ab}: step time off / on, median of {len(a['ratios'])} pairs {a['median']:.3f}x "
+                   f"(min {a['min']:.3f}, max {a['max']:.3f}); median step off {a['a_median']:.3f} s, on {a['b_median']:.3f} s")
         if r.get("profile"):
             for line in format_kernel_summary(r["profile"]):
                 print0(f"{'':4s}{line}")
@@ -483,7 +530,7 @@ def main():
         recompute_modules=args.recompute_modules if args.recompute == "selective" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute == "full" else None,
         dtype=str(dtype).replace("torch.", ""), distributed_optimizer=args.distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion, steps=args.steps, warmup=args.warmup,
+        overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion, device_sort=args.device_sort, steps=args.steps, warmup=args.warmup,
         peak_tflops=peak_tflops, flops_per_step=flops_per_step, flops_per_step_full_attn=flops_per_step_full,
         flop_convention="4x forward per token (logprob pass + fwd/bwd); forward = 2 x matmul weights incl. LM head "
                         "+ 4 x layers x seq_len x heads*head_dim x 1/2 (causal); *_full_attn without the 1/2",
