@@ -8,6 +8,9 @@
 # with >= 2 GPUs the torchrun variants follow. `quick` skips the slower 2-GPU layouts;
 # `1gpu` runs the one-GPU tests but the exit test, `exit` only that one (~5 min), `2gpu` only
 # the torchrun variants (to split a run across device calls of at most 10 minutes).
+# ONLY=REGEX runs only the tests whose name below matches (bash =~), e.g. a 10-minute call
+# each: ONLY='offload|sdpa|logprobs|packing|agreement' bash tests/gpu/run_all.sh 1gpu, then
+# ONLY='moe|deepseek' ... 1gpu, then ONLY=recipes ... 1gpu, then bash tests/gpu/run_all.sh exit.
 # Results (JSON per test and rank) go to $OUT when set; the exit code is the number of failures.
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,6 +22,7 @@ declare -a SUMMARY
 
 run() {  # run NAME TIMEOUT_S COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then return; fi
   local t0=$SECONDS
   echo "=== $name: $*"
   timeout --kill-after=10 "$limit" "$@"
