@@ -6,8 +6,9 @@ tests/parity_worker.py runs under torchrun (gloo) over the tiny Qwen3-MoE (q/k n
 dense layer mixed in), Qwen2-MoE (shared expert with its sigmoid gate, top-k not
 renormalised, MoE every 2nd layer) and Mixtral (block_sparse_moe names on disk) of
 tests/tiny_models.py, saved in the hub's one-tensor-per-expert layout:
-  - fp32 logits vs transformers <= 1e-4 (measured ~3e-7) at 1 rank, EP=2, TP=2+EP=2+SP,
-    TP=2+ETP=2+SP and PP=2+EP=2;
+  - fp32 logits vs transformers <= 1e-4 (measured ~3e-7) at 1 rank, EP=2, TP=2+SP (EP=1:
+    tokens gathered over TP and sorted by expert on the device), TP=2+EP=2+SP, TP=2+ETP=2+SP
+    and PP=2+EP=2;
   - the export gives back every per-expert HF tensor bit-identical, nothing missing or extra;
   - wrong mappings (k/v swapped, two experts exchanged, fc1 cut naively at TP>1) do not match.
 Also: the GRPO/PPO scripts at EP=2, a training checkpoint of EP=1 resumed at EP=2, and the
@@ -30,6 +31,7 @@ TOLERANCE = 1e-4
 LAYOUTS = {
     "one_rank": (1, []),
     "ep2": (2, ["--ep", 2]),
+    "tp2_sp": (2, ["--tp", 2, "--sp"]),  # EP=1: tokens gathered over TP, sorted on the device (common/moe.py)
     "tp2_ep2_sp": (2, ["--tp", 2, "--sp", "--ep", 2]),
     "tp2_etp2_sp": (2, ["--tp", 2, "--sp", "--etp", 2]),
     "pp2_ep2": (4, ["--pp", 2, "--ep", 2]),
