@@ -3,8 +3,8 @@ train_step's optimizer against Adam written out by hand.
 
     python tests/batch_worker.py HF_DIR          # padding cut
     python tests/batch_worker.py HF_DIR adam     # two optimizer steps
-    python tests/batch_worker.py HF_DIR wgrad    # fused weight-gradient accumulation vs megatron's
-    python tests/batch_worker.py HF_DIR dispatch # MoE: tokens sorted by expert on the device vs megatron's
+    python tests/batch_worker.py HF_DIR[,HF_DIR...] wgrad     # fused weight-gradient accumulation vs megatron's
+    python tests/batch_worker.py HF_DIR[,HF_DIR...] dispatch  # MoE: tokens sorted on the device vs megatron's
 
 A tiny Qwen2 (fp32) scores a batch of samples of very different lengths twice: micro-batches
 at the batch's full width (split_micro_batches) and length-sorted micro-batches cut after
@@ -120,7 +120,7 @@ def adam():
                                       optimizer=type(optimizer).__name__)))
 
 
-def wgrad():
+def wgrad(hf_dir):
     """Weight gradients accumulated inside the GEMM (common/training.py fuse_wgrad_accumulation)
     against megatron's own path (a weight gradient, then DDP's hook adds it), over three
     micro-batches so the accumulation itself is compared, for fp32 and bf16 models. For an MoE
@@ -131,7 +131,7 @@ def wgrad():
 
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
-        spec, chunks = tiny_model(sys.argv[1], dtype)
+        spec, chunks = tiny_model(hf_dir, dtype)
         model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
         gen = torch.Generator().manual_seed(2)
         mbs = []
@@ -156,10 +156,10 @@ def wgrad():
                                                  worst=max(rel, key=rel.get), tied=spec.tie_word_embeddings,
                                                  expert_params=len(experts), experts_max_abs_diff=max(experts.values(), default=None),
                                                  experts_nonzero=sum(bool(grads[True][n].any()) for n in experts))
-    print("RESULT " + json.dumps(result))
+    print("RESULT " + json.dumps(dict(result, model=os.path.basename(hf_dir))))
 
 
-def dispatch():
+def dispatch(hf_dir):
     """MoE layers' tokens sorted by expert on the device (common/moe.py DeviceSortDispatcher)
     against megatron's all-gather dispatcher, same weights and tokens (fp32): the loss and every
     gradient, which cover the permutation, the probs and the combine both ways."""
@@ -169,7 +169,7 @@ def dispatch():
     from common import rl
     from common.training import fuse_wgrad_accumulation, setup_training
 
-    spec, chunks = tiny_model(sys.argv[1])
+    spec, chunks = tiny_model(hf_dir)
     model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
     fuse_wgrad_accumulation(model, enabled=False)  # autograd's gradients both ways
     layers = [layer.mlp for layer in model[0].module.decoder.layers if hasattr(layer.mlp, "token_dispatcher")]
@@ -193,10 +193,15 @@ def dispatch():
             layer.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher
     (loss, grads), (ref_loss, ref_grads) = runs.pop("ours"), runs.pop("megatron")
     diff = {n: float((grads[n] - g).abs().max()) for n, g in ref_grads.items()}
-    print("RESULT " + json.dumps(dict(runs, moe_layers=len(layers), loss=loss, loss_diff=abs(loss - ref_loss),
+    print("RESULT " + json.dumps(dict(runs, model=os.path.basename(hf_dir), moe_layers=len(layers), loss=loss, loss_diff=abs(loss - ref_loss),
                                       max_grad_diff=max(diff.values()), params=len(diff),
                                       experts_with_grads=sum(bool(g.any()) for n, g in grads.items() if ".local_experts." in n))))
 
 
 if __name__ == "__main__":
-    {"adam": adam, "wgrad": wgrad, "dispatch": dispatch}.get(sys.argv[2] if len(sys.argv) > 2 else "", main)()
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    if mode in ("wgrad", "dispatch"):  # HF_DIR may be several, comma-separated: one process, one RESULT each
+        for hf_dir in sys.argv[1].split(","):
+            {"wgrad": wgrad, "dispatch": dispatch}[mode](hf_dir)
+    else:
+        {"adam": adam}.get(mode, main)()

@@ -37,12 +37,15 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
     an MoE model's grouped experts (their gradients added per layer, common/moe.py)."""
     from tests.tiny_models import save_tiny_hf_model
 
-    for name in ("qwen2", "qwen2_tied", "qwen3_moe"):
+    names = ("qwen2", "qwen2_tied", "qwen3_moe")
+    for name in names:
         save_tiny_hf_model(name, str(tmp_path / name))
-        proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / name), "wgrad"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    proc = subprocess.run([sys.executable, "tests/batch_worker.py", ",".join(str(tmp_path / n) for n in names), "wgrad"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["model"] for r in results] == list(names)
+    for name, r in zip(names, results):
         print(name, r)
         assert r["float32"]["tied"] == (name == "qwen2_tied")
         assert r["float32"]["layers"] >= 4 * 2 + 1  # qkv, proj, fc1, fc2 per layer (2 layers) + the LM head
