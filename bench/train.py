@@ -299,8 +299,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
         features = {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
                     "device-sort": device_sort_switch(model)}
-        features["wgrad-fusion"](wgrad_fusion)
-        features["device-sort"](device_sort)
+        chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort}
+        for name, on in chosen.items():
+            features[name](on)
         del chunks
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()  # from here: weights, grads, optimizer state, activations
@@ -317,7 +318,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
                     return max_over_ranks(sum(training_step()), info.device)
                 return run
             ab_pairs = paired_ratios(*run_pairs(step_with(False), step_with(True), reps=steps))  # off / on
-            features[ab](dict(wgrad_fusion=wgrad_fusion, device_sort=device_sort)[ab.replace("-", "_")])
+            features[ab](chosen[ab])  # back to the configuration asked for (--profile runs next)
         if profile:
             kernels = profile_kernels(training_step, info.device)
             kernels["syncs"] = host_syncs(training_step) if on_gpu else None

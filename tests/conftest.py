@@ -1,4 +1,5 @@
 """Shared pytest fixtures and the torchrun launcher used by the multi-rank tests."""
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,22 @@ def run_script(script, *args, timeout=900, env=None, check=True):
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 or not check, (proc.stdout + proc.stderr)[-5000:]
     return proc
+
+
+def run_batch_worker(tmp_path, mode, names):
+    """tests/batch_worker.py MODE (wgrad, dispatch) over these tiny models of tests/tiny_models.py,
+    saved under tmp_path, all in one process (each launch spends seconds importing torch and
+    megatron): its RESULT dicts, one per model, in the order of names."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    for name in names:
+        save_tiny_hf_model(name, str(tmp_path / name))
+    proc = subprocess.run([sys.executable, "tests/batch_worker.py", ",".join(str(tmp_path / n) for n in names), mode],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["model"] for r in results] == list(names)
+    return results
 
 
 def assert_every_flag_documented(parser):

@@ -15,17 +15,12 @@ Also: the GRPO/PPO scripts at EP=2, a training checkpoint of EP=1 resumed at EP=
 offline tools (convert_hf_to_mcore.py --verify, merge_to_hf.py) round-tripping bit-exactly.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import run_script, run_torchrun
+from tests.conftest import run_batch_worker, run_script, run_torchrun
 from tests.tiny_models import MOE_CONFIGS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TOLERANCE = 1e-4
 LAYOUTS = {
@@ -121,17 +116,7 @@ def test_device_sorted_dispatch_equals_megatrons(tmp_path):
     """At EP=1 common/moe.py sorts tokens by expert on the device (no host waits); the loss and
     every gradient equal megatron's all-gather dispatcher's bit for bit (fp32, same weights),
     for Qwen3-MoE (softmax top-k) and DeepSeek-V3 (sigmoid, grouped routing, shared experts)."""
-    from tests.tiny_models import save_tiny_hf_model
-
-    names = ("qwen3_moe", "deepseek_v3")
-    for name in names:
-        save_tiny_hf_model(name, str(tmp_path / name))
-    proc = subprocess.run([sys.executable, "tests/batch_worker.py", ",".join(str(tmp_path / n) for n in names), "dispatch"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert [r["model"] for r in results] == list(names)
-    for r in results:
+    for r in run_batch_worker(tmp_path, "dispatch", ("qwen3_moe", "deepseek_v3")):
         print(r)
         assert r["ours_dispatchers"] == ["DeviceSortDispatcher"] and r["megatron_dispatchers"] == ["MoEAllGatherTokenDispatcher"]
         assert r["moe_layers"] >= 2 and r["experts_with_grads"] >= 8 * 2 * 2, r

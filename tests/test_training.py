@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_batch_worker
 
 
 def test_train_step_is_adamw_by_hand(tmp_path):
@@ -35,17 +35,8 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
     micro-batches: every parameter's main_grad, with untied and tied embeddings (the tied
     weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook), and
     an MoE model's grouped experts (their gradients added per layer, common/moe.py)."""
-    from tests.tiny_models import save_tiny_hf_model
-
     names = ("qwen2", "qwen2_tied", "qwen3_moe")
-    for name in names:
-        save_tiny_hf_model(name, str(tmp_path / name))
-    proc = subprocess.run([sys.executable, "tests/batch_worker.py", ",".join(str(tmp_path / n) for n in names), "wgrad"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert [r["model"] for r in results] == list(names)
-    for name, r in zip(names, results):
+    for name, r in zip(names, run_batch_worker(tmp_path, "wgrad", names)):
         print(name, r)
         assert r["float32"]["tied"] == (name == "qwen2_tied")
         assert r["float32"]["layers"] >= 4 * 2 + 1  # qkv, proj, fc1, fc2 per layer (2 layers) + the LM head
