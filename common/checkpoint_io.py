@@ -101,8 +101,8 @@ class HostStaging:
     def __init__(self):
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._array = self.buffer.numpy()
-        self.used = 0
-        self.overflow_bytes = 0  # of the last stage(): copied outside the buffer
+        self.used = 0  # bytes of the buffer taken by the current save's copies
+        self.overflow_bytes = 0  # of the current save: copied outside the buffer
 
     def reserve(self, nbytes):
         """Make the buffer at least nbytes (pinned when a GPU is present). Seconds per 10 GB."""
@@ -112,19 +112,32 @@ class HostStaging:
             self._array = self.buffer.numpy()  # the same memory, for slices with storages of their own
 
     @staticmethod
+    def on_device(tensor):
+        """Whether stage() copies this tensor into the buffer (a GPU tensor)."""
+        return tensor.is_cuda
+
+    @staticmethod
     def nbytes_for(tensors):
         """Bytes reserve() needs to stage these GPU tensors (alignment included)."""
         align = HostStaging.ALIGN
-        return sum(-(-t.numel() * t.element_size() // align) * align for t in tensors if t.is_cuda)
+        return sum(-(-t.numel() * t.element_size() // align) * align for t in tensors if HostStaging.on_device(t))
+
+    def clear(self):
+        """Begin a save: its copies may take the whole buffer again. Only once the previous
+        save's files are written (CheckpointWriter.save waits for them first)."""
+        self.used, self.overflow_bytes = 0, 0
 
     def stage(self, buckets, live):
         """megatron's write buckets with every GPU tensor copied to host memory (here, while it
-        fits) and every CPU tensor that is live training state cloned; waits for the copies."""
-        self.used, self.overflow_bytes, staged = 0, 0, []
+        fits) and every CPU tensor that is live training state cloned; waits for the copies.
+        The copies go after those of earlier stage() calls since clear(): one save of several
+        models (PPO's policy, then its critic) stages each in turn while the first one's files
+        are still being written, so the critic must not reuse the policy's bytes."""
+        staged = []
         for path, name, (byte_items, tensor_items) in buckets:
             items = []
             for item, tensor in tensor_items:
-                if tensor.is_cuda:
+                if self.on_device(tensor):
                     tensor = self._copy(tensor)
                 elif tensor.untyped_storage().data_ptr() in live:  # the loop would change it mid-write
                     tensor = tensor.clone()

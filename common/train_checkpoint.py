@@ -264,6 +264,7 @@ class CheckpointWriter:
         started = time.perf_counter()
         self.wait()
         self.wait_s = time.perf_counter() - started
+        self.staging.clear()  # the previous save's files are written: its host copies may go
         self.pending = _start_save(ckpt_root, step, ddp_chunks, optimizer, scheduler, extra, keep_last=keep_last,
                                    meta=meta, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
                                    extra_models=extra_models, background=True, staging=self.staging)
