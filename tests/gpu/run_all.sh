@@ -11,6 +11,7 @@
 # ONLY=REGEX runs only the tests whose name below matches (bash =~), e.g. a 10-minute call
 # each: ONLY='offload|sdpa|logprobs|packing|agreement' bash tests/gpu/run_all.sh 1gpu, then
 # ONLY='moe|deepseek' ... 1gpu, then ONLY=recipes ... 1gpu, then bash tests/gpu/run_all.sh exit.
+# On four GPUs, tests/gpu/run_lanes.sh runs these groups side by side in two calls.
 # Results (JSON per test and rank) go to $OUT when set; the exit code is the number of failures.
 set -u
 cd "$(dirname "$0")/../.."

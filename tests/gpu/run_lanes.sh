@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# tests/gpu/run_all.sh on a 4-GPU machine in two device calls of < 10 minutes, the tests side by
+# side in lanes of one or two GPUs (CUDA_VISIBLE_DEVICES); a 4-GPU machine costs the same device
+# time per second as a 2-GPU one. After the stack prefix of run_all.sh's header:
+#   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group in two lanes of two GPUs (~6 min)
+#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests in two lanes, exit + signals on two GPUs (~6 min)
+# Session 17 ran these lanes on nvidia-h200-x4. Each lane's log goes to $OUT/lane_*.log when OUT
+# is set (with the tests' JSON results); the exit code is the number of failed lanes.
+set -u
+cd "$(dirname "$0")/../.."
+NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+[ "$NGPU" -ge 4 ] || { echo "run_lanes.sh needs 4 GPUs (found $NGPU): use tests/gpu/run_all.sh"; exit 2; }
+LOGS=${OUT:-$(mktemp -d)}
+lane() {  # lane NAME GPUS MODE ONLY
+  CUDA_VISIBLE_DEVICES=$2 ONLY=$4 bash tests/gpu/run_all.sh "$3" > "$LOGS/lane_$1.log" 2>&1
+}
+case ${1:-} in
+  2gpu)
+    lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|DP=2' & A=$!
+    lane b 2,3 2gpu 'checkpoints|deepseek|TP=1 x2' & B=$! ;;
+  1gpu)
+    lane a 0 1gpu 'offload|sdpa|logprobs|packing|recipes' & A=$!
+    lane b 1 1gpu 'agreement|moe|deepseek' & B=$!
+    lane exit 2,3 exit '' & E=$! ;;
+  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu"; exit 2 ;;
+esac
+FAILED=0
+for pid in ${A:-} ${B:-} ${E:-}; do wait "$pid" || FAILED=$((FAILED + 1)); done
+for log in "$LOGS"/lane_*.log; do echo "##### $log"; sed -n '/=== summary/,$p' "$log"; done
+echo "failed lanes: $FAILED"
+exit $FAILED
