@@ -333,7 +333,7 @@ def main():
                                if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
 
         # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
-        colo.reload_optimizers(timer)
+        colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
         tick = time.time()
         train_metrics, grad_norms = [], []
         for epoch in range(args.ppo_epochs):
@@ -376,8 +376,8 @@ def main():
                         metrics.update(logprob_mismatch=rl.masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
-                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device,
-                                                     step=step)  # no update from a NaN/Inf loss or grad
+                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device, step=step,
+                                                     before_step=lambda: colo.wait_optimizers(timer))  # no update from a NaN/Inf loss or grad
                 train_metrics += mb_metrics
                 grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick

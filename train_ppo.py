@@ -353,7 +353,10 @@ def main():
         batch["advantages"] = rl.masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
 
         # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
-        colo.reload_optimizers(timer)
+        colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
+        def optimizers_ready():  # before the first optimizer step (common/offload.py)
+            colo.wait_optimizers(timer)
+
         tick = time.time()
         train_actor = step >= args.critic_warmup_steps  # critic warmup: the actor is left as it is
         train_metrics, grad_norms, critic_grad_norms = [], [], []
@@ -396,12 +399,12 @@ def main():
                                           "vf_clip_frac": rl.masked_sum(clipped.float(), mb_mask), "vf_clip_frac__n": n}
 
                 if train_actor:
-                    mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs,
-                                                         actor_loss_fn, info.device, step=step)
+                    mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs, actor_loss_fn, info.device,
+                                                         step=step, before_step=optimizers_ready)
                     train_metrics += mb_metrics
                     grad_norms.append(grad_norm)
-                mb_metrics, grad_norm = B.train_step(critic, critic_optimizer, critic_scheduler,
-                                                     mbs, critic_loss_fn, info.device, step=step)
+                mb_metrics, grad_norm = B.train_step(critic, critic_optimizer, critic_scheduler, mbs, critic_loss_fn,
+                                                     info.device, step=step, before_step=optimizers_ready)
                 train_metrics += mb_metrics
                 critic_grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick

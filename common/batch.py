@@ -362,12 +362,13 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
     )
 
 
-def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, device, step=None):
+def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, device, step=None, before_step=None):
     """One optimizer step over micro-batches: zero the DDP grad buffers and the optimizer's
     grads, forward-backward (run_micro_batches: DDP reduces the gradients at the end), a check
     that the loss and the gradients are finite (else guard.NonFiniteError naming `step`, and
     no update), the optimizer step (grad clipping inside) and one scheduler step. All ranks
-    call this.
+    call this. before_step: called before the optimizer step (the scripts wait there for the
+    optimizer state's reload, common/offload.py Colocation.wait_optimizers).
     Returns (the metrics dicts of run_micro_batches, the grad norm; 0.0 where megatron
     reports none)."""
     for chunk in model_chunks:
@@ -375,6 +376,8 @@ def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, devic
     optimizer.zero_grad()
     metrics = run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only=False, device=device)
     check_finite_update(model_chunks, metrics, device, step)
+    if before_step is not None:
+        before_step()
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
     return metrics, grad_norm or 0.0

@@ -29,7 +29,8 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     device = torch.device("cuda" if on_gpu else "cpu")
     model_off = Offloader.of_model(model, include_cpu=not on_gpu)
     optim_off = Offloader.of_optimizer(optimizer, model, include_cpu=not on_gpu)
-    losses, moved, left, freed_gpu, intact = [], [], [], [], []
+    losses, moved, left, freed_gpu, intact, overlapped = [], [], [], [], [], []
+    side = torch.cuda.Stream() if on_gpu else None  # the optimizer's reload copies on it, as the scripts
     if offload:  # as the scripts do: every host buffer (Adam's state created) before the first step
         optim_off.allocate(), model_off.allocate()
         buffers = {id(b) for off in (model_off, optim_off) for b in off._host.values()}
@@ -46,6 +47,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         out = B.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=device)
+        optim_off.wait()  # the scripts' before_step: the last reload's copies have landed
         optimizer.step()
         losses.append(float(out[0]["loss"]))
         if offload:
@@ -60,12 +62,13 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
             state = [v for s in optimizer_states(optimizer) for v in s.values() if torch.is_tensor(v) and v.dim()]
             left.append(sum(t.untyped_storage().nbytes() for t in list(model[0].parameters()) + state))
             model_off.reload()
-            optim_off.reload()
+            optim_off.reload(stream=side)  # on a GPU: copies queued on `side`, overlapping the next forward/backward
+            overlapped.append(optim_off._pending is not None)
     params = torch.cat([p.detach().float().flatten() for p in model[0].parameters()])
     # host buffers an offload had to create after allocate() (each costs a pinning on a GPU)
     late = len({id(b) for off in (model_off, optim_off) for b in off._host.values()} - buffers) if offload else 0
     return dict(losses=losses, moved=moved, left=left, params=params.cpu(), numel=params.numel(), freed_gpu=freed_gpu,
-                intact=intact, late_buffers=late)
+                intact=intact, late_buffers=late, overlapped=overlapped)
 
 
 def optimizer_states(optimizer):
@@ -87,7 +90,8 @@ def main():
                 losses=plain["losses"], losses_offloaded=offloaded["losses"],
                 max_param_diff=float((plain["params"] - offloaded["params"]).abs().max()),
                 moved=offloaded["moved"], left=offloaded["left"], numel=offloaded["numel"],
-                freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"], late_buffers=offloaded["late_buffers"])
+                freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"], late_buffers=offloaded["late_buffers"],
+                overlapped=offloaded["overlapped"])
     result["reference"] = frozen_model_roundtrip(hf_dir)
     result["colocation"] = colocation_phases(hf_dir)
     if info.rank == 0:
@@ -203,6 +207,9 @@ def colocation_phases(hf_dir):
     seen["reference_after_block"] = resident(params(reference))
     colo.reload_idle()
     colo.reload_optimizers(Timer(times))
+    seen["overlapped"] = [off._pending is not None for off in colo.optimizers]  # copies still queued (GPU)
+    colo.wait_optimizers(Timer(times))  # the scripts' before_step
+    seen["waited"] = [off._pending is None for off in colo.optimizers]
     after = dict(policy=params(policy), critic=params(critic), reference=params(reference), adam=adam_state())
     with colo.frozen_model(reference):
         seen["same"] = {name: all(torch.equal(a, b) for a, b in zip(before[name], after[name])) for name in before}

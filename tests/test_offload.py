@@ -9,7 +9,9 @@ torchrun DP=2 (the optimizer state sharded): the losses and final params must be
 identical, the tensors' storages must be empty while offloaded, the model's params must
 survive the optimizer's offload (fp32: the main params are the model's own; the weight sync
 runs between the two offloads), and the bytes moved must be what the dtypes say. A plain
-frozen model (train_grpo.py's reference) gives the same logits after a round trip. On a CPU
+frozen model (train_grpo.py's reference) gives the same logits after a round trip. On a GPU
+the optimizer's reload runs on a side stream during the next forward/backward, waited for
+before the optimizer step, as in the scripts. On a CPU
 the "device" memory is host memory (include_cpu=True); the same test on a GPU machine moves
 CUDA memory to pinned host buffers and also checks that torch's allocated GPU memory dropped
 by the bytes moved (tests/gpu/run_all.sh runs it). Host buffers are made once, by allocate()
@@ -55,6 +57,9 @@ def check(result, dp):
         assert all(left == 0 for left in r["left"]), (name, r["left"])  # storages empty while offloaded
         assert all(r["intact"]), name  # the optimizer's offload leaves the model's params alone (fp32)
         assert r["late_buffers"] == 0, name  # allocate() made every host buffer before the first step
+        # the optimizer's reload overlaps the next forward/backward on a GPU (a side stream; the
+        # equal params above then show wait() kept the step from reading it early); on a CPU it waits
+        assert r["overlapped"] == [on_gpu()] * 3, (name, r["overlapped"])
         dtype, kind = name.split("_")
         per_param = BYTES_PER_PARAM[dtype]
         if kind == "distopt":  # Adam state (+ the fp32 main params of a bf16 model) sharded over DP
@@ -79,6 +84,7 @@ def check_colocation(seen):
     assert seen["memory"] == ["start", "sync", "rollout"]
     assert seen["same"] == {"policy": True, "critic": True, "reference": True, "adam": True}
     assert seen["timed"] == ["offload_s", "reload_s", "sleep_s", "sync_s", "wake_s"]
+    assert seen["overlapped"] == [on_gpu()] * 2 and seen["waited"] == [True, True]  # a side stream on a GPU only
 
 
 def on_gpu():
@@ -100,3 +106,4 @@ def test_offload_roundtrip_dp2(hf_dir):
     if on_gpu() and torch.cuda.device_count() < 2:
         pytest.skip("DP=2 on a GPU machine needs 2 GPUs")
     check(parse(run_torchrun(WORKER, 2, hf_dir)), dp=2)
+
