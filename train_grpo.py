@@ -111,6 +111,7 @@ def main():
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, load_hf_spec
     from common.weights import export_hf_weights, load_hf_weights
+    from common.host_memory import check_host_memory
     from common.offload import Colocation, PhaseMemory, Timer
     from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
@@ -236,6 +237,8 @@ def main():
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
         store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
 
+    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
+    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes([(model, optimizer)])})
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0

@@ -118,6 +118,7 @@ def main():
     from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.model import build_model, load_hf_spec
     from common.weights import export_hf_weights, load_hf_weights
+    from common.host_memory import check_host_memory
     from common.offload import Colocation, PhaseMemory, Timer
     from common.reward_model import RewardModel
     from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
@@ -260,6 +261,8 @@ def main():
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
+    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
+    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes([(model, optimizer), (critic, critic_optimizer)])})
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0

@@ -251,11 +251,16 @@ class CheckpointWriter:
         self.wait_s = 0.0  # of the last save(): waiting for the one before it to be written
         self.last = {}  # the last published save: step, blocking_s, stage_s, total_s (for the metrics)
         self.staging = checkpoint_io.HostStaging()
+        self.staging.reserve(self.host_bytes(models))
+
+    @staticmethod
+    def host_bytes(models):
+        """Host memory a CheckpointWriter of these models pins (0 without GPU tensors)."""
         tensors = []
         for chunks, optimizer in models:
             ensure_adam_state(optimizer)  # what the first step creates anyway: count it now
             tensors += _training_tensors(chunks, optimizer)[1]
-        self.staging.reserve(checkpoint_io.HostStaging.nbytes_for(tensors))
+        return checkpoint_io.HostStaging.nbytes_for(tensors)
 
     def save(self, ckpt_root, step, ddp_chunks, optimizer, scheduler, extra=None, *, keep_last=2, meta=None,
              hf_source_dir=None, optimizer_sharding=DEFAULT_OPTIMIZER_SHARDING, extra_models=None):

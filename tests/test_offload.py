@@ -107,3 +107,51 @@ def test_offload_roundtrip_dp2(hf_dir):
         pytest.skip("DP=2 on a GPU machine needs 2 GPUs")
     check(parse(run_torchrun(WORKER, 2, hf_dir)), dp=2)
 
+
+def test_host_memory_check():
+    """check_host_memory's rule (common/offload.py): a node's ranks together may pin at most the
+    memory that node has available; the message names the node, the parts and the flags."""
+    from common.host_memory import check_host_memory, host_memory_available, host_memory_problem
+    from common.preflight import UsageError
+
+    gb = 10**9
+    rank = ("gpu-node-1", {"offload buffers": 61 * gb, "checkpoint staging": 53 * gb}, 300 * gb)
+    assert host_memory_problem([rank]) is None  # one rank: 114 GB of 300
+    two_jobs = host_memory_problem([rank, rank, rank])  # three ranks on one node: 342 GB of 300
+    assert two_jobs is not None and "gpu-node-1" in two_jobs and "342.0 GB" in two_jobs and "300.0 GB" in two_jobs
+    assert "offload buffers 183.0 GB" in two_jobs and "checkpoint staging 159.0 GB" in two_jobs
+    assert "--no-offload-optimizer" in two_jobs
+    # per node: the same three ranks spread over three nodes fit; the least available memory counts
+    assert host_memory_problem([rank, ("gpu-node-2", *rank[1:]), ("gpu-node-3", *rank[1:])]) is None
+    assert host_memory_problem([rank, ("gpu-node-1", rank[1], 100 * gb)]) is not None  # 228 GB of min(300, 100)
+    assert host_memory_problem([("laptop", {"offload buffers": 10**15}, None)]) is None  # unknown: no check
+
+    available = host_memory_available()  # this Linux machine: MemAvailable (and a cgroup limit if any)
+    assert available is not None and 0 < available < 10**15
+    check_host_memory({"offload buffers": 0, "checkpoint staging": 0})  # a CPU run pins nothing: passes
+    with pytest.raises(UsageError, match="would pin"):
+        check_host_memory({"offload buffers": 10**15})
+
+
+def test_host_memory_cgroup_limits(tmp_path):
+    """The room under a cgroup memory limit (a Slurm job's --mem), v2 and v1 layouts: limit -
+    used + page cache (given back on demand) - tmpfs files (not); no limit: None."""
+    from common.host_memory import _cgroup_room
+
+    def tree(proc_line, folder, files):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (tmp_path / folder / name).write_text(text)
+        (tmp_path / "cgroup").write_text(proc_line)
+        return _cgroup_room(str(tmp_path / "cgroup"), str(tmp_path))
+
+    gb = 10**9
+    v2 = dict(**{"memory.max": f"{100 * gb}\n", "memory.current": f"{70 * gb}\n"},
+              **{"memory.stat": f"anon {50 * gb}\nfile {20 * gb}\nshmem {5 * gb}\n"})
+    assert tree("0::/slurm/job_1\n", "slurm/job_1", v2) == 45 * gb  # 100 - 70 + 20 - 5
+    assert tree("0::/slurm/job_2\n", "slurm/job_2", dict(v2, **{"memory.max": "max\n"})) is None
+    v1 = {"memory.limit_in_bytes": f"{64 * gb}\n", "memory.usage_in_bytes": f"{60 * gb}\n",
+          "memory.stat": f"cache {30 * gb}\nrss {30 * gb}\nshmem 0\n"}
+    assert tree("4:memory:/slurm/job_3\n0::/\n", "memory/slurm/job_3", v1) == 34 * gb
+    assert tree("4:memory:/slurm/job_4\n", "memory/slurm/job_4", dict(v1, **{"memory.limit_in_bytes": "9223372036854771712\n"})) is None
+    assert _cgroup_room(str(tmp_path / "missing"), str(tmp_path)) is None
