@@ -154,9 +154,7 @@ def main():
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
     model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
                       first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
-                      moe_aux_loss_coef=args.moe_aux_loss_coef,
-                      **({"moe_router_bias_update_rate": args.moe_router_bias_update_rate}
-                         if args.moe_router_bias_update_rate else {}),
+                      moe_aux_loss_coef=args.moe_aux_loss_coef, **F.moe_overrides(args),
                       **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
 
     def load_model():

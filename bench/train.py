@@ -129,9 +129,12 @@ def build_parser():
     p.add_argument("--device-sort", action=argparse.BooleanOptionalAction, default=True,
                    help="MoE at EP=1: tokens sorted by expert on the device, as the scripts do (common/moe.py; "
                         "--no-device-sort: megatron's all-gather dispatcher, which waits for the device)")
+    p.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
+                   help="MoE token dispatcher at --ep > 1, as the scripts' flag (default alltoall; allgather: "
+                        "common/moe.py DeviceSortDispatcher over the EP group)")
     # --- measurement
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (with --ab: also its pairs)")
-    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort"], default=None,
+    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather"], default=None,
                    help="after the timed steps, time the candidate with this feature off and on in alternate steps "
                         "(--steps pairs after one warm-up pair, order alternating) and print the median of the "
                         "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike")
@@ -208,6 +211,36 @@ def device_sort_switch(model):
     def switch(on):
         for dispatcher in dispatchers:
             dispatcher.__class__ = DeviceSortDispatcher if on else MoEAllGatherTokenDispatcher
+    return switch
+
+
+def allgather_switch(model):
+    """MoE at EP > 1: a function(on) that gives the layers whose experts are spread over EP ranks
+    the all-gather dispatch of --moe-dispatcher allgather (common/moe.py DeviceSortDispatcher;
+    on) or megatron's all-to-all (off). Both dispatchers are made now, the one the model lacks
+    with megatron's own constructor arguments; a switch swaps the layers' objects."""
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+
+    from common.moe import DeviceSortDispatcher, GroupedExperts
+
+    pairs = []
+    for module in (m for chunk in model for m in chunk.modules()):
+        if not (isinstance(module, MoELayer) and module.num_local_experts < module.config.num_moe_experts
+                and isinstance(module.experts, GroupedExperts) and module.experts.grouped_path()):
+            continue
+        made = {}
+        for kind in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher):
+            made[kind] = (module.token_dispatcher if isinstance(module.token_dispatcher, kind)
+                          else kind(module.num_local_experts, module.local_expert_indices, config=module.config,
+                                    pg_collection=moe_layer.get_default_pg_collection()))
+        made[MoEAllGatherTokenDispatcher].__class__ = DeviceSortDispatcher
+        pairs.append((module, made[MoEAllGatherTokenDispatcher], made[MoEAlltoAllTokenDispatcher]))
+
+    def switch(on):
+        for module, allgather, alltoall in pairs:
+            module.token_dispatcher, module.experts.mask_tail = (allgather, True) if on else (alltoall, False)
     return switch
 
 
@@ -298,8 +331,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
         features = {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
-                    "device-sort": device_sort_switch(model)}
-        chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort}
+                    "device-sort": device_sort_switch(model), "allgather": allgather_switch(model)}
+        chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
+                  "allgather": overrides.get("moe_token_dispatcher_type") == "allgather"}
         for name, on in chosen.items():
             features[name](on)
         del chunks
@@ -417,6 +451,8 @@ def main():
         config, shape_name = dict(config, num_hidden_layers=args.num_layers), f"{shape_name}, {args.num_layers} layers"
     spec = parse_hf_config(config)
     overrides = recompute_overrides(args.recompute, args.recompute_modules, args.recompute_num_layers)
+    if args.moe_dispatcher:
+        overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
 
     info = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"

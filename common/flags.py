@@ -54,6 +54,7 @@ def parallel_flags(p):
     g.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True, help="shard optimizer state over data-parallel ranks")
     g.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--moe-aux-loss-coef", type=float, default=None, help="MoE load-balancing loss coefficient (megatron's aux loss per MoE layer, added to the loss; 0: off); default: the model config's router_aux_loss_coef")
+    g.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None, help="how tokens reach their experts at --ep > 1 (default: alltoall): megatron's all-to-all, which waits on the host for the split sizes every layer, or allgather: every EP rank gathers all tokens of its EP group and picks its experts' share on the device (no host waits, and with a top-k as large as Qwen3-MoE's 8 at small EP fewer bytes; common/moe.py; not yet measured on GPUs)")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=0.0, help="DeepSeek-V3 models: after every optimizer step move each router's score-correction bias by this amount towards balanced expert load (megatron's aux-loss-free balancing; DeepSeek-V3's pretraining used 0.001); 0: the loaded bias stays frozen")
     return g
 
@@ -138,3 +139,14 @@ def run_flags(p, out):
     g.add_argument("--save-rollouts", default=None, help="write each step's samples and rewards to this dir")
     g.add_argument("--load-rollouts", default=None, help="train on samples saved by --save-rollouts instead of generating (no engine)")
     return g
+
+
+def moe_overrides(args):
+    """The TransformerConfig fields the MoE flags change from the model's (build_model's
+    config overrides): the router bias update, the token dispatcher."""
+    overrides = {}
+    if args.moe_router_bias_update_rate:
+        overrides["moe_router_bias_update_rate"] = args.moe_router_bias_update_rate
+    if args.moe_dispatcher:
+        overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
+    return overrides

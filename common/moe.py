@@ -15,10 +15,10 @@ is used as it is; its layer spec takes two modules of ours:
                   remains where torch has no grouped GEMM for the tensors (CUDA other than
                   bf16, rows not 16-byte aligned). tests/gpu/test_moe_gpu.py checks the two
                   equal on a GPU; bench/moe.py times them.
-and build_model gives its all-gather token dispatcher, where this rank holds every expert
-(EP=1) and no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted by
-expert on the device, where megatron's dispatcher waits for the device three times per layer
-and pass (the expert counts to the host, two masked_selects).
+and build_model gives its all-gather token dispatcher (EP=1, or --moe-dispatcher allgather at
+EP > 1), where no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted
+by expert on the device, where megatron's dispatcher waits for the device three times per
+layer and pass (the expert counts to the host, two masked_selects).
 """
 import torch
 import torch.distributed as dist
@@ -30,45 +30,59 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 
 class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
-    """megatron's all-gather dispatcher for a rank that holds every expert, without host waits.
+    """megatron's all-gather dispatcher without host waits: tokens sorted by expert on the device.
 
-    Every token goes to exactly top-k experts (no capacity, no dropping), so the permuted rows
-    number tokens x top-k, known on the host: the (expert, token) pairs of the routing map are
-    found by a stable sort on the device, expert-major with tokens ascending, which is the order
-    of megatron's masked_select (same rows, same probs, same results), and the counts per expert
-    stay on the device (GroupedExperts takes them there). The combine is megatron's.
+    Every token goes to exactly top-k experts (no capacity, no dropping), so the (token,
+    expert) pairs of the gathered routing map number tokens x top-k, known on the host. A
+    stable sort of the map, expert-major with tokens ascending, puts them in the order of
+    megatron's masked_select; the map's columns are first rolled so that this rank's experts
+    come first. With every expert local (EP=1) all rows are this rank's: megatron's rows,
+    probs and results exactly. With EP > 1 this rank's pairs are the first rows and the rest
+    are other ranks' (GroupedExperts.mask_tail: computed nowhere, zero in the output), and
+    the counts per expert stay on the device (GroupedExperts takes them there), where
+    megatron's dispatcher sends them to the host and selects rows by mask (two waits per
+    layer and pass). The combine is megatron's (scatter-add, then reduce-scatter over EP).
     """
 
     def dispatch_postprocess(self, hidden_states, probs):
         self.hidden_shape_before_permute = hidden_states.shape
-        routing_map = self.routing_map  # (tokens, E) bool, this rank's gathered tokens
+        first, count = self.local_expert_indices[0], self.num_local_experts
+        routing_map = self.routing_map  # (tokens, E) bool; columns rolled: this rank's experts first
+        if first:
+            routing_map, probs = routing_map.roll(-first, dims=1), probs.roll(-first, dims=1)
         num_tokens = routing_map.shape[0]
         flat = routing_map.T.reshape(-1).to(torch.uint8)  # expert-major
         picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * self.config.moe_router_topk]
-        self.local_map, self.routing_map = routing_map, None
+        self.local_map, self.routing_map = routing_map[:, :count], None
         self.reversed_local_input_permutation_mapping = picks % num_tokens  # the token of each permuted row
         self.local_probs = probs.T.reshape(-1).index_select(0, picks)
         permuted = hidden_states.index_select(0, self.reversed_local_input_permutation_mapping)
-        return permuted, routing_map.sum(0), self.local_probs
+        return permuted, self.local_map.sum(0), self.local_probs
 
 
 def sort_tokens_on_device(chunks):
     """Give every MoE layer of these model chunks DeviceSortDispatcher where it applies: the
-    all-gather dispatcher (EP=1), every expert on this rank, no capacity (no dropped tokens).
-    The dispatcher keeps its state and gains its methods (a subclass without state of its own:
-    the class is swapped in place; megatron's TransformerLayer builds MoELayer with its own
-    arguments only for MoELayer itself, so the layer spec keeps megatron's class). Returns the
-    number of layers changed."""
+    all-gather dispatcher (EP=1, or --moe-dispatcher allgather), no capacity (no dropped
+    tokens), and, unless this rank holds every expert, GroupedExperts on its grouped path (it
+    skips the other ranks' rows; megatron's loop over experts cannot). The dispatcher keeps
+    its state and gains its methods (a subclass without state of its own: the class is
+    swapped in place; megatron's TransformerLayer builds MoELayer with its own arguments only
+    for MoELayer itself, so the layer spec keeps megatron's class). Returns the number of
+    layers changed."""
     from common.model import unwrap
 
     changed = 0
     for chunk in chunks:
         for module in unwrap(chunk).modules():
-            if (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
-                    and module.config.moe_expert_capacity_factor is None
-                    and module.num_local_experts == module.config.num_moe_experts):
-                module.token_dispatcher.__class__ = DeviceSortDispatcher
-                changed += 1
+            if not (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
+                    and module.config.moe_expert_capacity_factor is None):
+                continue
+            partial = module.num_local_experts < module.config.num_moe_experts
+            if partial and not (isinstance(module.experts, GroupedExperts) and module.experts.grouped_path()):
+                continue  # megatron's dispatcher (one host wait per layer and pass)
+            module.token_dispatcher.__class__ = DeviceSortDispatcher
+            module.experts.mask_tail = partial
+            changed += 1
     return changed
 
 
@@ -145,6 +159,7 @@ class GroupedExperts(SequentialMLP):
 
     grouped = True      # False: always the per-expert loop (bench/moe.py compares the two)
     fuse_wgrad = False  # True: weight gradients added into main_grad by _StackedWeights (set for training)
+    mask_tail = False   # True: rows past this rank's experts' belong to other ranks (DeviceSortDispatcher at EP > 1)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -157,21 +172,30 @@ class GroupedExperts(SequentialMLP):
         for param in self.parameters():
             param.allreduce = False
 
-    def forward(self, hidden, tokens_per_expert, probs):
+    def grouped_path(self):
+        """Whether forward runs the grouped GEMMs (else megatron's loop over experts)."""
         first = self.local_experts[0]
-        if not (self.grouped and _grouped_mm_usable(first.linear_fc1.weight, self.num_local_experts)
+        return (self.grouped and _grouped_mm_usable(first.linear_fc1.weight, self.num_local_experts)
                 and _grouped_mm_usable(first.linear_fc2.weight, self.num_local_experts)
                 and not self.config.moe_apply_probs_on_input and self.config.gated_linear_unit
-                and self.config.activation_func is F.silu and not self.config.add_bias_linear):
+                and self.config.activation_func is F.silu and not self.config.add_bias_linear)
+
+    def forward(self, hidden, tokens_per_expert, probs):
+        if not self.grouped_path():
             return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
+        if self.mask_tail:  # rows past ends[-1] are computed by no GEMM (their outputs are whatever
+            # the memory held) and must give zeros, and no gradient back to the tokens or probs
+            mine = (torch.arange(hidden.shape[0], device=hidden.device) < ends[-1]).unsqueeze(-1)
+            hidden, probs = hidden.where(mine, 0), probs.where(mine.squeeze(-1), 0)
         stack = (lambda w: _StackedWeights.apply(w[0], w)) if self.fuse_wgrad and torch.is_grad_enabled() else torch.stack
         w1 = stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
         w2 = stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
         h = torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends)  # (N, 2F/etp)
         gate, up = h.chunk(2, dim=-1)
         h = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)  # weighted by the router's probs
-        return torch._grouped_mm(h, w2.transpose(1, 2), offs=ends), None  # (N, H), no bias
+        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H)
+        return (out.where(mine, 0) if self.mask_tail else out), None  # no bias
 
 
 def routers(chunks):

@@ -229,6 +229,9 @@ def _check_layout(args, spec, critic=None):
     if rate < 0 or (rate and not (spec.moe is not None and spec.moe.expert_bias)):
         raise UsageError(f"--moe-router-bias-update-rate {rate}: needs a rate >= 0 and a model whose router has a "
                          f"score-correction bias (DeepSeek-V3); {spec.architecture} has none")
+    if getattr(args, "moe_dispatcher", None) and spec.moe is None:
+        raise UsageError(f"--moe-dispatcher {args.moe_dispatcher}: {spec.architecture} has no experts to dispatch "
+                         "tokens to; drop the flag")
     layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, etp=etp, first_stage_layers=args.first_stage_layers,
                   last_stage_layers=args.last_stage_layers)
     for prefix, model in (("", spec), ("--critic-model: ", critic)):

@@ -59,6 +59,36 @@ def forward_logits(chunks, ids, seq_len):
     return torch.cat(parts, dim=-1)
 
 
+def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
+    """--moe-dispatcher allgather (common/moe.py DeviceSortDispatcher at EP > 1: every rank's
+    tokens gathered, this rank's experts' pairs sorted first, the other rows masked) against
+    megatron's all-to-all, same weights: logits vs transformers, and every parameter's
+    gradient of one random projection of the logits (this rank's shard) against all-to-all's."""
+    from common.model import build_model
+    from common.weights import load_hf_weights
+
+    out, grads = {}, {}
+    for dispatcher in ("alltoall", "allgather"):
+        chunks = build_model(spec, **layout, moe_token_dispatcher_type=dispatcher)
+        load_hf_weights(chunks, spec, hf_dir)
+        out[f"{dispatcher}_dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in chunks[0].modules()
+                                                   if hasattr(m, "token_dispatcher")})
+        logits = chunks[0](ids, torch.arange(seq_len).unsqueeze(0), None)
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
+        (logits.float() * weights).sum().backward()
+        grads[dispatcher] = {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
+        if dispatcher == "allgather":
+            with torch.no_grad():
+                out["allgather_max_abs_diff"] = (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
+                                                 - reference).abs().max().item()
+    ours, theirs = grads["allgather"], grads["alltoall"]
+    out["dispatch_grad_names_equal"] = sorted(ours) == sorted(theirs)
+    out["dispatch_grad_params"] = len(theirs)
+    out["dispatch_max_grad_rel_diff"] = max(float((ours[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
+                                            for n, g in theirs.items())
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
@@ -106,6 +136,8 @@ def main():
         chunks, logits = logits_with()
         row = {"max_abs_diff": (logits - reference).abs().max().item(),
                "layers": [layer.layer_number - 1 for c in chunks for layer in unwrap(c).decoder.layers]}
+        if spec.moe is not None and args.ep > 1 and args.pp == 1:  # the two token dispatchers at EP > 1
+            row.update(compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference))
 
         # export: every HF tensor, bit-identical, no missing or extra names
         on_disk = {}

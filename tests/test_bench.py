@@ -177,6 +177,17 @@ def test_torchrun_tp2_and_cp2():
     assert cp["grad_norm"] == pytest.approx(tp["grad_norm"], rel=1e-4)
 
 
+def test_allgather_dispatcher_ab_at_ep2():
+    """bench/train.py --ab allgather at EP=2: megatron's all-to-all and --moe-dispatcher
+    allgather swapped step by step in one process (CPU smoke: the pairs ran, both sides' step
+    times are there; the speed itself is a GPU question)."""
+    r = bench_json(run_torchrun(SCRIPT, 2, "--shape", "tiny-moe", "--ep", 2, "--steps", 2, "--warmup", 1,
+                                "--seq-len", 32, "--no-baseline", "--ab", "allgather").stdout)
+    assert r["ep"] == 2 and r["candidate"]["status"] == "ok"
+    ab = r["candidate"]["ab"]
+    assert len(ab["ratios"]) == 2 and all(x > 0 for x in ab["ratios"]) and ab["median"] > 0, ab
+
+
 def test_baseline_oom_is_reported():
     # build_model raises the CUDA OOM error for the baseline's local attention
     code = "\n".join([

@@ -8,7 +8,9 @@ renormalised, MoE every 2nd layer) and Mixtral (block_sparse_moe names on disk) 
 tests/tiny_models.py, saved in the hub's one-tensor-per-expert layout:
   - fp32 logits vs transformers <= 1e-4 (measured ~3e-7) at 1 rank, EP=2, TP=2+SP (EP=1:
     tokens gathered over TP and sorted by expert on the device), TP=2+EP=2+SP, TP=2+ETP=2+SP
-    and PP=2+EP=2;
+    and PP=2+EP=2; at EP=2 and TP=2+EP=2+SP also with --moe-dispatcher allgather (tokens
+    gathered over EP, this rank's experts' share sorted on the device), whose gradients equal
+    the all-to-all's (relative 1e-5);
   - the export gives back every per-expert HF tensor bit-identical, nothing missing or extra;
   - wrong mappings (k/v swapped, two experts exchanged, fc1 cut naively at TP>1) do not match.
 Also: the GRPO/PPO scripts at EP=2, a training checkpoint of EP=1 resumed at EP=2, and the
@@ -54,6 +56,13 @@ def test_moe_parity(layout, tiny_moe_models_dir, tmp_path):
             assert row["control_experts_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags and name != "mixtral":  # mixtral has no TP-sharded gate_up at etp 1
                 assert row["control_naive_fc1"] > 100 * TOLERANCE, where
+            if "--ep" in flags and "--pp" not in flags:  # --moe-dispatcher allgather against the all-to-all
+                print(f"{where}: allgather max_abs_diff={row['allgather_max_abs_diff']:.2e} "
+                      f"grad rel diff={row['dispatch_max_grad_rel_diff']:.2e} over {row['dispatch_grad_params']} params")
+                assert row["alltoall_dispatchers"] == ["MoEAlltoAllTokenDispatcher"], where
+                assert row["allgather_dispatchers"] == ["DeviceSortDispatcher"], where
+                assert row["allgather_max_abs_diff"] <= TOLERANCE, where
+                assert row["dispatch_grad_names_equal"] and row["dispatch_max_grad_rel_diff"] <= 1e-5, where
 
 
 def _config(name, **changes):
@@ -124,12 +133,14 @@ def test_device_sorted_dispatch_equals_megatrons(tmp_path):
 
 
 def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
-    """train_grpo.py --embedded-model moe at EP=2 (gloo, all-to-all dispatch): the embedded task
-    is learned (greedy validation), and the expert-load and aux-loss metrics are logged."""
+    """train_grpo.py --embedded-model moe at EP=2 (gloo) with --moe-dispatcher allgather (the
+    all-to-all default learns in the DeepSeek-V3 test; the two dispatchers' gradients are equal
+    in test_moe_parity): the embedded task is learned (greedy validation), and the expert-load
+    and aux-loss metrics are logged."""
     from tests.conftest import read_metrics
 
-    run_torchrun("train_grpo.py", 2, "--embedded-model", "moe", "--ep", 2, "--steps", 50, "--eval-every", 25,
-                 "--log-samples-every", 0, "--out", tmp_path)
+    run_torchrun("train_grpo.py", 2, "--embedded-model", "moe", "--ep", 2, "--moe-dispatcher", "allgather",
+                 "--steps", 50, "--eval-every", 25, "--log-samples-every", 0, "--out", tmp_path)
     rows = read_metrics(tmp_path)
     evals = {m["step"]: m["eval_accuracy"] for m in rows if "eval_accuracy" in m}
     print(f"eval accuracy {evals}; last moe_load_max {rows[-1]['moe_load_max']:.2f} aux {rows[-1]['moe_aux_loss']:.3f}")
