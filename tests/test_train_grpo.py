@@ -13,6 +13,7 @@
 - every flag of --help has a help string.
 """
 import os
+import shutil
 import sys
 
 import pytest
@@ -129,15 +130,24 @@ def test_token_budget_matches_fixed_micro_batches(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
 
 
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """One process: an uninterrupted 4-step run saving its rollouts, and a 2-step run replaying
+    them (its checkpoint is what the layouts below resume; each test resumes a copy)."""
+    root = tmp_path_factory.mktemp("resume")
+    run(*SMALL, "--steps", 4, "--out", root / "straight", "--save-rollouts", root / "rollouts")
+    run(*SMALL, "--steps", 2, "--out", root / "moved", "--load-rollouts", root / "rollouts")
+    return root
+
+
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
-def test_resume_at_another_layout(layout, tmp_path):
+def test_resume_at_another_layout(layout, two_step_run, tmp_path):
     """Saved by one process after 2 steps, resumed under torchrun at TP=2 / PP=2 (replaying the
     same rollouts): steps 3-4 give the metrics of the uninterrupted one-process run."""
-    run(*SMALL, "--steps", 4, "--out", tmp_path / "straight", "--save-rollouts", tmp_path / "rollouts")
-    run(*SMALL, "--steps", 2, "--out", tmp_path / "moved", "--load-rollouts", tmp_path / "rollouts")
+    shutil.copytree(two_step_run / "moved", tmp_path / "moved")
     run_torchrun("train_grpo.py", 2, *SMALL, "--steps", 4, *layout, "--out", tmp_path / "moved", "--resume",
-                 "--load-rollouts", tmp_path / "rollouts")
-    straight, moved = metrics(tmp_path / "straight"), metrics(tmp_path / "moved")
+                 "--load-rollouts", two_step_run / "rollouts")
+    straight, moved = metrics(two_step_run / "straight"), metrics(tmp_path / "moved")
     assert [m["step"] for m in moved] == [0, 1, 2, 3]
     for a, b in zip(straight[2:], moved[2:]):
         for key in TRAIN_KEYS:
