@@ -235,13 +235,14 @@ def main():
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
         store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
 
+    checkpointed = [(model, optimizer)]  # what a checkpoint holds (its host copies pinned by the writer)
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
-    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes([(model, optimizer)])})
+    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)})
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
-    writer = CheckpointWriter(models=[(model, optimizer)])  # background saves; their host memory pinned now
+    writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     for step in progress:
         times, t0, side_metrics = {}, time.time(), {}  # side: validation, dynamic sampling

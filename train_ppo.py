@@ -259,13 +259,14 @@ def main():
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
+    checkpointed = [(model, optimizer), (critic, critic_optimizer)]  # what a checkpoint holds (its host copies pinned by the writer)
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
-    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes([(model, optimizer), (critic, critic_optimizer)])})
+    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)})
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
-    writer = CheckpointWriter(models=[(model, optimizer), (critic, critic_optimizer)])  # background saves; their host memory pinned now
+    writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     for step in progress:
         times, t0, eval_metrics = {}, time.time(), {}  # eval_metrics: validation, reward model scores
