@@ -223,12 +223,12 @@ def allgather_switch(model):
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
-    from common.moe import DeviceSortDispatcher, GroupedExperts
+    from common.moe import DeviceSortDispatcher, device_sort_possible
 
     pairs = []
     for module in (m for chunk in model for m in chunk.modules()):
         if not (isinstance(module, MoELayer) and module.num_local_experts < module.config.num_moe_experts
-                and isinstance(module.experts, GroupedExperts) and module.experts.grouped_path()):
+                and device_sort_possible(module)):
             continue
         made = {}
         for kind in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher):

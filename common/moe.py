@@ -74,16 +74,21 @@ def sort_tokens_on_device(chunks):
     changed = 0
     for chunk in chunks:
         for module in unwrap(chunk).modules():
-            if not (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
-                    and module.config.moe_expert_capacity_factor is None):
-                continue
-            partial = module.num_local_experts < module.config.num_moe_experts
-            if partial and not (isinstance(module.experts, GroupedExperts) and module.experts.grouped_path()):
-                continue  # megatron's dispatcher (one host wait per layer and pass)
-            module.token_dispatcher.__class__ = DeviceSortDispatcher
-            module.experts.mask_tail = partial
-            changed += 1
+            if (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
+                    and device_sort_possible(module)):
+                module.token_dispatcher.__class__ = DeviceSortDispatcher
+                module.experts.mask_tail = module.num_local_experts < module.config.num_moe_experts
+                changed += 1
     return changed
+
+
+def device_sort_possible(layer):
+    """Whether DeviceSortDispatcher can serve this MoELayer: no capacity (no dropped tokens) and,
+    unless every expert is on this rank, GroupedExperts on its grouped path (it skips the other
+    ranks' rows; megatron's loop over experts cannot; those layers keep megatron's dispatcher)."""
+    partial = layer.num_local_experts < layer.config.num_moe_experts
+    return layer.config.moe_expert_capacity_factor is None and (
+        not partial or (isinstance(layer.experts, GroupedExperts) and layer.experts.grouped_path()))
 
 
 class Router(TopKRouter):
