@@ -195,7 +195,8 @@ def main():
     colo = Colocation(engine, model, [(optimizer, model)], frozen=[reference], params=offload_params,
                       optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
                       weights=lambda: export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks))
+                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks,
+                                                        local_reads=engine.local_reads))
     # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
     reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp, dtype=dtype,
                                     micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None

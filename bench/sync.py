@@ -62,6 +62,8 @@ def build_parser():
     p.add_argument("--reps", type=int, default=5, help="timed pairs (engine cycle, baseline copy; the order "
                    "alternating) after one warm-up pair")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start-up)")
+    p.add_argument("--gather-all", action="store_true", help="gather every TP-split tensor, as before session 19 "
+                   "(default: at Megatron TP = vLLM TP each rank writes its own TP pieces; export_hf_weights(local_reads=))")
     return p
 
 
@@ -95,7 +97,8 @@ def main():
         engine = HFEngine(hf_dir, dtype=dtype, device=info.device, eos_token_ids=[])
 
     def export():
-        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks)
+        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks,
+                                 local_reads=None if args.gather_all else engine.local_reads)
 
     def export_only():
         for _ in export():

@@ -110,6 +110,7 @@ class RolloutEngine:
     """The interface every rollout engine implements (HFEngine here; VLLMEngine on GPUs)."""
 
     expert_blocks = False  # True: update_weights takes routed experts as (module, common.weights.ExpertBlock)
+    local_reads = None     # else export_hf_weights(local_reads=): update_weights takes TP pieces (LocalShard)
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seed: int, logprob_samples: int | None = None) -> list[Sample]:

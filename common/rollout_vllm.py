@@ -142,6 +142,13 @@ class VLLMEngine(RolloutEngine):
         self._warned_top_p = False
 
     @property
+    def local_reads(self):
+        """For export_hf_weights(local_reads=...): the first sync's recorded writes
+        (WritePlan.reads_within), so that later syncs at Megatron TP = vLLM TP take each rank's
+        own TP pieces instead of gathered tensors; None until then."""
+        return self._write_plan
+
+    @property
     def model(self):
         """The vLLM nn.Module in this process (its TP shard). Path checked on vLLM 0.26.0."""
         core = self.llm.llm_engine.engine_core
@@ -231,10 +238,18 @@ class VLLMEngine(RolloutEngine):
     def _replayed(self, named_tensors, written):
         """named_tensors minus those written by replaying the first sync's writes
         (common/weight_replay.py: ~90 us of vLLM's Python per tensor saved, 7B's sync 39 ->
-        14 ms on one H200); names of the parameters written go into `written`."""
+        14 ms on one H200), TP pieces (LocalShard) included; names of the parameters written
+        go into `written`."""
+        from common.weights import LocalShard
+
         plan = self._write_plan
         for name, tensor in named_tensors:
-            if plan.replay(name, tensor):
+            if isinstance(tensor, LocalShard):  # export_hf_weights(local_reads=plan) chose it: no fallback
+                if not plan.replay_piece(name, tensor):
+                    raise RuntimeError(f"update_weights: {name}: this rank's piece [{tensor.start}:{tensor.stop}] "
+                                       f"along dim {tensor.dim} was not recorded as all that vLLM reads")
+                written.update(plan.written.get(name, ()))
+            elif plan.replay(name, tensor):
                 written.update(plan.written.get(name, ()))
             else:
                 yield name, tensor

@@ -22,6 +22,11 @@ Any other write into a parameter (an op that computes, a source that is a conver
 makes that name not replayable: it goes through the loader at every sync, which is always
 correct. A tensor is replayed only with the shape, strides and dtype it had when recorded.
 
+Pieces (the sync at Megatron TP = vLLM TP, common/weights.py LocalShard): where every
+recorded read of a tensor lies inside full[start:stop] along one dim, `reads_within` says so
+and `replay_piece` repeats the writes from that piece alone, so a rank's own TP shard is
+written without gathering the full tensor.
+
 Assumes the loader finishes each tensor before it pulls the next from the stream (vLLM's
 loaders do: `for name, w in weights:` ...); a write whose source is not the current tensor
 is not replayable, so a loader that buffers tensors falls back to itself instead of being
@@ -66,6 +71,7 @@ class WritePlan:
         self.written = {}  # HF name -> names of the parameters its steps write
         self.unreplayable = set()
         self.broken = False  # a write outside any tensor was seen: replay nothing
+        self._pieces = {}  # (HF name, dim, start, stop, full shape) -> (piece shape, steps indexing it) or None
 
     @contextlib.contextmanager
     def record(self, named_tensors):
@@ -119,6 +125,45 @@ class WritePlan:
                 dst.copy_(tensor.as_strided(src_size, src_stride, tensor.storage_offset() + src_offset))
         return True
 
+    def reads_within(self, name, dim, start, stop, shape):
+        """Whether the recorded writes of `name` (a full tensor of `shape`) read only from
+        full[start:stop] along `dim`, so that replay_piece can write from that piece alone."""
+        key = (name, dim, start, stop, tuple(shape))
+        if key not in self._pieces:
+            self._pieces[key] = self._piece_steps(name, dim, start, stop, tuple(shape))
+        return self._pieces[key] is not None
+
+    def _piece_steps(self, name, dim, start, stop, shape):
+        steps = None if self.broken else self.steps.get(name)
+        if steps is None or self.signature[name][0] != shape or self.signature[name][1] != _contiguous(shape):
+            return None
+        piece_steps = []
+        for dst, kind, arg in steps:
+            if kind == "fill":
+                piece_steps.append((dst, kind, arg))
+                continue
+            box = _box(*(arg or (shape, _contiguous(shape), 0)), shape)  # [lo, hi) per dim of the full tensor
+            if box is None or box[dim][0] < start or box[dim][1] > stop:
+                return None
+            piece_steps.append((dst, kind, tuple(slice(lo - start, hi - start) if d == dim else slice(lo, hi)
+                                                 for d, (lo, hi) in enumerate(box))))
+        return shape[:dim] + (stop - start,) + shape[dim + 1:], piece_steps
+
+    def replay_piece(self, name, piece):
+        """Write piece (a common.weights.LocalShard: full[start:stop] along dim) as the
+        recorded loader would write those elements of the full tensor; False (nothing
+        written) unless reads_within said yes for that piece and its shape and dtype match."""
+        stop = piece.start + piece.tensor.shape[piece.dim]
+        found = self._pieces.get((name, piece.dim, piece.start, stop, tuple(piece.full_shape)))
+        if found is None or tuple(piece.tensor.shape) != found[0] or piece.tensor.dtype != self.signature[name][2]:
+            return False
+        for dst, kind, arg in found[1]:
+            if kind == "fill":
+                dst.fill_(arg)
+            else:
+                dst.copy_(piece.tensor[arg])
+        return True
+
     def _note(self, current, func, args, only_dst):
         """An aten op of the loader that writes into a parameter, while it handles `current`
         ((name, tensor), or None between tensors). only_dst: the op's first argument is the
@@ -147,6 +192,26 @@ class WritePlan:
             return
         self.steps[name].append(step)
         self.written.setdefault(name, set()).add(owner[0])
+
+
+def _contiguous(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _box(size, stride, offset, shape):
+    """The view (size, stride, offset) of a contiguous tensor of `shape` as [(lo, hi)] per
+    dim, or None when it is not a box of it (a transposed or a skipping view)."""
+    full = _contiguous(shape)
+    if len(size) != len(shape) or any(n > 1 and s != f for n, s, f in zip(size, stride, full)):
+        return None
+    lows = [offset // f % n for f, n in zip(full, shape)]
+    if sum(lo * f for lo, f in zip(lows, full)) != offset or any(lo + n > m for lo, n, m in zip(lows, size, shape)):
+        return None
+    return [(lo, lo + n) for lo, n in zip(lows, size)]
 
 
 class _Recorder(TorchDispatchMode):

@@ -3,11 +3,13 @@
   load_hf_weights(chunks, spec, hf_dir)   each rank reads only the slices it owns
   export_hf_weights(chunks, spec, ...)    generator of (hf_name, full tensor): TP shards are
                                           all-gathered and PP stages broadcast, in flat buckets
+                                          (or, local_reads=..., each rank's own TP pieces)
   HFCheckpointReader(hf_dir)              lazy, sliced reads of safetensors checkpoints
 The name/shape mapping itself lives in common/bridge.py.
 """
 import json
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -133,6 +135,71 @@ class ExpertBlock(NamedTuple):
             yield f"{e}.{down}.weight", self.fc2[i]
 
 
+class LocalShard(NamedTuple):
+    """This TP rank's piece full[start:start + n] along `dim` of the full HF tensor of shape
+    full_shape (export_hf_weights(local_reads=...); a view of a parameter or a copy: never
+    write into it)."""
+    tensor: torch.Tensor
+    dim: int
+    start: int
+    full_shape: tuple
+
+    @property
+    def stop(self):
+        return self.start + self.tensor.shape[self.dim]
+
+
+def _local_pieces(kind, hf_names, shard, spec, tp_rank):
+    """One TP rank's megatron shard as pieces of its HF tensors (shard_from_hf inverted for
+    one rank): [(hf_name, LocalShard)], or [(hf_name, shard)] where the shard is the full tensor."""
+    full = lambda name: expected_hf_shape(name, spec)  # noqa: E731
+    if kind == "replicated":
+        return [(hf_names[0], shard)]
+    if kind == "row":
+        return [(hf_names[0], LocalShard(shard, 1, tp_rank * shard.shape[1], full(hf_names[0])))]
+    if kind == "vocab":  # the padded rows past the vocabulary are no HF rows
+        rows = shard.shape[0]
+        real = max(0, min(rows, spec.vocab_size - tp_rank * rows))
+        return [(hf_names[0], LocalShard(shard[:real], 0, tp_rank * rows, full(hf_names[0])))]
+    if kind == "column":
+        parts = [shard]
+    elif kind == "gate_up":
+        parts = shard.chunk(2, dim=0)
+    elif kind == "qkv":
+        d, hpg, tail = spec.head_dim, spec.heads_per_group, tuple(shard.shape[1:])
+        groups = shard.shape[0] // ((hpg + 2) * d)
+        parts = [t.reshape(-1, *tail) for t in shard.reshape(groups, (hpg + 2) * d, *tail).split([hpg * d, d, d], dim=1)]
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    return [(name, LocalShard(part, 0, tp_rank * part.shape[0], full(name))) for name, part in zip(hf_names, parts)]
+
+
+_LOCAL_DECISIONS = weakref.WeakKeyDictionary()  # local_reads -> (the export plan, names exported as pieces)
+
+
+def _local_names(local, plan, spec, local_reads, device):
+    """The megatron names (routed experts aside) whose HF pieces on this rank hold all the
+    consumer reads of them (local_reads.reads_within), on every rank: agreed by one all_reduce
+    per local_reads object and plan, then remembered."""
+    from megatron.core import parallel_state as mpu
+
+    known = _LOCAL_DECISIONS.get(local_reads)
+    if known is not None and known[0] == plan:
+        return known[1]
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    names = [entry[1] for entry in plan if not entry[3]]
+    fits = []
+    for name in names:
+        pieces = _local_pieces(*param_rule(name, spec), torch.empty(local[name].shape, device="meta"), spec, tp_rank)
+        fits.append(all(not isinstance(p, LocalShard) or local_reads.reads_within(n, p.dim, p.start, p.stop, p.full_shape)
+                        for n, p in pieces))
+    agreed = torch.tensor(fits, dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    chosen = {name for name, ok in zip(names, agreed.tolist()) if ok}
+    _LOCAL_DECISIONS[local_reads] = (plan, chosen)
+    return chosen
+
+
 def _expert_pairs(bucket):
     """Runs of consecutive (fc1, fc2) entries of consecutive local experts of one layer in a
     bucket (megatron's SequentialMLP order: expert j's fc1, its fc2, expert j+1's ...), all of
@@ -196,8 +263,17 @@ def _export_plan(chunks, spec, tp_size):
     return dict(local), plan
 
 
-def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb=512, expert_blocks=False):
+def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb=512, expert_blocks=False,
+                      local_reads=None):
     """Yield (hf_name, full tensor in `dtype`) for every tensor of the HF checkpoint.
+
+    local_reads (at TP > 1 without PP; the vLLM sync passes engine.local_reads): an object
+    whose reads_within(hf_name, dim, start, stop, full_shape) says that the consumer, on this
+    rank, reads no more of that HF tensor than full[start:stop] along dim. Where it says so for
+    every piece of a parameter on every rank, the parameter is not gathered: the pairs are
+    (hf_name, LocalShard) of this rank's own pieces (replicated ones: the full tensor itself).
+    At Megatron TP = vLLM TP the ranks hold the very shards vLLM's ranks read (issue 21: the
+    all-gather was 88% of the 7B sync at TP=2).
 
     expert_blocks (without expert TP): routed experts come as (HF experts module,
     ExpertBlock) items, a layer's experts stacked (one item per run of experts in a bucket
@@ -222,6 +298,14 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     pp_group = mpu.get_pipeline_model_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     local, plan = _export_plan(chunks, spec, tp_size)
+    pieces = set()
+    if local_reads is not None and tp_size > 1 and pp_size == 1:
+        pieces = _local_names(local, plan, spec, local_reads, device)
+        tp_rank = mpu.get_tensor_model_parallel_rank()
+        for _, name, _, _, fp32 in (entry for entry in plan if entry[1] in pieces):
+            want, tensor = torch.float32 if fp32 else dtype, local[name].detach()
+            yield from _local_pieces(*param_rule(name, spec), tensor if tensor.dtype == want else tensor.to(want), spec, tp_rank)
+        plan = [entry for entry in plan if entry[1] not in pieces]
 
     def layout(expert):  # (copies over EP, shards per copy, the shards' group)
         if expert:

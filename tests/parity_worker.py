@@ -160,6 +160,26 @@ def main():
                 via_blocks[hf_name] = t.clone()
         row["blocks_mismatch"] = sorted(k for k in set(on_disk) | set(via_blocks)
                                         if k not in via_blocks or k not in on_disk or not torch.equal(on_disk[k], via_blocks[k]))
+        # each rank's own TP pieces (the vLLM sync at Megatron TP = vLLM TP), for a consumer that
+        # reads any box: every piece equals its box of the HF tensor, every tensor comes once
+        from common.weights import LocalShard
+
+        class ReadsAnything:
+            def reads_within(self, *box):
+                return True
+
+        row["pieces"], seen, row["pieces_mismatch"] = 0, [], []
+        for hf_name, t in export_hf_weights(chunks, spec, dtype=torch.float32, bucket_mb=0.05, local_reads=ReadsAnything()):
+            seen.append(hf_name)
+            if isinstance(t, LocalShard):
+                row["pieces"] += 1
+                expected = on_disk[hf_name].narrow(t.dim, t.start, t.tensor.shape[t.dim])
+                if tuple(t.full_shape) != tuple(on_disk[hf_name].shape) or not torch.equal(t.tensor, expected):
+                    row["pieces_mismatch"].append(hf_name)
+            elif not torch.equal(t, on_disk[hf_name]):
+                row["pieces_mismatch"].append(hf_name)
+        if sorted(seen) != sorted(on_disk):
+            row["pieces_mismatch"].append("names differ")
 
         # negative control 1: k and v swapped in the fused qkv; with multi-latent attention
         # (no qkv) the router's score-correction bias left at zero instead

@@ -54,6 +54,9 @@ def test_parity(layout, tiny_models_dir, uneven_models_dir, tmp_path):
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [], where
             assert row["export_mismatch"] == [], where
+            # each rank's own TP pieces (export_hf_weights(local_reads=)): boxes of the HF tensors
+            assert row["pieces_mismatch"] == [], where
+            assert (row["pieces"] > 0) == ("--tp" in flags and "--pp" not in flags), where
             assert row["blocks_mismatch"] == [] and row["expert_blocks"] == 0, where  # dense: nothing to stack
             assert row["control_kv_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags:

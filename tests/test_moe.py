@@ -49,6 +49,9 @@ def test_moe_parity(layout, tiny_moe_models_dir, tmp_path):
             print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e} experts_swapped={row['control_experts_swapped']:.2e}")
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [] and row["export_mismatch"] == [], where
+            # each rank's own TP pieces (export_hf_weights(local_reads=)): boxes of the HF tensors
+            assert row["pieces_mismatch"] == [], where
+            assert (row["pieces"] > 0) == ("--tp" in flags and "--pp" not in flags), where
             # experts stacked per layer (the vLLM sync): the same tensors; blocks wherever experts are not TP-split
             assert row["blocks_mismatch"] == [], where
             assert (row["expert_blocks"] > 0) == ("--etp" not in flags), where

@@ -11,6 +11,7 @@ the same way on a GPU (tests/gpu/test_vllm_agreement.py, "replay").
 import torch
 
 from common.weight_replay import WritePlan
+from common.weights import LocalShard
 
 H, Q, KV, I, V, V_PAD = 8, 8, 4, 12, 10, 16
 
@@ -113,3 +114,46 @@ def test_a_non_contiguous_source_is_left_to_the_loader():
     with plan.record(tensors) as stream:
         loader(model, stream)
     assert plan.unreplayable == {"embed"}
+
+
+class RowParallel(torch.nn.Module):  # vLLM TP rank 1 of 2 of a row-parallel weight (H, I): its columns
+    def __init__(self):
+        super().__init__()
+        self.o = torch.nn.Parameter(torch.zeros(H, I // 2))
+
+
+def test_pieces_replay_as_the_loader_where_it_reads_no_more():
+    """A rank's own TP piece of a tensor (export_hf_weights(local_reads=...) at Megatron TP =
+    vLLM TP) is written as the loader would write the full tensor, where every recorded read
+    lies inside the piece; elsewhere reads_within says no."""
+    model, expected = Model(), Model()
+    plan = WritePlan(model)
+    with plan.record(hf_tensors(0)) as stream:
+        loader(model, stream)
+    half = I // 2
+    assert plan.reads_within("gate", 0, half, I, (I, H)) and plan.reads_within("up", 0, half, I, (I, H))
+    assert not plan.reads_within("gate", 0, 0, half, (I, H))      # rank 1 reads the other half
+    assert not plan.reads_within("gate", 0, half, I, (2 * I, H))  # another full shape than recorded
+    assert not plan.reads_within("q", 0, 0, Q // 2, (Q, H))       # q is read whole
+    assert plan.reads_within("q", 0, 0, Q, (Q, H))
+    assert plan.reads_within("embed", 0, 0, V, (V, H))            # the copy and the padding's fill
+    new = dict(hf_tensors(1))
+    for name in ("gate", "up"):
+        assert plan.replay_piece(name, LocalShard(new[name][half:].clone(), 0, half, (I, H)))
+    assert plan.replay_piece("embed", LocalShard(new["embed"].clone(), 0, 0, (V, H)))
+    assert not plan.replay_piece("gate", LocalShard(new["gate"][:half].clone(), 0, 0, (I, H)))  # not asked for
+    assert not plan.replay_piece("up", LocalShard(new["up"][half:].double(), 0, half, (I, H)))  # another dtype
+    loader(expected, new.items())
+    for name in ("gate_up", "embed"):
+        assert torch.equal(params(model)[name], params(expected)[name]), name
+
+    # a piece along dim 1 (row parallel: vLLM rank 1 takes the second half of the columns)
+    row, full = RowParallel(), torch.randn(H, I)
+    plan = WritePlan(row)
+    with plan.record([("o", full)]) as stream:
+        for _, w in stream:
+            row.o.data.copy_(w.narrow(1, half, half))
+    assert plan.reads_within("o", 1, half, I, (H, I)) and not plan.reads_within("o", 1, 0, half, (H, I))
+    row.o.data.zero_()
+    assert plan.replay_piece("o", LocalShard(full[:, half:], 1, half, (H, I)))  # a strided view of it works too
+    assert torch.equal(row.o.detach(), full[:, half:])

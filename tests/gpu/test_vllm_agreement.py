@@ -227,7 +227,8 @@ def sync(engine, chunks, spec, timings, tag):
     timings[f"{tag}_free_GiB_asleep"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     timed("wake_weights_s", engine.wake_weights)
     timed("sync_s", lambda: engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64,
-                                                                    expert_blocks=engine.expert_blocks)))
+                                                                    expert_blocks=engine.expert_blocks,
+                                                                    local_reads=engine.local_reads)))
     timed("wake_kv_s", engine.wake_kv_cache)
 
 
@@ -236,13 +237,23 @@ def replay_against_loader(engine, chunks, spec):
     same export: vLLM's parameters after a replayed sync are kept, overwritten with noise,
     then written by load_weights (+ the engine's direct expert copies, one expert tensor at a
     time, as before experts were stacked); every parameter must come out bit-equal. So the
-    stacked expert copies (ExpertBlock, three per layer) are checked against per-expert ones."""
-    from common.weights import export_hf_weights
+    stacked expert copies (ExpertBlock, three per layer) are checked against per-expert ones,
+    and at Megatron TP = vLLM TP the replay from each rank's own TP pieces (LocalShard,
+    nothing gathered) against the loader's reads of the gathered tensors."""
+    from common.weights import LocalShard, export_hf_weights
 
     plan = engine._write_plan
     assert plan is not None, "no sync recorded yet"
-    engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64,
-                                            expert_blocks=True))  # replayed, experts stacked
+    pieces = []
+
+    def counted(tensors):
+        for name, t in tensors:
+            if isinstance(t, LocalShard):
+                pieces.append(name)
+            yield name, t
+
+    engine.update_weights(counted(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64, expert_blocks=True,
+                                                    local_reads=engine.local_reads)))  # replayed, experts stacked
     params = dict(engine.model.named_parameters())
     replayed = {name: p.detach().clone() for name, p in params.items()}
     for p in params.values():
@@ -252,6 +263,7 @@ def replay_against_loader(engine, chunks, spec):
     differ = sorted(name for name, p in params.items() if not torch.equal(p, replayed[name]))
     return {"replayed_tensors": sum(1 for name in plan.steps if name not in plan.unreplayable),
             "not_replayed": sorted(plan.unreplayable), "broken": plan.broken, "params": len(params),
+            "tp_pieces": len(pieces),
             "params_differ": differ[:5], "params_differ_count": len(differ)}
 
 
@@ -360,6 +372,8 @@ def check(res):
     assert res["same_after_sleep_wake"]
     assert not res["replay"]["broken"] and res["replay"]["replayed_tensors"] > 0, res["replay"]
     assert res["replay"]["params_differ_count"] == 0, res["replay"]
+    if res["train_tp"] == res["rollout_tp"] > 1:  # each rank wrote its own TP pieces, nothing gathered for them
+        assert res["replay"]["tp_pieces"] > 0, res["replay"]
     assert res["greedy_changed"] >= len(res["initial_tokens"]) // 2
 
 
