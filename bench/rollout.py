@@ -3,6 +3,7 @@
     python bench/rollout.py --shape qwen2-1.5b                               # 1 GPU
     python bench/rollout.py --shape qwen2-7b
     torchrun --nproc_per_node 2 bench/rollout.py --shape qwen2-7b --tp 2 --rollout-tp 2
+    torchrun --nproc_per_node 2 bench/rollout.py --shape qwen3-30b-a3b-16l --ep 2 --rollout-tp 2   # MoE
     python bench/rollout.py --shape tiny --num-prompts 2 --samples-per-prompt 2 --prompt-len 8 \\
         --max-new-tokens 8 --reps 2                                          # CPU smoke run (HFEngine)
 
@@ -67,6 +68,7 @@ def build_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b", help="model shape (bench/harness.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size (MoE shapes, as in training)")
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--engine", choices=["vllm", "hf"], default=None, help="ours' engine (default: vllm on a GPU; "
                    "hf on a CPU, a smoke run against transformers' generate)")
@@ -132,7 +134,7 @@ def main():
     from common.weights import export_hf_weights
     from common.rollout_vllm import rollout_replica
 
-    info = init_distributed(tp=args.tp)
+    info = init_distributed(tp=args.tp, ep=args.ep)
     on_gpu = info.device.type == "cuda"
     engine_kind = args.engine or ("vllm" if on_gpu else "hf")
     if args.ablate and engine_kind != "vllm":
@@ -142,7 +144,7 @@ def main():
     # vLLM gets every weight from the sync; HFEngine loads weights at start: give it random ones
     hf_dir = shared_config_dir(args.shape, "bench_rollout_", info.master_process, with_weights=engine_kind == "hf")
     spec = load_hf_spec(hf_dir)
-    model = build_model(spec, tp=args.tp, dtype=dtype, init_weights=True)
+    model = build_model(spec, tp=args.tp, ep=args.ep, dtype=dtype, init_weights=True)
     if engine_kind == "vllm":  # eos_token_ids=[]: stop at no token (docstring: identical work)
         from common.rollout_vllm import VLLMEngine
 
@@ -249,7 +251,7 @@ def main():
     refused = ratio is None or any(v["ratio"] is None for v in ablation.values())
     if info.master_process:
         settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
-                        world_size=info.world_size, tp=args.tp, rollout_tp=rollout_tp, engine=engine_kind,
+                        world_size=info.world_size, tp=args.tp, ep=args.ep, rollout_tp=rollout_tp, engine=engine_kind,
                         num_prompts=args.num_prompts, n=n, prompt_len=args.prompt_len, max_new_tokens=max_tokens,
                         temperature=args.temperature, rollout_logprobs=args.rollout_logprobs, reps=args.reps,
                         date=time.strftime("%Y-%m-%d"))

@@ -83,12 +83,12 @@ def packed_vs_padded(chunks, spec, samples, device):
     return (out["padded"] - out["packed"]).abs().mean().item()
 
 
-def run(ep=1, rollout_tp=1):
+def run(ep=1, rollout_tp=1, dispatcher=None):
     from tests.gpu.test_vllm_agreement import replay_against_loader
     from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, result_path, setup, topk_differences,
                                         vllm_against_megatron)
 
-    info, hf_dir, spec, chunks, res = setup(ep, "deepseek_gpu_", "DeepseekV3ForCausalLM", MODEL)
+    info, hf_dir, spec, chunks, res = setup(ep, "deepseek_gpu_", "DeepseekV3ForCausalLM", MODEL, dispatcher)
     for c in chunks:
         c.eval()
 

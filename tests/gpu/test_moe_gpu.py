@@ -183,9 +183,10 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res, rollout_tp=1):
     return engine, samples
 
 
-def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL):
+def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL, dispatcher=None):
     """torch.distributed + megatron at expert parallel size ep, the random model written by
-    rank 0 into a temporary dir (one node: a shared /tmp), built and loaded sharded.
+    rank 0 into a temporary dir (one node: a shared /tmp), built and loaded sharded; dispatcher:
+    the scripts' --moe-dispatcher (None: their default).
     Returns (DistInfo, hf_dir, spec, chunks, res with the layout)."""
     import torch.distributed as dist
 
@@ -201,9 +202,12 @@ def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL):
         write_model(hf_dir, arch, fields)
     dist.barrier()
     spec = load_hf_spec(hf_dir)
-    chunks = build_model(spec, ep=ep, dtype=torch.bfloat16)
+    overrides = {"moe_token_dispatcher_type": dispatcher} if dispatcher else {}
+    chunks = build_model(spec, ep=ep, dtype=torch.bfloat16, **overrides)
     load_hf_weights(chunks, spec, hf_dir)
-    return info, hf_dir, spec, chunks, {"rank": info.rank, "world": info.world_size, "ep": ep}
+    kinds = sorted({type(m.token_dispatcher).__name__ for c in chunks for m in c.modules()
+                    if hasattr(m, "token_dispatcher")})
+    return info, hf_dir, spec, chunks, {"rank": info.rank, "world": info.world_size, "ep": ep, "dispatchers": kinds}
 
 
 def result_path(name, info, ep):
@@ -211,10 +215,10 @@ def result_path(name, info, ep):
     return os.path.join(os.environ["OUT"], f"{name}{suffix}.json")
 
 
-def run(ep=1, rollout_tp=1):
+def run(ep=1, rollout_tp=1, dispatcher=None):
     from tests.gpu.test_vllm_agreement import replay_against_loader
 
-    info, hf_dir, spec, chunks, res = setup(ep, "moe_gpu_")
+    info, hf_dir, spec, chunks, res = setup(ep, "moe_gpu_", dispatcher=dispatcher)
     grouped_vs_sequential(chunks, res)
     print("RESULT grouped", json.dumps(res), flush=True)
     for c in chunks:
@@ -243,8 +247,10 @@ def main(run):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1, help="megatron's expert parallel size (one process per GPU)")
     ap.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor parallel size")
+    ap.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
+                    help="megatron's token dispatcher at --ep > 1, as the scripts' flag (default: theirs)")
     args = ap.parse_args()
-    run_then_exit(run, args.ep, args.rollout_tp)
+    run_then_exit(run, args.ep, args.rollout_tp, args.moe_dispatcher)
 
 
 if __name__ == "__main__":
