@@ -15,8 +15,8 @@ is used as it is; its layer spec takes two modules of ours:
                   remains where torch has no grouped GEMM for the tensors (CUDA other than
                   bf16, rows not 16-byte aligned). tests/gpu/test_moe_gpu.py checks the two
                   equal on a GPU; bench/moe.py times them.
-and build_model gives its all-gather token dispatcher (EP=1, or --moe-dispatcher allgather at
-EP > 1), where no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted
+and build_model gives its all-gather token dispatcher (EP=1 and, by default, EP=2:
+bridge_moe.default_dispatcher; or --moe-dispatcher allgather), where no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted
 by expert on the device, where megatron's dispatcher waits for the device three times per
 layer and pass (the expert counts to the host, two masked_selects).
 """
@@ -63,8 +63,8 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
 def sort_tokens_on_device(chunks):
     """Give every MoE layer of these model chunks DeviceSortDispatcher where it applies: the
     all-gather dispatcher (EP=1, or --moe-dispatcher allgather), no capacity (no dropped
-    tokens), and, unless this rank holds every expert, GroupedExperts on its grouped path (it
-    skips the other ranks' rows; megatron's loop over experts cannot). The dispatcher keeps
+    tokens), and, unless this rank holds every expert, GroupedExperts (device_sort_possible).
+    The dispatcher keeps
     its state and gains its methods (a subclass without state of its own: the class is
     swapped in place; megatron's TransformerLayer builds MoELayer with its own arguments only
     for MoELayer itself, so the layer spec keeps megatron's class). Returns the number of
@@ -84,11 +84,10 @@ def sort_tokens_on_device(chunks):
 
 def device_sort_possible(layer):
     """Whether DeviceSortDispatcher can serve this MoELayer: no capacity (no dropped tokens) and,
-    unless every expert is on this rank, GroupedExperts on its grouped path (it skips the other
-    ranks' rows; megatron's loop over experts cannot; those layers keep megatron's dispatcher)."""
+    unless every expert is on this rank, GroupedExperts (it skips the rows of other ranks'
+    experts, on its grouped path or its loop; megatron's SequentialMLP cannot)."""
     partial = layer.num_local_experts < layer.config.num_moe_experts
-    return layer.config.moe_expert_capacity_factor is None and (
-        not partial or (isinstance(layer.experts, GroupedExperts) and layer.experts.grouped_path()))
+    return layer.config.moe_expert_capacity_factor is None and (not partial or isinstance(layer.experts, GroupedExperts))
 
 
 class Router(TopKRouter):
@@ -186,6 +185,11 @@ class GroupedExperts(SequentialMLP):
                 and self.config.activation_func is F.silu and not self.config.add_bias_linear)
 
     def forward(self, hidden, tokens_per_expert, probs):
+        if not self.grouped_path() and self.mask_tail:  # the loop over exactly this rank's rows; the tail gives zeros
+            # (e.g. fp32 on a GPU: the first GPU run of --moe-dispatcher allgather failed in megatron's split here)
+            n = int(tokens_per_expert.sum())
+            out, bias = super().forward(hidden[:n], tokens_per_expert, probs[:n])
+            return torch.cat([out, out.new_zeros(hidden.shape[0] - n, *out.shape[1:])]), bias
         if not self.grouped_path():
             return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends

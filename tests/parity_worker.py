@@ -65,6 +65,7 @@ def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
     megatron's all-to-all, same weights: logits vs transformers, and every parameter's
     gradient of one random projection of the logits (this rank's shard) against all-to-all's."""
     from common.model import build_model
+    from common.moe import GroupedExperts
     from common.weights import load_hf_weights
 
     out, grads = {}, {}
@@ -81,6 +82,14 @@ def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
             with torch.no_grad():
                 out["allgather_max_abs_diff"] = (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
                                                  - reference).abs().max().item()
+                # megatron's per-expert loop instead of the grouped GEMMs (what fp32 on a GPU runs)
+                experts = [m for m in chunks[0].modules() if isinstance(m, GroupedExperts)]
+                for m in experts:
+                    m.grouped = False
+                out["allgather_loop_max_abs_diff"] = (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
+                                                      - reference).abs().max().item()
+                for m in experts:
+                    m.grouped = True
     ours, theirs = grads["allgather"], grads["alltoall"]
     out["dispatch_grad_names_equal"] = sorted(ours) == sorted(theirs)
     out["dispatch_grad_params"] = len(theirs)
