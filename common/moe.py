@@ -16,9 +16,10 @@ is used as it is; its layer spec takes two modules of ours:
                   bf16, rows not 16-byte aligned). tests/gpu/test_moe_gpu.py checks the two
                   equal on a GPU; bench/moe.py times them.
 and build_model gives its all-gather token dispatcher (EP=1 and, by default, EP=2:
-bridge_moe.default_dispatcher; or --moe-dispatcher allgather), where no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted
-by expert on the device, where megatron's dispatcher waits for the device three times per
-layer and pass (the expert counts to the host, two masked_selects).
+bridge_moe.default_dispatcher; or --moe-dispatcher allgather), where no token is dropped,
+DeviceSortDispatcher (sort_tokens_on_device): tokens sorted by expert on the device, where
+megatron's dispatcher waits for the device three times per layer and pass (the expert counts
+to the host, two masked_selects).
 """
 import torch
 import torch.distributed as dist
@@ -62,13 +63,12 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
 
 def sort_tokens_on_device(chunks):
     """Give every MoE layer of these model chunks DeviceSortDispatcher where it applies: the
-    all-gather dispatcher (EP=1, or --moe-dispatcher allgather), no capacity (no dropped
-    tokens), and, unless this rank holds every expert, GroupedExperts (device_sort_possible).
-    The dispatcher keeps
-    its state and gains its methods (a subclass without state of its own: the class is
-    swapped in place; megatron's TransformerLayer builds MoELayer with its own arguments only
-    for MoELayer itself, so the layer spec keeps megatron's class). Returns the number of
-    layers changed."""
+    all-gather dispatcher (EP=1 and EP=2 by default, or --moe-dispatcher allgather), no
+    capacity (no dropped tokens), and, unless this rank holds every expert, GroupedExperts
+    (device_sort_possible). The dispatcher keeps its state and gains its methods (a subclass
+    without state of its own: the class is swapped in place; megatron's TransformerLayer
+    builds MoELayer with its own arguments only for MoELayer itself, so the layer spec keeps
+    megatron's class). Returns the number of layers changed."""
     from common.model import unwrap
 
     changed = 0

@@ -298,7 +298,6 @@ def export_hf_weights(chunks, spec: HFModelSpec, dtype=torch.bfloat16, bucket_mb
     pp_group = mpu.get_pipeline_model_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     local, plan = _export_plan(chunks, spec, tp_size)
-    pieces = set()
     if local_reads is not None and tp_size > 1 and pp_size == 1:
         pieces = _local_names(local, plan, spec, local_reads, device)
         tp_rank = mpu.get_tensor_model_parallel_rank()
