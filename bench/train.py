@@ -130,8 +130,9 @@ def build_parser():
                    help="MoE at EP=1: tokens sorted by expert on the device, as the scripts do (common/moe.py; "
                         "--no-device-sort: megatron's all-gather dispatcher, which waits for the device)")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
-                   help="MoE token dispatcher at --ep > 1, as the scripts' flag (default: theirs, allgather up to "
-                        "EP=2; allgather: common/moe.py DeviceSortDispatcher over the EP group)")
+                   help="MoE token dispatcher at --ep > 1 (default alltoall, as the scripts; allgather: common/moe.py "
+                        "DeviceSortDispatcher over the EP group, which needs equal token counts on every EP rank: this "
+                        "bench's fixed-length batches have them, the training scripts' micro-batches do not)")
     # --- measurement
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (with --ab: also its pairs)")
     p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather"], default=None,

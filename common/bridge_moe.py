@@ -76,17 +76,14 @@ class MoESpec:
         return EXPERT_LAYOUTS[self.layout]
 
 
-# EP sizes at which the all-gather dispatcher (common/moe.py DeviceSortDispatcher: no host
-# waits) is the default: measured faster than megatron's all-to-all there (session 19, two
-# H200s, Qwen3-30B-A3B shape with 16 layers, EP=2: 1.21x step time, median of 5 paired steps).
-# Beyond, all-to-all: all-gather moves every EP rank's tokens to every rank and sorts them all.
-ALLGATHER_MAX_EP = 2
-
-
 def default_dispatcher(ep, etp):
     """megatron's token dispatcher for --moe-dispatcher unset: all-gather with every expert
-    local or at EP <= ALLGATHER_MAX_EP (no expert TP), else all-to-all."""
-    return "allgather" if ep * etp == 1 or (etp == 1 and ep <= ALLGATHER_MAX_EP) else "alltoall"
+    local (DeviceSortDispatcher then sorts the tokens on the device), else all-to-all, which
+    moves only the tokens each EP rank's experts need. All-gather at EP > 1 was measured
+    faster (1.2x at EP=2 on two H200s, docs/benchmarks.md) but needs the same number of
+    tokens per micro-batch on every EP rank, which training's micro-batches do not have
+    (common/preflight.py refuses it there)."""
+    return "allgather" if ep * etp == 1 else "alltoall"
 
 
 def _unsupported(field_name, value, supported):

@@ -15,11 +15,11 @@ is used as it is; its layer spec takes two modules of ours:
                   remains where torch has no grouped GEMM for the tensors (CUDA other than
                   bf16, rows not 16-byte aligned). tests/gpu/test_moe_gpu.py checks the two
                   equal on a GPU; bench/moe.py times them.
-and build_model gives its all-gather token dispatcher (EP=1 and, by default, EP=2:
-bridge_moe.default_dispatcher; or --moe-dispatcher allgather), where no token is dropped,
-DeviceSortDispatcher (sort_tokens_on_device): tokens sorted by expert on the device, where
-megatron's dispatcher waits for the device three times per layer and pass (the expert counts
-to the host, two masked_selects).
+and build_model gives its all-gather token dispatcher (EP=1, or at EP > 1 where every EP
+rank's micro-batches have equal token counts: bench/train.py --moe-dispatcher allgather),
+where no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted by
+expert on the device, where megatron's dispatcher waits for the device three times per layer
+and pass (the expert counts to the host, two masked_selects).
 """
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
 
 def sort_tokens_on_device(chunks):
     """Give every MoE layer of these model chunks DeviceSortDispatcher where it applies: the
-    all-gather dispatcher (EP=1 and EP=2 by default, or --moe-dispatcher allgather), no
+    all-gather dispatcher (EP=1, or --moe-dispatcher allgather in bench/train.py), no
     capacity (no dropped tokens), and, unless this rank holds every expert, GroupedExperts
     (device_sort_possible). The dispatcher keeps its state and gains its methods (a subclass
     without state of its own: the class is swapped in place; megatron's TransformerLayer

@@ -91,9 +91,9 @@ def test_router_settings_map_exactly():
     assert config.moe_router_pre_softmax is True and config.moe_aux_loss_coeff == 0.001  # the HF config's
     assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate) == (48, True)
     assert qwen2.moe.moe_layers == [False, True, False, True] and qwen2.qkv_bias
-    # the default dispatcher: all-gather up to EP=2 (measured faster there), all-to-all beyond and with expert TP
+    # the default dispatcher: all-gather with every expert local, all-to-all at EP or expert TP > 1
     assert [transformer_config(qwen2, ep=ep, etp=etp).moe_token_dispatcher_type
-            for ep, etp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))] == ["allgather", "allgather", "alltoall", "alltoall", "alltoall"]
+            for ep, etp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))] == ["allgather", "alltoall", "alltoall", "alltoall", "alltoall"]
     off = transformer_config(qwen2, moe_aux_loss_coef=0.0)
     assert off.moe_router_load_balancing_type == "none"
     z = parse_hf_config(_config("mixtral", router_z_loss_coef=0.001))
@@ -139,13 +139,12 @@ def test_device_sorted_dispatch_equals_megatrons(tmp_path):
 
 
 def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
-    """train_grpo.py --embedded-model moe at EP=2 (gloo) with --moe-dispatcher alltoall (the
-    all-gather default at EP=2 learns in the DeepSeek-V3 test; the two dispatchers' gradients are
-    equal in test_moe_parity): the embedded task is learned (greedy validation), and the
-    expert-load and aux-loss metrics are logged."""
+    """train_grpo.py --embedded-model moe at EP=2 (gloo; megatron's all-to-all dispatcher): the
+    embedded task is learned (greedy validation), and the expert-load and aux-loss metrics are
+    logged."""
     from tests.conftest import read_metrics
 
-    run_torchrun("train_grpo.py", 2, "--embedded-model", "moe", "--ep", 2, "--moe-dispatcher", "alltoall",
+    run_torchrun("train_grpo.py", 2, "--embedded-model", "moe", "--ep", 2,
                  "--steps", 50, "--eval-every", 25, "--log-samples-every", 0, "--out", tmp_path)
     rows = read_metrics(tmp_path)
     evals = {m["step"]: m["eval_accuracy"] for m in rows if "eval_accuracy" in m}

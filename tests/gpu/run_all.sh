@@ -64,9 +64,10 @@ if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   # experts over EP) against one vLLM engine over both GPUs (experts TP-sharded there)
   run "moe EP=2, rollout TP=2"           400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2
   run "deepseek EP=2, rollout TP=2"      400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2
-  # the other token dispatcher (the default at EP=2 is allgather: common/moe.py DeviceSortDispatcher)
-  run "moe EP=2 alltoall, rollout TP=2" 400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher alltoall
-  run "deepseek EP=2 alltoall, rollout TP=2" 400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher alltoall
+  # the other token dispatcher (common/moe.py DeviceSortDispatcher; the tests' batches have equal
+  # sizes on both ranks, which it needs: bench/train.py --ab allgather measures it)
+  run "moe EP=2 allgather, rollout TP=2" 400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher allgather
+  run "deepseek EP=2 allgather, rollout TP=2" 400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher allgather
   if [ "$MODE" != quick ]; then
     run "vllm train TP=2, rollout TP=1 x2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 1
     run "vllm train TP=1 (DP=2), rollout TP=2" 400 $TR tests/gpu/test_vllm_agreement.py --train-tp 1 --rollout-tp 2

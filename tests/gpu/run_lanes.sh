@@ -16,7 +16,7 @@ lane() {  # lane NAME GPUS MODE ONLY
 }
 case ${1:-} in
   2gpu)
-    lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|DP=2|deepseek EP=2 alltoall' & A=$!
+    lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|DP=2|deepseek EP=2 allgather' & A=$!
     lane b 2,3 2gpu 'checkpoints|deepseek EP=2, rollout|TP=1 x2' & B=$! ;;
   1gpu)
     lane a 0 1gpu 'offload|sdpa|logprobs|packing|recipes' & A=$!
