@@ -186,7 +186,8 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res, rollout_tp=1):
 def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL, dispatcher=None):
     """torch.distributed + megatron at expert parallel size ep, the random model written by
     rank 0 into a temporary dir (one node: a shared /tmp), built and loaded sharded; dispatcher:
-    the scripts' --moe-dispatcher (None: their default).
+    megatron's token dispatcher (None: the default; "allgather" at EP > 1 is fine here: every
+    rank passes batches of the same size).
     Returns (DistInfo, hf_dir, spec, chunks, res with the layout)."""
     import torch.distributed as dist
 
@@ -248,7 +249,7 @@ def main(run):
     ap.add_argument("--ep", type=int, default=1, help="megatron's expert parallel size (one process per GPU)")
     ap.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor parallel size")
     ap.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
-                    help="megatron's token dispatcher at --ep > 1, as the scripts' flag (default: theirs)")
+                    help="megatron's token dispatcher at --ep > 1 (default: the scripts', alltoall)")
     args = ap.parse_args()
     run_then_exit(run, args.ep, args.rollout_tp, args.moe_dispatcher)
 
