@@ -16,7 +16,9 @@ with 10% cut off at the budget (--max-len). The same samples, both ways:
 Timed in interleaved pairs (padded, packed, packed, padded, ...; --reps pairs after one
 warm-up pair; harness.run_pairs), CUDA synchronised. Reported: real tokens (prompt +
 response) per second of each, the medians, and the median of the per-pair ratios packed /
-padded with its min and max (harness.paired_ratios). Random weights: the speed depends on
+padded with its min and max (harness.paired_ratios), and flop_ratio: the model FLOPs of the
+padded passes over the packed ones (common/flops.py, attention within each sequence), the
+most that removing the padding gains at equal FLOP/s. Random weights: the speed depends on
 the shapes only.
 """
 import argparse
@@ -60,6 +62,7 @@ def main():
     from common import batch as B
     from common import rl
     from common.bridge import parse_hf_config
+    from common.flops import forward_flops_per_token
     from common.dist import init_distributed
     from common.model import build_model
     from common.rollout import Sample
@@ -87,6 +90,13 @@ def main():
     layouts = {"padded": B.micro_batches(batch, rows, 1, max_tokens=args.micro_batch_tokens),
                "packed": B.micro_batches(batch, rows, 1, max_tokens=args.micro_batch_tokens, pack=True)}
 
+    def model_flops(mb):  # forward FLOPs of a pass: every computed token, attention within each sequence
+        if "cu_seqlens" in mb:  # packed: each sample attends over itself (the row's padded tail: nothing)
+            seqs = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+        else:                   # padded: every row over the micro-batch's cut length
+            seqs = [mb["tokens"].shape[1]] * mb["tokens"].shape[0]
+        return sum(n * forward_flops_per_token(spec, n) for n in seqs if n)
+
     def step(mbs):
         def loss_fn(mb, logits):
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
@@ -104,6 +114,9 @@ def main():
                   micro_batch_tokens=args.micro_batch_tokens, real_tokens=real_tokens, device=device,
                   passes={k: len(v) for k, v in layouts.items()},
                   computed_tokens={k: sum(mb["tokens"].numel() for mb in v) for k, v in layouts.items()},
+                  # padded FLOPs / packed FLOPs: what removing the padding can gain if every pass ran at
+                  # the same FLOP/s (more comes only from fewer, fuller passes)
+                  flop_ratio=sum(map(model_flops, layouts["padded"])) / sum(map(model_flops, layouts["packed"])),
                   tokens_per_s={k: real_tokens / statistics.median(v) for k, v in seconds.items()},
                   speedup_median=stats["median"], speedup_min=stats["min"], speedup_max=stats["max"],
                   ratios=[round(r, 4) for r in stats["ratios"]])
@@ -114,7 +127,8 @@ def main():
         print(f"  {name:7s} {result['passes'][name]:3d} passes, {result['computed_tokens'][name]:7d} tokens computed, "
               f"{result['tokens_per_s'][name]:10.0f} tokens/s (median step {statistics.median(seconds[name]):.3f} s)")
     print(f"  packed / padded speed: median {result['speedup_median']:.2f}x of {len(stats['ratios'])} pairs "
-          f"(min {result['speedup_min']:.2f}, max {result['speedup_max']:.2f})")
+          f"(min {result['speedup_min']:.2f}, max {result['speedup_max']:.2f}); model FLOPs padded / packed "
+          f"{result['flop_ratio']:.3f}")
     print("BENCH_JSON " + json.dumps(result))
 
 
