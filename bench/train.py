@@ -105,7 +105,11 @@ def build_parser():
     p.add_argument("--recompute-modules", nargs="+", choices=["core_attn", "mlp", "layernorm"], default=["core_attn"],
                    help="with --recompute selective: megatron's recompute_modules (layernorm needs TransformerEngine)")
     p.add_argument("--recompute-num-layers", type=int, default=1,
-                   help="with --recompute full: layers per recomputed chunk (recompute_method uniform)")
+                   help="with --recompute full: layers per recomputed chunk (uniform), or layers recomputed (block)")
+    p.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
+                   help="with --recompute full: megatron's recompute_method: uniform = every layer, in chunks of "
+                        "--recompute-num-layers; block = only the first --recompute-num-layers layers of each "
+                        "pipeline stage (the others keep their activations: less compute, more memory)")
     # --- batch geometry
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; 128 for --shape tiny)")
     p.add_argument("--num-seqs", type=int, default=None, help="sequences per step, all ranks together (default 8; 4 for tiny)")
@@ -452,6 +456,8 @@ def main():
         config, shape_name = dict(config, num_hidden_layers=args.num_layers), f"{shape_name}, {args.num_layers} layers"
     spec = parse_hf_config(config)
     overrides = recompute_overrides(args.recompute, args.recompute_modules, args.recompute_num_layers)
+    if args.recompute == "full":
+        overrides["recompute_method"] = args.recompute_method
     if args.moe_dispatcher:
         overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
 
@@ -505,7 +511,7 @@ def main():
 
     # ---- report
     recompute_text = {"none": "none", "selective": "selective " + ",".join(args.recompute_modules),
-                      "full": f"full, uniform {args.recompute_num_layers} layer(s)"}[args.recompute]
+                      "full": f"full, {args.recompute_method} {args.recompute_num_layers} layer(s)"}[args.recompute]
     rows = [(f"candidate: {args.attention}, recompute {recompute_text}", candidate),
             ("baseline: local, recompute none", baseline)]
 
@@ -567,6 +573,7 @@ def main():
         attention=args.attention, sdpa_flash=flash, kernels=args.kernels, logprob_kernels=logprob_kernels, recompute=args.recompute,
         recompute_modules=args.recompute_modules if args.recompute == "selective" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute == "full" else None,
+        recompute_method=args.recompute_method if args.recompute == "full" else None,
         dtype=str(dtype).replace("torch.", ""), distributed_optimizer=args.distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion, device_sort=args.device_sort, steps=args.steps, warmup=args.warmup,
         peak_tflops=peak_tflops, flops_per_step=flops_per_step, flops_per_step_full_attn=flops_per_step_full,

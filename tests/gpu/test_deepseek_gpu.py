@@ -6,15 +6,17 @@
 A random DeepSeek-V3-shaped model (bf16; DeepSeek-V3's attention head sizes, which vLLM's
 MLA kernels on sm_90 require: kv_lora_rank 512, q/k nope 128 + rope 64, v 128, q LoRA,
 YaRN as released; hidden 1024, 3 layers of which the first dense, 16 experts in 4 groups,
-top-4 of the top-2 groups, a shared expert, a random score-correction bias) written with
-transformers plus the released config.json's topk_method/scoring_func. Checked:
+top-4 of the top-2 groups, a shared expert, a random score-correction bias; inner weights of
+std 0.02, the config's initializer_range, or --inner-std) written with transformers plus the
+released config.json's topk_method/scoring_func. Checked:
   1. megatron's MLA with SDPAttention (bf16) against fp32 transformers on the same weights:
      logits relative error, and the packed (THD) path — torch's varlen flash attention, its
      q/k and v head sizes evened by zero padding — against the padded one: mean |logprob
      difference| on response tokens;
   2. vLLM (dummy weights, every tensor from export_hf_weights, the bias in fp32) vs megatron:
-     mean |logprob difference| of sampled tokens <= 0.02 (or 2.5x megatron's own bf16 error
-     against fp32 transformers), the share of (token, layer) pairs whose top-k experts differ,
+     mean |logprob difference| of sampled tokens <= 0.02 (issue 20; with a larger --inner-std,
+     2.5x megatron's own bf16 error against fp32 transformers, which then exceeds 0.02 by
+     itself), the share of (token, layer) pairs whose top-k experts differ,
      and the weight sync's time.
 --ep / --rollout-tp as in tests/gpu/test_moe_gpu.py. Results go to
 $OUT/deepseek_gpu[_ep2_rankN].json when OUT is set.
@@ -37,6 +39,12 @@ MODEL = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_int
              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                               "rope_theta": 10000.0})
+
+
+# std of the random inner weights: DeepseekV3Config's initializer_range (the model's own init
+# scale). At 0.035 (test_moe_gpu.py's default) bf16 alone moves this model's logprobs by 0.040
+# from fp32, and megatron and vLLM differ by 0.050; at 0.02 by 0.020 and 0.014 (docs/benchmarks.md)
+INNER_STD = 0.02
 
 
 def deepseek_select(logits, gate):
@@ -104,7 +112,10 @@ def run(ep=1, rollout_tp=1, dispatcher=None):
     if os.environ.get("OUT"):
         with open(result_path("deepseek_gpu", info, ep), "w") as f:
             json.dump(res, f, indent=1)
-    assert res["mean_abs_diff"] <= max(0.02, 2.5 * res["megatron_vs_fp32"]), res
+    # issue 20's bound at the config's own init scale; with larger weights bf16 alone moves this
+    # model's logprobs by more than 0.02 (docs/benchmarks.md), so there the bound is relative
+    bound = 0.02 if res["inner_std"] <= INNER_STD else max(0.02, 2.5 * res["megatron_vs_fp32"])
+    assert res["mean_abs_diff"] <= bound, res
     assert res["megatron_vs_fp32"] <= 0.05, res
     assert res["packed_vs_padded"] <= max(0.02, 2 * res["megatron_vs_fp32"]), res
     assert total > 0, "no router outputs captured"
@@ -114,4 +125,4 @@ def run(ep=1, rollout_tp=1, dispatcher=None):
 if __name__ == "__main__":
     from tests.gpu.test_moe_gpu import main
 
-    main(run)
+    main(run, inner_std=INNER_STD)
