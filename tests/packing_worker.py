@@ -85,7 +85,7 @@ def main():
     from common import batch as B
     from common import rl
     from common.critic import build_critic, load_critic_weights
-    from common.dist import init_distributed
+    from common.dist import destroy_distributed, init_distributed
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
     from common.training import setup_training
@@ -168,6 +168,9 @@ def main():
     if info.rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    # (without it a PP=2 run once aborted at exit after writing its results: "terminate called
+    # without an active exception", the process group's threads still up)
+    destroy_distributed()
 
 
 if __name__ == "__main__":
