@@ -312,6 +312,7 @@ def main():
             return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=multiple,
                                    same_length=args.pp > 1, max_tokens=args.micro_batch_tokens, pack=args.pack,
                                    same_count_group=expert_peers,  # (all-to-all in every pass)
+                                   same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
                                    sample_multiple=sample_multiple)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer

@@ -84,7 +84,7 @@ def length_multiples(tp, cp):
 
 
 def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_length=False, max_tokens=0,
-                  pack=False, same_count_group=None, sample_multiple=1):
+                  pack=False, same_count_group=None, sample_multiple=1, same_tokens=False):
     """Rows `rows` of a packed batch -> micro-batches with as little padding as possible.
 
     The rows are ordered by length (stable), so each micro-batch holds sequences of similar
@@ -111,12 +111,18 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
       other (their passes meet in collectives: the all-to-all of expert parallelism). With
       --micro-batch-tokens or packing the count depends on the lengths, so every rank takes
       the group's largest and splits its biggest passes to get there.
+    same_tokens: with same_count_group, pass i also has the same shape on every rank of the group
+      (the largest of their passes i: padded passes get empty rows, mask 0 and row N, and the
+      group's longest cut; packed ones a longer tail): the all-gather token dispatcher at EP > 1
+      gathers equal token counts. Passes are ordered by size on every rank (largest first when
+      packed, shortest first when padded), so the padding is what the ranks' lengths differ by.
     """
     mask = batch["mask"]
     width = mask.shape[1]
+    group = same_count_group if same_tokens else None
     if pack:
         return packed_micro_batches(batch, rows, max_tokens or micro_batch_size * width, length_multiple, same_length,
-                                    same_count_group, sample_multiple)
+                                    same_count_group, sample_multiple, same_tokens)
     # position after each row's last predicted token (0 for a row with none)
     ends = torch.where(mask.any(1), width - mask.flip(1).argmax(1), 0)  # (N,)
     rows = rows[torch.argsort(ends[rows], stable=True)]
@@ -134,26 +140,39 @@ def micro_batches(batch: dict, rows, micro_batch_size, length_multiple=8, same_l
             groups[-1].append(i)
         else:
             groups.append([i])
-    if max_tokens > 0:
+    if max_tokens > 0 or group is not None:
         groups = _split_to(groups, _largest_count(len(groups), same_count_group),
                            lambda g: len(g) * cut_of(ends[rows[g[-1]]]))
+    picks = [rows[g[0]:g[-1] + 1] for g in groups]
+    cuts = [longest_cut if same_length else cut_of(ends[picked].max()) for picked in picks]
+    sizes = _largest([len(p) for p in picks] + cuts, group)  # (rows, cut) of each pass, the group's largest
     result = []
-    for group in groups:
-        picked = rows[group[0]:group[-1] + 1]
-        cut = longest_cut if same_length else cut_of(ends[picked].max())
-        result.append({k: (v[picked, :cut] if v.dim() == 2 and v.shape[1] == width else v[picked])
-                       for k, v in batch.items()})
+    for i, (picked, cut) in enumerate(zip(picks, cuts)):
+        cut, extra = (sizes[len(picks) + i], sizes[i] - len(picked)) if group is not None else (cut, 0)
+        result.append({k: _extend((v[picked, :cut] if v.dim() == 2 and v.shape[1] == width else v[picked]), extra,
+                                  len(mask) if k == "row" else 0) for k, v in batch.items()})
     return result
+
+
+def _extend(value, extra, fill):
+    """value with `extra` more rows of `fill` (empty rows of a padded pass: mask 0, row N)."""
+    return torch.cat([value, value.new_full((extra, *value.shape[1:]), fill)]) if extra else value
+
+
+def _largest(values, group):
+    """The element-wise largest of the ranks' integer lists in `group` (all of them call this,
+    with lists of one length)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    value = torch.tensor(values, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.tolist()
 
 
 def _largest_count(count, group):
     """The largest of the ranks' micro-batch counts in `group` (all of them call this)."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return count
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    value = torch.tensor([count], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return int(value.item())
+    return _largest([count], group)[0]
 
 
 def _split_to(groups, count, size_of):
@@ -168,7 +187,7 @@ def _split_to(groups, count, size_of):
 
 
 def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_length=False, same_count_group=None,
-                         sample_multiple=1):
+                         sample_multiple=1, same_tokens=False):
     """Rows `rows` of a padded batch -> micro-batches of ONE row each, holding whole samples
     back to back with no padding between them ("sequence packing", megatron's THD format):
 
@@ -190,7 +209,7 @@ def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_
     samples' padding), (N,) tensors become one entry per sample (k,), and src_row / src_col
     say where each token came from (padding: row N, a spare row for scatter_tokens). The math
     of every per-token term is unchanged; per-sequence terms (rl.aggregate_loss's seq modes,
-    GSPO) take `seq`. same_count_group: as micro_batches'."""
+    GSPO) take `seq`. same_count_group, same_tokens: as micro_batches'."""
     mask = batch["mask"]
     num_rows, width = mask.shape
     # tokens a sample needs: up to its last predicted position (at least one, so that a sample
@@ -211,10 +230,15 @@ def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_
         return sum(int(sizes[r]) for r in members)
 
     bins = _split_to(bins, _largest_count(len(bins), same_count_group), load_of)
+    if same_tokens:  # pass i of every rank the i-th largest: padded to the largest of them
+        bins.sort(key=load_of, reverse=True)
     loads = [load_of(b) for b in bins]
     rounded = [-(-load // length_multiple) * length_multiple for load in loads]
+    lengths = [max(rounded)] * len(bins) if same_length else rounded
+    if same_tokens:
+        lengths = _largest(lengths, same_count_group)
     result = []
-    for members, load, length in zip(bins, loads, [max(rounded)] * len(bins) if same_length else rounded):
+    for members, load, length in zip(bins, loads, lengths):
         lengths = [int(sizes[r]) for r in members] + ([length - load] if length > load else [])
         seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         starts = torch.tensor([0] + lengths).cumsum(0)

@@ -79,10 +79,10 @@ class MoESpec:
 def default_dispatcher(ep, etp):
     """megatron's token dispatcher for --moe-dispatcher unset: all-gather with every expert
     local (DeviceSortDispatcher then sorts the tokens on the device), else all-to-all, which
-    moves only the tokens each EP rank's experts need. All-gather at EP > 1 was measured
-    faster (1.2x at EP=2 on two H200s, docs/benchmarks.md) but needs the same number of
-    tokens per micro-batch on every EP rank, which training's micro-batches do not have
-    (common/preflight.py refuses it there)."""
+    moves only the tokens each EP rank's experts need. All-gather at EP > 1 (--moe-dispatcher
+    allgather) was measured faster at EP=2 (1.2x on two H200s, fixed-length batches) and
+    equal at EP=4 (docs/benchmarks.md); it needs the same number of tokens per pass on every
+    EP rank, which the scripts' micro-batches then pad to (batch.micro_batches same_tokens)."""
     return "allgather" if ep * etp == 1 else "alltoall"
 
 

@@ -15,8 +15,9 @@ is used as it is; its layer spec takes two modules of ours:
                   remains where torch has no grouped GEMM for the tensors (CUDA other than
                   bf16, rows not 16-byte aligned). tests/gpu/test_moe_gpu.py checks the two
                   equal on a GPU; bench/moe.py times them.
-and build_model gives its all-gather token dispatcher (EP=1, or at EP > 1 where every EP
-rank's micro-batches have equal token counts: bench/train.py --moe-dispatcher allgather),
+and build_model gives its all-gather token dispatcher (EP=1, or --moe-dispatcher allgather
+at EP > 1, where the scripts give every EP rank's pass i the same token count:
+batch.micro_batches(same_tokens=True)),
 where no token is dropped, DeviceSortDispatcher (sort_tokens_on_device): tokens sorted by
 expert on the device, where megatron's dispatcher waits for the device three times per layer
 and pass (the expert counts to the host, two masked_selects).
@@ -39,11 +40,18 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
     megatron's masked_select; the map's columns are first rolled so that this rank's experts
     come first. With every expert local (EP=1) all rows are this rank's: megatron's rows,
     probs and results exactly. With EP > 1 this rank's pairs are the first rows and the rest
-    are other ranks' (GroupedExperts.mask_tail: computed nowhere, zero in the output), and
-    the counts per expert stay on the device (GroupedExperts takes them there), where
-    megatron's dispatcher sends them to the host and selects rows by mask (two waits per
-    layer and pass). The combine is megatron's (scatter-add, then reduce-scatter over EP).
+    are other ranks' (the tail, GroupedExperts.mask_tail), and the counts per expert stay on
+    the device (GroupedExperts takes them there), where megatron's dispatcher sends them to
+    the host and selects rows by mask (two waits per layer and pass). The tail rows are
+    computed by no GEMM: they gather a spare zero token with probability 0 through
+    F.embedding's padding_idx, whose backward drops their (unwritten) gradients, and
+    GroupedExperts zeroes their outputs in place before megatron's combine (scatter-add, then
+    reduce-scatter over EP). (Masking the (tokens x EP x top-k, hidden) buffer out of place,
+    in and out, forward and backward, took 9% of the EP=2 step's device time; combining the
+    tail into one spare token instead made the step slower: 32k rows of atomic adds into one
+    row.)
     """
+
 
     def dispatch_postprocess(self, hidden_states, probs):
         self.hidden_shape_before_permute = hidden_states.shape
@@ -55,15 +63,25 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
         flat = routing_map.T.reshape(-1).to(torch.uint8)  # expert-major
         picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * self.config.moe_router_topk]
         self.local_map, self.routing_map = routing_map[:, :count], None
-        self.reversed_local_input_permutation_mapping = picks % num_tokens  # the token of each permuted row
-        self.local_probs = probs.T.reshape(-1).index_select(0, picks)
-        permuted = hidden_states.index_select(0, self.reversed_local_input_permutation_mapping)
-        return permuted, self.local_map.sum(0), self.local_probs
+        tokens_per_expert, probs = self.local_map.sum(0), probs.T.reshape(-1)
+        token = picks % num_tokens  # the token of each permuted row (the combine adds each row to it)
+        self.reversed_local_input_permutation_mapping = token
+        if count == routing_map.shape[1]:  # every expert here: every row is this rank's
+            self.local_probs = probs.index_select(0, picks)
+            return hidden_states.index_select(0, token), tokens_per_expert, self.local_probs
+        # rows past this rank's pairs gather the spare zero row (index num_tokens, probability 0),
+        # the padding_idx of F.embedding, whose backward skips it: their gradients are dropped
+        tail = torch.arange(len(picks), device=picks.device) >= tokens_per_expert.sum()
+        spare = hidden_states.new_zeros(1, hidden_states.shape[-1])
+        permuted = F.embedding(token.masked_fill(tail, num_tokens), torch.cat([hidden_states, spare]), num_tokens)
+        picks = picks.masked_fill(tail, len(probs))
+        self.local_probs = F.embedding(picks, torch.cat([probs, probs.new_zeros(1)])[:, None], len(probs))[:, 0]
+        return permuted, tokens_per_expert, self.local_probs
 
 
 def sort_tokens_on_device(chunks):
     """Give every MoE layer of these model chunks DeviceSortDispatcher where it applies: the
-    all-gather dispatcher (EP=1, or --moe-dispatcher allgather in bench/train.py), no
+    all-gather dispatcher (EP=1, or --moe-dispatcher allgather), no
     capacity (no dropped tokens), and, unless this rank holds every expert, GroupedExperts
     (device_sort_possible). The dispatcher keeps its state and gains its methods (a subclass
     without state of its own: the class is swapped in place; megatron's TransformerLayer
@@ -163,7 +181,8 @@ class GroupedExperts(SequentialMLP):
 
     grouped = True      # False: always the per-expert loop (bench/moe.py compares the two)
     fuse_wgrad = False  # True: weight gradients added into main_grad by _StackedWeights (set for training)
-    mask_tail = False   # True: rows past this rank's experts' belong to other ranks (DeviceSortDispatcher at EP > 1)
+    mask_tail = False   # True: rows past this rank's experts' belong to other ranks (DeviceSortDispatcher at EP > 1):
+                        # no GEMM computes them, their outputs are zeroed in place
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -193,10 +212,6 @@ class GroupedExperts(SequentialMLP):
         if not self.grouped_path():
             return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
-        if self.mask_tail:  # rows past ends[-1] are computed by no GEMM (their outputs are whatever
-            # the memory held) and must give zeros, and no gradient back to the tokens or probs
-            mine = (torch.arange(hidden.shape[0], device=hidden.device) < ends[-1]).unsqueeze(-1)
-            hidden, probs = hidden.where(mine, 0), probs.where(mine.squeeze(-1), 0)
         stack = (lambda w: _StackedWeights.apply(w[0], w)) if self.fuse_wgrad and torch.is_grad_enabled() else torch.stack
         w1 = stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
         w2 = stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
@@ -204,7 +219,25 @@ class GroupedExperts(SequentialMLP):
         gate, up = h.chunk(2, dim=-1)
         h = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)  # weighted by the router's probs
         out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H)
-        return (out.where(mine, 0) if self.mask_tail else out), None  # no bias
+        if self.mask_tail:  # rows past ends[-1] (other ranks' pairs) are written by no GEMM: zeros
+            out = _ZeroTail.apply(out, torch.arange(out.shape[0], device=out.device) >= ends[-1])
+        return out, None  # no bias
+
+
+class _ZeroTail(torch.autograd.Function):
+    """out.masked_fill_(tail rows, 0) in place: one pass over the buffer, where out.where(...)
+    reads and writes a copy. The backward passes the gradient through unmasked: the grouped
+    GEMM that made `out` never reads the tail rows of its gradient (as it never wrote them), and
+    the tail's inputs get no gradient (DeviceSortDispatcher's padding_idx)."""
+
+    @staticmethod
+    def forward(ctx, out, tail):
+        ctx.mark_dirty(out)
+        return out.masked_fill_(tail.unsqueeze(-1), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def routers(chunks):

@@ -232,13 +232,6 @@ def _check_layout(args, spec, critic=None):
     if getattr(args, "moe_dispatcher", None) and spec.moe is None:
         raise UsageError(f"--moe-dispatcher {args.moe_dispatcher}: {spec.architecture} has no experts to dispatch "
                          "tokens to; drop the flag")
-    if getattr(args, "moe_dispatcher", None) == "allgather" and ep * etp > 1:
-        # megatron's all-gather over EP takes equal sizes from every rank; with unequal ones gloo
-        # returned garbage without an error (checked), so a run would train on wrong tokens
-        raise UsageError(f"--moe-dispatcher allgather at --ep {ep} --etp {etp}: the all-gather needs the same number "
-                         "of tokens per micro-batch on every expert-parallel rank, and training micro-batches are cut "
-                         "to their own samples' lengths; use the default (alltoall). bench/train.py measures it on "
-                         "fixed-length batches")
     layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, etp=etp, first_stage_layers=args.first_stage_layers,
                   last_stage_layers=args.last_stage_layers)
     for prefix, model in (("", spec), ("--critic-model: ", critic)):

@@ -16,6 +16,11 @@ do), and the per-sequence terms sum over the CP group. Compared, on response tok
     per-sequence terms need the packed sample ids;
   - with --critic, the values of a critic (build_critic) and the gradient of its token loss.
 A negative control scores the packed rows as if each were one sequence (control_diff).
+MoE models at EP > 1 are also scored with megatron's all-gather token dispatcher
+(--moe-dispatcher allgather: DeviceSortDispatcher), whose passes must hold as many tokens on
+every EP rank (batch.micro_batches same_tokens: padded passes of up to 64 tokens, with empty
+rows where a rank has fewer, and packed ones), against the all-to-all's padded passes:
+allgather_logprob_diff / allgather_grad_diff (packed and padded, the larger).
 Writes {model: {logprob_diff, control_diff, grad_diff, grad_max, value_diff, ...,
 padded_tokens, packed_tokens}} (the maxima over all ranks) from rank 0.
 """
@@ -128,6 +133,17 @@ def main():
 
         lp_pad, grad_pad = score(model, padded, batch, gspo_loss, logprobs_of, info)
         lp_pack, grad_pack = score(model, packed, batch, gspo_loss, logprobs_of, info)
+        gathered = {}
+        if spec.moe is not None and args.ep > 1:  # the all-gather dispatcher: passes of equal token counts
+            ag_chunks = build_model(spec, dtype=torch.float32, moe_aux_loss_coef=0.0, moe_token_dispatcher_type="allgather",
+                                    **layout)
+            load_hf_weights(ag_chunks, spec, hf_dir)
+            ag_model, _, _ = setup_training(ag_chunks, lr=0.0, use_distributed_optimizer=False)
+            for pack in (False, True):
+                mbs = B.micro_batches(batch, rows, 4, length_multiple=multiple, same_length=args.pp > 1, max_tokens=64,
+                                      pack=pack, same_count_group=peers, same_tokens=True,
+                                      sample_multiple=sample_multiple)
+                gathered[pack] = score(ag_model, mbs, batch, gspo_loss, logprobs_of, info) + (mbs,)
         # negative control: the same packed rows as ONE sequence each (attention across samples, RoPE
         # positions running on): the comparison must see it
         merged = [dict(mb, cu_seqlens=torch.tensor([0, mb["tokens"].shape[1]], dtype=torch.int32),
@@ -140,6 +156,12 @@ def main():
                       grad_diff=float((grad_pad - grad_pack).abs().max()), grad_max=float(grad_pad.abs().max()),
                       padded_tokens=sum(mb["tokens"].numel() for mb in padded),
                       packed_tokens=sum(mb["tokens"].numel() for mb in packed))
+        if gathered:
+            result.update(allgather_logprob_diff=max(float((lp_pad - lp)[mask].abs().max()) for lp, _, _ in gathered.values()),
+                          allgather_grad_diff=max(float((grad_pad - g).abs().max()) for _, g, _ in gathered.values()),
+                          # the ranks' token counts per pass: equal in the group (each rank reports its own)
+                          allgather_tokens=[[mb["tokens"].numel() for mb in mbs] for _, _, mbs in gathered.values()],
+                          plain_tokens=[mb["tokens"].numel() for mb in padded])  # without same_tokens
         if args.critic:
             critic_chunks = build_critic(spec, dtype=torch.float32, moe_aux_loss_coef=0.0, **layout)
             load_critic_weights(critic_chunks, spec, hf_dir)
@@ -162,7 +184,10 @@ def main():
                           value_grad_diff=float((g_pad - g_pack).abs().max()), value_grad_max=float(g_pad.abs().max()))
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, result)
-        results[name] = {k: max(r[k] for r in every) for k in result}
+        lists = ("allgather_tokens", "plain_tokens")
+        results[name] = {k: max(r[k] for r in every) for k in result if k not in lists}
+        if "allgather_tokens" in result:  # the all-gather's equal sizes, where the plain passes' differ
+            results[name].update({f"{k}_equal": all(r[k] == result[k] for r in every) for k in lists})
         if info.rank == 0:
             print(name, results[name], flush=True)
     if info.rank == 0:

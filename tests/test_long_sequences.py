@@ -28,7 +28,7 @@ LAYOUTS = {  # name: (processes, worker flags, models)
     "one_rank": (1, [], ["qwen2", "qwen3", "qwen3_moe"]),
     "tp2_sp": (2, ["--tp", 2, "--sp"], ["qwen2"]),
     "pp2": (2, ["--pp", 2], ["llama"]),
-    "ep2": (2, ["--ep", 2], ["qwen3_moe", "deepseek_v3"]),  # + multi-latent attention
+    "ep2": (2, ["--ep", 2], ["qwen3_moe", "deepseek_v3"]),  # + multi-latent attention; + the all-gather dispatcher
     # packed samples cut over 2 CP ranks (megatron's THD + CP layout) against padded rows at CP=2;
     # SDPAttention rotates qwen2, megatron rotates deepseek_v3's latents (MLA + MoE)
     "cp2": (2, ["--cp", 2], ["qwen2", "deepseek_v3"]),
@@ -62,6 +62,10 @@ def test_packed_passes_equal_padded_ones(layout, models_dir, tmp_path):
         assert r["value_diff"] <= 1e-5 * max(1.0, r["logprob_max"]), name
         assert r["value_grad_diff"] <= 1e-5 * max(1.0, r["value_grad_max"]), name
         assert r["packed_tokens"] < r["padded_tokens"], name
+        if "allgather_logprob_diff" in r:  # EP=2 with the all-gather dispatcher: passes padded to equal sizes
+            assert r["allgather_tokens_equal"] and not r["plain_tokens_equal"], name  # (the padding was needed)
+            assert r["allgather_logprob_diff"] <= 1e-5, name
+            assert r["allgather_grad_diff"] <= 1e-5 * max(1.0, r["grad_max"]), name
 
 
 def padded_batch(lengths, width):

@@ -157,18 +157,33 @@ def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
 
 def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
     """train_ppo.py's actor and critic share the MoE body at EP=2: both log their expert load.
-    With --pack and --micro-batch-tokens the two ranks' pass counts depend on their samples'
-    lengths; they must agree (the all-to-all of every pass), else this hangs."""
+    With --pack and --micro-batch-tokens the two ranks' pass counts and lengths depend on their
+    samples. The all-to-all needs equal counts (else it hangs); --moe-dispatcher allgather
+    needs each pass to hold as many tokens on both ranks (unequal sizes crash or, on gloo,
+    return garbage), which the scripts' micro-batches pad to: its first step must equal the
+    all-to-all's (same rollouts, same math). Without the load-balancing loss: it is computed
+    per pass over all its tokens, padding included, so the extra padding changes it (and the
+    expert loads, which count the padding too)."""
     from tests.conftest import read_metrics
 
-    run_torchrun("train_ppo.py", 2, "--embedded-model", "moe", "--ep", 2, "--steps", 3, "--prompts-per-step", 8,
-                 "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16, "--eval-every", 0,
-                 "--pack", "--micro-batch-tokens", 48, "--log-samples-every", 0, "--out", tmp_path, timeout=400)
-    rows = read_metrics(tmp_path)
-    assert len(rows) == 3
-    for m in rows:
-        assert 1.0 <= m["moe_load_max"] <= 4.0 and 1.0 <= m["critic_moe_load_max"] <= 4.0
-        assert m["value_loss"] == m["value_loss"]  # finite: the guard would have stopped the run
+    runs = {}
+    for dispatcher in ("alltoall", "allgather"):
+        out = tmp_path / dispatcher
+        run_torchrun("train_ppo.py", 2, "--embedded-model", "moe", "--ep", 2, "--moe-dispatcher", dispatcher,
+                     "--steps", 2, "--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4,
+                     "--mini-batch-size", 16, "--eval-every", 0, "--pack", "--micro-batch-tokens", 48,
+                     "--max-new-tokens", 12, "--moe-aux-loss-coef", 0, "--log-samples-every", 0, "--out", out,
+                     timeout=400)
+        runs[dispatcher] = rows = read_metrics(out)
+        assert len(rows) == 2
+        for m in rows:
+            assert 1.0 <= m["moe_load_max"] <= 4.0 and 1.0 <= m["critic_moe_load_max"] <= 4.0
+            assert m["value_loss"] == m["value_loss"]  # finite: the guard would have stopped the run
+    first, second = runs["alltoall"][0], runs["allgather"][0]
+    compared = ("policy_loss", "ppo_kl", "entropy", "grad_norm", "critic_grad_norm", "response_len_mean")
+    print({k: (first[k], second[k]) for k in compared})
+    for k in compared:
+        assert abs(first[k] - second[k]) <= 1e-5 * abs(first[k]), k
 
 
 def test_training_checkpoint_of_ep1_resumes_at_ep2(tmp_path):
