@@ -234,11 +234,11 @@ def packed_micro_batches(batch: dict, rows, max_tokens, length_multiple=8, same_
         bins.sort(key=load_of, reverse=True)
     loads = [load_of(b) for b in bins]
     rounded = [-(-load // length_multiple) * length_multiple for load in loads]
-    lengths = [max(rounded)] * len(bins) if same_length else rounded
+    pass_lengths = [max(rounded)] * len(bins) if same_length else rounded
     if same_tokens:
-        lengths = _largest(lengths, same_count_group)
+        pass_lengths = _largest(pass_lengths, same_count_group)
     result = []
-    for members, load, length in zip(bins, loads, lengths):
+    for members, load, length in zip(bins, loads, pass_lengths):
         lengths = [int(sizes[r]) for r in members] + ([length - load] if length > load else [])
         seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         starts = torch.tensor([0] + lengths).cumsum(0)

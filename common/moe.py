@@ -52,7 +52,6 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
     row.)
     """
 
-
     def dispatch_postprocess(self, hidden_states, probs):
         self.hidden_shape_before_permute = hidden_states.shape
         first, count = self.local_expert_indices[0], self.num_local_experts
