@@ -170,12 +170,12 @@ def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
     for dispatcher in ("alltoall", "allgather"):
         out = tmp_path / dispatcher
         run_torchrun("train_ppo.py", 2, "--embedded-model", "moe", "--ep", 2, "--moe-dispatcher", dispatcher,
-                     "--steps", 2, "--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4,
+                     "--steps", 1, "--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4,
                      "--mini-batch-size", 16, "--eval-every", 0, "--pack", "--micro-batch-tokens", 48,
                      "--max-new-tokens", 12, "--moe-aux-loss-coef", 0, "--log-samples-every", 0, "--out", out,
                      timeout=400)
         runs[dispatcher] = rows = read_metrics(out)
-        assert len(rows) == 2
+        assert len(rows) == 1
         for m in rows:
             assert 1.0 <= m["moe_load_max"] <= 4.0 and 1.0 <= m["critic_moe_load_max"] <= 4.0
             assert m["value_loss"] == m["value_loss"]  # finite: the guard would have stopped the run
