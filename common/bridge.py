@@ -411,6 +411,7 @@ def hf_from_shards(kind, hf_names, shards, spec: HFModelSpec):
         d, hpg = spec.head_dim, spec.heads_per_group
         full = cat(shards)
         tail = tuple(full.shape[1:])
-        q, k, v = full.reshape(spec.num_kv_heads, (hpg + 2) * d, *tail).split([hpg * d, d, d], dim=1)
+        groups = full.shape[0] // ((hpg + 2) * d)  # num_kv_heads, or one TP rank's share of them
+        q, k, v = full.reshape(groups, (hpg + 2) * d, *tail).split([hpg * d, d, d], dim=1)
         return [(n, t.reshape(-1, *tail)) for n, t in zip(hf_names, (q, k, v))]
     raise ValueError(f"unknown kind {kind!r}")

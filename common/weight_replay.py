@@ -153,8 +153,7 @@ class WritePlan:
         """Write piece (a common.weights.LocalShard: full[start:stop] along dim) as the
         recorded loader would write those elements of the full tensor; False (nothing
         written) unless reads_within said yes for that piece and its shape and dtype match."""
-        stop = piece.start + piece.tensor.shape[piece.dim]
-        found = self._pieces.get((name, piece.dim, piece.start, stop, tuple(piece.full_shape)))
+        found = self._pieces.get((name, piece.dim, piece.start, piece.stop, tuple(piece.full_shape)))
         if found is None or tuple(piece.tensor.shape) != found[0] or piece.tensor.dtype != self.signature[name][2]:
             return False
         for dst, kind, arg in found[1]:

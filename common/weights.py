@@ -155,23 +155,13 @@ def _local_pieces(kind, hf_names, shard, spec, tp_rank):
     full = lambda name: expected_hf_shape(name, spec)  # noqa: E731
     if kind == "replicated":
         return [(hf_names[0], shard)]
-    if kind == "row":
-        return [(hf_names[0], LocalShard(shard, 1, tp_rank * shard.shape[1], full(hf_names[0])))]
     if kind == "vocab":  # the padded rows past the vocabulary are no HF rows
         rows = shard.shape[0]
         real = max(0, min(rows, spec.vocab_size - tp_rank * rows))
         return [(hf_names[0], LocalShard(shard[:real], 0, tp_rank * rows, full(hf_names[0])))]
-    if kind == "column":
-        parts = [shard]
-    elif kind == "gate_up":
-        parts = shard.chunk(2, dim=0)
-    elif kind == "qkv":
-        d, hpg, tail = spec.head_dim, spec.heads_per_group, tuple(shard.shape[1:])
-        groups = shard.shape[0] // ((hpg + 2) * d)
-        parts = [t.reshape(-1, *tail) for t in shard.reshape(groups, (hpg + 2) * d, *tail).split([hpg * d, d, d], dim=1)]
-    else:
-        raise ValueError(f"unknown kind {kind!r}")
-    return [(name, LocalShard(part, 0, tp_rank * part.shape[0], full(name))) for name, part in zip(hf_names, parts)]
+    dim = 1 if kind == "row" else 0  # the shard's pieces are the HF tensors of a one-rank model
+    return [(name, LocalShard(part, dim, tp_rank * part.shape[dim], full(name)))
+            for name, part in hf_from_shards(kind, hf_names, [shard], spec)]
 
 
 _LOCAL_DECISIONS = weakref.WeakKeyDictionary()  # local_reads -> (the export plan, names exported as pieces)
