@@ -203,13 +203,14 @@ class GroupedExperts(SequentialMLP):
                 and self.config.activation_func is F.silu and not self.config.add_bias_linear)
 
     def forward(self, hidden, tokens_per_expert, probs):
-        if not self.grouped_path() and self.mask_tail:  # the loop over exactly this rank's rows; the tail gives zeros
-            # (e.g. fp32 on a GPU: the first GPU run of --moe-dispatcher allgather failed in megatron's split here)
+        if not self.grouped_path():
+            if not self.mask_tail:
+                return super().forward(hidden, tokens_per_expert, probs)
+            # the loop over exactly this rank's rows; the tail gives zeros (e.g. fp32 on a GPU: the
+            # first GPU run of --moe-dispatcher allgather failed in megatron's split here)
             n = int(tokens_per_expert.sum())
             out, bias = super().forward(hidden[:n], tokens_per_expert, probs[:n])
             return torch.cat([out, out.new_zeros(hidden.shape[0] - n, *out.shape[1:])]), bias
-        if not self.grouped_path():
-            return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
         stack = (lambda w: _StackedWeights.apply(w[0], w)) if self.fuse_wgrad and torch.is_grad_enabled() else torch.stack
         w1 = stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
