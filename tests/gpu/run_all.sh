@@ -16,6 +16,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+[ -n "${OUT:-}" ] && mkdir -p "$OUT"  # the tests write their JSON there
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 MODE=${1:-all}
 FAILED=0
