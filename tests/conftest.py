@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -33,6 +34,42 @@ def run_script(script, *args, timeout=900, env=None, check=True):
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 or not check, (proc.stdout + proc.stderr)[-5000:]
     return proc
+
+
+class Background:
+    """`python script args...` started now, as run_script runs it (one CPU thread, wandb off),
+    its output going to a temporary file; wait() fails the test with the output tail unless it
+    exited 0, and returns the output."""
+
+    def __init__(self, script, *args):
+        self.log = tempfile.TemporaryFile("w+")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
+        self.proc = subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=env, text=True,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout=900):
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self.log.seek(0)
+        output = self.log.read()
+        self.log.close()
+        assert code == 0, output[-5000:]
+        return output
+
+
+def run_scripts(*commands, timeout=900):
+    """Several independent run_script commands, (script, *args) each, at once: two one-thread
+    runs take a 2-core machine as long as one. Fails the test if any exits non-zero."""
+    started = [Background(*command) for command in commands]
+    try:
+        return [run.wait(timeout) for run in started]
+    finally:
+        for run in started:
+            if run.proc.poll() is None:
+                run.proc.kill()
 
 
 def run_batch_worker(tmp_path, mode, names):

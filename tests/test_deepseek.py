@@ -14,7 +14,7 @@ represented, the bias kept fp32 through a bf16 export, GRPO learning at EP=2, an
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_script, run_torchrun
+from tests.conftest import read_metrics, run_script, run_scripts, run_torchrun
 from tests.tiny_models import MOE_CONFIGS
 
 
@@ -168,14 +168,16 @@ def test_router_bias_update_is_off_by_default_and_synced_when_on(tmp_path):
     step here (a mini-batch of the whole rollout batch, one epoch)."""
     from tests.test_convert import hf_tensors
 
+    rates = (0.0, 0.01)
+    outs = {rate: tmp_path / f"rate{rate}" for rate in rates}
+    run_scripts(*[("train_grpo.py", "--embedded-model", "deepseek", "--steps", 2, "--save-every", 1, "--eval-every", 0,
+                   "--prompts-per-step", 8, "--samples-per-prompt", 4, "--mini-batch-size", 32, "--ppo-epochs", 1,
+                   "--log-samples-every", 0, "--moe-router-bias-update-rate", rate, "--out", outs[rate])
+                  for rate in rates])
+    run_scripts(*[("merge_to_hf.py", "--ckpt", outs[rate] / "checkpoints" / "step_000001", "--out", outs[rate] / "hf",
+                   "--dtype", "fp32") for rate in rates])
     changes = {}
-    for rate in (0.0, 0.01):
-        out = tmp_path / f"rate{rate}"
-        run_script("train_grpo.py", "--embedded-model", "deepseek", "--steps", 2, "--save-every", 1,
-                   "--eval-every", 0, "--prompts-per-step", 8, "--samples-per-prompt", 4, "--mini-batch-size", 32,
-                   "--ppo-epochs", 1, "--log-samples-every", 0, "--moe-router-bias-update-rate", rate, "--out", out)
-        run_script("merge_to_hf.py", "--ckpt", out / "checkpoints" / "step_000001", "--out", out / "hf",
-                   "--dtype", "fp32")
+    for rate, out in outs.items():
         before, after = hf_tensors(out / "embedded_model"), hf_tensors(out / "hf")
         bias = [name for name in after if name.endswith("e_score_correction_bias")]
         changes[rate] = torch.cat([(after[n] - before[n]).flatten() for n in bias])

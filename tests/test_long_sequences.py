@@ -22,7 +22,7 @@ import torch
 
 from common import batch as B
 from common import rl
-from tests.conftest import ROOT, read_metrics, run_script, run_torchrun
+from tests.conftest import ROOT, read_metrics, run_script, run_scripts, run_torchrun
 
 LAYOUTS = {  # name: (processes, worker flags, models)
     "one_rank": (1, [], ["qwen2", "qwen3", "qwen3_moe"]),
@@ -140,22 +140,26 @@ GRPO_STEP = ["--steps", 1, "--eval-every", 0, "--log-samples-every", 0, "--promp
              "--samples-per-prompt", 4, "--mini-batch-size", 16, "--micro-batch-size", 4, "--ppo-epochs", 2]
 
 
+FIRST_STEP_FLAGS = {"pack": ["--pack"], "recompute_full": ["--recompute", "full", "--recompute-layers", "2"],
+                    "recompute_selective": ["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"]}
+
+
 @pytest.fixture(scope="module")
-def grpo_baseline(tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo_baseline")
-    run_script("train_grpo.py", *GRPO_STEP, "--out", out)
-    return read_metrics(out)[0]
+def grpo_first_steps(tmp_path_factory):
+    """The plain first step and one per FIRST_STEP_FLAGS entry, the four runs at once (one
+    thread each): {name: its metrics row}."""
+    root = tmp_path_factory.mktemp("grpo_first_steps")
+    runs = {"plain": [], **FIRST_STEP_FLAGS}
+    run_scripts(*[("train_grpo.py", *GRPO_STEP, *flags, "--out", root / name) for name, flags in runs.items()])
+    return {name: read_metrics(root / name)[0] for name in runs}
 
 
-@pytest.mark.parametrize("flags", [["--pack"], ["--recompute", "full", "--recompute-layers", "2"],
-                                   ["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"]],
-                         ids=["pack", "recompute_full", "recompute_selective"])
-def test_grpo_first_step_equals_the_plain_one(flags, grpo_baseline, tmp_path):
+@pytest.mark.parametrize("name", list(FIRST_STEP_FLAGS))
+def test_grpo_first_step_equals_the_plain_one(name, grpo_first_steps):
     """train_grpo.py on the embedded model, one process: the first step's loss, entropy, grad
     norm and KL (4 optimizer steps: 2 epochs x 2 mini-batches) with packing or activation
     recompute equal those without (same rollouts, same weights, fp32)."""
-    run_script("train_grpo.py", *GRPO_STEP, *flags, "--out", tmp_path)
-    row = read_metrics(tmp_path)[0]
+    grpo_baseline, row = grpo_first_steps["plain"], grpo_first_steps[name]
     for key in ("policy_loss", "entropy", "grad_norm", "kl", "first_update_logprob_err", "reward_mean"):
         print(key, grpo_baseline[key], row[key])
         assert row[key] == pytest.approx(grpo_baseline[key], rel=1e-4, abs=1e-6), key

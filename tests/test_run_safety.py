@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics, run_script
+from tests.conftest import ROOT, Background, read_metrics, run_script
 
 import train_grpo  # noqa: E402  (the repo root is on sys.path via conftest)
 import train_ppo  # noqa: E402
@@ -239,14 +239,17 @@ def _signal_after(proc, out, sig, steps_logged, timeout=300):
 
 def test_signal_saves_and_resume_continues_exactly(tmp_path):
     steps = ["--steps", "10"]
-    run_script("train_grpo.py", *SMALL, *steps, "--out", tmp_path / "straight")
-    code, output = _signal_after(_popen([sys.executable, "train_grpo.py", *SMALL, *steps], tmp_path / "stopped"),
-                                 tmp_path / "stopped", signal.SIGTERM, steps_logged=3)
-    assert code == 0, output[-3000:]
-    assert "SIGTERM received" in output and "--resume" in output
-    stopped_at = len(read_metrics(tmp_path / "stopped"))
-    assert 3 <= stopped_at < 10, output[-2000:]
-    assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
+    straight_run = Background("train_grpo.py", *SMALL, *steps, "--out", tmp_path / "straight")  # beside the stopped run
+    try:
+        code, output = _signal_after(_popen([sys.executable, "train_grpo.py", *SMALL, *steps], tmp_path / "stopped"),
+                                     tmp_path / "stopped", signal.SIGTERM, steps_logged=3)
+        assert code == 0, output[-3000:]
+        assert "SIGTERM received" in output and "--resume" in output
+        stopped_at = len(read_metrics(tmp_path / "stopped"))
+        assert 3 <= stopped_at < 10, output[-2000:]
+        assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
+    finally:
+        straight_run.wait()
     run_script("train_grpo.py", *SMALL, *steps, "--out", tmp_path / "stopped", "--resume")
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "stopped")
     assert [m["step"] for m in resumed] == list(range(10))

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_scripts, run_torchrun
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
          "--mini-batch-size", "16", "--max-new-tokens", "4"]
@@ -58,29 +58,39 @@ def test_embedded_default_learns(tmp_path):
     assert evals[79] >= evals[0] + 0.5
 
 
-def test_resume_is_exact(two_step_run, tmp_path):
-    run(*SMALL, "--steps", 3, "--out", tmp_path / "resumed")
-    run(*SMALL, "--steps", 6, "--out", tmp_path / "resumed", "--resume")
-    straight, resumed = metrics(two_step_run / "straight"), metrics(tmp_path / "resumed")
+def test_resume_is_exact(two_step_run):
+    run(*SMALL, "--steps", 6, "--out", two_step_run / "resumed", "--resume")
+    straight, resumed = metrics(two_step_run / "straight"), metrics(two_step_run / "resumed")
     assert [m["step"] for m in resumed] == list(range(6))
     for a, b in zip(straight[3:], resumed[3:]):
         for key in TRAIN_KEYS + ["response_len_mean", "reward_std"]:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
 
 
-def test_rollout_logprobs_none_logs_no_mismatch(tmp_path):
-    run(*SMALL, "--steps", 1, "--rollout-logprobs", "none", "--out", tmp_path)
-    (row,) = metrics(tmp_path)
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    """Four independent one-process runs of the tests below, at once (one thread each): their
+    output folders by name."""
+    root = tmp_path_factory.mktemp("short_runs")
+    runs = {"none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
+            "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
+            "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2],
+            "two": [*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2]}
+    run_scripts(*[("train_grpo.py", *args, "--out", root / name) for name, args in runs.items()])
+    return {name: root / name for name in runs}
+
+
+def test_rollout_logprobs_none_logs_no_mismatch(short_runs):
+    (row,) = metrics(short_runs["none"])
     assert "logprob_mismatch" not in row and "policy_loss" in row  # not a 0.0 from zero samples
 
 
-def test_mask_truncated_keeps_the_sync_check_honest(tmp_path):
+def test_mask_truncated_keeps_the_sync_check_honest(short_runs):
     """--mask-truncated takes cut-off samples out of the trainer's passes (their old logprobs
     stay 0): the sample scored for logprob_mismatch (--rollout-logprobs prefill, the default)
     is one that ended on EOS, and a step with none logs no mismatch rather than |engine - 0|
     (a GPU run logged 3.1 that way)."""
-    run(*SMALL, "--steps", 3, "--mask-truncated", "--out", tmp_path)
-    rows = metrics(tmp_path)
+    rows = metrics(short_runs["mask_truncated"])
     assert any(row["truncated_frac"] == 1.0 for row in rows), rows  # the random model rarely stops in 4 tokens
     for row in rows:
         assert ("logprob_mismatch" in row) == (row["truncated_frac"] < 1.0), row
@@ -132,10 +142,12 @@ def test_token_budget_matches_fixed_micro_batches(tmp_path):
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory):
     """One process: an uninterrupted 6-step run saving its rollouts (saving them changes no
-    number: test_resume_is_exact compares with it too), and a 2-step run replaying them (its
+    number: test_resume_is_exact compares with it too) and, at once beside it, the first 3
+    steps of test_resume_is_exact's run; then a 2-step run replaying the rollouts (its
     checkpoint is what the layouts below resume; each test resumes a copy)."""
     root = tmp_path_factory.mktemp("resume")
-    run(*SMALL, "--steps", 6, "--out", root / "straight", "--save-rollouts", root / "rollouts")
+    run_scripts(("train_grpo.py", *SMALL, "--steps", 6, "--out", root / "straight", "--save-rollouts", root / "rollouts"),
+                ("train_grpo.py", *SMALL, "--steps", 3, "--out", root / "resumed"))
     run(*SMALL, "--steps", 2, "--out", root / "moved", "--load-rollouts", root / "rollouts")
     return root
 
@@ -154,17 +166,15 @@ def test_resume_at_another_layout(layout, two_step_run, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
 
 
-def test_on_policy_skips_the_old_logprob_pass_and_passes_agree(tmp_path):
+def test_on_policy_skips_the_old_logprob_pass_and_passes_agree(short_runs):
     """One epoch, one mini-batch, no TIS: the old logprobs are the update's own forward, so the
     separate pass is skipped (no old_logprob_s) and ppo_kl / clip_frac are exactly 0. With two
     epochs the pass runs, and before the first update it agrees with the update's forward up to
     float rounding (first_update_logprob_err): anything larger means the passes disagree."""
-    run(*SMALL, "--mini-batch-size", "32", "--steps", 2, "--out", tmp_path / "on")
-    run(*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2, "--out", tmp_path / "two")
-    for m in metrics(tmp_path / "on"):
+    for m in metrics(short_runs["on"]):
         assert "old_logprob_s" not in m and "first_update_logprob_err" not in m
         assert m["ppo_kl"] == 0.0 and m["clip_frac"] == 0.0
-    for m in metrics(tmp_path / "two"):
+    for m in metrics(short_runs["two"]):
         assert "old_logprob_s" in m
         assert m["first_update_logprob_err"] <= 1e-6, m["first_update_logprob_err"]
         assert m["ppo_kl"] != 0.0  # the second epoch's updates move away from the old policy

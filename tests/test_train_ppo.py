@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_scripts, run_torchrun
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
          "--mini-batch-size", "16", "--max-new-tokens", "4", "--critic-warmup-steps", "1"]
@@ -83,9 +83,12 @@ def test_embedded_default_learns(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """4 steps in one process, critic warmup 1 step, KL as a loss term, rollouts saved."""
+    """4 steps in one process, critic warmup 1 step, KL as a loss term, rollouts saved; beside
+    it (at once, one thread each) the first 2 steps of test_resume_is_exact's run."""
     root = tmp_path_factory.mktemp("ppo")
-    run(*SMALL, "--kl-mode", "loss", "--steps", 4, "--out", root / "reference", "--save-rollouts", root / "rollouts")
+    run_scripts(("train_ppo.py", *SMALL, "--kl-mode", "loss", "--steps", 4, "--out", root / "reference",
+                 "--save-rollouts", root / "rollouts"),
+                ("train_ppo.py", *SMALL, "--kl-mode", "loss", "--steps", 2, "--out", root / "resumed"))
     return root
 
 
@@ -130,10 +133,9 @@ def test_critic_warmup_leaves_the_actor_unchanged(reference):
     assert records[2]["kl"] > 1e-6  # the actor's first update (step 1) moved it
 
 
-def test_resume_is_exact(reference, tmp_path):
-    run(*SMALL, "--kl-mode", "loss", "--steps", 2, "--out", tmp_path)
-    run(*SMALL, "--kl-mode", "loss", "--steps", 4, "--out", tmp_path, "--resume")
-    straight, resumed = metrics(reference / "reference"), metrics(tmp_path)
+def test_resume_is_exact(reference):
+    run(*SMALL, "--kl-mode", "loss", "--steps", 4, "--out", reference / "resumed", "--resume")
+    straight, resumed = metrics(reference / "reference"), metrics(reference / "resumed")
     assert [m["step"] for m in resumed] == list(range(4))
     for a, b in zip(straight[2:], resumed[2:]):
         assert_same(a, b, rel=1e-6, abs_=1e-7)
