@@ -25,26 +25,29 @@ def run_torchrun(script, nproc, *args, timeout=600):
     return proc
 
 
+def script_env(**more):
+    """The environment a test runs a script in: one CPU thread, warnings off, wandb off; plus `more`."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled", **more)
+
+
 def run_script(script, *args, timeout=900, env=None, check=True):
-    """Run `python script args...` from the repo root on one CPU thread, wandb off (env: more
-    variables); with check, fails the test with the output tail when it exits non-zero.
-    Returns the CompletedProcess."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled", **(env or {}))
-    proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
+    """Run `python script args...` from the repo root in script_env (env: more variables); with
+    check, fails the test with the output tail when it exits non-zero. Returns the
+    CompletedProcess."""
+    proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=script_env(**(env or {})),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 or not check, (proc.stdout + proc.stderr)[-5000:]
     return proc
 
 
 class Background:
-    """`python script args...` started now, as run_script runs it (one CPU thread, wandb off),
-    its output going to a temporary file; wait() fails the test with the output tail unless it
-    exited 0, and returns the output."""
+    """`python script args...` started now, as run_script runs it (script_env), its output going
+    to a temporary file; wait() fails the test with the output tail unless it exited 0, and
+    returns the output."""
 
     def __init__(self, script, *args):
         self.log = tempfile.TemporaryFile("w+")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
-        self.proc = subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=script_env(), text=True,
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout=900):

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, Background, read_metrics, run_script
+from tests.conftest import ROOT, Background, read_metrics, run_script, script_env
 
 import train_grpo  # noqa: E402  (the repo root is on sys.path via conftest)
 import train_ppo  # noqa: E402
@@ -180,7 +180,7 @@ def test_mistakes_found_after_start_up_are_one_line(inputs, tmp_path):
 def test_nan_stops_the_run_before_the_update(tmp_path):
     proc = subprocess.run([sys.executable, "train_grpo.py", *SMALL, "--lr", "1e30", "--steps", "4", "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled"))
+                          env=script_env())
     assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "step 1: " in last and "NaN/Inf" in last and "no optimizer step was applied" in last, last
@@ -208,7 +208,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     wrapper.write_text(FULL_DISK)
     proc = subprocess.run([sys.executable, str(wrapper), "train_grpo.py", *SMALL, "--steps", "4", "--save-every", "1",
                            "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled"))
+                          env=script_env())
     assert proc.returncode == 4, (proc.stdout + proc.stderr)[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("train_grpo.py: stopped: writing the training checkpoint") and "step_000002.tmp" in last
@@ -221,8 +221,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
 
 def _popen(cmd, out, **env):
     return subprocess.Popen(cmd + ["--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                                                WANDB_MODE="disabled", **env))
+                            text=True, env=script_env(**env))
 
 
 def _signal_after(proc, out, sig, steps_logged, timeout=300):
