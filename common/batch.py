@@ -40,8 +40,11 @@ def gather_samples(local_samples, group=None):
 def pack_sequences(samples, pad_id, length=None, length_multiple=8):
     """Right-pad prompt+response of each sample into (B, T) tensors.
 
-    Returns dict(tokens, positions, targets, mask, rollout_logprobs, rollout_mask), all (B, T),
-    plus response_len (B,). A sample whose engine returned no logprobs (NaN, see
+    Returns dict(tokens, positions, targets, mask, rollout_logprobs, rollout_mask, valid), all
+    (B, T), plus response_len (B,). valid is True on the sample's own tokens (prompt and
+    response), False on the padding: an MoE model's load-balancing loss, z-loss, expert-load
+    counts and router-bias updates leave the padding out (run_micro_batches passes it to
+    megatron as padding_mask). A sample whose engine returned no logprobs (NaN, see
     RolloutEngine.generate's logprob_samples) has rollout_logprobs 0 and rollout_mask 0;
     elsewhere rollout_mask == mask. T is `length` if given, else the longest sequence rounded up
     to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
@@ -53,6 +56,7 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8):
     batch = len(samples)
     tokens = torch.full((batch, length), pad_id, dtype=torch.long)
     mask = torch.zeros(batch, length)
+    valid = torch.arange(length).expand(batch, length) < torch.tensor(lengths)[:, None]
     rollout_logprobs = torch.zeros(batch, length)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -65,7 +69,7 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8):
     rollout_mask = mask * torch.isfinite(rollout_logprobs)
     return dict(tokens=tokens, positions=positions, targets=targets, mask=mask,
                 rollout_logprobs=rollout_logprobs.nan_to_num(0.0), rollout_mask=rollout_mask,
-                response_len=mask.sum(1))
+                valid=valid, response_len=mask.sum(1))
 
 
 def split_micro_batches(batch: dict, micro_batch_size):
@@ -355,6 +359,8 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from common.moe import moe_padding_mask
+
     cp_size = mpu.get_context_parallel_world_size()
     if cp_size > 1:  # this rank's part of every sequence; megatron's schedule divides seq_length by cp itself
         cp_rank = mpu.get_context_parallel_rank()
@@ -368,7 +374,11 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
         mb = {k: (v.contiguous().pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True)
               if torch.is_tensor(v) else v for k, v in next(data_iterator).items()}
         packed = packed_seq_params(mb)  # packed rows: attention confined to each sample
-        logits = model(mb["tokens"], mb["positions"], None, **({"packed_seq_params": packed} if packed else {}))
+        extra = {"packed_seq_params": packed} if packed else {}
+        padding = moe_padding_mask(model, mb.get("valid"))  # MoE: routing statistics without the padding
+        if padding is not None:
+            extra["padding_mask"] = padding
+        logits = model(mb["tokens"], mb["positions"], None, **extra)
         return logits, lambda output: loss_fn(mb, output)
 
     # the pipeline schedules need one shape (micro_batches(same_length=True)); without a

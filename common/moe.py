@@ -6,7 +6,7 @@ is used as it is; its layer spec takes two modules of ours:
                   `te_general_gemm`, a name its moe_utils.py defines only when TE imports,
                   so without TE (GPU or CPU) the first MoE forward dies with a NameError.
                   It also counts the tokens routed to each expert during updates, for
-                  the expert-load metrics (step_metrics).
+                  the expert-load metrics (step_metrics), padding left out (moe_padding_mask).
   GroupedExperts  megatron's SequentialMLP (same parameters, names and checkpoint layout:
                   `experts.local_experts.{j}.linear_fc1/fc2`) whose forward runs all local
                   experts in two grouped GEMMs (torch._grouped_mm) instead of a Python loop
@@ -118,13 +118,43 @@ class Router(TopKRouter):
         bias = None if self.bias is None else self.bias.to(dtype)
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)  # (S, B, E) logits
 
-    def routing(self, logits, *args, **kwargs):
-        probs, routing_map = super().routing(logits, *args, **kwargs)  # routing_map: (tokens, E) bool
+    def routing(self, logits, padding_mask=None):
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)  # routing_map: (tokens, E) bool
         if torch.is_grad_enabled():  # the update's passes, not the logprob passes
-            counts = routing_map.sum(0, dtype=torch.float32).detach()
+            counted = routing_map if padding_mask is None else routing_map & ~padding_mask.reshape(-1, 1)
+            counts = counted.sum(0, dtype=torch.float32).detach()
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
             self.passes += 1
         return probs, routing_map
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        """megatron's count for the router-bias update, the padding masked here: megatron-core
+        0.16.1 ands the (tokens, E) routing map with the (tokens,) padding mask, which does not
+        broadcast (a RuntimeError in its compiled function)."""
+        if padding_mask is not None:
+            routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+        super()._apply_expert_bias(routing_map)
+
+
+def moe_padding_mask(model, valid):
+    """megatron's padding_mask for one pass of this model chunk: True on the positions where
+    `valid` (B, T; batch.pack_sequences) is False, which the routers then leave out of the
+    load-balancing loss, the z-loss and the router-bias updates (megatron-core 0.16.1), and out
+    of the expert-load counts (Router). None for a model without MoE layers or a pass without
+    `valid`. The padding still flows through the experts like any token (its outputs are
+    masked by the losses). With sequence parallelism megatron splits the mask over TP with
+    the embedding, so a later pipeline stage gets its TP rank's part here."""
+    from megatron.core import parallel_state as mpu
+
+    from common.model import unwrap
+
+    gpt = unwrap(model)
+    if valid is None or not gpt.config.num_moe_experts:
+        return None
+    padding = ~valid.bool()
+    if gpt.config.sequence_parallel and not gpt.pre_process:
+        padding = padding.chunk(mpu.get_tensor_model_parallel_world_size(), dim=1)[mpu.get_tensor_model_parallel_rank()]
+    return padding
 
 
 def _grouped_mm_usable(weight, num_local_experts):
@@ -258,8 +288,8 @@ def step_metrics(chunks, spec, device, prefix="", aux=True):
 
       moe_load_max / moe_load_mean  per MoE layer, max over experts of the routed tokens / their
                                     mean (1.0 = balanced, E/topk = one expert takes every
-                                    token): the worst layer, and the mean over layers. Counts
-                                    include the padding positions of the micro-batches.
+                                    token): the worst layer, and the mean over layers. The
+                                    padding of the micro-batches is not counted (moe_padding_mask).
       moe_aux_loss                  megatron's load-balancing loss without its coefficient,
                                     summed over MoE layers, per micro-batch (what
                                     --moe-aux-loss-coef multiplies); when the aux loss is on and

@@ -10,7 +10,8 @@ back and compare bit-for-bit with the safetensors file. Deliberately wrong mappi
 at TP>1 fc1 cut as a plain chunk of [gate; up]; for MoE models two experts of a layer
 exchanged; for a model on uneven pipeline stages the layers after the first stage loaded one
 layer too early, as an even split's offset would) must NOT match. --ep/--etp: expert (tensor)
-parallel sizes.
+parallel sizes. MoE models also: the load-balancing loss and expert load of a right-padded
+batch, through the trainer's path, against transformers' with the attention mask.
 """
 import argparse
 import json
@@ -98,6 +99,69 @@ def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
     return out
 
 
+def routing_statistics(chunks, spec, layout, hf, seq_len):
+    """The MoE metrics of one update pass over a right-padded batch, taken the trainer's way
+    (batch.pack_sequences -> micro_batches -> run_micro_batches, whose padding_mask keeps the
+    padding out of the routers' statistics; then moe.step_metrics), against the same statistics
+    from transformers' router logits over the valid tokens (its load_balancing_loss_func with
+    the attention mask, per MoE layer; HF counts each token's k expert slots without dividing
+    by k, so k times megatron's loss). Then the same pass without `valid` (no padding_mask)
+    against transformers without a mask. Returns {"masked"|"unmasked": (ours, transformers)},
+    or for a model with a router score-correction bias (DeepSeek-V3: no aux loss, its own
+    top-k) {"masked"|"unmasked": (tokens the bias update counted, k x the tokens it should)}."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from common import batch as B
+    from megatron.core import parallel_state as mpu
+
+    from common.model import unwrap
+    from common.moe import routers, step_metrics
+
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.clear_aux_losses_tracker()  # what earlier models' passes with gradients left there
+    rng = torch.Generator().manual_seed(5)
+    samples = [SimpleNamespace(prompt_ids=torch.randint(1, 300, (p,), generator=rng).tolist(),
+                               response_ids=torch.randint(1, 300, (r,), generator=rng).tolist(), response_logprobs=[0.0] * r)
+               for p, r in ((6, seq_len - 6), (5, 8), (4, 3))]  # 24, 13 and 7 of 24 positions real
+    batch = B.pack_sequences(samples, pad_id=0, length=seq_len)
+    for chunk in chunks:
+        chunk.train()  # the routers' losses apply in training only
+    topk, experts = spec.moe.topk, spec.moe.num_experts
+    result = {}
+    for case in ("masked", "unmasked"):
+        passes = B.micro_batches(batch if case == "masked" else {k: v for k, v in batch.items() if k != "valid"},
+                                 torch.arange(len(samples)), len(samples), length_multiple=8 * layout["tp"])
+        B.run_micro_batches(chunks, passes, lambda mb, logits: (logits.float().sum() * 0, {}), forward_only=False,
+                            device=torch.device("cpu"))
+        if unwrap(chunks[0]).config.moe_router_enable_expert_bias:  # (every rank: a stage may hold no MoE layer)
+            # megatron's counts for the bias update (all passes so far), over the SP shards
+            biased = [router for _, router in routers(chunks)]
+            counted = sum(router.local_tokens_per_expert.sum() for router in biased) + torch.zeros(())
+            dist.all_reduce(counted, group=mpu.get_tensor_model_parallel_group())
+            real = int(batch["valid"].sum()) if case == "masked" else batch["valid"].numel()
+            result[case] = (counted.item() - sum(r[0] for r in result.values()), topk * len(biased) * real)
+            continue
+        ours = step_metrics(chunks, spec, torch.device("cpu"))
+        with torch.no_grad():
+            mask = batch["valid"].long() if case == "masked" else None
+            router_logits = hf(input_ids=batch["tokens"], attention_mask=mask, output_router_logits=True).router_logits
+        loads, aux = [], 0.0
+        for logits in router_logits:  # one (B*T, E) per MoE layer
+            picked = logits.softmax(-1).topk(topk, dim=-1).indices
+            keep = torch.ones(len(logits), dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
+            counts = torch.bincount(picked[keep].reshape(-1), minlength=experts).float()
+            loads.append((counts.max() / counts.mean()).item())
+            aux += load_balancing_loss_func((logits,), experts, topk, mask).item() / topk
+        theirs = {"moe_load_max": max(loads), "moe_load_mean": sum(loads) / len(loads), "moe_aux_loss": aux}
+        result[case] = (ours, theirs)
+    for chunk in chunks:
+        chunk.eval()
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
@@ -145,6 +209,8 @@ def main():
         chunks, logits = logits_with()
         row = {"max_abs_diff": (logits - reference).abs().max().item(),
                "layers": [layer.layer_number - 1 for c in chunks for layer in unwrap(c).decoder.layers]}
+        if spec.moe is not None:  # load-balancing loss, expert load or bias-update counts, padding left out
+            row["routing_statistics"] = routing_statistics(chunks, spec, layout, hf, seq_len)
         if spec.moe is not None and args.ep > 1 and args.pp == 1:  # the two token dispatchers at EP > 1
             row.update(compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference))
 

@@ -12,7 +12,10 @@ tests/tiny_models.py, saved in the hub's one-tensor-per-expert layout:
     gathered over EP, this rank's experts' share sorted on the device), whose gradients equal
     the all-to-all's (relative 1e-5);
   - the export gives back every per-expert HF tensor bit-identical, nothing missing or extra;
-  - wrong mappings (k/v swapped, two experts exchanged, fc1 cut naively at TP>1) do not match.
+  - wrong mappings (k/v swapped, two experts exchanged, fc1 cut naively at TP>1) do not match;
+  - the load-balancing loss and expert-load metrics of a right-padded batch, taken through the
+    trainer's path, equal transformers' over the valid tokens (its attention mask), and
+    without the mask equal transformers' unmasked ones (rel. 1e-5).
 Also: the GRPO/PPO scripts at EP=2, a training checkpoint of EP=1 resumed at EP=2, and the
 offline tools (convert_hf_to_mcore.py --verify, merge_to_hf.py) round-tripping bit-exactly.
 """
@@ -59,6 +62,21 @@ def test_moe_parity(layout, tiny_moe_models_dir, tmp_path):
             assert row["control_experts_swapped"] > 100 * TOLERANCE, where
             if "--tp" in flags and name != "mixtral":  # mixtral has no TP-sharded gate_up at etp 1
                 assert row["control_naive_fc1"] > 100 * TOLERANCE, where
+            # the routers' statistics of a right-padded batch: padding left out, as transformers' attention mask does
+            stats = row["routing_statistics"]
+            if name.startswith("deepseek"):  # no aux loss (noaux_tc): the router-bias update's token counts
+                print(f"{where}: bias update counted / expected {stats}")
+                (masked, expected), (unmasked, all_tokens) = stats["masked"], stats["unmasked"]
+                assert masked == expected and unmasked == all_tokens, where
+                assert masked < unmasked or all_tokens == 0, where  # 0: a pipeline stage without MoE layers
+            else:
+                for case, (ours, theirs) in stats.items():
+                    print(f"{where} {case}: ours {ours} transformers {theirs}")
+                    assert sorted(ours) == sorted(theirs), where
+                    for key, value in theirs.items():
+                        assert abs(ours[key] - value) <= 1e-5 * abs(value), f"{where} {case} {key}"
+                # the check can fail: the padding changes these numbers
+                assert abs(stats["masked"][1]["moe_aux_loss"] - stats["unmasked"][1]["moe_aux_loss"]) > 1e-3, where
             if "--ep" in flags and "--pp" not in flags:  # --moe-dispatcher allgather against the all-to-all
                 print(f"{where}: allgather max_abs_diff={row['allgather_max_abs_diff']:.2e} "
                       f"grad rel diff={row['dispatch_max_grad_rel_diff']:.2e} over {row['dispatch_grad_params']} params")
@@ -67,6 +85,8 @@ def test_moe_parity(layout, tiny_moe_models_dir, tmp_path):
                 assert row["allgather_max_abs_diff"] <= TOLERANCE, where
                 assert row["allgather_loop_max_abs_diff"] <= TOLERANCE, where  # megatron's per-expert loop
                 assert row["dispatch_grad_names_equal"] and row["dispatch_max_grad_rel_diff"] <= 1e-5, where
+        if name.startswith("deepseek"):
+            assert any(row["routing_statistics"]["unmasked"][1] > 0 for row in ranks), name
 
 
 def _config(name, **changes):
@@ -248,3 +268,25 @@ def test_convert_verify_and_merge_at_tp2_ep2(tiny_moe_models_dir, tmp_path):
     assert max_abs_diff(proc.stdout) <= 1e-5
     run_torchrun("merge_to_hf.py", 2, "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--ep", 2)
     assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / "hf"))
+
+
+def test_padding_mask_on_a_later_pipeline_stage_is_its_tp_ranks_part(monkeypatch):
+    """moe_padding_mask: True on the padding; megatron splits it over TP (sequence parallelism)
+    with the embedding, so a stage without one gets its TP rank's part of the sequence here; a
+    dense model, or a pass without `valid`, gets none."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as mpu
+
+    from common.moe import moe_padding_mask
+
+    valid = torch.arange(16).expand(2, 16) < torch.tensor([[16], [5]])
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda rank=rank: rank)
+        for pre_process, expected in ((True, ~valid), (False, ~valid[:, rank * 8:(rank + 1) * 8])):
+            moe = SimpleNamespace(config=SimpleNamespace(num_moe_experts=4, sequence_parallel=True), pre_process=pre_process)
+            assert torch.equal(moe_padding_mask(moe, valid), expected)
+            assert moe_padding_mask(moe, None) is None
+    dense = SimpleNamespace(config=SimpleNamespace(num_moe_experts=None, sequence_parallel=True), pre_process=False)
+    assert moe_padding_mask(dense, valid) is None
