@@ -199,9 +199,12 @@ def summarize_kernels(kernels, wall_us, top=25):
                 categories=dict(sorted(by_category.items(), key=lambda kv: -kv[1])), top=ranked)
 
 
-def profile_kernels(fn, device):
+def profile_kernels(fn, device, trace=None):
     """Run fn() once under torch.profiler; summarize_kernels of the device kernels it ran (on a
-    CPU, of the CPU ops instead: the same bookkeeping, for the tests)."""
+    CPU, of the CPU ops instead: the same bookkeeping, for the tests). trace: a .json.gz path
+    to write every kernel to, {"wall_us", "kernels": [[name, start_us, duration_us], ...],
+    "host_top": [[op, calls, self_cpu_us, cpu_us], ...] (the 80 ops of most self CPU time)}
+    (starts from this process's profiler clock: to line ranks up, match their collectives)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -223,6 +226,12 @@ def profile_kernels(fn, device):
     summary = summarize_kernels(kernels, wall_us)
     # host side: the ops that cost the CPU most of its own time (launch overhead shows up here)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    if trace:
+        import gzip
+
+        host = [(e.key, e.count, e.self_cpu_time_total, e.cpu_time_total) for e in ops[:80]]
+        with gzip.open(trace, "wt") as f:
+            json.dump({"wall_us": wall_us, "kernels": kernels, "host_top": host}, f)
     summary["host_top"] = [(e.self_cpu_time_total / 1e3, e.count, e.key) for e in ops[:20]]
     summary["host_ms"] = sum(e.self_cpu_time_total for e in ops) / 1e3
     # which op (and input shapes) launched the device time: tells a transpose copy of the

@@ -139,10 +139,11 @@ def build_parser():
                         "bench's fixed-length batches have them, the training scripts' micro-batches do not)")
     # --- measurement
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (with --ab: also its pairs)")
-    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather"], default=None,
+    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather", "padding-mask"], default=None,
                    help="after the timed steps, time the candidate with this feature off and on in alternate steps "
                         "(--steps pairs after one warm-up pair, order alternating) and print the median of the "
-                        "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike")
+                        "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike "
+                        "(padding-mask: the MoE routers told which positions are padding, common/moe.py moe_padding_mask)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (allocator, optimizer state)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device for MFU (default: from the GPU name, H100/H200 989; "
@@ -151,6 +152,9 @@ def build_parser():
     p.add_argument("--profile", action="store_true",
                    help="after the candidate's timed steps, profile one more step (torch.profiler, rank 0) and print "
                         "device time per kernel category and the top kernels, plus the logprob kernels timed alone")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: every rank writes the profiled step's device kernels (name, start, duration) "
+                        "to DIR/kernels_rank<r>.json.gz, e.g. to see which EP rank arrives late at each collective")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data")
     return p
 
@@ -250,13 +254,14 @@ def allgather_switch(model):
 
 
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
-               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, wgrad_fusion=True,
-               device_sort=True, ab=None):
+               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None,
+               wgrad_fusion=True, device_sort=True, ab=None):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
     per timed step its seconds and [logprob pass, forward/backward, optimizer] seconds, each the
-    slowest rank's; profile: harness.profile_kernels of one more step (rank 0's) or None.
+    slowest rank's; profile: harness.profile_kernels of one more step (rank 0's) or None (trace:
+    its folder for every rank's kernel list).
     """
     from common import batch as B
     from common import fused, rl
@@ -276,8 +281,11 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     num_tokens = batch["mask"].sum()  # token_mean normaliser: valid tokens of the whole batch, all DP ranks
     scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging (rl.aggregate_loss)
 
+    padding_mask = [True]  # --ab padding-mask: the passes without `valid` (megatron gets no padding_mask)
+
     def my_micro_batches():
-        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items()}, micro_batch_size)
+        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items() if padding_mask[0] or k != "valid"},
+                                     micro_batch_size)
 
     def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
@@ -336,9 +344,10 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
         features = {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
-                    "device-sort": device_sort_switch(model), "allgather": allgather_switch(model)}
+                    "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
+                    "padding-mask": lambda on: padding_mask.__setitem__(0, on)}
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
-                  "allgather": overrides.get("moe_token_dispatcher_type") == "allgather"}
+                  "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True}
         for name, on in chosen.items():
             features[name](on)
         del chunks
@@ -359,7 +368,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
             ab_pairs = paired_ratios(*run_pairs(step_with(False), step_with(True), reps=steps))  # off / on
             features[ab](chosen[ab])  # back to the configuration asked for (--profile runs next)
         if profile:
-            kernels = profile_kernels(training_step, info.device)
+            kernels = profile_kernels(training_step, info.device,
+                                      trace=trace and os.path.join(trace, f"kernels_rank{info.rank}.json.gz"))
             kernels["syncs"] = host_syncs(training_step) if on_gpu else None
     except torch.OutOfMemoryError:  # the traceback (and its tensors) is dropped at the end of this block
         oom = True
@@ -501,7 +511,8 @@ def main():
 
     # ---- candidate, then baseline (megatron-core's local spec as it comes), same batch
     candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides,
-                                     kernels=args.kernels, profile=args.profile, ab=args.ab, **common),
+                                     kernels=args.kernels, profile=args.profile, trace=args.trace, ab=args.ab,
+                                     **common),
                           **numbers)
     left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
     if args.no_baseline or args.cp > 1:  # megatron's local attention refuses context parallelism
