@@ -128,12 +128,15 @@ class Router(TopKRouter):
         return probs, routing_map
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
-        """megatron's count for the router-bias update, the padding masked here: megatron-core
-        0.16.1 ands the (tokens, E) routing map with the (tokens,) padding mask, which does not
-        broadcast (a RuntimeError in its compiled function)."""
-        if padding_mask is not None:
-            routing_map = routing_map & ~padding_mask.reshape(-1, 1)
-        super()._apply_expert_bias(routing_map)
+        """megatron's count of routed tokens for the router-bias update (update passes only),
+        without the padding. megatron-core 0.16.1's own ands the (tokens, E) routing map with
+        the (tokens,) padding mask, which does not broadcast (a RuntimeError in its compiled
+        function)."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
 def moe_padding_mask(model, valid):
