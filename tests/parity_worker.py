@@ -111,15 +111,13 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     top-k) {"masked"|"unmasked": (tokens the bias update counted, k x the tokens it should)}."""
     from types import SimpleNamespace
 
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.moe import moe_utils
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from common import batch as B
-    from megatron.core import parallel_state as mpu
-
     from common.model import unwrap
     from common.moe import routers, step_metrics
-
-    from megatron.core.transformer.moe import moe_utils
 
     moe_utils.clear_aux_losses_tracker()  # what earlier models' passes with gradients left there
     rng = torch.Generator().manual_seed(5)
