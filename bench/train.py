@@ -154,7 +154,8 @@ def build_parser():
                         "device time per kernel category and the top kernels, plus the logprob kernels timed alone")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: every rank writes the profiled step's device kernels (name, start, duration) "
-                        "to DIR/kernels_rank<r>.json.gz, e.g. to see which EP rank arrives late at each collective")
+                        "and its top host ops to DIR/kernels_rank<r>.json.gz, e.g. to see which EP rank arrives late "
+                        "at each collective and why")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data")
     return p
 
