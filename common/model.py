@@ -46,8 +46,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def layer_spec(spec: HFModelSpec, attention=None, moe=False):
-    """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, and with
-    moe=True an MoELayer (common/moe.py's Router and GroupedExperts) in place of the MLP.
+    """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, the QKV
+    projection of models with a QKV bias (common/linear.py: the bias added in the GEMM), and
+    with moe=True an MoELayer (common/moe.py's Router and GroupedExperts) in place of the MLP.
 
     attention:
       "sdpa"  megatron's local spec with its core attention swapped for common/attention.py's
@@ -97,6 +98,10 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
         attn.q_layernorm = attn.kv_layernorm = RMSNorm
     elif spec.qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
+    if spec.qkv_bias and not mla:
+        from common.linear import BiasInGemmColumnParallelLinear
+
+        attn.linear_qkv = BiasInGemmColumnParallelLinear  # the QKV bias added by the GEMM, not after it
     if attention == "sdpa":
         from common.attention import SDPAttention
 

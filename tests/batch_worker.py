@@ -126,7 +126,7 @@ def wgrad(hf_dir):
     micro-batches so the accumulation itself is compared, for fp32 and bf16 models. For an MoE
     model the grouped experts' per-layer accumulation (common/moe.py) too, compared exactly."""
     from common import batch as B
-    from common import rl
+    from common import linear, rl
     from common.training import fuse_wgrad_accumulation, setup_training
 
     result = {}
@@ -144,18 +144,36 @@ def wgrad(hf_dir):
             return -logprobs.float().mean(), {}
 
         grads = {}
-        for fused in (False, True):
+        # (fused wgrad accumulation, QKV bias in the GEMM: common/linear.py); megatron's path is (False, False)
+        for fused, bias_in_gemm in ((False, False), (True, True), (True, False)):
             layers = fuse_wgrad_accumulation(model, enabled=fused)
+            linear.ENABLED = bias_in_gemm
             for chunk in model:
                 chunk.zero_grad_buffer()
             B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
-            grads[fused] = {n: p.main_grad.clone() for n, p in model[0].named_parameters()}
-        rel = {n: float((grads[True][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads[False].items()}
-        experts = {n: float((grads[True][n] - g).abs().max()) for n, g in grads[False].items() if ".local_experts." in n}
+            grads[fused, bias_in_gemm] = {n: p.main_grad.clone() for n, p in model[0].named_parameters()}
+        linear.ENABLED = True
+
+        def rel_err(a, b):
+            return {n: float((grads[a][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads[b].items()}
+        rel = rel_err((True, False), (False, False))
+        bias_rel = rel_err((True, True), (True, False))
+        if dtype == torch.float32:
+            exact = grads[False, False]
+        # each bf16 path's distance from the fp32 gradients (the same HF weights): the bias in the GEMM
+        # rounds the QKV output once instead of twice, so its gradients must not be further from them
+        from_fp32 = {key: max(float((g.float() - exact[n]).norm() / exact[n].norm().clamp(min=1e-30))
+                              for n, g in grads[key].items()) for key in ((True, True), (True, False))}
+        bias_layers = sum(isinstance(m, linear.BiasInGemmColumnParallelLinear) for m in model[0].modules())
+        experts = {n: float((grads[True, False][n] - g).abs().max()) for n, g in grads[False, False].items()
+                   if ".local_experts." in n}
         result[str(dtype).split(".")[-1]] = dict(layers=layers, device=str(next(model[0].parameters()).device), params=len(rel), max_rel_err=max(rel.values()),
                                                  worst=max(rel, key=rel.get), tied=spec.tie_word_embeddings,
                                                  expert_params=len(experts), experts_max_abs_diff=max(experts.values(), default=None),
-                                                 experts_nonzero=sum(bool(grads[True][n].any()) for n in experts))
+                                                 experts_nonzero=sum(bool(grads[True, False][n].any()) for n in experts),
+                                                 bias_in_gemm_layers=bias_layers, bias_in_gemm_max_rel_err=max(bias_rel.values()),
+                                                 bias_in_gemm_from_fp32=from_fp32[True, True],
+                                                 bias_add_from_fp32=from_fp32[True, False])
     print("RESULT " + json.dumps(dict(result, model=os.path.basename(hf_dir))))
 
 
