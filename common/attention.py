@@ -27,7 +27,7 @@ Masking follows the local DotProductAttention's torch path: with a causal mask t
 no mask, causal attention; a given mask is used as is (it is not combined with causal).
 
 RoPE: with `rotary` (megatron RotaryEmbedding keywords), q and k are rotated here, by one
-fused kernel each (common/fused.py), and the GPTModel is built with
+compiled call for both (apply_rope_qk, common/fused.py), and the GPTModel is built with
 position_embedding_type="none" (common/model.py) so megatron does not rotate them first. The
 same rotation, but megatron-core 0.16.1 applies it without TransformerEngine as ~10 separate
 elementwise kernels per tensor (rope_utils._apply_rotary_pos_emb_bshd: cos, sin, casts, two
@@ -63,6 +63,14 @@ def apply_rope(t, freqs):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * torch.cos(freqs) + rotated * torch.sin(freqs)).to(t.dtype)
+
+
+@on_gpu_compiled
+def apply_rope_qk(query, key, freqs):
+    """apply_rope of the queries and of the keys in one compiled call: one graph to guard and
+    launch, one autograd node, instead of two per layer and pass (the 1.5B forward passes are
+    partly bound by the host's launching, docs/benchmarks.md section 3)."""
+    return apply_rope.eager(query, freqs), apply_rope.eager(key, freqs)
 
 
 class SDPAttention(MegatronModule):
@@ -126,7 +134,7 @@ class SDPAttention(MegatronModule):
             if sq != sk:
                 raise NotImplementedError("SDPAttention: RoPE for decoding with a KV cache is not implemented")
             freqs = self.rotary(sq)  # (sq, 1, 1, head_dim) fp32, positions 0..sq-1
-            query, key = apply_rope(query, freqs), apply_rope(key, freqs)
+            query, key = apply_rope_qk(query, key, freqs)
 
         # (s, b, heads, d) -> (b, heads, s, d): strided views, the head_dim stays contiguous
         # (all the kernels need).
@@ -170,8 +178,7 @@ class SDPAttention(MegatronModule):
         index, seg, position = per_micro_batch(params, ("packed", t), layout)
         if self.rotary is not None:
             freqs = self.rotary(params.max_seqlen_q)[position]  # (t, 1, 1, d): own positions
-            query = apply_rope(query.unsqueeze(1), freqs).squeeze(1)
-            key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
+            query, key = (x.squeeze(1) for x in apply_rope_qk(query.unsqueeze(1), key.unsqueeze(1), freqs))
         if varlen_usable(query):
             out = self._varlen(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv)
         else:
@@ -199,7 +206,7 @@ class SDPAttention(MegatronModule):
         if self.rotary is not None:
             freqs = self.rotary(sq * cp)  # megatron's module keeps this CP rank's positions (same layout)
             freqs = freqs if freqs.shape[0] == sq else freqs[q_pos]  # (s, 1, 1, d)
-            query, key = apply_rope(query, freqs), apply_rope(key, freqs)
+            query, key = apply_rope_qk(query, key, freqs)
         key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
                       for x in (key, value))  # (cp * s, b, groups, d), rank after rank
         if varlen_usable(query):  # flash: each chunk against its key prefix, no mask
@@ -238,8 +245,7 @@ class SDPAttention(MegatronModule):
         if self.rotary is not None:
             # packed_seq=True: the whole table, not megatron's slice of it for this CP rank
             freqs = self.rotary(params.max_seqlen_q, packed_seq=True)[q_pos]  # (t/cp, 1, 1, d)
-            query = apply_rope(query.unsqueeze(1), freqs).squeeze(1)
-            key = apply_rope(key.unsqueeze(1), freqs).squeeze(1)
+            query, key = (x.squeeze(1) for x in apply_rope_qk(query.unsqueeze(1), key.unsqueeze(1), freqs))
         key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
                       for x in (key, value))  # (cp * t/cp, groups, d), rank after rank
         if varlen_usable(query):  # flash: each sample's two chunks against their key prefixes, no mask

@@ -182,11 +182,12 @@ def test_same_state_dict_and_spec_choices(dist_world_of_one, attention_models_di
 def test_apply_rope_matches_megatron_and_compiles():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from common.attention import apply_rope
+    from common.attention import apply_rope, apply_rope_qk
     from common.fused import compile_fn
 
     torch.manual_seed(0)
     compiled_rope = compile_fn(apply_rope.eager)  # one compiled function for all lengths, as on a GPU
+    compiled_rope_qk = compile_fn(apply_rope_qk.eager)
     for s in (7, 12, 9):  # lengths: the second recompiles with a symbolic length, the third reuses it
         t = torch.randn(s, 2, 3, 16, requires_grad=True)
         freqs = torch.rand(s, 1, 1, 8) * 10
@@ -205,6 +206,11 @@ def test_apply_rope_matches_megatron_and_compiles():
         torch.testing.assert_close(compiled_grad, grad, atol=1e-6, rtol=0)
         bf16 = apply_rope(t.detach().bfloat16(), freqs)
         assert bf16.dtype == torch.bfloat16 and (bf16.float() - ours).abs().max() < 0.05
+        # queries and keys in one call (SDPAttention's): each exactly apply_rope, eager and compiled
+        k = torch.randn(s, 2, 1, 16)
+        for both in (apply_rope_qk(t, k, freqs), *([compiled_rope_qk(t, k, freqs)] if s == 7 else [])):
+            torch.testing.assert_close(both[0], ours, atol=1e-6, rtol=0)
+            torch.testing.assert_close(both[1], apply_rope(k, freqs), atol=1e-6, rtol=0)
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, bottom_right=True):
