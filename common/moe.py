@@ -121,8 +121,7 @@ class Router(TopKRouter):
     def routing(self, logits, padding_mask=None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)  # routing_map: (tokens, E) bool
         if torch.is_grad_enabled():  # the update's passes, not the logprob passes
-            counted = routing_map if padding_mask is None else routing_map & ~padding_mask.reshape(-1, 1)
-            counts = counted.sum(0, dtype=torch.float32).detach()
+            counts = real_token_counts(routing_map, padding_mask)
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
             self.passes += 1
         return probs, routing_map
@@ -133,10 +132,16 @@ class Router(TopKRouter):
         the (tokens,) padding mask, which does not broadcast (a RuntimeError in its compiled
         function)."""
         if self.enable_expert_bias and torch.is_grad_enabled():
-            with torch.no_grad():
-                if padding_mask is not None:
-                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
-                self.local_tokens_per_expert += routing_map.sum(dim=0)
+            self.local_tokens_per_expert += real_token_counts(routing_map, padding_mask)
+
+
+def real_token_counts(routing_map, padding_mask=None):
+    """(E,) float32: how many of the (tokens, E) routing map's tokens each expert got, the
+    padding (padding_mask (tokens,) or its (B, S) shape, True = padding) left out."""
+    with torch.no_grad():
+        if padding_mask is not None:
+            routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+        return routing_map.sum(0, dtype=torch.float32)
 
 
 def moe_padding_mask(model, valid):
