@@ -46,6 +46,7 @@ def test_exits_within_10_s_of_the_last_step(mode, tmp_path):
     output = proc.stdout.read()  # returns at EOF
     eof = time.time()
     code = proc.wait(timeout=60)
+    assert (tmp_path / "metrics.jsonl").is_file(), f"exit {code}, no step finished:\n{output[-4000:]}"
     last_step = os.path.getmtime(tmp_path / "metrics.jsonl")
     print(f"{mode}: exit {code}, EOF {eof - last_step:.1f} s after the last step's metrics line")
     assert code == 0, output[-4000:]
