@@ -18,8 +18,8 @@ def run_torchrun(script, nproc, *args, timeout=600):
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--standalone", script, *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(TOKENIZERS_PARALLELISM="false"), capture_output=True,
+                          text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
@@ -84,7 +84,7 @@ def run_batch_worker(tmp_path, mode, names):
     for name in names:
         save_tiny_hf_model(name, str(tmp_path / name))
     proc = subprocess.run([sys.executable, "tests/batch_worker.py", ",".join(str(tmp_path / n) for n in names), mode],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=script_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["model"] for r in results] == list(names)

@@ -12,7 +12,6 @@ a tiny Qwen2 gives the same logprobs and gradients on cut micro-batches as at fu
 """
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import torch
 
 from common.batch import micro_batches, pack_sequences, split_micro_batches
 from common.rollout import Sample
-from tests.conftest import ROOT
+from tests.conftest import ROOT, script_env
 
 
 def test_pack_sequences_layout_by_hand():
@@ -101,7 +100,7 @@ def test_cut_padding_same_logprobs_and_grads(tmp_path):
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
     proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          capture_output=True, text=True, timeout=300, env=script_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     print(r)

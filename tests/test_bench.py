@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun, script_env
 
 SCRIPT = os.path.join("bench", "train.py")
 
@@ -42,7 +42,7 @@ def bench_json(output):
 
 
 def run(*args, code=None, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = script_env()
     cmd = [sys.executable, "-c", code] if code else [sys.executable, SCRIPT, *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -222,7 +222,7 @@ def test_help_documents_every_flag():
 def test_sync_bench_cpu_smoke():
     """bench/sync.py with the CPU engine (vLLM needs a GPU): the cycle runs, the engine still
     generates after it, and the bytes synced are the tiny shape's, counted by hand."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = script_env()
     proc = subprocess.run([sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -242,7 +242,7 @@ def test_sync_bench_cpu_smoke():
 def test_moe_bench_cpu_smoke():
     """bench/moe.py on a tiny MoE (no grouped path on a CPU, both sides run the loop): the
     timed pairs and the median of their ratios are what BENCH_JSON reports."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = script_env()
     proc = subprocess.run([sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3",
                            "--tokens", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -262,7 +262,7 @@ def test_rollout_bench_cpu_smoke():
     """bench/rollout.py with the CPU engine (HFEngine vs transformers' generate): both sides
     generate 2 prompts x 3 samples x 6 tokens = 36 tokens in every timed pair (EOS impossible),
     and the ratios are the median / min / max of one ratio per pair."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = script_env()
     proc = subprocess.run([sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -297,7 +297,7 @@ def test_rollout_bench_refuses_unequal_work():
         f"sys.argv = {[script] + ROLLOUT_ARGS!r}",
         f"runpy.run_path({script!r}, run_name='__main__')",
     ])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = script_env()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-5000:]

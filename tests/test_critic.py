@@ -15,14 +15,13 @@ PP=2 (torchrun, gloo):
   - from a dir without a score head the head is zero: every value is exactly 0.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, run_torchrun, script_env
 
 MODELS = ["qwen2", "llama"]
 TOLERANCE = 1e-4
@@ -64,7 +63,7 @@ def test_critic_matches_transformers(layout, critic_models, tmp_path):
     nproc, flags = LAYOUTS[layout]
     out = tmp_path / "result.json"
     if nproc == 1:  # one plain process, as `python train_ppo.py`
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = script_env()
         proc = subprocess.run([sys.executable, "tests/critic_worker.py", "--models-dir", str(root), "--out", str(out)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -18,13 +18,12 @@ by the bytes moved (tests/gpu/run_all.sh runs it). Host buffers are made once, b
 before the first step (Adam's state created first, as the scripts do): no offload makes one.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, run_torchrun, script_env
 
 WORKER = "tests/offload_worker.py"
 # bytes per parameter moved: params + grad buffer (fp32, grad_reduce_in_fp32) + Adam (2 x fp32)
@@ -95,7 +94,7 @@ def on_gpu():
 
 def test_offload_roundtrip_one_process(hf_dir):
     proc = subprocess.run([sys.executable, WORKER, str(hf_dir)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          timeout=600, env=script_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     check(parse(proc), dp=1)
 
