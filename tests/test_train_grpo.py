@@ -43,19 +43,19 @@ def test_help_documents_every_flag():
 
 def test_embedded_default_learns(tmp_path):
     """The README's claim, on fewer steps than `make demo` runs (see README for the full run)."""
-    run("--steps", 80, "--out", tmp_path)
+    run("--steps", 60, "--out", tmp_path)  # measured: reward 0.007 -> 0.81, greedy accuracy 0.0 -> 0.8
     rewards = [m["reward_mean"] for m in metrics(tmp_path)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert last >= first + 0.5
     assert os.path.isfile(tmp_path / "curves.png")
-    assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000080"
+    assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000060"
     # validation on the embedded task's 10 prompts (greedy): before any update, every 10 steps, the last
     evals = {m["step"]: m["eval_accuracy"] for m in metrics(tmp_path) if "eval_accuracy" in m}
-    assert sorted(evals) == list(range(0, 80, 10)) + [79]
+    assert sorted(evals) == list(range(0, 60, 10)) + [59]
     assert sorted(os.listdir(tmp_path / "eval")) == [f"step_{s:06d}.jsonl" for s in sorted(evals)]
     print(f"eval accuracy {evals}")
-    assert evals[79] >= evals[0] + 0.5
+    assert evals[59] >= evals[0] + 0.5
 
 
 def test_resume_is_exact(two_step_run):
