@@ -100,7 +100,7 @@ def main():
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from common import batch as B, dapo, moe, rl
+    from common import batch as B, dapo, moe, rl, schedule
     from common.checkpoint import load_model_checkpoint
     from common.data import PromptSampler, task_prompts
     from common.dist import init_distributed, print0
@@ -232,9 +232,9 @@ def main():
             B.scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
             return logprobs.sum() * 0, {}
         with torch.no_grad():
-            B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
+            schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
-        store.copy_(B.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
+        store.copy_(schedule.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
 
     checkpointed = [(model, optimizer)]  # what a checkpoint holds (its host copies pinned by the writer)
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
@@ -380,7 +380,7 @@ def main():
                         metrics.update(logprob_mismatch=rl.masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
-                mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device, step=step,
+                mb_metrics, grad_norm = schedule.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device, step=step,
                                                      before_step=lambda: colo.wait_optimizers(timer))  # no update from a NaN/Inf loss or grad
                 train_metrics += mb_metrics
                 grad_norms.append(grad_norm)
@@ -393,7 +393,7 @@ def main():
                 (batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), has_lp), "logprob_mismatch__n": has_lp.sum()})
 
         # ---- 7. log (every rank joins the metric reduction), then checkpoint
-        metrics = B.reduce_metrics(train_metrics, info.device)
+        metrics = schedule.reduce_metrics(train_metrics, info.device)
         if spec.moe:  # expert load (max/mean routed tokens per layer) and the aux loss of the updates
             metrics.update(moe.step_metrics(model, spec, info.device))
         metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),

@@ -106,7 +106,7 @@ def main():
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from common import batch as B, moe, rl
+    from common import batch as B, moe, rl, schedule
     from common.checkpoint import load_model_checkpoint
     from common.critic import build_critic, load_critic_weights
     from common.data import PromptSampler, task_prompts
@@ -174,17 +174,17 @@ def main():
             load_hf_weights(chunks, spec, hf_dir)
         return chunks
 
-    schedule = dict(min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+    lr_schedule = dict(min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
                     warmup_steps=args.lr_warmup_steps, decay_style=args.lr_decay,
                     use_distributed_optimizer=args.distributed_optimizer)
     model, optimizer, scheduler = setup_training(
-        load_model(), lr=args.lr, total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step, **schedule)
+        load_model(), lr=args.lr, total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step, **lr_schedule)
     # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
     # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
     critic_chunks = build_critic(critic_spec, dtype=dtype, **model_args)
     load_critic_weights(critic_chunks, critic_spec, critic_dir)  # body from HF; head zero unless the dir has one
     critic, critic_optimizer, critic_scheduler = setup_training(
-        critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **schedule)
+        critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **lr_schedule)
     reference = None
     if args.kl_coef > 0:
         reference = load_model()
@@ -254,8 +254,8 @@ def main():
                 B.scatter_tokens(on_device, mb, per_token.float())  # back to the samples' rows
             return per_token.sum() * 0, {}
         with torch.no_grad():
-            B.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
-        store.copy_(B.all_reduce_sum(on_device[:-1], None, info.device))
+            schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
+        store.copy_(schedule.all_reduce_sum(on_device[:-1], None, info.device))
 
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
@@ -403,11 +403,11 @@ def main():
                                           "vf_clip_frac": rl.masked_sum(clipped.float(), mb_mask), "vf_clip_frac__n": n}
 
                 if train_actor:
-                    mb_metrics, grad_norm = B.train_step(model, optimizer, scheduler, mbs, actor_loss_fn, info.device,
+                    mb_metrics, grad_norm = schedule.train_step(model, optimizer, scheduler, mbs, actor_loss_fn, info.device,
                                                          step=step, before_step=optimizers_ready)
                     train_metrics += mb_metrics
                     grad_norms.append(grad_norm)
-                mb_metrics, grad_norm = B.train_step(critic, critic_optimizer, critic_scheduler, mbs, critic_loss_fn,
+                mb_metrics, grad_norm = schedule.train_step(critic, critic_optimizer, critic_scheduler, mbs, critic_loss_fn,
                                                      info.device, step=step, before_step=optimizers_ready)
                 train_metrics += mb_metrics
                 critic_grad_norms.append(grad_norm)
@@ -415,7 +415,7 @@ def main():
         memory.end("train")
 
         # ---- 7. log (every rank joins the metric reduction), then checkpoint
-        metrics = B.reduce_metrics(train_metrics, info.device)
+        metrics = schedule.reduce_metrics(train_metrics, info.device)
         if spec.moe:  # expert load (max/mean routed tokens per layer) of the actor's and the critic's updates
             metrics.update(moe.step_metrics(model, spec, info.device, aux=False))
         if critic_spec.moe:

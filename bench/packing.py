@@ -60,6 +60,7 @@ def main():
     from harness import SHAPES, paired_ratios, run_pairs, timed
 
     from common import batch as B
+    from common import schedule
     from common import rl
     from common.bridge import parse_hf_config
     from common.flops import forward_flops_per_token
@@ -102,7 +103,7 @@ def main():
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
             return rl.aggregate_loss(-logprobs, mb["mask"], "token_mean", num_tokens=num_tokens) * len(mbs), {}
 
-        B.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device)
+        schedule.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device)
 
     # padded, packed, then packed, padded, ...; the first pair warms up (allocator, compiled kernels)
     padded_s, packed_s = run_pairs(lambda _: timed(lambda: step(layouts["padded"]), info.device),

@@ -267,6 +267,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     its folder for every rank's kernel list).
     """
     from common import batch as B
+    from common import schedule
     from common import fused, linear, rl
     from common.model import build_model
     from common.training import fuse_wgrad_accumulation, setup_training
@@ -313,8 +314,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         #    sum gives all rows everywhere
         old_logprobs.zero_()
         with torch.no_grad():
-            B.run_micro_batches(model, my_micro_batches(), logprob_loss_fn, forward_only=True, device=info.device)
-        batch["old_logprobs"] = B.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
+            schedule.run_micro_batches(model, my_micro_batches(), logprob_loss_fn, forward_only=True, device=info.device)
+        batch["old_logprobs"] = schedule.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
                                                  info.device).cpu()
         _sync(on_gpu)
         ticks.append(time.perf_counter())
@@ -322,7 +323,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        B.run_micro_batches(model, my_micro_batches(), ppo_loss_fn, forward_only=False, device=info.device)
+        schedule.run_micro_batches(model, my_micro_batches(), ppo_loss_fn, forward_only=False, device=info.device)
         _sync(on_gpu)
         ticks.append(time.perf_counter())
         # 3. optimizer step (grad norm + clipping, Adam, bf16 params from the fp32 main params)

@@ -3,7 +3,7 @@ before a non-finite number reaches the weights.
 
     control = RunControl(save_every=..., save_every_minutes=..., steps=...)
     for step in ...:
-        ...                                    # B.train_step checks loss and gradients
+        ...                                    # schedule.train_step checks loss and gradients
         save, stop = control.step_end(step, device)   # all ranks: one tiny all-reduce
         if save: <save a checkpoint>
         if stop: break                         # SIGTERM / SIGINT / SIGUSR1 arrived

@@ -179,7 +179,7 @@ class Colocation:
         # (after the block: the engine asleep, the policy back)
         with colo.frozen_model(reference): ...        # back for its logprob pass only
         colo.reload_idle(); colo.reload_optimizers(timer)   # copies overlap the passes up to...
-        B.train_step(..., before_step=lambda: colo.wait_optimizers(timer))  # ...the optimizer step
+        schedule.train_step(..., before_step=lambda: colo.wait_optimizers(timer))  # ...the optimizer step
 
     params: the models' parameters (and DDP grad buffers) go to host memory while unused: the
     policy once its weights are in the engine, idle models (PPO's critic) from the rollout

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from common import batch as B
+from common import batch as B, schedule
 from common.bridge import ARCHITECTURES, UnsupportedModelError, parse_hf_config
 from common.critic import build_critic, load_critic_weights
 
@@ -56,7 +56,7 @@ class RewardModel:
     @classmethod
     def load(cls, rm_dir, *, tp=1, pp=1, vpp=None, cp=1, sequence_parallel=False, dtype=torch.float32,
              micro_batch_size=8, offload=False):
-        """cp: the policy's context parallel size. It must be the run's: B.run_micro_batches cuts
+        """cp: the policy's context parallel size. It must be the run's: schedule.run_micro_batches cuts
         every pass over megatron's CP group, so the model's attention must gather over it too."""
         from transformers import AutoTokenizer
 
@@ -117,10 +117,10 @@ class RewardModel:
         if len(mine):
             mbs = B.micro_batches(batch, mine, self.micro_batch_size, length_multiple=multiple,
                                   same_length=mpu.get_pipeline_model_parallel_world_size() > 1)
-            B.run_micro_batches(self.chunks, mbs, loss_fn, forward_only=True, device=device)
+            schedule.run_micro_batches(self.chunks, mbs, loss_fn, forward_only=True, device=device)
         if self.offloader is not None:
             self.offloader.offload()
-        return B.all_reduce_sum(scores, None, device).cpu()
+        return schedule.all_reduce_sum(scores, None, device).cpu()
 
 
 def _has_score(rm_dir):

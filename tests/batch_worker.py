@@ -41,6 +41,7 @@ def tiny_model(hf_dir, dtype=torch.float32):
 
 def main():
     from common import batch as B
+    from common import schedule
     from common import rl
     from common.rollout import Sample
     from common.training import setup_training
@@ -68,7 +69,7 @@ def main():
 
         for chunk in model:
             chunk.zero_grad_buffer()
-        B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=torch.device("cpu"))
+        schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=torch.device("cpu"))
         grads = torch.cat([p.main_grad.flatten().clone() for p in model[0].parameters()])
         return store, grads, sum(mb["tokens"].numel() for mb in mbs)
 
@@ -82,7 +83,7 @@ def main():
 
 
 def adam():
-    from common import batch as B
+    from common import schedule
     from common import rl
     from common.training import setup_training, torch_adams
 
@@ -105,7 +106,7 @@ def adam():
             logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
             return -logprobs.mean(), {}
 
-        _, grad_norm = B.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
+        _, grad_norm = schedule.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
         by_hand = sum(float(p.main_grad.double().square().sum()) for _, p in named) ** 0.5
         norm_errors.append(abs(grad_norm - by_hand) / by_hand)
         for n, p in named:
@@ -125,7 +126,7 @@ def wgrad(hf_dir):
     against megatron's own path (a weight gradient, then DDP's hook adds it), over three
     micro-batches so the accumulation itself is compared, for fp32 and bf16 models. For an MoE
     model the grouped experts' per-layer accumulation (common/moe.py) too, compared exactly."""
-    from common import batch as B
+    from common import schedule
     from common import linear, rl
     from common.training import fuse_wgrad_accumulation, setup_training
 
@@ -150,7 +151,7 @@ def wgrad(hf_dir):
             linear.ENABLED = bias_in_gemm
             for chunk in model:
                 chunk.zero_grad_buffer()
-            B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+            schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
             grads[fused, bias_in_gemm] = {n: p.main_grad.clone() for n, p in model[0].named_parameters()}
         linear.ENABLED = True
 
@@ -183,7 +184,7 @@ def dispatch(hf_dir):
     gradient, which cover the permutation, the probs and the combine both ways."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    from common import batch as B
+    from common import schedule
     from common import rl
     from common.training import fuse_wgrad_accumulation, setup_training
 
@@ -205,7 +206,7 @@ def dispatch(hf_dir):
         runs[name + "_dispatchers"] = sorted({type(layer.token_dispatcher).__name__ for layer in layers})
         for chunk in model:
             chunk.zero_grad_buffer()
-        metrics = B.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+        metrics = schedule.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=next(model[0].parameters()).device)
         runs[name] = (float(metrics[0]["loss"]), {n: p.main_grad.clone() for n, p in model[0].named_parameters()})
         for layer in layers:  # megatron's own dispatcher for the second run (same state, its methods)
             layer.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher

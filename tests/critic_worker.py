@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from common import batch as Bt
+    from common import schedule
     from common.dist import destroy_distributed, init_distributed
     from common.critic import build_critic, load_critic_weights
     from common.model import load_hf_spec
@@ -68,7 +68,7 @@ def main():
 
         mbs = [dict(tokens=ids[i:i + 1], positions=torch.arange(T)[None], c=c[i:i + 1], row=torch.tensor(i))
                for i in range(B)]
-        Bt.run_micro_batches(chunks, mbs, loss_fn, forward_only=False, device=info.device)
+        schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=False, device=info.device)
         row = {"last_stage": mpu.is_pipeline_last_stage()}
         if row["last_stage"]:
             model = chunks[-1]
@@ -90,7 +90,7 @@ def main():
             return values.sum() * 0, {}
 
         with torch.no_grad():
-            Bt.run_micro_batches(plain, mbs, zero_fn, forward_only=True, device=info.device)
+            schedule.run_micro_batches(plain, mbs, zero_fn, forward_only=True, device=info.device)
         if row["last_stage"]:
             row["plain_max_abs_value"] = max(zero_store.values())
         rows = [None] * info.world_size

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train(hf_dir, dtype, distributed_optimizer, offload):
-    from common import batch as B
+    from common import schedule
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
     from common.offload import Offloader
@@ -46,7 +46,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        out = B.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=device)
+        out = schedule.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=device)
         optim_off.wait()  # the scripts' before_step: the last reload's copies have landed
         optimizer.step()
         losses.append(float(out[0]["loss"]))

@@ -53,6 +53,7 @@ def score(model, mbs, batch, loss_of, output_of, info):
     from megatron.core import parallel_state as mpu
 
     from common import batch as B
+    from common import schedule
 
     num_rows, width = batch["mask"].shape
     store = torch.zeros(num_rows + 1, width, device=info.device)  # + the spare row of packed tails
@@ -66,7 +67,7 @@ def score(model, mbs, batch, loss_of, output_of, info):
 
     for chunk in model:
         chunk.zero_grad_buffer()
-    B.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=info.device)  # (grads reduced over DP)
+    schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=info.device)  # (grads reduced over DP)
     dist.all_reduce(store)
     grads = torch.cat([p.main_grad.flatten().clone() for chunk in model for p in chunk.parameters()])
     return store[:num_rows].cpu(), grads.cpu()

@@ -101,7 +101,7 @@ def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
 
 def routing_statistics(chunks, spec, layout, hf, seq_len):
     """The MoE metrics of one update pass over a right-padded batch, taken the trainer's way
-    (batch.pack_sequences -> micro_batches -> run_micro_batches, whose padding_mask keeps the
+    (batch.pack_sequences -> micro_batches -> schedule.run_micro_batches, whose padding_mask keeps the
     padding out of the routers' statistics; then moe.step_metrics), against the same statistics
     from transformers' router logits over the valid tokens (its load_balancing_loss_func with
     the attention mask, per MoE layer; HF counts each token's k expert slots without dividing
@@ -116,6 +116,7 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from common import batch as B
+    from common import schedule
     from common.model import unwrap
     from common.moe import routers, step_metrics
 
@@ -132,7 +133,7 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     for case in ("masked", "unmasked"):
         passes = B.micro_batches(batch if case == "masked" else {k: v for k, v in batch.items() if k != "valid"},
                                  torch.arange(len(samples)), len(samples), length_multiple=8 * layout["tp"])
-        B.run_micro_batches(chunks, passes, lambda mb, logits: (logits.float().sum() * 0, {}), forward_only=False,
+        schedule.run_micro_batches(chunks, passes, lambda mb, logits: (logits.float().sum() * 0, {}), forward_only=False,
                             device=torch.device("cpu"))
         if unwrap(chunks[0]).config.moe_router_enable_expert_bias:  # (every rank: a stage may hold no MoE layer)
             # megatron's counts for the bias update (all passes so far), over the SP shards

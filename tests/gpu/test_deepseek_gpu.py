@@ -63,6 +63,7 @@ def packed_vs_padded(chunks, spec, samples, device):
     torch's varlen flash attention, checked to run) and its padded micro-batches, both bf16."""
     from common import attention
     from common import batch as B
+    from common import schedule
     from common import rl
 
     batch = B.pack_sequences(samples, pad_id=0)
@@ -82,7 +83,7 @@ def packed_vs_padded(chunks, spec, samples, device):
 
             calls.clear()
             with torch.no_grad():
-                B.run_micro_batches(chunks, B.micro_batches(batch, rows, 4, max_tokens=4096, pack=pack), loss_fn,
+                schedule.run_micro_batches(chunks, B.micro_batches(batch, rows, 4, max_tokens=4096, pack=pack), loss_fn,
                                     forward_only=True, device=device)
             out[name] = store[:-1].cpu()[mask]
     finally:

@@ -37,6 +37,7 @@ def rel(a, b):
 def test_packed_bf16_as_accurate_as_padded():
     from common import attention
     from common import batch as B
+    from common import schedule
     from common import rl
     from common.bridge import parse_hf_config
     from common.dist import init_distributed
@@ -75,7 +76,7 @@ def test_packed_bf16_as_accurate_as_padded():
 
         torch.cuda.synchronize()
         start = time.perf_counter()
-        B.run_micro_batches([model], mbs, loss_fn, forward_only=False, device=info.device)
+        schedule.run_micro_batches([model], mbs, loss_fn, forward_only=False, device=info.device)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
