@@ -139,13 +139,16 @@ def build_parser():
                         "bench's fixed-length batches have them, the training scripts' micro-batches do not)")
     # --- measurement
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (with --ab: also its pairs)")
-    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather", "padding-mask", "qkv-bias-gemm"],
+    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather", "padding-mask", "qkv-bias-gemm",
+                                    "cp-split"],
                    default=None,
                    help="after the timed steps, time the candidate with this feature off and on in alternate steps "
                         "(--steps pairs after one warm-up pair, order alternating) and print the median of the "
                         "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike "
                         "(padding-mask: the MoE routers told which positions are padding, common/moe.py moe_padding_mask; "
-                        "qkv-bias-gemm: the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add)")
+                        "qkv-bias-gemm: the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add; "
+                        "cp-split: with --cp, each chunk's attention split at its own keys and run on cuDNN, "
+                        "common/attention_cp.py, vs one varlen flash call per chunk)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (allocator, optimizer state)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device for MFU (default: from the GPU name, H100/H200 989; "
@@ -268,7 +271,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     """
     from common import batch as B
     from common import schedule
-    from common import fused, linear, rl
+    from common import attention_cp, fused, linear, rl
     from common.model import build_model
     from common.training import fuse_wgrad_accumulation, setup_training
     from harness import host_syncs, paired_ratios, profile_kernels, run_pairs
@@ -350,10 +353,11 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         features = {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
                     "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
                     "padding-mask": lambda on: padding_mask.__setitem__(0, on),
-                    "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on)}
+                    "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
+                    "cp-split": lambda on: setattr(attention_cp, "SPLIT", on)}
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
                   "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True,
-                  "qkv-bias-gemm": True}
+                  "qkv-bias-gemm": True, "cp-split": True}
         for name, on in chosen.items():
             features[name](on)
         del chunks

@@ -36,10 +36,11 @@ backward, in every layer. Positions are 0..T-1 of each row (right-padded rows), 
 packed rows (megatron's THD format, common/batch.py:packed_micro_batches), each sample's own,
 from the cu_seqlens of the PackedSeqParams megatron passes through (SDPAttention._packed).
 Context parallelism (a CP group in pg_collection): padded rows in _context_parallel, packed
-rows in _packed_context_parallel; both all-gather keys and values over the CP group and mask
-by each token's global position (in its row, or in its sample). On GPUs the padded rows
-skip the mask: each of the rank's two chunks attends its key prefix through varlen flash
-attention (context_parallel_prefix_attention).
+rows in _packed_context_parallel; both all-gather keys and values over the CP group and let
+each token attend the keys at global positions <= its own (in its row, or in its sample). The
+padded rows need no mask: each of the rank's two chunks attends the earlier chunks' keys and
+its own causally, merged by log-sum-exp (common/attention_cp.py, cuDNN on GPUs); packed rows
+on GPUs each sample's chunks against their key prefixes through varlen flash attention.
 """
 import functools
 import math
@@ -47,6 +48,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from common.attention_cp import (context_parallel_packed_prefixes, context_parallel_positions,
+                                 context_parallel_prefix_attention, split_kernel, split_prefix_attention)
 from common.fused import on_gpu_compiled
 
 from megatron.core.transformer.enums import AttnMaskType
@@ -194,10 +197,13 @@ class SDPAttention(MegatronModule):
         r and 2cp-1-r of every sequence (q, k, v (s, b, ., d), s = 2 chunks). Its keys and
         values are all-gathered over the CP group (the Llama 3 recipe; the backward
         reduce-scatters their gradients back), and each query attends every key at a global
-        position <= its own: on GPUs (varlen_usable) each of the rank's two chunks as one query
-        sequence against its key prefix through varlen flash attention
-        (context_parallel_prefix_attention, no mask), elsewhere SDPA with that (s, cp*s) mask.
-        RoPE uses the global positions."""
+        position <= its own, without a mask (common/attention_cp.py): each chunk against the
+        earlier chunks' keys (unmasked) and its own (causal), merged by log-sum-exp, through
+        cuDNN's attention on GPUs in half precision and torch's flash kernels on a CPU
+        (split_prefix_attention). Where those do not apply (MLA's value head size differs;
+        CUDA in fp32): each chunk against its key prefix through varlen flash attention
+        (context_parallel_prefix_attention), else SDPA with the (s, cp*s) mask. RoPE uses the
+        global positions."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         cp, rank = self.cp_group.size(), self.cp_group.rank()
@@ -209,15 +215,19 @@ class SDPAttention(MegatronModule):
             query, key = apply_rope_qk(query, key, freqs)
         key, value = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.cp_group)
                       for x in (key, value))  # (cp * s, b, groups, d), rank after rank
-        if varlen_usable(query):  # flash: each chunk against its key prefix, no mask
+        kernel = split_kernel(query) if key.shape[-1] == value.shape[-1] else None
+        if kernel is not None:
+            out = split_prefix_attention(query, key, value, cp, rank, self.softmax_scale, kernel)
+        elif varlen_usable(query):  # flash: each chunk against its key prefix, bottom-right causal
             out = context_parallel_prefix_attention(query, key, value, cp, rank, self._varlen)
-            return out.reshape(sq, query.shape[1], self.hidden_size_per_partition)
-        k_pos = torch.cat([context_parallel_positions(sq, cp, r, query.device) for r in range(cp)])
-        allowed = k_pos[None, :] <= q_pos[:, None]  # (s, cp * s): causal in global positions
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        k, v = self._kv_per_query_head(k, v, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, q.shape[0], self.hidden_size_per_partition)
+        else:
+            k_pos = torch.cat([context_parallel_positions(sq, cp, r, query.device) for r in range(cp)])
+            allowed = k_pos[None, :] <= q_pos[:, None]  # (s, cp * s): causal in global positions
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            k, v = self._kv_per_query_head(k, v, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+            out = out.permute(2, 0, 1, 3)
+        return out.reshape(sq, query.shape[1], self.hidden_size_per_partition)
 
     def _packed_context_parallel(self, query, key, value, params):
         """Packed rows under context parallelism (megatron's THD + CP convention,
@@ -292,56 +302,6 @@ class SDPAttention(MegatronModule):
         return key.repeat_interleave(repeat, dim=dim), value.repeat_interleave(repeat, dim=dim)
 
 
-def context_parallel_prefixes(s, cp, rank):
-    """The key prefixes of CP rank `rank`'s two chunks (common/batch.py:context_parallel_slice:
-    chunks rank and 2cp-1-rank of a sequence of 2cp chunks of h = s/2 tokens) in the keys
-    all-gathered over the CP group (cp * s, rank after rank). Returns (index, lengths): index
-    (L,) picks from the gathered keys, in global order, positions 0..(rank+1)h-1 (what the
-    first chunk attends) and then 0..(2cp-rank)h-1 (the second chunk's), lengths = those two
-    counts. With causal attention aligned bottom-right, query i of a chunk sees exactly the
-    keys at global positions <= its own."""
-    h = s // 2
-    chunk = torch.arange(2 * cp)
-    start = torch.where(chunk < cp, chunk * s, (2 * cp - 1 - chunk) * s + h)  # where global chunk c was gathered
-    order = (start[:, None] + torch.arange(h)).reshape(-1)  # global position -> gathered position
-    lengths = [(rank + 1) * h, (2 * cp - rank) * h]
-    return torch.cat([order[:n] for n in lengths]), lengths
-
-
-def context_parallel_prefix_attention(query, key, value, cp, rank, varlen):
-    """Causal attention of CP rank `rank`'s tokens without a mask: each of its two chunks (per
-    row) is one query sequence against its key prefix (context_parallel_prefixes), through
-    varlen(q, k, v, cu_q, cu_k, max_q, max_k) -- flash attention, causal bottom-right.
-    query (s, b, heads, d); key / value all-gathered (cp * s, b, groups, d). -> (s, b, heads, v_d)."""
-    s, b = query.shape[:2]
-    index, cu_q, cu_k, max_k = _prefix_layout(s, b, cp, rank, query.device)
-    total = index.numel()
-    q = query.transpose(0, 1).reshape(b * s, *query.shape[2:])  # row after row: chunk, chunk
-    k, v = (x.index_select(0, index).transpose(0, 1).reshape(b * total, *x.shape[2:]) for x in (key, value))
-    out = varlen(q, k, v, cu_q, cu_k, s // 2, max_k)  # (b * s, heads, v_d)
-    return out.reshape(b, s, *out.shape[1:]).transpose(0, 1)
-
-
-@functools.lru_cache(maxsize=64)
-def _prefix_layout(s, b, cp, rank, device):
-    """context_parallel_prefix_attention's index and cu_seqlens, on `device`: made once per
-    shape, not copied to the device again in every layer (each copy is a host sync)."""
-    index, lengths = context_parallel_prefixes(s, cp, rank)
-    cu_q = torch.arange(2 * b + 1, dtype=torch.int32) * (s // 2)
-    cu_k = torch.tensor([0] + lengths * b, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return index.to(device), cu_q.to(device), cu_k.to(device), max(lengths)
-
-
-@functools.lru_cache(maxsize=64)
-def context_parallel_positions(s, cp, rank, device):
-    """Global positions (s,) of CP rank `rank`'s s tokens of a row (its chunks rank and
-    2cp-1-rank, s/2 tokens each: common/batch.py:context_parallel_slice), on `device`; made
-    once per shape."""
-    chunk = s // 2
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]).to(device)
-
-
 def per_micro_batch(params, key, make):
     """make(), computed by the first layer that asks for a micro-batch's packed layout and
     reused by the others (and by recompute): kept on the micro-batch's PackedSeqParams, which
@@ -350,35 +310,6 @@ def per_micro_batch(params, key, make):
     if key not in cache:
         cache[key] = make()
     return cache[key]
-
-
-def context_parallel_packed_prefixes(cu_seqlens, cp, rank, length):
-    """context_parallel_prefixes for a packed row (megatron's THD + CP layout,
-    common/batch.py:thd_context_parallel_layout): the whole row of `length` tokens holds samples
-    at cu_seqlens (each a multiple of 2cp long), each cut into 2cp chunks of c_s tokens, and CP
-    rank `rank` holds chunks rank and 2cp-1-rank of every sample, sample after sample. Returns
-    (index, cu_q, cu_k), all on cu_seqlens' device, no host sync: cu_q cuts the rank's own
-    tokens into its 2 chunks per sample (query sequences), index picks from the keys gathered
-    over the CP group (length tokens, rank after rank) each chunk's key prefix within its
-    sample, positions 0..(rank+1)c_s-1 and 0..(2cp-rank)c_s-1, and cu_k cuts those."""
-    cu = cu_seqlens.long()
-    device, local = cu.device, length // cp
-    chunk = (cu[1:] - cu[:-1]) // (2 * cp)  # (S,)
-    local_start = cu[:-1] // cp  # where each sample begins in a rank's own row
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    q_lengths = chunk.repeat_interleave(2)
-    k_lengths = torch.stack([(rank + 1) * chunk, (2 * cp - rank) * chunk], 1).reshape(-1)
-    cu_q, cu_k = (torch.cat([zero, lengths.cumsum(0)]) for lengths in (q_lengths, k_lengths))
-    total = (2 * cp + 1) * (length // (2 * cp))  # = cu_k[-1] when every sample divides by 2cp
-    j = torch.arange(total, device=device)
-    seq = torch.searchsorted(cu_k, j, right=True) - 1
-    sample = seq // 2
-    position = j - cu_k[seq]  # within the sample
-    c = chunk[sample]
-    k = position // c  # the sample's global chunk
-    owner = torch.where(k < cp, k, 2 * cp - 1 - k)
-    index = owner * local + local_start[sample] + (k >= cp) * c + position % c
-    return index, cu_q.int(), cu_k.int()
 
 
 def varlen_usable(query):

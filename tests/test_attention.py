@@ -235,7 +235,7 @@ def test_context_parallel_prefixes_equal_the_global_mask(cp):
     bottom-right causal alignment, equal causal attention over the whole sequence restricted
     to that rank's tokens (what the masked path computes), for every rank; GQA, two rows,
     and v's head size != q/k's (MLA). Top-left alignment (the wrong convention) differs."""
-    from common.attention import context_parallel_prefix_attention
+    from common.attention_cp import context_parallel_prefix_attention
 
     torch.manual_seed(0)
     h, b, heads, groups, d, dv = 3, 2, 4, 2, 8, 6
@@ -272,7 +272,7 @@ def test_context_parallel_packed_prefixes_equal_per_sample_attention(cp):
     each rank's chunks of every sample equals each sample's own causal attention, restricted
     to that rank's tokens, for every rank (samples of different lengths, GQA); a layout that
     takes the gathered keys as if they were in sample order fails."""
-    from common.attention import context_parallel_packed_prefixes
+    from common.attention_cp import context_parallel_packed_prefixes
     from common.batch import thd_context_parallel_layout
 
     torch.manual_seed(0)
@@ -298,3 +298,43 @@ def test_context_parallel_packed_prefixes_equal_per_sample_attention(cp):
         torch.testing.assert_close(out, ref[mine(rank)], atol=1e-6, rtol=1e-5)
         wrong = varlen_reference(q_all[mine(rank)], k_all[index], v_all[index], cu_q, cu_k, 0, 0)  # keys in sample order
         assert (wrong - ref[mine(rank)]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_split_prefix_attention_equals_causal_attention(cp):
+    """Context parallelism's split attention (common/attention_cp.py): each CP rank's two chunks
+    against the keys of the earlier chunks (no mask) and their own (causal), one kernel call
+    per part merged by log-sum-exp, here with torch's CPU flash kernels (the GPU runs cuDNN's
+    through the same code): output and the gradients of q and of the gathered k / v equal
+    causal attention over the whole sequence restricted to each rank (fp32), GQA, two rows."""
+    from common.attention_cp import split_prefix_attention
+
+    torch.manual_seed(0)
+    h, b, heads, groups, d = 3, 2, 4, 2, 8
+    full = 2 * cp * h
+    q_all, k_all, v_all = (torch.randn(full, b, n, d, dtype=torch.float64).float().requires_grad_()
+                           for n in (heads, groups, groups))
+    rep, scale = heads // groups, d ** -0.5
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q_all.permute(1, 2, 0, 3), k_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
+        v_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1), is_causal=True, scale=scale).permute(2, 0, 1, 3)
+    weights = torch.randn(ref.shape)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q_all, k_all, v_all))
+
+    def positions(r):  # global positions of rank r's tokens (common/batch.py:context_parallel_slice)
+        return torch.cat([torch.arange(r * h, (r + 1) * h), torch.arange((2 * cp - 1 - r) * h, (2 * cp - r) * h)])
+
+    order = torch.cat([positions(r) for r in range(cp)])  # the all-gather's order: rank after rank
+    grads = [torch.zeros_like(x) for x in (q_all, k_all, v_all)]
+    for rank in range(cp):
+        mine = positions(rank)
+        q = q_all.detach()[mine].requires_grad_()
+        k, v = (x.detach()[order].requires_grad_() for x in (k_all, v_all))
+        out = split_prefix_attention(q, k, v, cp, rank, scale, "cpu")
+        torch.testing.assert_close(out, ref[mine].detach(), atol=1e-6, rtol=1e-5)
+        dq, dk, dv = torch.autograd.grad((out * weights[mine]).sum(), (q, k, v))
+        grads[0][mine] += dq
+        grads[1][order] += dk  # the backward's reduce-scatter, by hand
+        grads[2][order] += dv
+    for ours, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

@@ -136,7 +136,8 @@ def test_context_parallel_prefixes_flash():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from common.attention import SDPAttention, context_parallel_prefix_attention
+    from common.attention import SDPAttention
+    from common.attention_cp import context_parallel_prefix_attention, split_prefix_attention
     from common.dist import init_distributed
 
     init_distributed()
@@ -160,6 +161,9 @@ def test_context_parallel_prefixes_flash():
     def flash(q, k, v, cp, rank):
         return context_parallel_prefix_attention(q, k, v, cp, rank, module._varlen)
 
+    def split(q, k, v, cp, rank):  # cuDNN: earlier keys unmasked + own chunk causal, merged by log-sum-exp
+        return split_prefix_attention(q, k, v, cp, rank, module.softmax_scale, "cudnn")
+
     def run(fn, inputs, weights, dtype, cp, rank):
         xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
         out = fn(*xs, cp, rank)
@@ -178,12 +182,13 @@ def test_context_parallel_prefixes_flash():
             weights = torch.randn(s, 1, heads, d, generator=g, device="cuda")
             reference = run(masked, inputs, weights, torch.float32, cp, rank)
             errors = {name: [rel(a, b) for a, b in zip(run(fn, inputs, weights, torch.bfloat16, cp, rank), reference)]
-                      for name, fn in (("masked", masked), ("flash", flash))}
+                      for name, fn in (("masked", masked), ("flash", flash), ("split", split))}
             result[f"cp{cp}_rank{rank}"] = errors
-            for flash_err, masked_err in zip(errors["flash"], errors["masked"]):  # out, dq, dk, dv
-                assert flash_err <= 1.5 * masked_err + 1e-3, (cp, rank, errors)
+            for kind in ("flash", "split"):
+                for err, masked_err in zip(errors[kind], errors["masked"]):  # out, dq, dk, dv
+                    assert err <= 1.5 * masked_err + 1e-3, (kind, cp, rank, errors)
     # packed rows under CP: each sample's two chunks per rank against their prefixes (flash) vs the mask
-    from common.attention import context_parallel_packed_prefixes
+    from common.attention_cp import context_parallel_packed_prefixes
     from common.batch import thd_context_parallel_layout
 
     for cp in (2, 4):
@@ -232,10 +237,12 @@ def test_context_parallel_prefixes_flash():
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    seconds(masked), seconds(flash)  # warm-up
-    pairs = [(seconds(masked), seconds(flash)) for _ in range(3)]
-    result["speed_32k_cp2_rank0"] = dict(masked_s=[p[0] for p in pairs], flash_s=[p[1] for p in pairs],
-                                         masked_over_flash=sorted(m / f for m, f in pairs)[1])
+    seconds(masked), seconds(flash), seconds(split)  # warm-up
+    runs = [(seconds(masked), seconds(flash), seconds(split)) for _ in range(3)]
+    result["speed_32k_cp2_rank0"] = dict(masked_s=[r[0] for r in runs], flash_s=[r[1] for r in runs],
+                                         split_s=[r[2] for r in runs],
+                                         masked_over_flash=sorted(m / f for m, f, _ in runs)[1],
+                                         flash_over_split=sorted(f / c for _, f, c in runs)[1])
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "cp_prefixes_gpu.json"), "w") as f:
