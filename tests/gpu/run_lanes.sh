@@ -3,7 +3,7 @@
 # side in lanes of one or two GPUs (CUDA_VISIBLE_DEVICES); a 4-GPU machine costs the same device
 # time per second as a 2-GPU one. After the stack prefix of run_all.sh's header:
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group in two lanes of two GPUs (~6 min)
-#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests in two lanes, exit + signals on two GPUs (~6 min)
+#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests in two lanes, exit + signals on two GPUs (~8 min)
 # Session 17 ran these lanes on nvidia-h200-x4. Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u

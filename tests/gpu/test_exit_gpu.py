@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,13 +58,19 @@ def test_exits_within_10_s_of_the_last_step(mode, tmp_path):
 
 def test_sigterm_saves_and_exits(tmp_path):
     proc = launch("python", tmp_path, ["--steps", "200", "--prompts-per-step", "32", "--samples-per-prompt", "4"])
+    lines = []  # drained while we wait: a full pipe (64 KiB of logs) would block the run before its second step
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     path = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= 2):
-        assert proc.poll() is None
+        assert proc.poll() is None, "".join(lines)[-4000:]
         time.sleep(0.2)
+    assert path.exists() and len(path.read_text().splitlines()) >= 2, "".join(lines)[-4000:]
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    output = "".join(lines)
     steps = len(path.read_text().splitlines())
     print(f"SIGTERM after {steps} steps: exit {proc.returncode}")
     assert proc.returncode == 0, output[-4000:]
