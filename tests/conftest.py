@@ -91,6 +91,24 @@ def run_batch_worker(tmp_path, mode, names):
     return results
 
 
+class LayoutLaunches:
+    """A test worker (tests/layouts.py) over the layouts {name: (nproc, flags)} after the flags
+    `base`, one torchrun launch per process count, made when a test first asks for one of its
+    layouts: every layout its own test, without a torchrun start-up each."""
+
+    def __init__(self, script, layouts, base, out_dir):
+        self.script, self.layouts, self.base, self.out_dir, self.results = script, layouts, base, out_dir, {}
+
+    def __getitem__(self, name):
+        nproc = self.layouts[name][0]
+        if name not in self.results:
+            group = {n: [str(f) for f in flags] for n, (p, flags) in self.layouts.items() if p == nproc}
+            out = self.out_dir / f"{len(self.results)}.json"
+            run_torchrun(self.script, nproc, *self.base, "--layouts", json.dumps(group), "--out", out)
+            self.results.update(json.loads(out.read_text()))
+        return self.results[name]
+
+
 def assert_every_flag_documented(parser):
     """Every argparse action of a public script has a non-empty help string."""
     for action in parser._actions:

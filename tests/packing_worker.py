@@ -25,7 +25,6 @@ Writes {model: {logprob_diff, control_diff, grad_diff, grad_max, value_diff, ...
 padded_tokens, packed_tokens}} (the maxima over all ranks) from rank 0.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -73,7 +72,7 @@ def score(model, mbs, batch, loss_of, output_of, info):
     return store[:num_rows].cpu(), grads.cpu()
 
 
-def main():
+def parse_layout(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
     ap.add_argument("--models", nargs="+", required=True)
@@ -83,15 +82,17 @@ def main():
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--critic", action="store_true")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run_layout(args):
 
     from megatron.core import parallel_state as mpu
 
     from common import batch as B
     from common import rl
     from common.critic import build_critic, load_critic_weights
-    from common.dist import destroy_distributed, init_distributed
+    from common.dist import init_distributed
     from common.model import build_model, load_hf_spec
     from common.weights import load_hf_weights
     from common.training import setup_training
@@ -191,13 +192,10 @@ def main():
             results[name].update({f"{k}_equal": all(r[k] == result[k] for r in every) for k in lists})
         if info.rank == 0:
             print(name, results[name], flush=True)
-    if info.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    # (without it a PP=2 run once aborted at exit after writing its results: "terminate called
-    # without an active exception", the process group's threads still up)
-    destroy_distributed()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    from tests.layouts import main
+
+    main(parse_layout, run_layout)

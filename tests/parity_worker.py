@@ -14,7 +14,6 @@ parallel sizes. MoE models also: the load-balancing loss and expert load of a ri
 batch, through the trainer's path, against transformers' with the attention mask.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -161,7 +160,7 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     return result
 
 
-def main():
+def parse_layout(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
     ap.add_argument("--model", action="append", default=[], help="one more HF model dir (repeatable)")
@@ -171,16 +170,17 @@ def main():
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--etp", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def run_layout(args):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     import common.model as model_module
     import common.weights as weights_module
     from common import bridge
-    from common.dist import destroy_distributed, init_distributed
+    from common.dist import init_distributed
     from common.model import build_model, load_hf_spec, named_global_parameters, unwrap
     from common.weights import export_hf_weights, load_hf_weights
     from megatron.core import parallel_state as mpu
@@ -313,11 +313,10 @@ def main():
         rows = [None] * info.world_size
         dist.all_gather_object(rows, row)
         results[name] = rows
-    if info.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    destroy_distributed()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    from tests.layouts import main
+
+    main(parse_layout, run_layout)

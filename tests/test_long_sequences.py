@@ -22,7 +22,7 @@ import torch
 
 from common import batch as B
 from common import rl
-from tests.conftest import ROOT, read_metrics, run_script, run_scripts, run_torchrun
+from tests.conftest import ROOT, LayoutLaunches, read_metrics, run_script, run_scripts, run_torchrun
 
 LAYOUTS = {  # name: (processes, worker flags, models)
     "one_rank": (1, [], ["qwen2", "qwen3", "qwen3_moe"]),
@@ -45,16 +45,16 @@ def models_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def packing(models_dir, tmp_path_factory):  # the layouts of one process count share a torchrun launch
+    layouts = {name: (nproc, ["--models", *models, *flags]) for name, (nproc, flags, models) in LAYOUTS.items()}
+    return LayoutLaunches("tests/packing_worker.py", layouts, ["--models-dir", models_dir, "--critic"],
+                          tmp_path_factory.mktemp("packing"))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_passes_equal_padded_ones(layout, models_dir, tmp_path):
-    nproc, flags, models = LAYOUTS[layout]
-    out = tmp_path / "result.json"
-    args = ["--models-dir", models_dir, "--models", *models, "--critic", *flags, "--out", out]
-    if nproc == 1:
-        run_script("tests/packing_worker.py", *args)
-    else:
-        run_torchrun("tests/packing_worker.py", nproc, *args)
-    for name, r in json.loads(out.read_text()).items():
+def test_packed_passes_equal_padded_ones(layout, packing):
+    for name, r in packing[layout].items():
         print(layout, name, r)
         assert r["logprob_diff"] <= 1e-5, name  # measured <= 9.5e-7; RoPE at the wrong positions (CP=2): 2.4e-3
         assert r["control_diff"] > 1e-2, name  # measured 0.4: the comparison sees a wrong mask

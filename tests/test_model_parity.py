@@ -2,7 +2,8 @@
 
     .venv/bin/python -m pytest -q tests/test_model_parity.py
 
-For each layout, tests/parity_worker.py runs under torchrun (gloo) over every tiny model
+For each layout, tests/parity_worker.py runs under torchrun (gloo; the layouts of one process
+count share a launch, conftest.LayoutLaunches) over every tiny model
 of tests/tiny_models.py (Llama with llama3 rope + tied embeddings, Qwen2 tied and untied,
 Qwen3 with q/k norm and head_dim != hidden/heads, Mistral; Qwen3 as a sharded checkpoint):
   - fp32 logits of the sharded megatron model vs transformers: max |diff| <= 1e-4;
@@ -16,11 +17,10 @@ even split's offset would) do not.
 build_model's GPTModel returns its logits as a view (no transposing copy) holding exactly
 megatron's own forward's values.
 """
-import json
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import LayoutLaunches
 
 TOLERANCE = 1e-4
 LAYOUTS = {
@@ -36,14 +36,19 @@ LAYOUTS = {
 UNEVEN = {"pp2": ("llama_3layers", [[0, 1], [2]]), "pp2_vpp2": ("qwen2_6layers", [[0, 1, 3, 4], [2, 5]])}
 
 
+@pytest.fixture(scope="module")
+def parity(tiny_models_dir, uneven_models_dir, tmp_path_factory):
+    layouts = {name: (nproc, flags + (["--model", uneven_models_dir / UNEVEN[name][0]] if name in UNEVEN else []))
+               for name, (nproc, flags) in LAYOUTS.items()}
+    return LayoutLaunches("tests/parity_worker.py", layouts, ["--models-dir", tiny_models_dir],
+                          tmp_path_factory.mktemp("parity"))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parity(layout, tiny_models_dir, uneven_models_dir, tmp_path):
+def test_parity(layout, parity):
     nproc, flags = LAYOUTS[layout]
     uneven, placement = UNEVEN.get(layout, (None, None))
-    out = tmp_path / "result.json"
-    run_torchrun("tests/parity_worker.py", nproc, "--models-dir", tiny_models_dir, *flags, "--out", out,
-                 *(["--model", uneven_models_dir / uneven] if uneven else []))
-    results = json.loads(out.read_text())
+    results = parity[layout]
     assert sorted(results) == sorted(["llama", "mistral", "qwen2", "qwen2_tied", "qwen3"] + ([uneven] if uneven else []))
     for name, ranks in results.items():
         assert len(ranks) == nproc

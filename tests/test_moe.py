@@ -19,12 +19,11 @@ tests/tiny_models.py, saved in the hub's one-tensor-per-expert layout:
 Also: the GRPO/PPO scripts at EP=2, a training checkpoint of EP=1 resumed at EP=2, and the
 offline tools (convert_hf_to_mcore.py --verify, merge_to_hf.py) round-tripping bit-exactly.
 """
-import json
 
 import pytest
 import torch
 
-from tests.conftest import run_batch_worker, run_script, run_torchrun
+from tests.conftest import LayoutLaunches, run_batch_worker, run_script, run_torchrun
 from tests.tiny_models import MOE_CONFIGS
 
 TOLERANCE = 1e-4
@@ -38,12 +37,16 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def parity(tiny_moe_models_dir, tmp_path_factory):
+    return LayoutLaunches("tests/parity_worker.py", LAYOUTS, ["--models-dir", tiny_moe_models_dir],
+                          tmp_path_factory.mktemp("parity"))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_moe_parity(layout, tiny_moe_models_dir, tmp_path):
+def test_moe_parity(layout, parity):
     nproc, flags = LAYOUTS[layout]
-    out = tmp_path / "result.json"
-    run_torchrun("tests/parity_worker.py", nproc, "--models-dir", tiny_moe_models_dir, *flags, "--out", out)
-    results = json.loads(out.read_text())
+    results = parity[layout]
     assert sorted(results) == sorted(MOE_CONFIGS)
     for name, ranks in results.items():
         assert len(ranks) == nproc
