@@ -10,7 +10,6 @@ for both, max |logits_sdpa - logits_local|, and the largest gradient difference 
 the gradient scale. Runs in-process too (world of one) for the TP=1 case.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -73,25 +72,25 @@ def compare(models_dir, tp, sequence_parallel=False, seq_len=32):
     return rows
 
 
-def main():
+def parse_layout(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    from common.dist import destroy_distributed, init_distributed
+
+def run_layout(args):
+    from common.dist import init_distributed
 
     info = init_distributed(tp=args.tp)
     rows = compare(args.models_dir, args.tp, args.sp)
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, rows)
-    if info.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({name: [r[name] for r in gathered] for name in rows}, f, indent=1)
-    destroy_distributed()
+    return {name: [r[name] for r in gathered] for name in rows}
 
 
 if __name__ == "__main__":
-    main()
+    from tests.layouts import main
+
+    main(parse_layout, run_layout)

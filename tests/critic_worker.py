@@ -13,7 +13,6 @@ Also loads the critic from the dir WITHOUT a score head (--plain-suffix) and rep
 largest |value| (the head must start at exactly 0).
 """
 import argparse
-import json
 import os
 import sys
 
@@ -32,18 +31,20 @@ def inputs():
     return ids, c
 
 
-def main():
+def parse_layout(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
     ap.add_argument("--plain-suffix", default="_plain", help="<name><suffix>: the same model without a score head")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run_layout(args):
 
     from common import schedule
-    from common.dist import destroy_distributed, init_distributed
+    from common.dist import init_distributed
     from common.critic import build_critic, load_critic_weights
     from common.model import load_hf_spec
     from megatron.core import parallel_state as mpu
@@ -96,11 +97,10 @@ def main():
         rows = [None] * info.world_size
         dist.all_gather_object(rows, row)
         results[name] = rows
-    if info.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    destroy_distributed()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    from tests.layouts import main
+
+    main(parse_layout, run_layout)

@@ -15,12 +15,11 @@ fp32 on the CPU, against megatron's own DotProductAttention and against transfor
     and compiles (inductor on the CPU: what runs on a GPU) to the same numbers.
 The GPU (bf16, flash kernels, speed) is tests/gpu/test_sdpa_gpu.py.
 """
-import json
 
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import LayoutLaunches
 
 TOLERANCE = 1e-5
 
@@ -144,11 +143,19 @@ def test_models_tp1_in_process(dist_world_of_one, attention_models_dir):
     check_rows({name: [row] for name, row in rows.items()}, "tp1")
 
 
-@pytest.mark.parametrize("flags", [["--tp", 2], ["--tp", 2, "--sp"]], ids=["tp2", "tp2_sp"])
-def test_models_tp2_torchrun(attention_models_dir, tmp_path, flags):
-    out = tmp_path / "result.json"
-    run_torchrun("tests/attention_worker.py", 2, "--models-dir", attention_models_dir, *flags, "--out", out)
-    rows = json.loads(out.read_text())
+TP2_LAYOUTS = {"tp2": (2, ["--tp", 2]), "tp2_sp": (2, ["--tp", 2, "--sp"])}
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(attention_models_dir, tmp_path_factory):  # both layouts in one torchrun launch
+    return LayoutLaunches("tests/attention_worker.py", TP2_LAYOUTS, ["--models-dir", attention_models_dir],
+                          tmp_path_factory.mktemp("attention"))
+
+
+@pytest.mark.parametrize("layout", list(TP2_LAYOUTS))
+def test_models_tp2_torchrun(tp2_runs, layout):
+    flags = TP2_LAYOUTS[layout][1]
+    rows = tp2_runs[layout]
     assert sorted(rows) == ["llama", "qwen2", "qwen3"] and all(len(r) == 2 for r in rows.values())
     check_rows(rows, " ".join(map(str, flags)))
 

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_torchrun, script_env
+from tests.conftest import ROOT, LayoutLaunches, script_env
 
 MODELS = ["qwen2", "llama"]
 TOLERANCE = 1e-4
@@ -57,19 +57,25 @@ def critic_models(tmp_path_factory):
     return root, expected
 
 
+@pytest.fixture(scope="module")
+def critic_runs(critic_models, tmp_path_factory):  # the 2-process layouts share a torchrun launch
+    return LayoutLaunches("tests/critic_worker.py", LAYOUTS, ["--models-dir", critic_models[0]],
+                          tmp_path_factory.mktemp("critic"))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_critic_matches_transformers(layout, critic_models, tmp_path):
+def test_critic_matches_transformers(layout, critic_models, critic_runs, tmp_path):
     root, expected = critic_models
     nproc, flags = LAYOUTS[layout]
-    out = tmp_path / "result.json"
     if nproc == 1:  # one plain process, as `python train_ppo.py`
+        out = tmp_path / "result.json"
         env = script_env()
         proc = subprocess.run([sys.executable, "tests/critic_worker.py", "--models-dir", str(root), "--out", str(out)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        results = json.loads(out.read_text())
     else:
-        run_torchrun("tests/critic_worker.py", nproc, "--models-dir", root, *map(str, flags), "--out", out)
-    results = json.loads(out.read_text())
+        results = critic_runs[layout]
     assert sorted(results) == sorted(MODELS)
     for name, ranks in results.items():
         last = [r for r in ranks if r["last_stage"]]
