@@ -10,6 +10,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two pytest workers on the two cores: one thread each
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def run_torchrun(script, nproc, *args, timeout=600):
     """Run `torchrun --nproc_per_node nproc script args...` on gloo (CPU) from the repo root.
