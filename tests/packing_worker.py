@@ -86,7 +86,6 @@ def parse_layout(argv):
 
 
 def run_layout(args):
-
     from megatron.core import parallel_state as mpu
 
     from common import batch as B
