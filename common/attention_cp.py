@@ -122,20 +122,10 @@ def union_attention(q, parts, kernel, scale):
 @functools.lru_cache(maxsize=64)
 def _earlier_index(s, cp, rank, device):
     """Where the keys before each of CP rank `rank`'s two chunks sit in the keys gathered over the
-    CP group (cp * s rows, rank after rank; each rank's s rows = its chunks r and 2cp-1-r of h =
-    s/2 tokens): the first chunk (global chunk rank) sees global chunks 0..rank-1, the second
-    (global chunk 2cp-1-rank) sees 0..2cp-2-rank. Returns the two index tensors (any order
-    within: those keys are unmasked)."""
-    h = s // 2
-
-    def rows(chunk):  # the gathered rows of global chunk c
-        owner = chunk if chunk < cp else 2 * cp - 1 - chunk
-        start = owner * s + (0 if chunk < cp else h)
-        return torch.arange(start, start + h)
-    first = [rows(c) for c in range(rank)]
-    second = [rows(c) for c in range(2 * cp - 1 - rank)]
-    return tuple(torch.cat(x).to(device) if x else torch.zeros(0, dtype=torch.long, device=device)
-                 for x in (first, second))
+    CP group: the first chunk (global chunk rank) sees global chunks 0..rank-1, the second
+    (global chunk 2cp-1-rank) sees 0..2cp-2-rank. Returns the two index tensors (global order)."""
+    h, order = s // 2, _gathered_order(s, cp)
+    return order[:rank * h].to(device), order[:(2 * cp - 1 - rank) * h].to(device)
 
 
 def split_prefix_attention(query, key, value, cp, rank, scale, kernel):
@@ -164,12 +154,18 @@ def context_parallel_prefixes(s, cp, rank):
     first chunk attends) and then 0..(2cp-rank)h-1 (the second chunk's), lengths = those two
     counts. With causal attention aligned bottom-right, query i of a chunk sees exactly the
     keys at global positions <= its own."""
+    h, order = s // 2, _gathered_order(s, cp)
+    lengths = [(rank + 1) * h, (2 * cp - rank) * h]
+    return torch.cat([order[:n] for n in lengths]), lengths
+
+
+def _gathered_order(s, cp):
+    """Global position -> its row in the keys gathered over the CP group (cp * s rows, rank after
+    rank; rank r's s rows are its chunks r and 2cp-1-r of h = s/2 tokens): (2cp * h,)."""
     h = s // 2
     chunk = torch.arange(2 * cp)
     start = torch.where(chunk < cp, chunk * s, (2 * cp - 1 - chunk) * s + h)  # where global chunk c was gathered
-    order = (start[:, None] + torch.arange(h)).reshape(-1)  # global position -> gathered position
-    lengths = [(rank + 1) * h, (2 * cp - rank) * h]
-    return torch.cat([order[:n] for n in lengths]), lengths
+    return (start[:, None] + torch.arange(h)).reshape(-1)
 
 
 def context_parallel_prefix_attention(query, key, value, cp, rank, varlen):
