@@ -3,6 +3,8 @@
     python bench/packing.py                                  # 1 GPU, Qwen2-1.5B shape
     python bench/packing.py --shape qwen2-7b --layers 8      # 7B layers (truncated to fit one GPU)
     python bench/packing.py --shape tiny --samples 16 --max-len 256 --reps 1   # CPU smoke run
+    torchrun --nproc_per_node 2 bench/packing.py --shape qwen2-7b --layers 8 --cp 2 --max-len 16384 \
+        --micro-batch-tokens 32768                           # context parallelism: both ways cut over 2 GPUs
 
 The work: one GRPO-like training step of the trainer (forward + backward of a token-mean
 loss of the vocabulary-parallel logprobs over every micro-batch, megatron DDP, the optimizer
@@ -13,6 +15,8 @@ with 10% cut off at the budget (--max-len). The same samples, both ways:
           as many rows as fit in --micro-batch-tokens padded tokens (batch.micro_batches)
   packed  the samples back to back in rows of up to --micro-batch-tokens tokens
           (batch.packed_micro_batches; varlen flash attention on a GPU)
+With --cp N (torchrun, N processes) every pass is cut over the N ranks (2N chunks per row, per
+sample when packed; each sample padded to 2N) and --micro-batch-tokens counts the whole pass.
 Timed in interleaved pairs (padded, packed, packed, padded, ...; --reps pairs after one
 warm-up pair; harness.run_pairs), CUDA synchronised. Reported: real tokens (prompt +
 response) per second of each, the medians, and the median of the per-pair ratios packed /
@@ -55,6 +59,7 @@ def main():
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="tokens per pass (padded: rows x cut)")
     ap.add_argument("--reps", type=int, default=5, help="timed pairs after one warm-up pair")
     ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and token ids")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size (run under torchrun with this many processes)")
     args = ap.parse_args()
 
     from harness import SHAPES, paired_ratios, run_pairs, timed
@@ -69,14 +74,14 @@ def main():
     from common.rollout import Sample
     from common.training import setup_training
 
-    info = init_distributed()
+    info = init_distributed(cp=args.cp)
     on_gpu = info.device.type == "cuda"
     config = dict(SHAPES[args.shape])
     if args.layers:
         config["num_hidden_layers"] = args.layers
     spec = parse_hf_config(config)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    chunks = build_model(spec, dtype=dtype, init_weights=True)
+    chunks = build_model(spec, cp=args.cp, dtype=dtype, init_weights=True)
     model, optimizer, scheduler = setup_training(chunks, lr=1e-7)
 
     prompts, responses = lengths(args.samples, args.max_len, args.seed)
@@ -86,10 +91,13 @@ def main():
                for p, r in zip(prompts, responses)]
     batch = B.pack_sequences(samples, pad_id=0)
     rows = torch.arange(len(samples))
+    batch["row"] = rows  # (context_parallel_slice keeps each row's index)
     real_tokens = sum(prompts) + sum(responses)
     num_tokens = batch["mask"].sum()
-    layouts = {"padded": B.micro_batches(batch, rows, 1, max_tokens=args.micro_batch_tokens),
-               "packed": B.micro_batches(batch, rows, 1, max_tokens=args.micro_batch_tokens, pack=True)}
+    multiple, sample_multiple = B.length_multiples(1, args.cp)
+    layouts = {"padded": B.micro_batches(batch, rows, 1, length_multiple=multiple, max_tokens=args.micro_batch_tokens),
+               "packed": B.micro_batches(batch, rows, 1, length_multiple=multiple, max_tokens=args.micro_batch_tokens,
+                                         pack=True, sample_multiple=sample_multiple)}
 
     def model_flops(mb):  # forward FLOPs of a pass: every computed token, attention within each sequence
         if "cu_seqlens" in mb:  # packed: each sample attends over itself (the row's padded tail: nothing)
@@ -112,7 +120,7 @@ def main():
     stats = paired_ratios(seconds["padded"], seconds["packed"])  # padded seconds / packed seconds: the speed-up
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     result = dict(shape=args.shape, layers=spec.num_layers, samples=args.samples, max_len=args.max_len,
-                  micro_batch_tokens=args.micro_batch_tokens, real_tokens=real_tokens, device=device,
+                  micro_batch_tokens=args.micro_batch_tokens, real_tokens=real_tokens, device=device, cp=args.cp,
                   passes={k: len(v) for k, v in layouts.items()},
                   computed_tokens={k: sum(mb["tokens"].numel() for mb in v) for k, v in layouts.items()},
                   # padded FLOPs / packed FLOPs: what removing the padding can gain if every pass ran at
@@ -121,6 +129,8 @@ def main():
                   tokens_per_s={k: real_tokens / statistics.median(v) for k, v in seconds.items()},
                   speedup_median=stats["median"], speedup_min=stats["min"], speedup_max=stats["max"],
                   ratios=[round(r, 4) for r in stats["ratios"]])
+    if info.rank != 0:
+        return
     print(f"{args.shape} x {spec.num_layers} layers, {args.samples} samples ({real_tokens} tokens; responses median "
           f"{int(statistics.median(responses))}, max {max(responses)}), passes of <= {args.micro_batch_tokens} tokens, "
           f"{device}")
