@@ -100,11 +100,12 @@ def test_mask_truncated_keeps_the_sync_check_honest(short_runs):
 @pytest.fixture(scope="module")
 def saved_rollouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay")
-    run(*SMALL, "--steps", 2, "--out", root / "reference", "--save-rollouts", root / "rollouts")
+    run(*SMALL, "--steps", 2, "--no-pack", "--out", root / "reference", "--save-rollouts", root / "rollouts")
     return root
 
 
-# (tp2_sp also packs its passes: packed at TP=2 + SP vs padded in one process)
+# The reference is padded (--no-pack) in one process; the layouts run the default, packed passes
+# (tp2_sp says so), so each compares packed at that layout with padded in one process.
 @pytest.mark.parametrize("layout", [["--tp", "2", "--sp", "--pack"], ["--pp", "2"], []], ids=["tp2_sp_pack", "pp2", "dp2"])
 def test_layouts_match_single_process(layout, saved_rollouts, tmp_path):
     run_torchrun("train_grpo.py", 2, *SMALL, "--steps", 2, *layout, "--out", tmp_path,
@@ -124,7 +125,7 @@ def test_token_budget_matches_fixed_micro_batches(tmp_path):
     from common import batch as B
 
     geometry = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--mini-batch-size", "16",
-                "--max-new-tokens", "24"]  # responses of 1 to 24 tokens: lengths vary
+                "--max-new-tokens", "24", "--no-pack"]  # responses of 1 to 24 tokens: lengths vary; padded budgets
     run(*geometry, "--micro-batch-size", "4", "--steps", 2, "--out", tmp_path / "fixed",
         "--save-rollouts", tmp_path / "rollouts")
     # the test means something only if the budget gives the two ranks different counts
