@@ -90,7 +90,9 @@ def batch_flags(p):
     """Mini-batches (optimizer steps), micro-batches (forward passes), packing, recompute."""
     g = p.add_argument_group("batches")
     g.add_argument("--mini-batch-size", type=int, default=None, help="samples per optimizer step, global (default: the whole rollout batch)")
-    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass per rank")
+    g.add_argument("--micro-batch-size", type=int, default=8,
+                   help="samples per forward pass per rank (packed passes, the default: a budget of this many times "
+                        "the step's longest sample, filled with as many whole samples as fit)")
     g.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="instead of --micro-batch-size, fill each forward pass with samples up to this many tokens per "
                         "rank (packed: the row's tokens; with --no-pack: length-sorted samples x padded length; 0 = off): "
