@@ -3,7 +3,7 @@
 # side in lanes of one or two GPUs (CUDA_VISIBLE_DEVICES); a 4-GPU machine costs the same device
 # time per second as a 2-GPU one. After the stack prefix of run_all.sh's header:
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group in two lanes of two GPUs (~6 min)
-#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests in two lanes, exit + signals on two GPUs (~8 min)
+#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases on two GPUs (~8 min)
 # Session 17 ran these lanes on nvidia-h200-x4. Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u
@@ -18,10 +18,11 @@ case ${1:-} in
   2gpu)
     lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|DP=2|deepseek EP=2 allgather' & A=$!
     lane b 2,3 2gpu 'checkpoints|deepseek EP=2, rollout|TP=1 x2' & B=$! ;;
-  1gpu)
-    lane a 0 1gpu 'offload|sdpa|logprobs|packing|recipes' & A=$!
-    lane b 1 1gpu 'agreement|moe|deepseek' & B=$!
-    lane exit 2,3 exit '' & E=$! ;;
+  1gpu)  # ~7.5-8 min per lane (session 25's times): the SIGTERM case after lane b's tests on GPU 1
+    lane a 0 1gpu 'offload|packing|recipes' & A=$!
+    ( lane b 1 1gpu 'sdpa|logprobs|agreement|moe|deepseek'; failed=$?
+      lane signals 1 exit '^signals$'; exit $((failed + $?)) ) & B=$!
+    lane exit 2,3 exit '^exit$' & E=$! ;;
   *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu"; exit 2 ;;
 esac
 FAILED=0
