@@ -42,7 +42,6 @@ def parse_layout(argv):
 
 
 def run_layout(args):
-
     from common import schedule
     from common.dist import init_distributed
     from common.critic import build_critic, load_critic_weights

@@ -1,5 +1,6 @@
 """Several parallel layouts in one torchrun launch, for the test workers (parity_worker.py,
-packing_worker.py): each torchrun start-up costs seconds of imports on the CI's two cores.
+packing_worker.py, attention_worker.py, critic_worker.py): each torchrun start-up costs seconds
+of imports on the CI's two cores.
 
     torchrun ... tests/WORKER.py BASE_FLAGS --layouts '{"tp2": ["--tp", "2"], ...}' --out R.json
 
