@@ -30,6 +30,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
+from common.fused import on_gpu_compiled
+
 
 class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
     """megatron's all-gather dispatcher without host waits: tokens sorted by expert on the device.
@@ -43,13 +45,21 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
     are other ranks' (the tail, GroupedExperts.mask_tail), and the counts per expert stay on
     the device (GroupedExperts takes them there), where megatron's dispatcher sends them to
     the host and selects rows by mask (two waits per layer and pass). The tail rows are
-    computed by no GEMM: they gather a spare zero token with probability 0 through
-    F.embedding's padding_idx, whose backward drops their (unwritten) gradients, and
-    GroupedExperts zeroes their outputs in place before megatron's combine (scatter-add, then
-    reduce-scatter over EP). (Masking the (tokens x EP x top-k, hidden) buffer out of place,
-    in and out, forward and backward, took 9% of the EP=2 step's device time; combining the
-    tail into one spare token instead made the step slower: 32k rows of atomic adds into one
-    row.)
+    computed by no GEMM and get probability 0 (a spare zero through F.embedding's padding_idx,
+    whose backward drops their gradients).
+
+    The permutation and the combine are gathers (_Permute, _Unpermute), both ways: each token's
+    top-k rows are found by one stable argsort of the rows' tokens (`order`), so the combine
+    and the permutation's backward sum each token's k rows in one pass (gather_rows_sum: the
+    tail's rows, never written by a GEMM, masked in the same pass) and the combine's backward
+    and the permutation's forward are row gathers. megatron's combine scatter-adds the rows
+    into the tokens (atomic adds over the whole tokens x EP x top-k buffer, then its backward
+    is a gather); F.embedding's backward sorted the rows again. The sums come out in the same
+    order as megatron's (each token's rows in expert order), in fp32 on a CPU the same bits;
+    in bf16 each token's sum is rounded once instead of after every add. (Masking the buffer
+    out of place, in and out, forward and backward, took 9% of the EP=2 step's device time;
+    combining the tail into one spare token made the step slower: 32k rows of atomic adds
+    into one row.) Then megatron's reduce-scatter over EP.
     """
 
     def dispatch_postprocess(self, hidden_states, probs):
@@ -63,19 +73,73 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
         picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * self.config.moe_router_topk]
         self.local_map, self.routing_map = routing_map[:, :count], None
         tokens_per_expert, probs = self.local_map.sum(0), probs.T.reshape(-1)
-        token = picks % num_tokens  # the token of each permuted row (the combine adds each row to it)
+        token = picks % num_tokens  # the token of each permuted row
         self.reversed_local_input_permutation_mapping = token
+        # (tokens, k): each token's rows, in expert order (stable), for the combine's sums
+        self.order = torch.argsort(token, stable=True).view(num_tokens, -1)
         if count == routing_map.shape[1]:  # every expert here: every row is this rank's
+            self.keep = torch.ones_like(self.order, dtype=torch.bool)
             self.local_probs = probs.index_select(0, picks)
-            return hidden_states.index_select(0, token), tokens_per_expert, self.local_probs
-        # rows past this rank's pairs gather the spare zero row (index num_tokens, probability 0),
-        # the padding_idx of F.embedding, whose backward skips it: their gradients are dropped
+            return _Permute.apply(hidden_states, token, self.order, self.keep), tokens_per_expert, self.local_probs
+        # rows past this rank's pairs: other ranks' experts; no GEMM reads or writes them, the
+        # combine and the permutation's backward leave them out (keep False; they read row 0
+        # instead, which stays in cache, and mask it)
         tail = torch.arange(len(picks), device=picks.device) >= tokens_per_expert.sum()
-        spare = hidden_states.new_zeros(1, hidden_states.shape[-1])
-        permuted = F.embedding(token.masked_fill(tail, num_tokens), torch.cat([hidden_states, spare]), num_tokens)
-        picks = picks.masked_fill(tail, len(probs))
+        self.keep = ~tail[self.order]
+        self.order = self.order.masked_fill(~self.keep, 0)
+        picks = picks.masked_fill(tail, len(probs))  # probability 0, no gradient (padding_idx)
         self.local_probs = F.embedding(picks, torch.cat([probs, probs.new_zeros(1)])[:, None], len(probs))[:, 0]
-        return permuted, tokens_per_expert, self.local_probs
+        return _Permute.apply(hidden_states, token, self.order, self.keep), tokens_per_expert, self.local_probs
+
+    def combine_preprocess(self, hidden_states):
+        """The experts' rows (weighted by their probs) summed per token: (tokens, hidden), before
+        megatron's reduce-scatter over EP."""
+        return _Unpermute.apply(hidden_states, self.reversed_local_input_permutation_mapping, self.order, self.keep)
+
+
+@on_gpu_compiled
+def gather_rows_sum(rows, order, keep):
+    """(R, H) rows -> (T, H): token t's sum of rows order[t, 0..k-1] where keep[t] (T, k) is True
+    (the others count as zero, whatever they hold); fp32 accumulation, one rounding. On a GPU
+    one kernel over (T, H) with k coalesced row loads per token (common/fused.py; written as a
+    reduction over k, inductor's kernel read the rows 4x slower)."""
+    total = None
+    for j in range(order.shape[1]):
+        term = torch.where(keep[:, j, None], rows.index_select(0, order[:, j]), 0).float()
+        total = term if total is None else total + term
+    return total.to(rows.dtype)
+
+
+class _Permute(torch.autograd.Function):
+    """hidden (T, H) -> rows (R, H) = hidden[token]: each token copied to its k rows. Backward:
+    each token's rows' gradients summed (gather_rows_sum over `order`; the tail rows', never
+    written by the grouped GEMM's backward, left out by `keep`), where index_select's backward
+    adds atomically and F.embedding's sorts."""
+
+    @staticmethod
+    def forward(ctx, hidden, token, order, keep):
+        ctx.save_for_backward(order, keep)
+        return hidden.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, keep = ctx.saved_tensors
+        return gather_rows_sum(grad, order, keep), None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """rows (R, H) -> (T, H): each token's rows summed, the tail's left out (gather_rows_sum).
+    Backward: every row gets its token's gradient (a gather; the tail rows' are read by no GEMM)."""
+
+    @staticmethod
+    def forward(ctx, rows, token, order, keep):
+        ctx.save_for_backward(token)
+        return gather_rows_sum(rows, order, keep)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        return grad.index_select(0, token), None, None, None
 
 
 def sort_tokens_on_device(chunks):
@@ -176,6 +240,14 @@ def _grouped_mm_usable(weight, num_local_experts):
     return all(size * weight.element_size() % 16 == 0 for size in weight.shape)
 
 
+@on_gpu_compiled
+def swiglu_weighted(h, probs):
+    """(N, 2F) fc1 output -> (N, F): SiLU(gate) * up, weighted by each row's router prob (N,), in
+    h's dtype. On a GPU one kernel forward and backward (eager: silu, two multiplies, a cast)."""
+    gate, up = h.chunk(2, dim=-1)
+    return (F.silu(gate) * up * probs.unsqueeze(-1)).to(h.dtype)
+
+
 class _StackedWeights(torch.autograd.Function):
     """torch.stack of the local experts' weights, (E_local, ...), whose backward adds each expert's
     slice of the gradient straight into that weight's fp32 main_grad (megatron DDP's buffer) with
@@ -219,7 +291,7 @@ class GroupedExperts(SequentialMLP):
     grouped = True      # False: always the per-expert loop (bench/moe.py compares the two)
     fuse_wgrad = False  # True: weight gradients added into main_grad by _StackedWeights (set for training)
     mask_tail = False   # True: rows past this rank's experts' belong to other ranks (DeviceSortDispatcher at EP > 1):
-                        # no GEMM computes them, their outputs are zeroed in place
+                        # no GEMM computes them (the loop returns zeros there), the combine leaves them out
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -253,29 +325,9 @@ class GroupedExperts(SequentialMLP):
         stack = (lambda w: _StackedWeights.apply(w[0], w)) if self.fuse_wgrad and torch.is_grad_enabled() else torch.stack
         w1 = stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
         w2 = stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
-        h = torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends)  # (N, 2F/etp)
-        gate, up = h.chunk(2, dim=-1)
-        h = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)  # weighted by the router's probs
-        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H)
-        if self.mask_tail:  # rows past ends[-1] (other ranks' pairs) are written by no GEMM: zeros
-            out = _ZeroTail.apply(out, torch.arange(out.shape[0], device=out.device) >= ends[-1])
-        return out, None  # no bias
-
-
-class _ZeroTail(torch.autograd.Function):
-    """out.masked_fill_(tail rows, 0) in place: one pass over the buffer, where out.where(...)
-    reads and writes a copy. The backward passes the gradient through unmasked: the grouped
-    GEMM that made `out` never reads the tail rows of its gradient (as it never wrote them), and
-    the tail's inputs get no gradient (DeviceSortDispatcher's padding_idx)."""
-
-    @staticmethod
-    def forward(ctx, out, tail):
-        ctx.mark_dirty(out)
-        return out.masked_fill_(tail.unsqueeze(-1), 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        h = swiglu_weighted(torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends), probs)  # (N, F/etp)
+        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H); with mask_tail, rows past
+        return out, None  # ends[-1] (other ranks' pairs) are written by no GEMM: the combine skips them
 
 
 def routers(chunks):

@@ -161,6 +161,40 @@ def test_device_sorted_dispatch_equals_megatrons(tmp_path):
         assert r["loss_diff"] == 0.0 and r["max_grad_diff"] == 0.0, r
 
 
+def test_moe_kernels_compiled_equal_eager():
+    """The two functions of common/moe.py that inductor compiles on a GPU, compiled here on a
+    CPU, against their eager code and float64: gather_rows_sum (the combine and the
+    permutation's backward: each token's kept rows summed, the others, which hold NaN here as
+    the never-written tail may, leave no trace) and swiglu_weighted with its gradients."""
+    from common.fused import compile_fn
+    from common.moe import gather_rows_sum, swiglu_weighted
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, k, hidden = 6, 4, 16
+    rows = torch.randn(tokens * k, hidden, generator=gen)
+    order = torch.randperm(tokens * k, generator=gen).view(tokens, k)
+    keep = torch.rand(tokens, k, generator=gen) > 0.3
+    rows[order[~keep]] = float("nan")
+    expected = torch.stack([sum((rows[i].double() for i, kept in zip(order[t], keep[t]) if kept),
+                                torch.zeros(hidden, dtype=torch.float64)) for t in range(tokens)])
+    compiled = compile_fn(gather_rows_sum.eager)
+    for fn in (gather_rows_sum, compiled):
+        assert (fn(rows, order, keep).double() - expected).abs().max() < 1e-6
+        assert (fn(rows.bfloat16(), order, keep).double() - expected).abs().max() < 0.05
+
+    h = torch.randn(10, 2 * hidden, generator=gen, requires_grad=True)
+    probs = torch.rand(10, generator=gen, requires_grad=True)
+    weights = torch.randn(10, hidden, generator=gen)
+    results = []
+    for fn in (swiglu_weighted, compile_fn(swiglu_weighted.eager)):
+        out = fn(h, probs)
+        results.append((out, *torch.autograd.grad((out * weights).sum(), (h, probs))))
+    gate, up = h.double().chunk(2, dim=-1)
+    assert (results[0][0].double() - torch.nn.functional.silu(gate) * up * probs.double()[:, None]).abs().max() < 1e-6
+    for eager, comp in zip(*results):
+        assert (eager - comp).abs().max() < 1e-5
+
+
 def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
     """train_grpo.py --embedded-model moe at EP=2 (gloo; megatron's all-to-all dispatcher): the
     embedded task is learned (greedy validation), and the expert-load and aux-loss metrics are
