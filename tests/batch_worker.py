@@ -82,7 +82,9 @@ def main():
         full_tokens=full_tokens, cut_tokens=cut_tokens, width=batch["tokens"].shape[1])))
 
 
-def adam():
+def adam(clip_grad=0.0):
+    """Two steps of setup_training's optimizer against Adam by hand; clip_grad > 0: with
+    gradients clipped to that total norm (common/training.py's foreach multiply)."""
     from common import schedule
     from common import rl
     from common.training import setup_training, torch_adams
@@ -90,14 +92,14 @@ def adam():
     spec, chunks = tiny_model(sys.argv[1])
     lr, weight_decay, (beta1, beta2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
     model, optimizer, scheduler = setup_training(chunks, lr=lr, weight_decay=weight_decay, adam_betas=(beta1, beta2),
-                                                 adam_eps=eps, clip_grad=0.0)
+                                                 adam_eps=eps, clip_grad=clip_grad)
     fused = all(g["fused"] for adam in torch_adams(optimizer) for g in adam.param_groups)
     named = list(model[0].named_parameters())
     expected = {n: p.detach().clone() for n, p in named}
     m = {n: torch.zeros_like(p) for n, p in named}
     v = {n: torch.zeros_like(p) for n, p in named}
     gen = torch.Generator().manual_seed(1)
-    errors, norm_errors = [], []
+    errors, norm_errors, clipped = [], [], []
     for t in (1, 2):
         tokens = torch.randint(3, spec.vocab_size, (2, 16), generator=gen)
         mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
@@ -107,10 +109,13 @@ def adam():
             return -logprobs.mean(), {}
 
         _, grad_norm = schedule.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
+        # the step clipped main_grad in place (if at all): its norm is then grad_norm * coeff
         by_hand = sum(float(p.main_grad.double().square().sum()) for _, p in named) ** 0.5
-        norm_errors.append(abs(grad_norm - by_hand) / by_hand)
+        coeff = min(1.0, clip_grad / (grad_norm + 1e-6)) if clip_grad > 0 else 1.0
+        norm_errors.append(abs(grad_norm * coeff - by_hand) / by_hand)
+        clipped.append(coeff < 1.0)
         for n, p in named:
-            g = p.main_grad
+            g = p.main_grad  # the gradient the update used
             m[n] = beta1 * m[n] + (1 - beta1) * g
             v[n] = beta2 * v[n] + (1 - beta2) * g * g
             decay = 0.0 if n.endswith(".bias") or p.dim() == 1 else weight_decay
@@ -118,7 +123,7 @@ def adam():
             expected[n] = expected[n] * (1 - lr * decay) - lr * update
             errors.append(float((p.detach() - expected[n]).abs().max()))
     print("RESULT " + json.dumps(dict(fused=fused, max_err=max(errors), params=len(named), grad_norm_rel_err=max(norm_errors),
-                                      optimizer=type(optimizer).__name__)))
+                                      optimizer=type(optimizer).__name__, clip_grad=clip_grad, clipped=clipped)))
 
 
 def wgrad(hf_dir):
@@ -223,4 +228,4 @@ if __name__ == "__main__":
         for hf_dir in sys.argv[1].split(","):
             {"wgrad": wgrad, "dispatch": dispatch}[mode](hf_dir)
     else:
-        {"adam": adam}.get(mode, main)()
+        {"adam": lambda: [adam(clip) for clip in (0.0, 0.05)]}.get(mode, main)()

@@ -16,19 +16,23 @@ from tests.conftest import ROOT, run_batch_worker
 def test_train_step_is_adamw_by_hand(tmp_path):
     """Two optimizer steps of setup_training's (fused) AdamW equal the formula applied here to
     the same gradients, and the gradient norm it reports (common/training.py's foreach norm,
-    not megatron's fallback) equals the one computed here."""
+    not megatron's fallback) equals the one computed here; then again with the gradients
+    clipped to a total norm of 0.05 (common/training.py's foreach multiply): both steps clip."""
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
     proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2"), "adam"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    print(r)
-    assert r["fused"]
-    assert r["max_err"] < 1e-6  # the step itself is lr = 1e-2 per element
-    assert r["optimizer"] == "ForeachNormOptimizer"
-    assert r["grad_norm_rel_err"] < 1e-6
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["clip_grad"] for r in results] == [0.0, 0.05]
+    for r in results:
+        print(r)
+        assert r["fused"]
+        assert r["max_err"] < 1e-6  # the step itself is lr = 1e-2 per element
+        assert r["optimizer"] == "ForeachNormOptimizer"
+        assert r["grad_norm_rel_err"] < 1e-6
+        assert r["clipped"] == [r["clip_grad"] > 0] * 2
 
 
 def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
