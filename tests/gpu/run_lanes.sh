@@ -2,8 +2,9 @@
 # tests/gpu/run_all.sh on a 4-GPU machine in two device calls of < 10 minutes, the tests side by
 # side in lanes of one or two GPUs (CUDA_VISIBLE_DEVICES); a 4-GPU machine costs the same device
 # time per second as a 2-GPU one. After the stack prefix of run_all.sh's header:
-#   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group in two lanes of two GPUs (~6 min)
-#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases on two GPUs (~8 min)
+#   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group but one test, in two lanes of two GPUs (~8 min)
+#   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases
+#                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
 # Session 17 ran these lanes on nvidia-h200-x4. Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u
@@ -16,13 +17,16 @@ lane() {  # lane NAME GPUS MODE ONLY
 }
 case ${1:-} in
   2gpu)
-    lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|DP=2|deepseek EP=2 allgather' & A=$!
+    lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|deepseek EP=2 allgather' & A=$!
     lane b 2,3 2gpu 'checkpoints|deepseek EP=2, rollout|TP=1 x2' & B=$! ;;
-  1gpu)  # ~7.5-8 min per lane (session 25's times): the SIGTERM case after lane b's tests on GPU 1
+  1gpu)  # ~6.5-7 min per lane (session 26's times): the SIGTERM case after lane b's tests on GPU 1,
+         # and the DP=2 agreement test after the exit cases on GPUs 2,3 (in session 26 the 2gpu
+         # call's lane a ran out of its 560 s in that test, its last)
     lane a 0 1gpu 'offload|packing|recipes' & A=$!
     ( lane b 1 1gpu 'sdpa|logprobs|agreement|moe|deepseek'; failed=$?
       lane signals 1 exit '^signals$'; exit $((failed + $?)) ) & B=$!
-    lane exit 2,3 exit '^exit$' & E=$! ;;
+    ( lane exit 2,3 exit '^exit$'; failed=$?
+      lane dp2 2,3 2gpu 'DP=2'; exit $((failed + $?)) ) & E=$! ;;
   *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu"; exit 2 ;;
 esac
 FAILED=0
