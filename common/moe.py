@@ -82,8 +82,8 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
             self.local_probs = probs.index_select(0, picks)
             return _Permute.apply(hidden_states, token, self.order, self.keep), tokens_per_expert, self.local_probs
         # rows past this rank's pairs: other ranks' experts; no GEMM reads or writes them, the
-        # combine and the permutation's backward leave them out (keep False; they read row 0
-        # instead, which stays in cache, and mask it)
+        # combine and the permutation's backward leave them out (keep False: their order entry
+        # points at row 0, whose value is masked)
         tail = torch.arange(len(picks), device=picks.device) >= tokens_per_expert.sum()
         self.keep = ~tail[self.order]
         self.order = self.order.masked_fill(~self.keep, 0)
