@@ -170,7 +170,7 @@ class PendingWrite:
 
         self.request = request
         self.results = queue.Queue()  # (bucket index, write results or the exception)
-        self.notes = {}  # bucket index -> what a failure's message adds (the free disk space)
+        self.space = {}  # bucket index -> (bytes free, room for the file) seen after its write failed
         self.threads = []
         self.buckets = []
         self.stage_s = 0.0  # seconds of copying to host memory
@@ -229,8 +229,7 @@ class PendingWrite:
             free = shutil.disk_usage(os.path.dirname(bucket[0])).free
             room = free >= bucket_bytes(bucket)
             if attempt == attempts or not room:  # what error() adds to the failure's message
-                self.notes[index] = (f" ({_size(free)} free on its filesystem"
-                                     f"{', less than the file needs: the disk is full' if not room else ''})")
+                self.space[index] = (free, room)
                 break
             print(f"[checkpoint] writing {bucket[0]} failed ({type(outcome[1]).__name__}: {outcome[1]}); "
                   "writing it again", file=sys.stderr, flush=True)
@@ -247,11 +246,14 @@ class PendingWrite:
     def error(self):
         """None, or what went wrong writing this rank's files (after written())."""
         self.outcomes = dict(self.results.get_nowait() for _ in range(self.results.qsize()))
-        failed = [f"{type(e).__name__}: {e}{self.notes.get(index, '')}" for index, e in self.outcomes.items()
-                  if isinstance(e, BaseException)]
+        by_message = {}  # one entry per distinct error: the files' (free, room), free measured per file
+        for index, e in sorted(self.outcomes.items()):
+            if isinstance(e, BaseException):
+                by_message.setdefault(f"{type(e).__name__}: {e}", []).append(self.space.get(index))
+        failed = [message + _space_note(spaces) for message, spaces in by_message.items()]
         if len(self.outcomes) != len(self.buckets):
             failed.append(f"{len(self.buckets) - len(self.outcomes)} file writer(s) gave no result")
-        return "; ".join(dict.fromkeys(failed)) or None  # each message once
+        return "; ".join(failed) or None
 
     def finalize(self):
         """megatron's finalize: every rank's write results to rank 0, which writes .metadata,
@@ -284,6 +286,19 @@ def disk_space_shortfall(buckets):
     return (f"not enough disk space for this rank's checkpoint files: they need {_size(need)}, "
             f"{_size(free)} is free on the filesystem of {directory}. Free space there, keep fewer "
             "checkpoints (--keep-checkpoints) or write the run to a larger disk (--out)")
+
+
+def _space_note(spaces):
+    """What a write error's message adds: how many files failed with it (when more than one),
+    the least free space seen after those failures, and whether a file did not fit. One
+    note per distinct error, so that two files failing alike read as one failure (the free
+    space, measured after each, differs by what other writers wrote meanwhile)."""
+    seen = [s for s in spaces if s is not None]
+    if not seen:  # e.g. the shortfall found before writing, one message for the rank's files
+        return ""
+    count = f"{len(seen)} files" if len(seen) > 1 else ""
+    full = ", less than a file needs: the disk is full" if not all(room for _, room in seen) else ""
+    return f" ({count + '; ' if count else ''}{_size(min(free for free, _ in seen))} free on its filesystem{full})"
 
 
 def _size(nbytes):
