@@ -67,6 +67,12 @@ SHAPES["tiny-moe"] = dict(SHAPES["qwen3-30b-a3b-6l"], vocab_size=512, hidden_siz
                           head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
                           torch_dtype="float32")
 
+# the Qwen3-30B-A3B layout (48 layers, 128 experts, top-8, q/k norms) at CPU widths: a step
+# dispatches as many ops as the real model's (--count-ops; --num-layers as on the GPU)
+SHAPES["qwen3-30b-a3b-narrow"] = dict(SHAPES["qwen3-30b-a3b"], vocab_size=512, hidden_size=64, intermediate_size=128,
+                                      moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, max_position_embeddings=8192, torch_dtype="float32")
+
 
 def write_config_dir(out_dir, shape):
     """A model dir with only config.json: enough for build_model (random init) and for vLLM
@@ -263,6 +269,106 @@ def host_syncs(fn):
         if "synchroniz" in str(w.message):
             counts[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
     return [(n, where) for where, n in counts.most_common()]
+
+
+def count_ops(fn, top=40):
+    """Run fn() once counting the tensor operations it dispatches (aten ops and collectives; not
+    views, allocations or CPU scalars): on a GPU nearly every one is a kernel launch, so a CPU
+    run counts the launches the same step makes on a GPU, whose host they bind, and names the
+    code that makes them. Each op is counted under its pass, "forward" (recorded by autograd),
+    "no_grad" (not recorded: the logprob pass, the optimizer, a custom autograd Function's
+    forward) or "backward", and under the innermost frame of the project (common/, the scripts,
+    the tests) or of megatron-core that made it; a backward op under the frame that made its
+    autograd node in the forward (autograd's anomaly mode records it), else under the node's
+    name. A function that common/fused.py compiles on a GPU (eager on a CPU) and torch's
+    RMSNorm (a fused CUDA kernel, decomposed on a CPU) count as one op per call, plus one
+    backward op per call recorded by autograd (inductor's fused kernels; a few more where it
+    cannot fuse, e.g. a sort). Returns dict(total, by_pass, sites=[[count, pass, site], ...]
+    the `top` most first, ops=[[count, op], ...] of the ops outside those functions)."""
+    import collections
+    import re
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from common import fused
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    skip = (os.path.abspath(__file__), os.path.join(root, "common", "cpu_compat.py"))
+    compiled = {(f.__code__.co_filename, f.__code__.co_name): f"compiled: {f.__module__}.{f.__name__}"
+                for f in fused.COMPILED_ON_GPU}
+    # torch's RMSNorm: one CUDA kernel each way (aten::_fused_rms_norm), decomposed on a CPU
+    norm = torch.nn.functional.rms_norm
+    compiled[norm.__code__.co_filename, norm.__code__.co_name] = "fused on a GPU: torch.nn.functional.rms_norm"
+
+    def label(filename, function):
+        if "megatron" + os.sep in filename:
+            return "megatron" + os.sep + filename.split("megatron" + os.sep, 1)[1] + ":" + function
+        if filename.startswith(root) and filename not in skip and os.sep + "site-packages" + os.sep not in filename:
+            return os.path.relpath(filename, root) + ":" + function
+        return None
+
+    def live_site():  # (site, the frame of the compiled function the op is in, or None)
+        frame, site = sys._getframe(2), None
+        while frame is not None:
+            key = (frame.f_code.co_filename, frame.f_code.co_name)
+            if key in compiled:
+                return compiled[key], frame
+            site = site or label(*key)
+            frame = frame.f_back
+        return site or "?", None
+
+    def backward_site(node):  # the forward frames anomaly mode recorded for the node, innermost last
+        frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', "".join(node.metadata.get("traceback_", [])))
+        if any(key in compiled for key in frames):
+            return None  # counted with its compiled forward
+        return next(filter(None, (label(*key) for key in reversed(frames))), type(node).__name__)
+
+    by_site, by_op, last_call = collections.Counter(), collections.Counter(), [None]
+    aten = torch.ops.aten  # ops that launch nothing on a GPU: allocations, views without the view tag, CPU scalars
+    no_kernel = {aten.detach, aten.alias, aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided,
+                 aten.new_empty, aten.new_empty_strided, aten.scalar_tensor}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket not in no_kernel:
+                node = torch._C._current_autograd_node()
+                where = "backward" if node is not None else "forward" if torch.is_grad_enabled() else "no_grad"
+                site, call = live_site()
+                if call is not None:  # in a compiled function (e.g. one a custom backward calls): one per call
+                    if call is not last_call[0]:
+                        by_site[where, site] += 1
+                        if where == "forward":  # and its backward
+                            by_site["backward", site] += 1
+                elif node is not None:  # a backward op: under the code that made its node
+                    site = backward_site(node)
+                    if site:
+                        by_site[where, site] += 1
+                        by_op[str(func.overloadpacket)] += 1
+                else:
+                    by_site[where, site] += 1
+                    by_op[str(func.overloadpacket)] += 1
+                last_call[0] = call  # held: a new call is a new frame object
+            return func(*args, **(kwargs or {}))
+
+    with torch.autograd.detect_anomaly(check_nan=False), Counter():
+        fn()
+    last_call[0] = None
+    by_pass = collections.Counter()
+    for (where, _), n in by_site.items():
+        by_pass[where] += n
+    return dict(total=sum(by_pass.values()), by_pass=dict(by_pass),
+                sites=[[n, where, name] for (where, name), n in by_site.most_common(top)],
+                ops=[[n, op] for op, n in by_op.most_common(top)])
+
+
+def format_op_counts(counts):
+    """Lines of text for count_ops' result."""
+    lines = [f"tensor ops dispatched in one step: {counts['total']} ("
+             + ", ".join(f"{where} {n}" for where, n in counts["by_pass"].items()) + "); by site:"]
+    lines += [f"  {n:7d}  {where:8s} {name}" for n, where, name in counts["sites"]]
+    lines.append("  by op: " + ", ".join(f"{op} {n}" for n, op in counts["ops"][:12]))
+    return lines
 
 
 def format_kernel_summary(summary):

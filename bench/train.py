@@ -59,7 +59,11 @@ eager (the RoPE fusion's own gain). --profile adds, for the candidate: device ti
 category and the top kernels of one profiled step, the device's idle share, the host's top ops,
 the host ops that launched the most device time (with input shapes), the source lines where
 the host waited for the device (torch.cuda.set_sync_debug_mode), and the logprob kernels timed
-alone.
+alone. --count-ops (a CPU run) counts the tensor ops one more step dispatches, by pass and by the
+code that dispatched them: the kernel launches of the same step on a GPU, whose host they bind
+(e.g. `torchrun --nproc_per_node 2 bench/train.py --shape tiny-moe --ep 2 --moe-dispatcher
+allgather --num-layers 4 --count-ops --no-baseline`; the layers' share is the difference of two
+--num-layers).
 
 Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
 """
@@ -79,7 +83,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from harness import SHAPES, format_kernel_summary, max_over_ranks, timed  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
+from harness import SHAPES, format_kernel_summary, format_op_counts, max_over_ranks, timed  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
 
 from common.flops import forward_flops_per_token, peak_tflops as default_peak_tflops  # noqa: E402  (one FLOP convention with the scripts' metrics)
 
@@ -161,6 +165,10 @@ def build_parser():
                    help="with --profile: every rank writes the profiled step's device kernels (name, start, duration) "
                         "and its top host ops to DIR/kernels_rank<r>.json.gz, e.g. to see which EP rank arrives late "
                         "at each collective and why")
+    p.add_argument("--count-ops", action="store_true",
+                   help="(CPU runs) after the candidate's timed steps, count the tensor ops one more step dispatches "
+                        "(rank 0), by pass and by the code that dispatched them: the kernel launches a GPU would make "
+                        "(harness.count_ops)")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data")
     return p
 
@@ -260,21 +268,21 @@ def allgather_switch(model):
 
 
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
-               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None,
+               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None, count=False,
                wgrad_fusion=True, device_sort=True, ab=None):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
     per timed step its seconds and [logprob pass, forward/backward, optimizer] seconds, each the
     slowest rank's; profile: harness.profile_kernels of one more step (rank 0's) or None (trace:
-    its folder for every rank's kernel list).
+    its folder for every rank's kernel list); op_counts: harness.count_ops of one more step (count).
     """
     from common import batch as B
     from common import schedule
     from common import attention_cp, fused, linear, rl
     from common.model import build_model
     from common.training import fuse_wgrad_accumulation, setup_training
-    from harness import host_syncs, paired_ratios, profile_kernels, run_pairs
+    from harness import count_ops, host_syncs, paired_ratios, profile_kernels, run_pairs
     from megatron.core import parallel_state as mpu
 
     fused.COMPILE = kernels != "eager"
@@ -342,7 +350,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     model = optimizer = scheduler = ab_pairs = None
     old_logprobs = torch.zeros(num_rows + 1, seq_len, device=info.device)  # (N, T) + scatter_tokens' spare row
     batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
-    phase_times, oom, kernels = [], False, None  # per timed step: [logprob, fwd_bwd, optimizer] seconds
+    phase_times, oom, kernels, op_counts = [], False, None, None  # per timed step: [logprob, fwd_bwd, optimizer] seconds
     check = {}  # the first step's mean old logprob over response tokens and gradient norm
     try:
         chunks = build_model(spec, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp, dtype=dtype,
@@ -381,6 +389,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
             kernels = profile_kernels(training_step, info.device,
                                       trace=trace and os.path.join(trace, f"kernels_rank{info.rank}.json.gz"))
             kernels["syncs"] = host_syncs(training_step) if on_gpu else None
+        if count:
+            op_counts = count_ops(training_step)
     except torch.OutOfMemoryError:  # the traceback (and its tensors) is dropped at the end of this block
         oom = True
     peak = torch.cuda.max_memory_allocated() if on_gpu else None
@@ -397,7 +407,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     return dict(step_times=[max_over_ranks(sum(phases), info.device) for phases in phase_times],
                 phase_times=[[max_over_ranks(t, info.device) for t in phases] for phases in phase_times],
                 peak_bytes=max_over_ranks(peak, info.device) if on_gpu else None, profile=kernels, check=check,
-                ab=ab_pairs)
+                ab=ab_pairs, op_counts=op_counts)
 
 
 def time_logprob_kernels(num_tokens, v_local, dtype, device, reps=5):
@@ -447,7 +457,8 @@ def summarize(run, *, tokens_per_step, flops_per_step, flops_per_step_full, worl
     achieved = flops_per_step / step_s  # model FLOP/s, all devices together
     mfu = achieved / (world_size * peak_flops) if peak_flops else None
     mfu_full = flops_per_step_full / step_s / (world_size * peak_flops) if peak_flops else None
-    return dict(status="ok", profile=run.get("profile"), first_step=run["check"], ab=run.get("ab"),
+    return dict(status="ok", profile=run.get("profile"), op_counts=run.get("op_counts"), first_step=run["check"],
+                ab=run.get("ab"),
                 tokens=tokens_per_step * len(times), seconds=sum(times),
                 tokens_per_s=tokens_per_step * len(times) / sum(times), step_s=step_s,
                 tokens_per_s_per_device=tokens_per_step * len(times) / sum(times) / world_size,
@@ -483,6 +494,9 @@ def main():
 
     info = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
+    if args.count_ops and on_gpu:
+        raise SystemExit("--count-ops is for CPU runs (CUDA_VISIBLE_DEVICES= ...): on a GPU, --profile counts the "
+                         "kernel launches (cudaLaunchKernel in its host ops)")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     peak_tflops = args.peak_tflops or (default_peak_tflops(device_name) if on_gpu else None)
@@ -522,6 +536,7 @@ def main():
     # ---- candidate, then baseline (megatron-core's local spec as it comes), same batch
     candidate = summarize(run_config(spec, info, batch, attention=args.attention, overrides=overrides,
                                      kernels=args.kernels, profile=args.profile, trace=args.trace, ab=args.ab,
+                                     count=args.count_ops,
                                      **common),
                           **numbers)
     left_gib = torch.cuda.memory_allocated() / 2**30 if on_gpu else None  # what the first run left behind
@@ -563,6 +578,9 @@ def main():
                    f"(min {a['min']:.3f}, max {a['max']:.3f}); median step off {a['a_median']:.3f} s, on {a['b_median']:.3f} s")
         if r.get("profile"):
             for line in format_kernel_summary(r["profile"]):
+                print0(f"{'':4s}{line}")
+        if r.get("op_counts"):
+            for line in format_op_counts(r["op_counts"]):
                 print0(f"{'':4s}{line}")
     logprob_kernels = None
     if args.profile and on_gpu:  # the vocabulary part of the loss alone, one micro-batch's worth

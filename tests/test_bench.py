@@ -5,6 +5,9 @@
 - bench/harness.py's paired statistics by hand: run_pairs alternates which side goes first and
   drops the warm-up pairs; paired_ratios gives the median / min / max of the per-pair ratios
   (not the ratio of the medians) and each side's median;
+- bench/harness.py's op counter by hand (each op once, under its pass and the code that made
+  it; a function compiled on a GPU or torch's RMSNorm one op per call), and bench/train.py
+  --count-ops on the tiny MoE against counts made from its shape;
 - bench/train.py, 1 process: tokens = num_seqs * seq_len * steps, tokens/s = tokens / seconds,
   the model FLOPs per step equal a count made by hand below from the tiny shape, MFU = FLOPs /
   s / peak, the baseline (local attention) ran and the ratio is candidate / baseline; the
@@ -29,6 +32,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun, script_env
 
@@ -113,6 +117,79 @@ def test_summarize_kernels_by_hand():
     assert s["categories"] == pytest.approx({"matmul": 0.08, "attention": 0.02, "elementwise": 0.01,
                                              "fused (triton)": 0.005})
     assert s["top"][0] == (pytest.approx(0.08), 2, "sm90_xmma_gemm_bf16")
+
+
+class _BackwardCallsCompiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from common.moe import swiglu_weighted
+
+        return swiglu_weighted(torch.cat([grad, grad], -1), torch.ones(len(grad)))  # cat, ones, compiled
+
+
+def _counted_step(x, w, probs):
+    from common.moe import swiglu_weighted
+
+    h = (_BackwardCallsCompiled.apply(x) * 2).sum(-1, keepdim=True) + x  # (clone), mul, sum, add
+    h = torch.nn.functional.rms_norm(h, (8,), w)  # one fused kernel on a GPU (6 ops on a CPU)
+    return swiglu_weighted(torch.cat([h, h], -1), probs).sum()  # cat, compiled on a GPU (4 ops here), sum
+
+
+def test_count_ops_by_hand():
+    """harness.count_ops: every op counted once under its pass and the code that made it; a
+    function common/fused.py compiles on a GPU and torch's RMSNorm are one op per call each
+    way, however many they dispatch on a CPU (two calls in a row are two; one that a custom
+    backward calls is one backward op)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from common.moe import swiglu_weighted
+    from harness import count_ops
+
+    x, w, probs = torch.randn(4, 8, requires_grad=True), torch.ones(8, requires_grad=True), torch.rand(4)
+
+    def fn():
+        _counted_step(x, w, probs).backward()
+        with torch.no_grad():
+            _counted_step(x, w, probs)
+            swiglu_weighted(torch.ones(4, 16), probs)
+            swiglu_weighted(torch.ones(4, 16), probs)  # ones: one fill each
+
+    r = count_ops(fn)
+    sites = {(where, name): n for n, where, name in r["sites"]}
+    mine, swiglu = "tests/test_bench.py:_counted_step", "compiled: common.moe.swiglu_weighted"
+    norm = "fused on a GPU: torch.nn.functional.rms_norm"
+    assert sites["forward", mine] == 5 and sites["no_grad", mine] == 5  # mul, sum, add, cat, sum
+    assert sites["no_grad", "tests/test_bench.py:forward"] == 2  # the clone: a custom forward is not recorded
+    assert sites["forward", "tests/test_bench.py:fn"] == 1  # backward()'s ones_like
+    assert sites["no_grad", "tests/test_bench.py:fn"] == 2  # the two torch.ones
+    assert sites["forward", norm] == sites["no_grad", norm] == sites["backward", norm] == 1
+    assert sites["forward", swiglu] == 1 and sites["no_grad", swiglu] == 3
+    assert sites["backward", swiglu] == 2  # its own backward, and the call in _BackwardCallsCompiled.backward
+    assert r["by_pass"]["forward"] == 8 and r["by_pass"]["no_grad"] == 13
+    # the backward of the eager ops only, under the frame that made them (mul, add, cat: sum's is a
+    # view), and the custom backward's cat and ones under the forward that made its node
+    assert all(name in (mine, norm, swiglu) for where, name in sites if where == "backward")
+    assert sites["backward", mine] >= 4
+    assert r["total"] == sum(n for n, _, _ in r["sites"]) == sum(r["by_pass"].values())
+
+
+def test_count_ops_flag_tiny_moe():
+    """bench/train.py --count-ops: one step of the tiny MoE (2 layers, 8 experts), its ops by site
+    in BENCH_JSON. Counts made by hand from the shape: megatron's distributed optimizer copies
+    each updated parameter into the model with its own copy (2 layers x (QKV, proj, q/k norms,
+    2 layer norms, router, 8 experts x fc1/fc2) + embedding, final norm, LM head: 49 tensors);
+    each pass runs RMSNorm 2 x 4 + 1 times (one kernel each way on a GPU)."""
+    r = bench_json(run("--shape", "tiny-moe", "--steps", 1, "--warmup", 1, "--no-baseline", "--count-ops",
+                       "--seq-len", 64, "--num-seqs", 2, "--micro-batch-size", 2))
+    counts = r["candidate"]["op_counts"]
+    sites = {(where, name): n for n, where, name in counts["sites"]}
+    assert sites["no_grad", "megatron/core/optimizer/distrib_optimizer.py:copy_group_params"] == 2 * (7 + 16) + 3
+    norm = "fused on a GPU: torch.nn.functional.rms_norm"
+    assert sites["no_grad", norm] == sites["forward", norm] == sites["backward", norm] == 2 * 4 + 1
+    assert counts["total"] == sum(counts["by_pass"].values()) > sum(n for n, _, _ in counts["sites"])
 
 
 def test_run_pairs_alternates_and_drops_warmup():
