@@ -284,7 +284,7 @@ def count_ops(fn, top=40):
     RMSNorm (a fused CUDA kernel, decomposed on a CPU) count as one op per call, plus one
     backward op per call recorded by autograd (inductor's fused kernels; a few more where it
     cannot fuse, e.g. a sort). Returns dict(total, by_pass, sites=[[count, pass, site], ...]
-    the `top` most first, ops=[[count, op], ...] of the ops outside those functions)."""
+    the `top` most first, ops=[[count, op], ...] all ops outside those functions, most first)."""
     import collections
     import re
     import sys
@@ -359,7 +359,7 @@ def count_ops(fn, top=40):
         by_pass[where] += n
     return dict(total=sum(by_pass.values()), by_pass=dict(by_pass),
                 sites=[[n, where, name] for (where, name), n in by_site.most_common(top)],
-                ops=[[n, op] for op, n in by_op.most_common(top)])
+                ops=[[n, op] for op, n in by_op.most_common()])
 
 
 def format_op_counts(counts):

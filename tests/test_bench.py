@@ -187,6 +187,7 @@ def test_count_ops_flag_tiny_moe():
     counts = r["candidate"]["op_counts"]
     sites = {(where, name): n for n, where, name in counts["sites"]}
     assert sites["no_grad", "megatron/core/optimizer/distrib_optimizer.py:copy_group_params"] == 2 * (7 + 16) + 3
+    assert "aten._foreach_copy_" not in {op for _, op in counts["ops"]}
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
     assert sites["no_grad", norm] == sites["forward", norm] == sites["backward", norm] == 2 * 4 + 1
     assert counts["total"] == sum(counts["by_pass"].values()) > sum(n for n, _, _ in counts["sites"])
