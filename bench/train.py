@@ -83,6 +83,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from features import FEATURES, ab_switches  # noqa: E402
 from harness import SHAPES, format_kernel_summary, format_op_counts, max_over_ranks, timed  # noqa: E402  (Qwen2 0.5B/1.5B/7B config.json dicts, and "tiny")
 
 from common.flops import forward_flops_per_token, peak_tflops as default_peak_tflops  # noqa: E402  (one FLOP convention with the scripts' metrics)
@@ -143,16 +144,11 @@ def build_parser():
                         "bench's fixed-length batches have them, the training scripts' micro-batches do not)")
     # --- measurement
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (with --ab: also its pairs)")
-    p.add_argument("--ab", choices=["wgrad-fusion", "device-sort", "allgather", "padding-mask", "qkv-bias-gemm",
-                                    "cp-split"],
-                   default=None,
+    p.add_argument("--ab", choices=list(FEATURES), default=None,
                    help="after the timed steps, time the candidate with this feature off and on in alternate steps "
                         "(--steps pairs after one warm-up pair, order alternating) and print the median of the "
-                        "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike "
-                        "(padding-mask: the MoE routers told which positions are padding, common/moe.py moe_padding_mask; "
-                        "qkv-bias-gemm: the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add; "
-                        "cp-split: with --cp, each chunk's attention split at its own keys and run on cuDNN, "
-                        "common/attention_cp.py, vs one varlen flash call per chunk)")
+                        "per-pair ratios off / on: in-process, so a machine that drifts affects both sides alike ("
+                        + "; ".join(f"{name}: {text}" for name, text in FEATURES.items()) + ")")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (allocator, optimizer state)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device for MFU (default: from the GPU name, H100/H200 989; "
@@ -221,52 +217,6 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
         return False
 
 
-def device_sort_switch(model):
-    """MoE at EP=1: a function(on) that gives the layers common/moe.py sorts tokens for its
-    device-sorted dispatch (on) or megatron's all-gather dispatcher (off)."""
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
-
-    from common.moe import DeviceSortDispatcher
-
-    dispatchers = [m.token_dispatcher for chunk in model for m in chunk.modules()
-                   if type(getattr(m, "token_dispatcher", None)) is DeviceSortDispatcher]
-
-    def switch(on):
-        for dispatcher in dispatchers:
-            dispatcher.__class__ = DeviceSortDispatcher if on else MoEAllGatherTokenDispatcher
-    return switch
-
-
-def allgather_switch(model):
-    """MoE at EP > 1: a function(on) that gives the layers whose experts are spread over EP ranks
-    the all-gather dispatch of --moe-dispatcher allgather (common/moe.py DeviceSortDispatcher;
-    on) or megatron's all-to-all (off). Both dispatchers are made now, the one the model lacks
-    with megatron's own constructor arguments; a switch swaps the layers' objects."""
-    from megatron.core.transformer.moe import moe_layer
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
-
-    from common.moe import DeviceSortDispatcher, device_sort_possible
-
-    pairs = []
-    for module in (m for chunk in model for m in chunk.modules()):
-        if not (isinstance(module, MoELayer) and module.num_local_experts < module.config.num_moe_experts
-                and device_sort_possible(module)):
-            continue
-        made = {}
-        for kind in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher):
-            made[kind] = (module.token_dispatcher if isinstance(module.token_dispatcher, kind)
-                          else kind(module.num_local_experts, module.local_expert_indices, config=module.config,
-                                    pg_collection=moe_layer.get_default_pg_collection()))
-        made[MoEAllGatherTokenDispatcher].__class__ = DeviceSortDispatcher
-        pairs.append((module, made[MoEAllGatherTokenDispatcher], made[MoEAlltoAllTokenDispatcher]))
-
-    def switch(on):
-        for module, allgather, alltoall in pairs:
-            module.token_dispatcher, module.experts.mask_tail = (allgather, True) if on else (alltoall, False)
-    return switch
-
-
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
                warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None, count=False,
                wgrad_fusion=True, device_sort=True, ab=None):
@@ -279,9 +229,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     """
     from common import batch as B
     from common import schedule
-    from common import attention_cp, fused, linear, rl
+    from common import fused, rl
     from common.model import build_model
-    from common.training import fuse_wgrad_accumulation, setup_training
+    from common.training import setup_training
     from harness import count_ops, host_syncs, paired_ratios, profile_kernels, run_pairs
     from megatron.core import parallel_state as mpu
 
@@ -358,11 +308,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         model, optimizer, scheduler = setup_training(
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
-        features = {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
-                    "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
-                    "padding-mask": lambda on: padding_mask.__setitem__(0, on),
-                    "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
-                    "cp-split": lambda on: setattr(attention_cp, "SPLIT", on)}
+        features = ab_switches(model, padding_mask)
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
                   "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True,
                   "qkv-bias-gemm": True, "cp-split": True}

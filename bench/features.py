@@ -1,0 +1,77 @@
+"""The features bench/train.py --ab times off and on in alternate steps of one process.
+
+Each is a switch, a function(on) over a built model, that the bench calls between steps:
+FEATURES names them (the --ab choices and their help), ab_switches makes them for a model.
+A new feature is an entry in both.
+"""
+FEATURES = {
+    "wgrad-fusion": "weight gradients accumulated into main_grad in the GEMM and the MoE experts' per layer, "
+                    "common/training.py fuse_wgrad_accumulation, vs megatron's gradient then DDP's hook",
+    "device-sort": "MoE at EP=1: tokens sorted by expert on the device, common/moe.py, vs megatron's all-gather "
+                   "dispatcher",
+    "allgather": "MoE at EP > 1: the all-gather dispatcher, common/moe.py DeviceSortDispatcher, vs megatron's "
+                 "all-to-all",
+    "padding-mask": "the MoE routers told which positions are padding, common/moe.py moe_padding_mask",
+    "qkv-bias-gemm": "the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add",
+    "cp-split": "with --cp, each chunk's attention split at its own keys and run on cuDNN, common/attention_cp.py, "
+                "vs one varlen flash call per chunk",
+}
+
+
+def ab_switches(model, padding_mask):
+    """{feature: function(on)} for these DDP-wrapped chunks. padding_mask: the bench's one-item
+    list that says whether its passes hand megatron the padding mask."""
+    from common import attention_cp, linear
+    from common.training import fuse_wgrad_accumulation
+
+    return {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
+            "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
+            "padding-mask": lambda on: padding_mask.__setitem__(0, on),
+            "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
+            "cp-split": lambda on: setattr(attention_cp, "SPLIT", on)}
+
+
+def device_sort_switch(model):
+    """MoE at EP=1: a function(on) that gives the layers common/moe.py sorts tokens for its
+    device-sorted dispatch (on) or megatron's all-gather dispatcher (off)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from common.moe import DeviceSortDispatcher
+
+    dispatchers = [m.token_dispatcher for chunk in model for m in chunk.modules()
+                   if type(getattr(m, "token_dispatcher", None)) is DeviceSortDispatcher]
+
+    def switch(on):
+        for dispatcher in dispatchers:
+            dispatcher.__class__ = DeviceSortDispatcher if on else MoEAllGatherTokenDispatcher
+    return switch
+
+
+def allgather_switch(model):
+    """MoE at EP > 1: a function(on) that gives the layers whose experts are spread over EP ranks
+    the all-gather dispatch of --moe-dispatcher allgather (common/moe.py DeviceSortDispatcher;
+    on) or megatron's all-to-all (off). Both dispatchers are made now, the one the model lacks
+    with megatron's own constructor arguments; a switch swaps the layers' objects."""
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+
+    from common.moe import DeviceSortDispatcher, device_sort_possible
+
+    pairs = []
+    for module in (m for chunk in model for m in chunk.modules()):
+        if not (isinstance(module, MoELayer) and module.num_local_experts < module.config.num_moe_experts
+                and device_sort_possible(module)):
+            continue
+        made = {}
+        for kind in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher):
+            made[kind] = (module.token_dispatcher if isinstance(module.token_dispatcher, kind)
+                          else kind(module.num_local_experts, module.local_expert_indices, config=module.config,
+                                    pg_collection=moe_layer.get_default_pg_collection()))
+        made[MoEAllGatherTokenDispatcher].__class__ = DeviceSortDispatcher
+        pairs.append((module, made[MoEAllGatherTokenDispatcher], made[MoEAlltoAllTokenDispatcher]))
+
+    def switch(on):
+        for module, allgather, alltoall in pairs:
+            module.token_dispatcher, module.experts.mask_tail = (allgather, True) if on else (alltoall, False)
+    return switch
