@@ -61,8 +61,9 @@ the host ops that launched the most device time (with input shapes), the source 
 the host waited for the device (torch.cuda.set_sync_debug_mode), and the logprob kernels timed
 alone. --count-ops (a CPU run) counts the tensor ops one more step dispatches, by pass and by the
 code that dispatched them: the kernel launches of the same step on a GPU, whose host they bind
-(e.g. `torchrun --nproc_per_node 2 bench/train.py --shape tiny-moe --ep 2 --moe-dispatcher
-allgather --num-layers 4 --count-ops --no-baseline`; the layers' share is the difference of two
+(e.g. `torchrun --nproc_per_node 2 bench/train.py --shape qwen3-30b-a3b-narrow --num-layers 14
+--ep 2 --moe-dispatcher allgather --seq-len 256 --micro-batch-size 2 --count-ops --no-baseline
+--warmup 1 --steps 1`: the 30B's layout at CPU widths; a layer's share is the difference of two
 --num-layers).
 
 Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
