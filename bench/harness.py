@@ -295,11 +295,11 @@ def count_ops(fn, top=40):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     skip = (os.path.abspath(__file__), os.path.join(root, "common", "cpu_compat.py"))
-    compiled = {(f.__code__.co_filename, f.__code__.co_name): f"compiled: {f.__module__}.{f.__name__}"
-                for f in fused.COMPILED_ON_GPU}
-    # torch's RMSNorm: one CUDA kernel each way (aten::_fused_rms_norm), decomposed on a CPU
-    norm = torch.nn.functional.rms_norm
-    compiled[norm.__code__.co_filename, norm.__code__.co_name] = "fused on a GPU: torch.nn.functional.rms_norm"
+    # the functions that are one kernel each way on a GPU: (file, name) of their code -> label
+    one_kernel = {(f.__code__.co_filename, f.__code__.co_name): f"compiled: {f.__module__}.{f.__name__}"
+                  for f in fused.COMPILED_ON_GPU}
+    norm = torch.nn.functional.rms_norm  # torch's RMSNorm: aten::_fused_rms_norm on CUDA, decomposed on a CPU
+    one_kernel[norm.__code__.co_filename, norm.__code__.co_name] = "fused on a GPU: torch.nn.functional.rms_norm"
 
     def label(filename, function):
         if "megatron" + os.sep in filename:
@@ -308,20 +308,20 @@ def count_ops(fn, top=40):
             return os.path.relpath(filename, root) + ":" + function
         return None
 
-    def live_site():  # (site, the frame of the compiled function the op is in, or None)
+    def live_site():  # (site, the frame of the one-kernel function the op is in, or None)
         frame, site = sys._getframe(2), None
         while frame is not None:
             key = (frame.f_code.co_filename, frame.f_code.co_name)
-            if key in compiled:
-                return compiled[key], frame
+            if key in one_kernel:
+                return one_kernel[key], frame
             site = site or label(*key)
             frame = frame.f_back
         return site or "?", None
 
     def backward_site(node):  # the forward frames anomaly mode recorded for the node, innermost last
         frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', "".join(node.metadata.get("traceback_", [])))
-        if any(key in compiled for key in frames):
-            return None  # counted with its compiled forward
+        if any(key in one_kernel for key in frames):
+            return None  # counted with its one-kernel forward
         return next(filter(None, (label(*key) for key in reversed(frames))), type(node).__name__)
 
     by_site, by_op, last_call = collections.Counter(), collections.Counter(), [None]
@@ -335,19 +335,17 @@ def count_ops(fn, top=40):
                 node = torch._C._current_autograd_node()
                 where = "backward" if node is not None else "forward" if torch.is_grad_enabled() else "no_grad"
                 site, call = live_site()
-                if call is not None:  # in a compiled function (e.g. one a custom backward calls): one per call
+                if call is not None:  # in a one-kernel function (e.g. one a custom backward calls): one per call
                     if call is not last_call[0]:
                         by_site[where, site] += 1
                         if where == "forward":  # and its backward
                             by_site["backward", site] += 1
-                elif node is not None:  # a backward op: under the code that made its node
-                    site = backward_site(node)
+                else:
+                    if node is not None:  # a backward op: under the code that made its node
+                        site = backward_site(node)
                     if site:
                         by_site[where, site] += 1
                         by_op[str(func.overloadpacket)] += 1
-                else:
-                    by_site[where, site] += 1
-                    by_op[str(func.overloadpacket)] += 1
                 last_call[0] = call  # held: a new call is a new frame object
             return func(*args, **(kwargs or {}))
 
