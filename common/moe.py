@@ -65,36 +65,51 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
     def dispatch_postprocess(self, hidden_states, probs):
         self.hidden_shape_before_permute = hidden_states.shape
         first, count = self.local_expert_indices[0], self.num_local_experts
-        routing_map = self.routing_map  # (tokens, E) bool; columns rolled: this rank's experts first
-        if first:
-            routing_map, probs = routing_map.roll(-first, dims=1), probs.roll(-first, dims=1)
-        num_tokens = routing_map.shape[0]
-        flat = routing_map.T.reshape(-1).to(torch.uint8)  # expert-major
-        picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * self.config.moe_router_topk]
-        self.local_map, self.routing_map = routing_map[:, :count], None
-        tokens_per_expert, probs = self.local_map.sum(0), probs.T.reshape(-1)
-        token = picks % num_tokens  # the token of each permuted row
+        if first:  # columns rolled: this rank's experts first
+            probs = probs.roll(-first, dims=1)
+        picks, token, self.order, self.keep, tokens_per_expert = permuted_rows(
+            self.routing_map, first, count, self.config.moe_router_topk)
+        self.routing_map = None
         self.reversed_local_input_permutation_mapping = token
-        # (tokens, k): each token's rows, in expert order (stable), for the combine's sums
-        self.order = torch.argsort(token, stable=True).view(num_tokens, -1)
-        if count == routing_map.shape[1]:  # every expert here: every row is this rank's
-            self.keep = torch.ones_like(self.order, dtype=torch.bool)
+        probs = probs.T.reshape(-1)  # expert-major, as the routing map's pairs
+        if count == self.config.num_moe_experts:
             self.local_probs = probs.index_select(0, picks)
-            return _Permute.apply(hidden_states, token, self.order, self.keep), tokens_per_expert, self.local_probs
-        # rows past this rank's pairs: other ranks' experts; no GEMM reads or writes them, the
-        # combine and the permutation's backward leave them out (keep False: their order entry
-        # points at row 0, whose value is masked)
-        tail = torch.arange(len(picks), device=picks.device) >= tokens_per_expert.sum()
-        self.keep = ~tail[self.order]
-        self.order = self.order.masked_fill(~self.keep, 0)
-        picks = picks.masked_fill(tail, len(probs))  # probability 0, no gradient (padding_idx)
-        self.local_probs = F.embedding(picks, torch.cat([probs, probs.new_zeros(1)])[:, None], len(probs))[:, 0]
+        else:  # the tail's picks point past the end: probability 0, no gradient (padding_idx)
+            self.local_probs = F.embedding(picks, torch.cat([probs, probs.new_zeros(1)])[:, None], len(probs))[:, 0]
         return _Permute.apply(hidden_states, token, self.order, self.keep), tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states):
         """The experts' rows (weighted by their probs) summed per token: (tokens, hidden), before
         megatron's reduce-scatter over EP."""
         return _Unpermute.apply(hidden_states, self.reversed_local_input_permutation_mapping, self.order, self.keep)
+
+
+@on_gpu_compiled
+def permuted_rows(routing_map, first, count, topk):
+    """DeviceSortDispatcher's bookkeeping of one pass, from the (tokens, E) bool routing map of
+    every EP rank's tokens; this rank's experts are first..first+count-1, every token has topk.
+    Returns
+      picks              (tokens x topk,) each permuted row's pair, an index into the map read
+                         expert-major with this rank's experts first; the tail's (other ranks'
+                         pairs, EP > 1): past the end (tokens x E)
+      token              (tokens x topk,) each row's token
+      order, keep        (tokens, topk) each token's rows in expert order, and which are this
+                         rank's (the tail's point at row 0)
+      tokens_per_expert  (count,) rows per local expert
+    On a GPU one compiled function (eager: ~18 small kernels per layer and pass)."""
+    if first:
+        routing_map = routing_map.roll(-first, dims=1)
+    num_tokens, num_experts = routing_map.shape
+    flat = routing_map.T.reshape(-1).to(torch.uint8)  # expert-major
+    picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * topk]
+    tokens_per_expert = routing_map[:, :count].sum(0)
+    token = picks % num_tokens
+    order = torch.argsort(token, stable=True).view(num_tokens, -1)
+    if count == num_experts:  # every expert here: every row is this rank's
+        return picks, token, order, torch.ones_like(order, dtype=torch.bool), tokens_per_expert
+    tail = torch.arange(picks.shape[0], device=picks.device) >= tokens_per_expert.sum()
+    keep = ~tail[order]
+    return picks.masked_fill(tail, num_tokens * num_experts), token, order.masked_fill(~keep, 0), keep, tokens_per_expert
 
 
 @on_gpu_compiled

@@ -3,6 +3,7 @@
   ddp_chunks, optimizer, scheduler = setup_training(chunks, lr=..., ...)
   torch_adams(optimizer)   the torch Adam instances inside
   global_grad_norm(grads, group)             the L2 norm over ranks, one host wait
+  listed_optimizer_copies(optimizer)         the distributed optimizer's per-parameter copies as lists made once
   fuse_wgrad_accumulation(ddp_chunks)        weight gradients written straight into the fp32 buffer (experts too)
   ensure_adam_state / load_optimizer_state   megatron's torch-Adam path, made loadable
                                              (common/train_checkpoint.py uses them)
@@ -67,6 +68,7 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
             group.update(fused=True, foreach=False)
         adam.defaults.update(fused=True, foreach=False)
     fuse_wgrad_accumulation(ddp_chunks)
+    listed_optimizer_copies(optimizer)
     # the gradient norm for clipping without megatron's one host wait per tensor (no TE/apex)
     optimizer = _foreach_norm_optimizer_class()(getattr(optimizer, "chained_optimizers", [optimizer]))
     scheduler = OptimizerParamScheduler(
@@ -165,6 +167,86 @@ def _foreach_norm_optimizer_class():
             return self.step_with_ready_grads(), grad_norm, num_zeros
 
     return ForeachNormOptimizer
+
+
+def listed_optimizer_copies(optimizer, enabled=True):
+    """Give the distributed optimizers in this megatron optimizer (a chain or one) the copies of
+    ListedCopies, or megatron's own back (enabled False; bench/train.py --ab listed-copies).
+    Returns the number switched."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    listed = _listed_copies_class()
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and type(opt) in (DistributedOptimizer, listed):
+            opt.__class__ = listed if enabled else DistributedOptimizer
+            switched += 1
+    return switched
+
+
+@functools.cache
+def _listed_copies_class():
+    """megatron's DistributedOptimizer whose two per-parameter copies around the Adam step run
+    from lists made on first use.
+
+    megatron-core 0.16.1 (distrib_optimizer.py) points each fp32 main shard's .grad at its slice
+    of DDP's gradient buffer, and after Adam copies each main shard into its slice of the bf16
+    parameter buffer, parameter by parameter, looking up the slice's ranges in dicts each time:
+    11-14 us of host time per tensor each way on a CPU, 1,925 tensors per step in a 14-layer
+    Qwen3-30B-A3B at EP=2, while the GPU waits (docs/benchmarks.md). The slices are views of
+    buffers that live as long as the model (offload shrinks and regrows their storages in
+    place: views stay valid), so they are made once; each step then assigns the grads from a
+    list and copies (and casts) all shards with one torch._foreach_copy_. Same tensors, same
+    values: tests/test_training.py compares both with megatron's. Only the plain case (bf16 or
+    fp32 params, no FSDP, no precision-aware or FP8 optimizer); anything else is megatron's.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class ListedCopies(DistributedOptimizer):
+        def _listed(self):
+            """([main shard], [its grad's view], [its model slice's view]) or None (megatron's way)."""
+            if "_copy_lists" not in self.__dict__:
+                self._copy_lists = None
+                if not (self.is_stub_optimizer or self.ddp_config.use_megatron_fsdp
+                        or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                        or self.config.reuse_grad_buf_for_mxfp8_param_ag or self.config.fp8_recipe):
+                    self._copy_lists = self._make_lists()
+            return self._copy_lists
+
+        def _make_lists(self):
+            mains, grads, slices = [], [], []
+            pairs = ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                     (self.model_fp32_groups, self.shard_fp32_groups))
+            for model_groups, main_groups in pairs:
+                for model_group, main_group in zip(model_groups, main_groups):
+                    for model_param, main in zip(model_group, main_group):
+                        ranges = self._get_model_param_range_map(model_param)
+                        grad = model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]
+                        gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+                        world = ranges["gbuf_world_in_bucket"]
+                        target = self.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+                        if grad.dtype != main.dtype or target.numel() != main.numel():
+                            return None  # not the fp32 gradient buffer assumed here
+                        mains.append(main)
+                        grads.append(grad)
+                        slices.append(target)
+            return mains, grads, slices
+
+        def _copy_model_grads_to_main_grads(self):
+            lists = self._listed()
+            if lists is None:
+                return super()._copy_model_grads_to_main_grads()
+            for main, grad in zip(lists[0], lists[1]):
+                main.grad = grad
+
+        def _copy_main_params_to_model_params(self):
+            lists = self._listed()
+            if lists is None:
+                return super()._copy_main_params_to_model_params()
+            if lists[0]:
+                torch._foreach_copy_(lists[2], lists[0])
+
+    return ListedCopies
 
 
 def torch_adams(optimizer):

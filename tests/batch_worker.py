@@ -126,6 +126,38 @@ def adam(clip_grad=0.0):
                                       optimizer=type(optimizer).__name__, clip_grad=clip_grad, clipped=clipped)))
 
 
+def listed_copies():
+    """A bf16 model's optimizer step with common/training.py's listed copies, then megatron's own
+    two copies run again on the same optimizer: they must find each main shard's grad already the
+    same view of DDP's buffer, and each bf16 parameter already the same bits."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from common import rl, schedule
+    from common.training import setup_training
+
+    spec, chunks = tiny_model(sys.argv[1], dtype=torch.bfloat16)
+    model, optimizer, scheduler = setup_training(chunks, lr=1e-2, clip_grad=1.0)
+    tokens = torch.randint(3, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
+    before = [p.detach().clone() for p in model[0].parameters()]
+
+    def loss_fn(mb, logits):
+        return -rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)[0].float().mean(), {}
+
+    schedule.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
+    after = [p.detach().clone() for p in model[0].parameters()]
+    inner = optimizer.chained_optimizers
+    ours = [[(m.grad.data_ptr(), m.grad.shape, m.grad.stride()) for m in opt._copy_lists[0]] for opt in inner]
+    for opt, listed in zip(inner, ours):
+        DistributedOptimizer._copy_main_params_to_model_params(opt)
+        DistributedOptimizer._copy_model_grads_to_main_grads(opt)
+        assert [(m.grad.data_ptr(), m.grad.shape, m.grad.stride()) for m in opt._copy_lists[0]] == listed
+    print("RESULT " + json.dumps(dict(
+        listed=[type(opt).__name__ for opt in inner], shards=sum(len(x) for x in ours),
+        changed=sum(not torch.equal(a, b) for a, b in zip(before, after)), params=len(after),
+        megatron_differs=sum(not torch.equal(a, p) for a, p in zip(after, model[0].parameters())))))
+
+
 def wgrad(hf_dir):
     """Weight gradients accumulated inside the GEMM (common/training.py fuse_wgrad_accumulation)
     against megatron's own path (a weight gradient, then DDP's hook adds it), over three
@@ -228,4 +260,4 @@ if __name__ == "__main__":
         for hf_dir in sys.argv[1].split(","):
             {"wgrad": wgrad, "dispatch": dispatch}[mode](hf_dir)
     else:
-        {"adam": lambda: [adam(clip) for clip in (0.0, 0.05)]}.get(mode, main)()
+        {"adam": lambda: [adam(clip) for clip in (0.0, 0.05)] + [listed_copies()]}.get(mode, main)()

@@ -195,6 +195,35 @@ def test_moe_kernels_compiled_equal_eager():
         assert (eager - comp).abs().max() < 1e-5
 
 
+def test_permuted_rows_compiled_equal_by_hand():
+    """common/moe.py permuted_rows (DeviceSortDispatcher's bookkeeping, compiled on a GPU), eager
+    and compiled here on a CPU, against the rows written out by hand: this rank's (expert, token)
+    pairs expert-major with tokens ascending, then the other ranks' (the tail, picks past the
+    end), each token's rows in that order, at EP=1 and as either rank of EP=2."""
+    from common.fused import compile_fn
+    from common.moe import permuted_rows
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, experts, topk = 12, 8, 2
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    routing_map.scatter_(1, torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices, True)
+    compiled = compile_fn(permuted_rows.eager)
+    for first, count in ((0, 8), (0, 4), (4, 4)):
+        rolled = routing_map.roll(-first, dims=1)
+        pairs = [(e, t) for e in range(experts) for t in range(tokens) if rolled[t, e]]
+        mine = sum(1 for e, _ in pairs if e < count)
+        picks = [e * tokens + t if i < mine else tokens * experts for i, (e, t) in enumerate(pairs)]
+        token = [t for _, t in pairs]
+        rows_of = [[i for i, (_, t) in enumerate(pairs) if t == u] for u in range(tokens)]
+        keep = [[i < mine for i in rows] for rows in rows_of]
+        order = [[i if i < mine else 0 for i in rows] for rows in rows_of]
+        for fn in (permuted_rows, compiled):
+            got = fn(routing_map, first, count, topk)
+            assert got[0].tolist() == picks and got[1].tolist() == token, (first, count)
+            assert got[2].tolist() == order and got[3].tolist() == keep, (first, count)
+            assert got[4].tolist() == rolled[:, :count].sum(0).tolist(), (first, count)
+
+
 def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
     """train_grpo.py --embedded-model moe at EP=2 (gloo; megatron's all-to-all dispatcher): the
     embedded task is learned (greedy validation), and the expert-load and aux-loss metrics are

@@ -17,7 +17,10 @@ def test_train_step_is_adamw_by_hand(tmp_path):
     """Two optimizer steps of setup_training's (fused) AdamW equal the formula applied here to
     the same gradients, and the gradient norm it reports (common/training.py's foreach norm,
     not megatron's fallback) equals the one computed here; then again with the gradients
-    clipped to a total norm of 0.05 (common/training.py's foreach multiply): both steps clip."""
+    clipped to a total norm of 0.05 (common/training.py's foreach multiply): both steps clip.
+    With bf16 parameters, the distributed optimizer's copies from lists (common/training.py
+    ListedCopies) leave nothing for megatron's own copies to change: the same grad views, the
+    same parameter bits."""
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
@@ -25,6 +28,11 @@ def test_train_step_is_adamw_by_hand(tmp_path):
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    listed = results.pop()  # common/training.py's listed copies against megatron's, a bf16 model
+    print(listed)
+    assert set(listed["listed"]) == {"ListedCopies"}, listed
+    assert listed["shards"] >= listed["params"] and listed["changed"] == listed["params"], listed
+    assert listed["megatron_differs"] == 0, listed
     assert [r["clip_grad"] for r in results] == [0.0, 0.05]
     for r in results:
         print(r)
