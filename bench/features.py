@@ -15,20 +15,32 @@ FEATURES = {
     "qkv-bias-gemm": "the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add",
     "cp-split": "with --cp, each chunk's attention split at its own keys and run on cuDNN, common/attention_cp.py, "
                 "vs one varlen flash call per chunk",
+    "listed-copies": "the distributed optimizer's grad views and param copies from lists made once, "
+                     "common/training.py ListedCopies, vs megatron's per-parameter loop",
+    "compiled-dispatch": "the all-gather dispatcher's bookkeeping as one compiled call, common/moe.py permuted_rows, "
+                         "vs the same function eager",
+    "compiled-router": "the routers' top-k, aux-loss scores and load-balancing loss compiled, common/moe_router.py, "
+                       "vs megatron's eager routing",
 }
 
 
-def ab_switches(model, padding_mask):
-    """{feature: function(on)} for these DDP-wrapped chunks. padding_mask: the bench's one-item
-    list that says whether its passes hand megatron the padding mask."""
-    from common import attention_cp, linear
-    from common.training import fuse_wgrad_accumulation
+def ab_switches(model, optimizer, padding_mask):
+    """{feature: function(on)} for these DDP-wrapped chunks and their optimizer. padding_mask: the
+    bench's one-item list that says whether its passes hand megatron the padding mask."""
+    from common import attention_cp, fused, linear
+    from common.moe_router import Router
+    from common.training import fuse_wgrad_accumulation, listed_optimizer_copies
+
+    routers = [m for chunk in model for m in chunk.modules() if isinstance(m, Router)]
 
     return {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
             "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
             "padding-mask": lambda on: padding_mask.__setitem__(0, on),
             "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
-            "cp-split": lambda on: setattr(attention_cp, "SPLIT", on)}
+            "cp-split": lambda on: setattr(attention_cp, "SPLIT", on),
+            "listed-copies": lambda on: listed_optimizer_copies(optimizer, enabled=on),
+            "compiled-dispatch": lambda on: (fused.EAGER.discard if on else fused.EAGER.add)("permuted_rows"),
+            "compiled-router": lambda on: [setattr(router, "compiled", on) for router in routers]}
 
 
 def device_sort_switch(model):

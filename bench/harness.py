@@ -271,7 +271,7 @@ def host_syncs(fn):
     return [(n, where) for where, n in counts.most_common()]
 
 
-def count_ops(fn, top=40):
+def count_ops(fn):
     """Run fn() once counting the tensor operations it dispatches (aten ops and collectives; not
     views, allocations or CPU scalars): on a GPU nearly every one is a kernel launch, so a CPU
     run counts the launches the same step makes on a GPU, whose host they bind, and names the
@@ -284,7 +284,7 @@ def count_ops(fn, top=40):
     RMSNorm (a fused CUDA kernel, decomposed on a CPU) count as one op per call, plus one
     backward op per call recorded by autograd (inductor's fused kernels; a few more where it
     cannot fuse, e.g. a sort). Returns dict(total, by_pass, sites=[[count, pass, site], ...]
-    the `top` most first, ops=[[count, op], ...] all ops outside those functions, most first)."""
+    most first, ops=[[count, op], ...] all ops outside those functions, most first)."""
     import collections
     import re
     import sys
@@ -356,15 +356,15 @@ def count_ops(fn, top=40):
     for (where, _), n in by_site.items():
         by_pass[where] += n
     return dict(total=sum(by_pass.values()), by_pass=dict(by_pass),
-                sites=[[n, where, name] for (where, name), n in by_site.most_common(top)],
+                sites=[[n, where, name] for (where, name), n in by_site.most_common()],
                 ops=[[n, op] for op, n in by_op.most_common()])
 
 
-def format_op_counts(counts):
-    """Lines of text for count_ops' result."""
+def format_op_counts(counts, top=40):
+    """Lines of text for count_ops' result: the `top` sites."""
     lines = [f"tensor ops dispatched in one step: {counts['total']} ("
              + ", ".join(f"{where} {n}" for where, n in counts["by_pass"].items()) + "); by site:"]
-    lines += [f"  {n:7d}  {where:8s} {name}" for n, where, name in counts["sites"]]
+    lines += [f"  {n:7d}  {where:8s} {name}" for n, where, name in counts["sites"][:top]]
     lines.append("  by op: " + ", ".join(f"{op} {n}" for n, op in counts["ops"][:12]))
     return lines
 

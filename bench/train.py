@@ -309,10 +309,11 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         model, optimizer, scheduler = setup_training(
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
-        features = ab_switches(model, padding_mask)
+        features = ab_switches(model, optimizer, padding_mask)
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
                   "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True,
-                  "qkv-bias-gemm": True, "cp-split": True}
+                  "qkv-bias-gemm": True, "cp-split": True, "listed-copies": True, "compiled-dispatch": True,
+                  "compiled-router": True}
         for name, on in chosen.items():
             features[name](on)
         del chunks

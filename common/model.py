@@ -87,7 +87,8 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
                                                      multi_latent_attention=mla,
                                                      num_experts=spec.moe.num_experts if moe else None)
     if moe:
-        from common.moe import GroupedExperts, Router
+        from common.moe import GroupedExperts
+        from common.moe_router import Router
 
         layer.submodules.mlp.submodules.router = Router
         layer.submodules.mlp.submodules.experts.module = GroupedExperts

@@ -2,11 +2,9 @@
 
 megatron-core 0.16.1's MoELayer (TopKRouter -> token dispatcher -> experts -> combine)
 is used as it is; its layer spec takes two modules of ours:
-  Router          TopKRouter whose gating is a plain matmul. megatron's own gating calls
-                  `te_general_gemm`, a name its moe_utils.py defines only when TE imports,
-                  so without TE (GPU or CPU) the first MoE forward dies with a NameError.
-                  It also counts the tokens routed to each expert during updates, for
-                  the expert-load metrics (step_metrics), padding left out (moe_padding_mask).
+  Router          common/moe_router.py: TopKRouter with a TE-free gating, its routing
+                  compiled on a GPU, and the tokens routed to each expert counted during
+                  updates, for the expert-load metrics (step_metrics).
   GroupedExperts  megatron's SequentialMLP (same parameters, names and checkpoint layout:
                   `experts.local_experts.{j}.linear_fc1/fc2`) whose forward runs all local
                   experts in two grouped GEMMs (torch._grouped_mm) instead of a Python loop
@@ -27,10 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.moe import moe_layer
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from common.fused import on_gpu_compiled
+from common.moe_router import Router
 
 
 class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
@@ -184,43 +182,6 @@ def device_sort_possible(layer):
     experts, on its grouped path or its loop; megatron's SequentialMLP cannot)."""
     partial = layer.num_local_experts < layer.config.num_moe_experts
     return layer.config.moe_expert_capacity_factor is None and (not partial or isinstance(layer.experts, GroupedExperts))
-
-
-class Router(TopKRouter):
-    """TopKRouter with a TE-free gating and a per-expert token count (see the module docstring)."""
-
-    tokens_per_expert = None  # (E,) float32, summed over the update passes since the last read
-    passes = 0                # update (grad-enabled) forward passes since the last read
-
-    def gating(self, input):
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(input.to(dtype), self.weight.to(dtype), bias)  # (S, B, E) logits
-
-    def routing(self, logits, padding_mask=None):
-        probs, routing_map = super().routing(logits, padding_mask=padding_mask)  # routing_map: (tokens, E) bool
-        if torch.is_grad_enabled():  # the update's passes, not the logprob passes
-            counts = real_token_counts(routing_map, padding_mask)
-            self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
-            self.passes += 1
-        return probs, routing_map
-
-    def _apply_expert_bias(self, routing_map, padding_mask=None):
-        """megatron's count of routed tokens for the router-bias update (update passes only),
-        without the padding. megatron-core 0.16.1's own ands the (tokens, E) routing map with
-        the (tokens,) padding mask, which does not broadcast (a RuntimeError in its compiled
-        function)."""
-        if self.enable_expert_bias and torch.is_grad_enabled():
-            self.local_tokens_per_expert += real_token_counts(routing_map, padding_mask)
-
-
-def real_token_counts(routing_map, padding_mask=None):
-    """(E,) float32: how many of the (tokens, E) routing map's tokens each expert got, the
-    padding (padding_mask (tokens,) or its (B, S) shape, True = padding) left out."""
-    with torch.no_grad():
-        if padding_mask is not None:
-            routing_map = routing_map & ~padding_mask.reshape(-1, 1)
-        return routing_map.sum(0, dtype=torch.float32)
 
 
 def moe_padding_mask(model, valid):

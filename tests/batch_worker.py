@@ -216,9 +216,12 @@ def wgrad(hf_dir):
 
 
 def dispatch(hf_dir):
-    """MoE layers' tokens sorted by expert on the device (common/moe.py DeviceSortDispatcher)
-    against megatron's all-gather dispatcher, same weights and tokens (fp32): the loss and every
-    gradient, which cover the permutation, the probs and the combine both ways."""
+    """MoE layers' tokens sorted by expert on the device (common/moe.py DeviceSortDispatcher) and
+    routed by common/moe_router.py's routing (compiled on a GPU) against megatron's all-gather
+    dispatcher and routing, same weights and tokens (fp32), a padded tail in the batch: the loss,
+    every gradient (the permutation, the probs, the combine and the aux losses both ways) and
+    the aux losses megatron's tracker logged."""
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     from common import schedule
@@ -231,7 +234,9 @@ def dispatch(hf_dir):
     layers = [layer.mlp for layer in model[0].module.decoder.layers if hasattr(layer.mlp, "token_dispatcher")]
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, spec.vocab_size, (2, 24), generator=gen)
-    mb = dict(tokens=tokens, positions=torch.arange(24).expand(2, 24), targets=tokens.roll(-1, 1))
+    valid = torch.ones(2, 24, dtype=torch.bool)
+    valid[1, 17:] = False  # a padded tail: the routers' padding_mask
+    mb = dict(tokens=tokens, positions=torch.arange(24).expand(2, 24), targets=tokens.roll(-1, 1), valid=valid)
 
     def loss_fn(mb, logits):
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
@@ -245,8 +250,12 @@ def dispatch(hf_dir):
             chunk.zero_grad_buffer()
         metrics = schedule.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=next(model[0].parameters()).device)
         runs[name] = (float(metrics[0]["loss"]), {n: p.main_grad.clone() for n, p in model[0].named_parameters()})
-        for layer in layers:  # megatron's own dispatcher for the second run (same state, its methods)
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        runs[name + "_aux"] = {key: tracker[key]["values"].tolist() for key in sorted(tracker)}
+        moe_utils.clear_aux_losses_tracker()
+        for layer in layers:  # megatron's own dispatcher and routing for the second run (same state, its methods)
             layer.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher
+            layer.router.compiled = False
     (loss, grads), (ref_loss, ref_grads) = runs.pop("ours"), runs.pop("megatron")
     diff = {n: float((grads[n] - g).abs().max()) for n, g in ref_grads.items()}
     print("RESULT " + json.dumps(dict(runs, model=os.path.basename(hf_dir), moe_layers=len(layers), loss=loss, loss_diff=abs(loss - ref_loss),

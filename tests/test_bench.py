@@ -178,19 +178,25 @@ def test_count_ops_by_hand():
 
 def test_count_ops_flag_tiny_moe():
     """bench/train.py --count-ops: one step of the tiny MoE (2 layers, 8 experts), its ops by site
-    in BENCH_JSON. Counts made by hand from the shape: megatron's distributed optimizer copies
-    each updated parameter into the model with its own copy (2 layers x (QKV, proj, q/k norms,
-    2 layer norms, router, 8 experts x fc1/fc2) + embedding, final norm, LM head: 49 tensors);
-    each pass runs RMSNorm 2 x 4 + 1 times (one kernel each way on a GPU)."""
+    in BENCH_JSON. Counts made by hand from the shape: the distributed optimizer's copies of the
+    updated parameters into the model, one per tensor in megatron (2 layers x (QKV, proj, q/k
+    norms, 2 layer norms, router, 8 experts x fc1/fc2) + embedding, final norm, LM head: 49), are
+    one foreach copy per optimizer (dense, experts: common/training.py ListedCopies); each pass
+    runs RMSNorm 2 x 4 + 1 times (one kernel each way on a GPU); each MoE layer's router and
+    dispatcher call their compiled functions once per layer and pass (the logprob pass and the
+    update's, of one micro-batch each)."""
     r = bench_json(run("--shape", "tiny-moe", "--steps", 1, "--warmup", 1, "--no-baseline", "--count-ops",
                        "--seq-len", 64, "--num-seqs", 2, "--micro-batch-size", 2))
     counts = r["candidate"]["op_counts"]
     sites = {(where, name): n for n, where, name in counts["sites"]}
-    assert sites["no_grad", "megatron/core/optimizer/distrib_optimizer.py:copy_group_params"] == 2 * (7 + 16) + 3
-    assert "aten._foreach_copy_" not in {op for _, op in counts["ops"]}
+    assert not any("copy_group_params" in name for _, _, name in counts["sites"])
+    assert sites["no_grad", "common/training.py:_copy_main_params_to_model_params"] == 2
+    assert dict((op, n) for n, op in counts["ops"])["aten._foreach_copy_"] == 2
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
     assert sites["no_grad", norm] == sites["forward", norm] == sites["backward", norm] == 2 * 4 + 1
-    assert counts["total"] == sum(counts["by_pass"].values()) > sum(n for n, _, _ in counts["sites"])
+    for name in ("moe.permuted_rows", "moe_router.topk_routing"):
+        assert sites["no_grad", "compiled: common." + name] == sites["forward", "compiled: common." + name] == 2
+    assert counts["total"] == sum(counts["by_pass"].values()) == sum(n for n, _, _ in counts["sites"])
 
 
 def test_run_pairs_alternates_and_drops_warmup():

@@ -151,11 +151,16 @@ def test_expert_layouts_that_do_not_divide_are_refused():
 
 
 def test_device_sorted_dispatch_equals_megatrons(tmp_path):
-    """At EP=1 common/moe.py sorts tokens by expert on the device (no host waits); the loss and
-    every gradient equal megatron's all-gather dispatcher's bit for bit (fp32, same weights),
-    for Qwen3-MoE (softmax top-k) and DeepSeek-V3 (sigmoid, grouped routing, shared experts)."""
+    """At EP=1 common/moe.py sorts tokens by expert on the device (no host waits) and
+    common/moe_router.py routes them (the functions compiled on a GPU); the loss, every gradient
+    and the logged aux losses equal megatron's all-gather dispatcher's and routing's bit for bit
+    (fp32, same weights, a padded tail), for Qwen3-MoE (softmax top-k, load-balancing loss) and
+    DeepSeek-V3 (sigmoid, grouped routing, router bias, shared experts, sequence aux loss)."""
     for r in run_batch_worker(tmp_path, "dispatch", ("qwen3_moe", "deepseek_v3")):
         print(r)
+        assert r["ours_aux"] == r["megatron_aux"] and r["ours_aux"], r  # each layer's logged loss
+        if r["model"] == "qwen3_moe":  # (the tiny DeepSeek-V3's aux-loss coefficient is 0)
+            assert any(v > 0 for values in r["ours_aux"].values() for v in values), r
         assert r["ours_dispatchers"] == ["DeviceSortDispatcher"] and r["megatron_dispatchers"] == ["MoEAllGatherTokenDispatcher"]
         assert r["moe_layers"] >= 2 and r["experts_with_grads"] >= 8 * 2 * 2, r
         assert r["loss_diff"] == 0.0 and r["max_grad_diff"] == 0.0, r
@@ -222,6 +227,39 @@ def test_permuted_rows_compiled_equal_by_hand():
             assert got[0].tolist() == picks and got[1].tolist() == token, (first, count)
             assert got[2].tolist() == order and got[3].tolist() == keep, (first, count)
             assert got[4].tolist() == rolled[:, :count].sum(0).tolist(), (first, count)
+
+
+def test_router_functions_compiled_equal_eager():
+    """common/moe_router.py's three functions that inductor compiles on a GPU (megatron's own
+    routing code inside), compiled here on a CPU, against their eager run: softmax top-k, and
+    sigmoid with a router bias and grouped top-k (DeepSeek-V3), with and without padding."""
+    from common.fused import compile_fn
+    from common.moe_router import aux_loss_scores, load_balancing_loss, topk_routing
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, experts, topk = 20, 8, 2
+    logits = torch.randn(tokens, experts, generator=gen, requires_grad=True)
+    bias = torch.randn(experts, generator=gen) * 0.1
+    padding = torch.zeros(tokens, dtype=torch.bool)
+    padding[15:] = True
+    weights = torch.randn(tokens, experts, generator=gen)
+    cases = [(None, topk, False, None, None, None, "softmax"), (bias, topk, False, 4, 2, 2.5, "sigmoid")]
+    for fns in ((topk_routing, aux_loss_scores, load_balancing_loss),
+                tuple(compile_fn(f.eager) for f in (topk_routing, aux_loss_scores, load_balancing_loss))):
+        results = []
+        for args in cases:
+            for mask in (None, padding):
+                probs, routing_map = fns[0](logits, *args)
+                aux_map, scores = fns[1](logits, mask, topk, args[-1])
+                loss, valid = fns[2](scores, aux_map, topk, experts, 0.01, mask is not None)
+                grad, = torch.autograd.grad((probs * weights).sum() + loss, logits)
+                results.append((probs, routing_map, aux_map, scores, loss, valid, grad))
+        if fns[0] is topk_routing:
+            eager = results
+            assert all(r[1].sum() == tokens * topk and r[5] == (tokens if i % 2 == 0 else 15) for i, r in enumerate(results))
+    for ours, ref in zip(results, eager):
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b) if a.dtype == torch.bool else (a - b).abs().max() < 1e-6
 
 
 def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
