@@ -19,7 +19,7 @@ from common.model import unwrap
 
 def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8,
                    clip_grad=1.0, warmup_steps=0, total_steps=1, decay_style="constant",
-                   use_distributed_optimizer=True, overlap_grad_reduce=False):
+                   use_distributed_optimizer=True, overlap_grad_reduce=False, listed_copies=False):
     """Wrap model chunks for training. Returns (ddp_chunks, optimizer, scheduler).
 
     - megatron DDP: gradients reduced over the data-parallel group into fp32 buffers;
@@ -29,6 +29,8 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
     - OptimizerParamScheduler: linear warmup over warmup_steps, then decay_style
       ("constant", "linear", "cosine") from lr to min_lr at total_steps. One scheduler
       step per optimizer step.
+    - listed_copies: the distributed optimizer's copies from lists (ListedCopies); off until
+      tests/gpu/run_all.sh has passed with it (bench/train.py --ab listed-copies times it).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -68,7 +70,7 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
             group.update(fused=True, foreach=False)
         adam.defaults.update(fused=True, foreach=False)
     fuse_wgrad_accumulation(ddp_chunks)
-    listed_optimizer_copies(optimizer)
+    listed_optimizer_copies(optimizer, enabled=listed_copies)
     # the gradient norm for clipping without megatron's one host wait per tensor (no TE/apex)
     optimizer = _foreach_norm_optimizer_class()(getattr(optimizer, "chained_optimizers", [optimizer]))
     scheduler = OptimizerParamScheduler(
@@ -339,8 +341,8 @@ def model_space_optimizer_state(optimizer, model_sharded_state_dict):
     if len(chained) != 1:  # megatron prefixes each member's keys (chained_{i}.): left to megatron
         return None
     optimizer = chained[0]  # megatron wraps even a single optimizer; that one passes straight through
-    if type(optimizer) is not DistributedOptimizer or optimizer.data_parallel_group.size() != 1 \
-            or not torch_adams(optimizer):
+    if type(optimizer) not in (DistributedOptimizer, _listed_copies_class()) \
+            or optimizer.data_parallel_group.size() != 1 or not torch_adams(optimizer):
         return None
     ensure_adam_state(optimizer)
     model_entries, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)

@@ -136,7 +136,7 @@ def listed_copies():
     from common.training import setup_training
 
     spec, chunks = tiny_model(sys.argv[1], dtype=torch.bfloat16)
-    model, optimizer, scheduler = setup_training(chunks, lr=1e-2, clip_grad=1.0)
+    model, optimizer, scheduler = setup_training(chunks, lr=1e-2, clip_grad=1.0, listed_copies=True)
     tokens = torch.randint(3, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
     before = [p.detach().clone() for p in model[0].parameters()]
