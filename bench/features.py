@@ -21,6 +21,9 @@ FEATURES = {
                          "vs the same function eager",
     "compiled-router": "the routers' top-k, aux-loss scores and load-balancing loss compiled, common/moe_router.py, "
                        "vs megatron's eager routing",
+    "in-place-experts": "the MoE experts' GEMMs read their weights in megatron's buffer and add their gradients there "
+                        "in place, common/moe.py GroupedExperts.stacks, vs weights stacked per pass and gradients cast "
+                        "and added by foreach",
 }
 
 
@@ -28,10 +31,12 @@ def ab_switches(model, optimizer, padding_mask):
     """{feature: function(on)} for these DDP-wrapped chunks and their optimizer. padding_mask: the
     bench's one-item list that says whether its passes hand megatron the padding mask."""
     from common import attention_cp, fused, linear
+    from common.moe import GroupedExperts
     from common.moe_router import Router
     from common.training import fuse_wgrad_accumulation, listed_optimizer_copies
 
     routers = [m for chunk in model for m in chunk.modules() if isinstance(m, Router)]
+    experts = [m for chunk in model for m in chunk.modules() if isinstance(m, GroupedExperts)]
 
     return {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
             "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
@@ -40,7 +45,8 @@ def ab_switches(model, optimizer, padding_mask):
             "cp-split": lambda on: setattr(attention_cp, "SPLIT", on),
             "listed-copies": lambda on: listed_optimizer_copies(optimizer, enabled=on),
             "compiled-dispatch": lambda on: (fused.EAGER.discard if on else fused.EAGER.add)("permuted_rows"),
-            "compiled-router": lambda on: [setattr(router, "compiled", on) for router in routers]}
+            "compiled-router": lambda on: [setattr(router, "compiled", on) for router in routers],
+            "in-place-experts": lambda on: [setattr(layer, "in_place", on) for layer in experts]}
 
 
 def device_sort_switch(model):
@@ -81,6 +87,7 @@ def allgather_switch(model):
                           else kind(module.num_local_experts, module.local_expert_indices, config=module.config,
                                     pg_collection=moe_layer.get_default_pg_collection()))
         made[MoEAllGatherTokenDispatcher].__class__ = DeviceSortDispatcher
+        made[MoEAllGatherTokenDispatcher].grouped_experts = module.experts
         pairs.append((module, made[MoEAllGatherTokenDispatcher], made[MoEAlltoAllTokenDispatcher]))
 
     def switch(on):

@@ -65,8 +65,12 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
         first, count = self.local_expert_indices[0], self.num_local_experts
         if first:  # columns rolled: this rank's experts first
             probs = probs.roll(-first, dims=1)
+        experts = getattr(self, "grouped_experts", None)  # set by sort_tokens_on_device
+        descending = experts is not None and experts.order_descending()
         picks, token, self.order, self.keep, tokens_per_expert = permuted_rows(
-            self.routing_map, first, count, self.config.moe_router_topk)
+            self.routing_map, first, count, self.config.moe_router_topk, descending)
+        if experts is not None:
+            experts.rows_descending = descending  # for this pass's GEMMs
         self.routing_map = None
         self.reversed_local_input_permutation_mapping = token
         probs = probs.T.reshape(-1)  # expert-major, as the routing map's pairs
@@ -83,9 +87,11 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
 
 
 @on_gpu_compiled
-def permuted_rows(routing_map, first, count, topk):
+def permuted_rows(routing_map, first, count, topk, descending=False):
     """DeviceSortDispatcher's bookkeeping of one pass, from the (tokens, E) bool routing map of
     every EP rank's tokens; this rank's experts are first..first+count-1, every token has topk.
+    The rows go by local expert, each expert's tokens ascending; descending: the last local
+    expert's rows first (the order GroupedExperts reads the experts' weights in place).
     Returns
       picks              (tokens x topk,) each permuted row's pair, an index into the map read
                          expert-major with this rank's experts first; the tail's (other ranks'
@@ -93,16 +99,22 @@ def permuted_rows(routing_map, first, count, topk):
       token              (tokens x topk,) each row's token
       order, keep        (tokens, topk) each token's rows in expert order, and which are this
                          rank's (the tail's point at row 0)
-      tokens_per_expert  (count,) rows per local expert
+      tokens_per_expert  (count,) rows per local expert, in the rows' order
     On a GPU one compiled function (eager: ~18 small kernels per layer and pass)."""
     if first:
         routing_map = routing_map.roll(-first, dims=1)
     num_tokens, num_experts = routing_map.shape
+    if descending:
+        routing_map = torch.cat([routing_map[:, :count].flip(1), routing_map[:, count:]], dim=1)
     flat = routing_map.T.reshape(-1).to(torch.uint8)  # expert-major
     picks = torch.sort(flat, descending=True, stable=True).indices[:num_tokens * topk]
     tokens_per_expert = routing_map[:, :count].sum(0)
     token = picks % num_tokens
     order = torch.argsort(token, stable=True).view(num_tokens, -1)
+    if descending:  # each token's rows in ascending expert order again; picks into the unflipped map
+        order = order.flip(1)
+        column = picks // num_tokens
+        picks = torch.where(column < count, (count - 1 - column) * num_tokens + token, picks)
     if count == num_experts:  # every expert here: every row is this rank's
         return picks, token, order, torch.ones_like(order, dtype=torch.bool), tokens_per_expert
     tail = torch.arange(picks.shape[0], device=picks.device) >= tokens_per_expert.sum()
@@ -171,6 +183,7 @@ def sort_tokens_on_device(chunks):
             if (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
                     and device_sort_possible(module)):
                 module.token_dispatcher.__class__ = DeviceSortDispatcher
+                module.token_dispatcher.grouped_experts = module.experts if isinstance(module.experts, GroupedExperts) else None
                 module.experts.mask_tail = module.num_local_experts < module.config.num_moe_experts
                 changed += 1
     return changed
@@ -224,10 +237,30 @@ def swiglu_weighted(h, probs):
     return (F.silu(gate) * up * probs.unsqueeze(-1)).to(h.dtype)
 
 
+def evenly_spaced(tensors):
+    """The same-shape contiguous tensors as one (len, *shape) view of the storage they share,
+    where they lie in it evenly spaced, one after another: (view, reverse), view[i] being
+    tensors[i], or tensors[-1 - i] where they lie in reverse order; None otherwise. megatron
+    DDP's buffers lay a layer's parameters (and their main_grads) out this way, last first."""
+    first = tensors[0]
+    if len(tensors) < 2 or any(t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                               or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    offsets = [t.storage_offset() for t in tensors]
+    step = offsets[1] - offsets[0]
+    if abs(step) < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    base = (first if step > 0 else tensors[-1]).detach()
+    return base.as_strided((len(tensors), *first.shape), (abs(step), *first.stride())), step < 0
+
+
 class _StackedWeights(torch.autograd.Function):
-    """torch.stack of the local experts' weights, (E_local, ...), whose backward adds each expert's
-    slice of the gradient straight into that weight's fp32 main_grad (megatron DDP's buffer) with
-    one cast and one foreach add, and hands autograd no gradient for the weights.
+    """The local experts' weights as one (E_local, ...) tensor, whose backward adds each expert's
+    slice of the gradient straight into that weight's fp32 main_grad (megatron DDP's buffer) and
+    hands autograd no gradient for the weights. The tensor is a view of DDP's parameter buffer
+    where the weights lie there evenly spaced in the GEMMs' order (GroupedExperts.stacks; else a
+    torch.stack copy), and the gradient is added with one in-place add into the same view of the
+    gradient buffer (else one cast and one foreach add).
 
     Without it each expert weight's gradient goes through its own autograd accumulation and
     DDP's per-parameter hook (which adds it into main_grad): 2 x E_local per MoE layer and
@@ -239,35 +272,44 @@ class _StackedWeights(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, weights):
-        """anchor: weights[0], the one weight autograd sees (it makes the stack require a gradient);
-        weights: all of them, as a list, which autograd does not track. A tensor input per
-        weight would still run autograd's accumulation node and DDP's hook per weight."""
-        ctx.weights = weights
-        return torch.stack(weights)
+    def forward(ctx, anchor, weights, views):
+        """anchor: weights[0], the one weight autograd sees (it makes the result require a
+        gradient); weights: all of them in the GEMMs' order, as a list, which autograd does not
+        track (a tensor input per weight would still run autograd's accumulation node and DDP's
+        hook per weight); views: [weights' view or None, main_grads' view or None]."""
+        ctx.weights, ctx.main_view = weights, views[1]
+        return torch.stack(weights) if views[0] is None else views[0]
 
     @staticmethod
     def backward(ctx, grad):
-        main_grads = [w.main_grad for w in ctx.weights]
-        torch._foreach_add_(main_grads, grad.to(main_grads[0].dtype).unbind(0))
-        return None, None
+        if ctx.main_view is not None:
+            ctx.main_view.add_(grad)  # one kernel: bf16 read, fp32 added in place
+        else:
+            main_grads = [w.main_grad for w in ctx.weights]
+            torch._foreach_add_(main_grads, grad.to(main_grads[0].dtype).unbind(0))
+        return None, None, None
 
 
 class GroupedExperts(SequentialMLP):
     """SequentialMLP with its local experts run as two grouped GEMMs on a GPU.
 
-    Tokens arrive sorted by local expert (tokens_per_expert[j] rows for expert j). The
-    expert weights are stacked per forward, (E_local, 2F, H) and (E_local, H, F): one copy
-    of this layer's expert weights, freed after the layer's backward; the parameters stay
-    the per-expert tensors of SequentialMLP, so checkpoints, the bridge and the weight sync
-    are the same as without grouping. With expert TP (etp > 1) each rank multiplies its
-    slice; the dispatcher reduces the partial sums, as for SequentialMLP.
+    Tokens arrive sorted by local expert (tokens_per_expert[j] rows for the j-th group). The
+    GEMMs take the expert weights as (E_local, 2F, H) and (E_local, H, F) tensors: views of
+    megatron DDP's parameter buffer where the weights lie there evenly spaced (the distributed
+    optimizer's buffer; megatron lays them out last expert first, so DeviceSortDispatcher then
+    sorts the rows last expert first: order_descending), else a copy stacked per forward and
+    freed after the layer's backward. The parameters stay the per-expert tensors of
+    SequentialMLP, so checkpoints, the bridge and the weight sync are the same as without
+    grouping. With expert TP (etp > 1) each rank multiplies its slice; the dispatcher reduces
+    the partial sums, as for SequentialMLP.
     """
 
     grouped = True      # False: always the per-expert loop (bench/moe.py compares the two)
     fuse_wgrad = False  # True: weight gradients added into main_grad by _StackedWeights (set for training)
     mask_tail = False   # True: rows past this rank's experts' belong to other ranks (DeviceSortDispatcher at EP > 1):
                         # no GEMM computes them (the loop returns zeros there), the combine leaves them out
+    rows_descending = False  # set by DeviceSortDispatcher for the pass it sorted: its rows go last expert first
+    in_place = True     # False: the weights always stacked, the gradients added by foreach (bench --ab in-place-experts)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -288,6 +330,34 @@ class GroupedExperts(SequentialMLP):
                 and not self.config.moe_apply_probs_on_input and self.config.gated_linear_unit
                 and self.config.activation_func is F.silu and not self.config.add_bias_linear)
 
+    def stacks(self):
+        """{"descending": the order to read the experts in, "w1", "w2": (E_local, ...) views of the
+        fc1 / fc2 weights in that order, "g1", "g2": the same of their main_grads (with
+        fuse_wgrad)}, each None where those tensors do not lie evenly spaced in that order. The
+        order is the gradients' layout where they have one (with fuse_wgrad), else the weights'.
+        Checked once per placement of the buffers (offload moves their storage)."""
+        fc1 = [e.linear_fc1.weight for e in self.local_experts]
+        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        grads = self.fuse_wgrad and hasattr(fc1[0], "main_grad")
+        key = (self.in_place, grads, fc1[0].data_ptr(), fc1[-1].data_ptr(),
+               grads and fc1[0].main_grad.data_ptr(), grads and fc1[-1].main_grad.data_ptr())
+        if self.__dict__.get("_stacks_key") != key:
+            found = {name: evenly_spaced(tensors) if self.in_place else None for name, tensors in
+                     (("w1", fc1), ("w2", fc2), ("g1", [w.main_grad for w in fc1] if grads else None),
+                      ("g2", [w.main_grad for w in fc2] if grads else None)) if tensors is not None}
+            orders = {found[a][1] for a, b in (("g1", "g2"), ("w1", "w2")) if found.get(a) and found.get(b)
+                      and found[a][1] == found[b][1]}
+            descending = next(iter(orders)) if len(orders) == 1 else False
+            self._stacks = dict(descending=descending, **{name: view[0] if view and view[1] == descending else None
+                                                          for name, view in found.items()})
+            self._stacks_key = key
+        return self._stacks
+
+    def order_descending(self):
+        """Whether the dispatcher should sort this layer's rows last local expert first (the order
+        the weights lie in megatron's buffers: the GEMMs then read them in place)."""
+        return self.grouped_path() and self.stacks()["descending"]
+
     def forward(self, hidden, tokens_per_expert, probs):
         if not self.grouped_path():
             if not self.mask_tail:
@@ -298,9 +368,23 @@ class GroupedExperts(SequentialMLP):
             out, bias = super().forward(hidden[:n], tokens_per_expert, probs[:n])
             return torch.cat([out, out.new_zeros(hidden.shape[0] - n, *out.shape[1:])]), bias
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
-        stack = (lambda w: _StackedWeights.apply(w[0], w)) if self.fuse_wgrad and torch.is_grad_enabled() else torch.stack
-        w1 = stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2F/etp, H)
-        w2 = stack([e.linear_fc2.weight for e in self.local_experts])  # (E, H, F/etp)
+        descending, self.rows_descending = self.rows_descending, False  # this pass's rows' order
+        experts = self.local_experts[::-1] if descending else self.local_experts
+        stacks = self.stacks()
+        if stacks["descending"] != descending:  # rows sorted the other way (megatron's dispatcher): copies
+            stacks = {}
+        if self.fuse_wgrad and torch.is_grad_enabled():
+            def stack(weights, name):
+                views = [stacks.get("w" + name), stacks.get("g" + name)]
+                return _StackedWeights.apply(weights[0], weights, views)
+        elif torch.is_grad_enabled():  # autograd's gradients per weight (no DDP, or overlap_grad_reduce)
+            def stack(weights, name):
+                return torch.stack(weights)
+        else:
+            def stack(weights, name):
+                return torch.stack(weights) if stacks.get("w" + name) is None else stacks["w" + name]
+        w1 = stack([e.linear_fc1.weight for e in experts], "1")  # (E, 2F/etp, H)
+        w2 = stack([e.linear_fc2.weight for e in experts], "2")  # (E, H, F/etp)
         h = swiglu_weighted(torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends), probs)  # (N, F/etp)
         out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H); with mask_tail, rows past
         return out, None  # ends[-1] (other ranks' pairs) are written by no GEMM: the combine skips them

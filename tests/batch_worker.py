@@ -212,6 +212,20 @@ def wgrad(hf_dir):
                                                  bias_in_gemm_layers=bias_layers, bias_in_gemm_max_rel_err=max(bias_rel.values()),
                                                  bias_in_gemm_from_fp32=from_fp32[True, True],
                                                  bias_add_from_fp32=from_fp32[True, False])
+        if dtype == torch.float32 and experts:
+            # MoE, with the distributed optimizer: its parameter buffer holds the expert weights evenly
+            # spaced too, so the grouped GEMMs read them in place (common/moe.py GroupedExperts.stacks)
+            from common.moe import GroupedExperts
+
+            spec, chunks = tiny_model(hf_dir, dtype)
+            model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=True)
+            schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+            layers = [m for m in model[0].modules() if isinstance(m, GroupedExperts)]
+            result["in_place"] = dict(
+                layers=sum(all(m.stacks()[k] is not None for k in ("w1", "w2", "g1", "g2")) for m in layers),
+                descending=sorted({m.stacks()["descending"] for m in layers}), moe_layers=len(layers),
+                experts_max_abs_diff=max(float((p.main_grad - exact[n]).abs().max())
+                                         for n, p in model[0].named_parameters() if ".local_experts." in n))
     print("RESULT " + json.dumps(dict(result, model=os.path.basename(hf_dir))))
 
 

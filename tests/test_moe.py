@@ -203,8 +203,10 @@ def test_moe_kernels_compiled_equal_eager():
 def test_permuted_rows_compiled_equal_by_hand():
     """common/moe.py permuted_rows (DeviceSortDispatcher's bookkeeping, compiled on a GPU), eager
     and compiled here on a CPU, against the rows written out by hand: this rank's (expert, token)
-    pairs expert-major with tokens ascending, then the other ranks' (the tail, picks past the
-    end), each token's rows in that order, at EP=1 and as either rank of EP=2."""
+    pairs expert-major with tokens ascending (or this rank's experts last first: descending),
+    then the other ranks' (the tail, picks past the end), each token's rows in ascending order
+    (descending: reversed, so this rank's rows are in expert order), at EP=1 and as either rank
+    of EP=2."""
     from common.fused import compile_fn
     from common.moe import permuted_rows
 
@@ -213,20 +215,22 @@ def test_permuted_rows_compiled_equal_by_hand():
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
     routing_map.scatter_(1, torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices, True)
     compiled = compile_fn(permuted_rows.eager)
-    for first, count in ((0, 8), (0, 4), (4, 4)):
+    for first, count, descending in ((0, 8, False), (0, 4, False), (4, 4, False), (0, 8, True), (4, 4, True)):
         rolled = routing_map.roll(-first, dims=1)
-        pairs = [(e, t) for e in range(experts) for t in range(tokens) if rolled[t, e]]
+        groups = [*(reversed(range(count)) if descending else range(count)), *range(count, experts)]
+        pairs = [(e, t) for e in groups for t in range(tokens) if rolled[t, e]]
         mine = sum(1 for e, _ in pairs if e < count)
         picks = [e * tokens + t if i < mine else tokens * experts for i, (e, t) in enumerate(pairs)]
         token = [t for _, t in pairs]
-        rows_of = [[i for i, (_, t) in enumerate(pairs) if t == u] for u in range(tokens)]
+        rows_of = [[i for i, (_, t) in enumerate(pairs) if t == u][::-1 if descending else 1] for u in range(tokens)]
         keep = [[i < mine for i in rows] for rows in rows_of]
         order = [[i if i < mine else 0 for i in rows] for rows in rows_of]
+        case = (first, count, descending)
         for fn in (permuted_rows, compiled):
-            got = fn(routing_map, first, count, topk)
-            assert got[0].tolist() == picks and got[1].tolist() == token, (first, count)
-            assert got[2].tolist() == order and got[3].tolist() == keep, (first, count)
-            assert got[4].tolist() == rolled[:, :count].sum(0).tolist(), (first, count)
+            got = fn(routing_map, first, count, topk, descending)
+            assert got[0].tolist() == picks and got[1].tolist() == token, case
+            assert got[2].tolist() == order and got[3].tolist() == keep, case
+            assert got[4].tolist() == [int(rolled[:, e].sum()) for e in groups[:count]], case
 
 
 def test_router_functions_compiled_equal_eager():

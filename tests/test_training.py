@@ -49,7 +49,9 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
     micro-batches: every parameter's main_grad, with untied and tied embeddings (the tied
     weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook), and
     an MoE model's grouped experts (their gradients added per layer, common/moe.py). The Qwen2
-    models' QKV bias added in the GEMM (common/linear.py) against megatron's separate add, too."""
+    models' QKV bias added in the GEMM (common/linear.py) against megatron's separate add, too.
+    With the distributed optimizer the MoE experts' GEMMs read their weights in place in
+    megatron's buffer, and their gradients are added in place there: the same bits again."""
     names = ("qwen2", "qwen2_tied", "qwen3_moe")
     for name, r in zip(names, run_batch_worker(tmp_path, "wgrad", names)):
         print(name, r)
@@ -68,6 +70,11 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
                 assert r[dtype]["expert_params"] >= 8 * 2 * 2, r  # 8 experts x fc1/fc2 in >= 2 MoE layers
                 assert r[dtype]["experts_nonzero"] == r[dtype]["expert_params"], r  # every expert got tokens
                 assert r[dtype]["experts_max_abs_diff"] == 0.0, r
+            # with the distributed optimizer the GEMMs read the weights in place (megatron's buffer,
+            # last expert first) and add the gradients with one add per layer: the same bits
+            in_place = r["in_place"]
+            assert in_place["layers"] == in_place["moe_layers"] >= 2 and in_place["descending"] == [True], r
+            assert in_place["experts_max_abs_diff"] == 0.0, r
 
 
 def test_qkv_bias_in_gemm_is_megatrons_linear_function():

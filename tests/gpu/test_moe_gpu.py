@@ -66,9 +66,11 @@ def write_model(out_dir, arch="Qwen3MoeForCausalLM", fields=MODEL):
 
 
 def grouped_vs_sequential(chunks, res):
-    """Forward + backward of the same batch three ways: bf16 per-expert loop, bf16 grouped, and
-    the loop in fp32 (the same bf16-rounded weights) as the reference. The grouped path must be
-    no noisier than the loop: relative error of the logits and of all gradients together."""
+    """Forward + backward of the same batch four ways: bf16 per-expert loop, bf16 grouped, the
+    loop in fp32 (the same bf16-rounded weights) as the reference, and bf16 grouped under
+    megatron DDP as training runs it (weights read and gradients added in DDP's buffers). The
+    grouped paths must be no noisier than the loop: relative error of the logits and of all
+    gradients together."""
     from common.moe import GroupedExperts
 
     model = chunks[0]
@@ -88,13 +90,31 @@ def grouped_vs_sequential(chunks, res):
     model.to(torch.bfloat16)
     for m in experts:
         m.grouped = True
+    # as in training: megatron DDP with the distributed optimizer, whose buffers hold the expert
+    # weights and gradients evenly spaced, so the grouped GEMMs read the weights in place and add
+    # their gradients there in place (common/moe.py GroupedExperts.stacks): main_grad afterwards
+    from common.training import setup_training
+
+    for p in model.parameters():
+        p.grad = None  # (DDP's hooks would add the fp32 run's gradients left here into main_grad)
+    ddp, _, _ = setup_training(chunks, lr=0.0)
+    for chunk in ddp:
+        chunk.zero_grad_buffer()
+    logits = ddp[0](tokens, positions, None).float()
+    logits.logsumexp(-1).mean().backward()
+    out["in_place"] = (logits.detach(), torch.cat([p.main_grad.float().flatten() for p in model.parameters()]))
+    # layers whose buffers hold them evenly spaced (read in place with DeviceSortDispatcher; megatron's
+    # all-to-all dispatcher sorts rows the other way, and the layer then stacks copies)
+    res["in_place_layers"] = sum(all(m.stacks()[k] is not None for k in ("w1", "w2", "g1", "g2")) for m in experts)
     ref_logits, ref_grads = out["fp32"]
-    for name in ("loop", "grouped"):
+    for name in ("loop", "grouped", "in_place"):
         logits, grads = out[name]
         res[f"{name}_logits_rel_err"] = ((logits - ref_logits).norm() / ref_logits.norm()).item()
         res[f"{name}_grads_rel_err"] = ((grads - ref_grads).norm() / ref_grads.norm()).item()
+    assert res["in_place_layers"] == len(experts) > 0, res
     for what in ("logits", "grads"):
-        assert res[f"grouped_{what}_rel_err"] <= 2 * res[f"loop_{what}_rel_err"] + 1e-3, res
+        for name in ("grouped", "in_place"):
+            assert res[f"{name}_{what}_rel_err"] <= 2 * res[f"loop_{what}_rel_err"] + 1e-3, res
 
 
 def capture_vllm_topk(engine, sequences, topk, select=None):
