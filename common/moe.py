@@ -342,12 +342,15 @@ class GroupedExperts(SequentialMLP):
         key = (self.in_place, grads, fc1[0].data_ptr(), fc1[-1].data_ptr(),
                grads and fc1[0].main_grad.data_ptr(), grads and fc1[-1].main_grad.data_ptr())
         if self.__dict__.get("_stacks_key") != key:
-            found = {name: evenly_spaced(tensors) if self.in_place else None for name, tensors in
-                     (("w1", fc1), ("w2", fc2), ("g1", [w.main_grad for w in fc1] if grads else None),
-                      ("g2", [w.main_grad for w in fc2] if grads else None)) if tensors is not None}
-            orders = {found[a][1] for a, b in (("g1", "g2"), ("w1", "w2")) if found.get(a) and found.get(b)
-                      and found[a][1] == found[b][1]}
-            descending = next(iter(orders)) if len(orders) == 1 else False
+            tensors = {"w1": fc1, "w2": fc2}
+            if grads:
+                tensors.update(g1=[w.main_grad for w in fc1], g2=[w.main_grad for w in fc2])
+            found = {name: evenly_spaced(ts) if self.in_place else None for name, ts in tensors.items()}
+            descending = False
+            for a, b in (("g1", "g2"), ("w1", "w2")):  # the gradients' layout first, else the weights'
+                if found.get(a) and found.get(b) and found[a][1] == found[b][1]:
+                    descending = found[a][1]
+                    break
             self._stacks = dict(descending=descending, **{name: view[0] if view and view[1] == descending else None
                                                           for name, view in found.items()})
             self._stacks_key = key
@@ -373,16 +376,16 @@ class GroupedExperts(SequentialMLP):
         stacks = self.stacks()
         if stacks["descending"] != descending:  # rows sorted the other way (megatron's dispatcher): copies
             stacks = {}
-        if self.fuse_wgrad and torch.is_grad_enabled():
-            def stack(weights, name):
-                views = [stacks.get("w" + name), stacks.get("g" + name)]
-                return _StackedWeights.apply(weights[0], weights, views)
-        elif torch.is_grad_enabled():  # autograd's gradients per weight (no DDP, or overlap_grad_reduce)
-            def stack(weights, name):
+        training = torch.is_grad_enabled()
+
+        def stack(weights, name):
+            view = stacks.get("w" + name)
+            if training and self.fuse_wgrad:
+                return _StackedWeights.apply(weights[0], weights, [view, stacks.get("g" + name)])
+            if training or view is None:  # autograd's gradients per weight (no DDP, or overlap_grad_reduce)
                 return torch.stack(weights)
-        else:
-            def stack(weights, name):
-                return torch.stack(weights) if stacks.get("w" + name) is None else stacks["w" + name]
+            return view
+
         w1 = stack([e.linear_fc1.weight for e in experts], "1")  # (E, 2F/etp, H)
         w2 = stack([e.linear_fc2.weight for e in experts], "2")  # (E, H, F/etp)
         h = swiglu_weighted(torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends), probs)  # (N, F/etp)
