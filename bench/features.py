@@ -22,7 +22,7 @@ FEATURES = {
     "compiled-router": "the routers' top-k, aux-loss scores and load-balancing loss compiled, common/moe_router.py, "
                        "vs megatron's eager routing",
     "in-place-experts": "the MoE experts' GEMMs read their weights in megatron's buffer and add their gradients there "
-                        "in place, common/moe.py GroupedExperts.stacks, vs weights stacked per pass and gradients cast "
+                        "in place, common/moe_experts.py GroupedExperts.stacks, vs weights stacked per pass and gradients cast "
                         "and added by foreach",
 }
 
@@ -31,7 +31,7 @@ def ab_switches(model, optimizer, padding_mask):
     """{feature: function(on)} for these DDP-wrapped chunks and their optimizer. padding_mask: the
     bench's one-item list that says whether its passes hand megatron the padding mask."""
     from common import attention_cp, fused, linear
-    from common.moe import GroupedExperts
+    from common.moe_experts import GroupedExperts
     from common.moe_router import Router
     from common.training import fuse_wgrad_accumulation, listed_optimizer_copies
 

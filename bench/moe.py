@@ -1,4 +1,4 @@
-"""Benchmark MoE experts: grouped GEMMs (common/moe.py's GroupedExperts) vs megatron's per-expert loop.
+"""Benchmark MoE experts: grouped GEMMs (common/moe_experts.py's GroupedExperts) vs megatron's per-expert loop.
 
     python bench/moe.py                          # 1 GPU: Qwen3-30B-A3B-shaped layers
     python bench/moe.py --shape tiny --reps 2    # CPU smoke run (no grouped path on a CPU: ratio ~1)
@@ -49,7 +49,7 @@ def main():
     from common.bridge import parse_hf_config
     from common.dist import init_distributed
     from common.model import build_model
-    from common.moe import GroupedExperts
+    from common.moe_experts import GroupedExperts
 
     info = init_distributed()
     on_gpu = info.device.type == "cuda"

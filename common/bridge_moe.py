@@ -186,7 +186,7 @@ def moe_config_fields(moe: MoESpec, *, ep=1, etp=1, aux_loss_coef=None):
         moe_token_dispatcher_type=default_dispatcher(ep, etp),
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        moe_grouped_gemm=False,  # megatron's grouped paths need TE or grouped_gemm: common/moe.py has ours
+        moe_grouped_gemm=False,  # megatron's grouped paths need TE or grouped_gemm: common/moe_experts.py has ours
         moe_permute_fusion=False, moe_router_fusion=False,  # TE kernels
     )
 

@@ -48,7 +48,7 @@ class RMSNorm(torch.nn.RMSNorm):
 def layer_spec(spec: HFModelSpec, attention=None, moe=False):
     """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, the QKV
     projection of models with a QKV bias (common/linear.py: the bias added in the GEMM), and
-    with moe=True an MoELayer (common/moe.py's Router and GroupedExperts) in place of the MLP.
+    with moe=True an MoELayer (common/moe_router.py's Router and common/moe_experts.py's GroupedExperts) in place of the MLP.
 
     attention:
       "sdpa"  megatron's local spec with its core attention swapped for common/attention.py's
@@ -87,7 +87,7 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
                                                      multi_latent_attention=mla,
                                                      num_experts=spec.moe.num_experts if moe else None)
     if moe:
-        from common.moe import GroupedExperts
+        from common.moe_experts import GroupedExperts
         from common.moe_router import Router
 
         layer.submodules.mlp.submodules.router = Router

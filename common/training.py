@@ -88,13 +88,13 @@ def fuse_wgrad_accumulation(ddp_chunks, enabled=True):
     gradient_accumulation_fusion, with common/cpu_compat.py's torch stand-in for apex's
     kernel), instead of a bf16 gradient that DDP's hook adds afterwards; and MoE layers'
     grouped experts add their weight gradients into main_grad per layer, not per expert
-    (common/moe.py _StackedWeights; not with overlap_grad_reduce, which waits for DDP's
+    (common/moe_experts.py _StackedWeights; not with overlap_grad_reduce, which waits for DDP's
     per-parameter hooks). Only for wrapped chunks: the fused paths need each weight's
     main_grad, which DDP makes. Returns the number of layers switched."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from common.cpu_compat import wgrad_accumulation_without_apex
-    from common.moe import GroupedExperts
+    from common.moe_experts import GroupedExperts
 
     wgrad_accumulation_without_apex()
     layers = []

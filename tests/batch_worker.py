@@ -162,7 +162,7 @@ def wgrad(hf_dir):
     """Weight gradients accumulated inside the GEMM (common/training.py fuse_wgrad_accumulation)
     against megatron's own path (a weight gradient, then DDP's hook adds it), over three
     micro-batches so the accumulation itself is compared, for fp32 and bf16 models. For an MoE
-    model the grouped experts' per-layer accumulation (common/moe.py) too, compared exactly."""
+    model the grouped experts' per-layer accumulation (common/moe_experts.py) too, compared exactly."""
     from common import schedule
     from common import linear, rl
     from common.training import fuse_wgrad_accumulation, setup_training
@@ -214,8 +214,8 @@ def wgrad(hf_dir):
                                                  bias_add_from_fp32=from_fp32[True, False])
         if dtype == torch.float32 and experts:
             # MoE, with the distributed optimizer: its parameter buffer holds the expert weights evenly
-            # spaced too, so the grouped GEMMs read them in place (common/moe.py GroupedExperts.stacks)
-            from common.moe import GroupedExperts
+            # spaced too, so the grouped GEMMs read them in place (common/moe_experts.py GroupedExperts.stacks)
+            from common.moe_experts import GroupedExperts
 
             spec, chunks = tiny_model(hf_dir, dtype)
             model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=True)

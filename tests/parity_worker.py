@@ -65,7 +65,7 @@ def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
     megatron's all-to-all, same weights: logits vs transformers, and every parameter's
     gradient of one random projection of the logits (this rank's shard) against all-to-all's."""
     from common.model import build_model
-    from common.moe import GroupedExperts
+    from common.moe_experts import GroupedExperts
     from common.weights import load_hf_weights
 
     out, grads = {}, {}

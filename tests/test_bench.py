@@ -126,13 +126,13 @@ class _BackwardCallsCompiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from common.moe import swiglu_weighted
+        from common.moe_experts import swiglu_weighted
 
         return swiglu_weighted(torch.cat([grad, grad], -1), torch.ones(len(grad)))  # cat, ones, compiled
 
 
 def _counted_step(x, w, probs):
-    from common.moe import swiglu_weighted
+    from common.moe_experts import swiglu_weighted
 
     h = (_BackwardCallsCompiled.apply(x) * 2).sum(-1, keepdim=True) + x  # (clone), mul, sum, add
     h = torch.nn.functional.rms_norm(h, (8,), w)  # one fused kernel on a GPU (6 ops on a CPU)
@@ -145,7 +145,7 @@ def test_count_ops_by_hand():
     way, however many they dispatch on a CPU (two calls in a row are two; one that a custom
     backward calls is one backward op)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from common.moe import swiglu_weighted
+    from common.moe_experts import swiglu_weighted
     from harness import count_ops
 
     x, w, probs = torch.randn(4, 8, requires_grad=True), torch.ones(8, requires_grad=True), torch.rand(4)
@@ -159,7 +159,7 @@ def test_count_ops_by_hand():
 
     r = count_ops(fn)
     sites = {(where, name): n for n, where, name in r["sites"]}
-    mine, swiglu = "tests/test_bench.py:_counted_step", "compiled: common.moe.swiglu_weighted"
+    mine, swiglu = "tests/test_bench.py:_counted_step", "compiled: common.moe_experts.swiglu_weighted"
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
     assert sites["forward", mine] == 5 and sites["no_grad", mine] == 5  # mul, sum, add, cat, sum
     assert sites["no_grad", "tests/test_bench.py:forward"] == 2  # the clone: a custom forward is not recorded

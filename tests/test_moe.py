@@ -172,7 +172,8 @@ def test_moe_kernels_compiled_equal_eager():
     permutation's backward: each token's kept rows summed, the others, which hold NaN here as
     the never-written tail may, leave no trace) and swiglu_weighted with its gradients."""
     from common.fused import compile_fn
-    from common.moe import gather_rows_sum, swiglu_weighted
+    from common.moe import gather_rows_sum
+    from common.moe_experts import swiglu_weighted
 
     gen = torch.Generator().manual_seed(0)
     tokens, k, hidden = 6, 4, 16

@@ -48,7 +48,7 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
     common/cpu_compat.py's stand-in for apex's kernel) equal megatron's own path over three
     micro-batches: every parameter's main_grad, with untied and tied embeddings (the tied
     weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook), and
-    an MoE model's grouped experts (their gradients added per layer, common/moe.py). The Qwen2
+    an MoE model's grouped experts (their gradients added per layer, common/moe_experts.py). The Qwen2
     models' QKV bias added in the GEMM (common/linear.py) against megatron's separate add, too.
     With the distributed optimizer the MoE experts' GEMMs read their weights in place in
     megatron's buffer, and their gradients are added in place there: the same bits again."""

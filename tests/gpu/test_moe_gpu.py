@@ -5,7 +5,7 @@
 
 A random Qwen3-MoE-shaped model (bf16; hidden 512, 4 layers, 32 experts of 256, top-8,
 q/k norm, renormalised top-k) is written with transformers. Checked:
-  1. common/moe.py's GroupedExperts (torch._grouped_mm) against SequentialMLP's per-expert
+  1. common/moe_experts.py's GroupedExperts (torch._grouped_mm) against SequentialMLP's per-expert
      loop on the same weights and tokens: relative error of the logits and of all gradients
      against the loop in fp32, no more than twice the bf16 loop's own (their speed:
      bench/moe.py);
@@ -71,7 +71,7 @@ def grouped_vs_sequential(chunks, res):
     megatron DDP as training runs it (weights read and gradients added in DDP's buffers). The
     grouped paths must be no noisier than the loop: relative error of the logits and of all
     gradients together."""
-    from common.moe import GroupedExperts
+    from common.moe_experts import GroupedExperts
 
     model = chunks[0]
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
@@ -92,7 +92,7 @@ def grouped_vs_sequential(chunks, res):
         m.grouped = True
     # as in training: megatron DDP with the distributed optimizer, whose buffers hold the expert
     # weights and gradients evenly spaced, so the grouped GEMMs read the weights in place and add
-    # their gradients there in place (common/moe.py GroupedExperts.stacks): main_grad afterwards
+    # their gradients there in place (common/moe_experts.py GroupedExperts.stacks): main_grad afterwards
     from common.training import setup_training
 
     for p in model.parameters():
