@@ -105,10 +105,15 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
         device, backend = torch.device("cpu"), "gloo"
 
     if not dist.is_initialized():
+        # A world of one (plain python) keeps its store in memory: a TCP store would bind the
+        # port _launcher_env picked seconds earlier, which another process may have taken by
+        # then (EADDRINUSE seen on a GPU machine running tests side by side).
+        store = dist.HashStore() if world_size == 1 and "RANK" not in os.environ else None
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world_size,
+            store=store,
             timeout=timedelta(minutes=timeout_minutes),
             device_id=device if backend == "nccl" else None,
         )

@@ -1,10 +1,11 @@
 """Tests of launch/*.sh: syntax, the torchrun command slurm.sh runs (srun/scontrol stubbed), and
-which python local.sh runs.
+which python local.sh runs, and a plain `python script.py` start (common/dist.py).
 
     .venv/bin/python -m pytest -q tests/test_launch.py
 """
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -122,3 +123,21 @@ def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):
     assert "GOT_USR1" in lines and "REQUEUE 77" in lines, (lines, out)
     args = [line[4:-1] for line in lines if line.startswith("ARG<")]
     assert args[-5:] == ["train_grpo.py", "--out", "runs/x", "--resume", "auto"]
+
+
+def test_plain_python_binds_no_port_it_picked_earlier():
+    """A plain `python script.py` (a world of one) keeps torch.distributed's store in memory: on a
+    GPU machine running tests side by side, the port common/dist.py had picked was taken by
+    another process before the TCP store bound it (EADDRINUSE, no step run). Here the port it
+    picks is one already listening."""
+    code = ("import socket, torch.distributed as dist\n"
+            "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
+            "from common import dist as d\n"
+            "d._free_port = lambda: held.getsockname()[1]\n"
+            "info = d.init_distributed()\n"
+            "print('world', info.world_size, dist.get_world_size())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "world 1 1" in proc.stdout
