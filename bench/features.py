@@ -16,7 +16,7 @@ FEATURES = {
     "cp-split": "with --cp, each chunk's attention split at its own keys and run on cuDNN, common/attention_cp.py, "
                 "vs one varlen flash call per chunk",
     "listed-copies": "the distributed optimizer's grad views and param copies from lists made once, "
-                     "common/training.py ListedCopies (off by default), vs megatron's per-parameter loop",
+                     "common/training.py ListedCopies, vs megatron's per-parameter loop",
     "compiled-dispatch": "the all-gather dispatcher's bookkeeping as one compiled call, common/moe.py permuted_rows, "
                          "vs the same function eager",
     "compiled-router": "the routers' top-k, aux-loss scores and load-balancing loss compiled, common/moe_router.py, "

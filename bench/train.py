@@ -312,7 +312,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         features = ab_switches(model, optimizer, padding_mask)
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
                   "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True,
-                  "qkv-bias-gemm": True, "cp-split": True, "listed-copies": False, "compiled-dispatch": True,
+                  "qkv-bias-gemm": True, "cp-split": True, "listed-copies": True, "compiled-dispatch": True,
                   "compiled-router": True, "in-place-experts": True}
         for name, on in chosen.items():
             features[name](on)

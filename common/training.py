@@ -19,7 +19,7 @@ from common.model import unwrap
 
 def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8,
                    clip_grad=1.0, warmup_steps=0, total_steps=1, decay_style="constant",
-                   use_distributed_optimizer=True, overlap_grad_reduce=False, listed_copies=False):
+                   use_distributed_optimizer=True, overlap_grad_reduce=False, listed_copies=True):
     """Wrap model chunks for training. Returns (ddp_chunks, optimizer, scheduler).
 
     - megatron DDP: gradients reduced over the data-parallel group into fp32 buffers;
@@ -29,8 +29,8 @@ def setup_training(chunks, *, lr, min_lr=0.0, weight_decay=0.0, adam_betas=(0.9,
     - OptimizerParamScheduler: linear warmup over warmup_steps, then decay_style
       ("constant", "linear", "cosine") from lr to min_lr at total_steps. One scheduler
       step per optimizer step.
-    - listed_copies: the distributed optimizer's copies from lists (ListedCopies); off until
-      tests/gpu/run_all.sh has passed with it (bench/train.py --ab listed-copies times it).
+    - listed_copies: the distributed optimizer's copies from lists (ListedCopies); False gives
+      megatron's per-parameter loop (bench/train.py --ab listed-copies times both).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

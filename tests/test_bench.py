@@ -178,11 +178,11 @@ def test_count_ops_by_hand():
 
 def test_count_ops_flag_tiny_moe():
     """bench/train.py --count-ops: one step of the tiny MoE (2 layers, 8 experts), its ops by site
-    in BENCH_JSON. Counts made by hand from the shape: megatron's distributed optimizer copies
-    each updated parameter into the model with its own copy (2 layers x (QKV, proj, q/k norms, 2
-    layer norms, router, 8 experts x fc1/fc2) + embedding, final norm, LM head: 49 tensors;
-    common/training.py ListedCopies, off by default for now, makes them one foreach copy per
-    optimizer: tests/test_training.py); each pass
+    in BENCH_JSON. Counts made by hand from the shape: the updated parameters (2 layers x (QKV,
+    proj, q/k norms, 2 layer norms, router, 8 experts x fc1/fc2) + embedding, final norm, LM head:
+    49 tensors) are copied into the model by one foreach copy per optimizer (dense, experts:
+    common/training.py ListedCopies), not one copy each as megatron's distributed optimizer
+    does (--ab listed-copies switches back to it); each pass
     runs RMSNorm 2 x 4 + 1 times (one kernel each way on a GPU); each MoE layer's router and
     dispatcher call their compiled functions once per layer and pass (the logprob pass and the
     update's, of one micro-batch each)."""
@@ -190,8 +190,9 @@ def test_count_ops_flag_tiny_moe():
                        "--seq-len", 64, "--num-seqs", 2, "--micro-batch-size", 2))
     counts = r["candidate"]["op_counts"]
     sites = {(where, name): n for n, where, name in counts["sites"]}
-    assert sites["no_grad", "megatron/core/optimizer/distrib_optimizer.py:copy_group_params"] == 2 * (7 + 16) + 3
-    assert "aten._foreach_copy_" not in {op for _, op in counts["ops"]}
+    assert sites["no_grad", "common/training.py:_copy_main_params_to_model_params"] == 2
+    assert {op: n for n, op in counts["ops"]}["aten._foreach_copy_"] == 2
+    assert not [name for _, name in sites if name.endswith("copy_group_params")]
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
     assert sites["no_grad", norm] == sites["forward", norm] == sites["backward", norm] == 2 * 4 + 1
     for name in ("moe.permuted_rows", "moe_router.topk_routing"):
