@@ -305,12 +305,12 @@ def main():
         num_rows, seq_len = batch["tokens"].shape
 
         # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
-        def my_micro_batches(order, m):
+        def my_micro_batches(order, m, sizes=(args.micro_batch_size, args.micro_batch_tokens)):
             rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
-            return B.micro_batches(batch, rows, args.micro_batch_size, length_multiple=multiple,
-                                   same_length=args.pp > 1, max_tokens=args.micro_batch_tokens, pack=args.pack,
+            return B.micro_batches(batch, rows, sizes[0], length_multiple=multiple,
+                                   same_length=args.pp > 1, max_tokens=sizes[1], pack=args.pack,
                                    same_count_group=expert_peers,  # (all-to-all in every pass)
                                    same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
                                    sample_multiple=sample_multiple)
@@ -318,7 +318,8 @@ def main():
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
         identity = torch.arange(num_rows)
-        all_mine = [mb for m in range(rollout_batch // mini_batch) for mb in my_micro_batches(identity, m)]
+        all_mine = [mb for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
+                    for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))]
         # On-policy (one epoch, one mini-batch, no TIS): the old logprobs are the update's own forward
         # (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B step)
         on_policy = args.ppo_epochs == 1 and mini_batch == rollout_batch and args.tis_cap == 0

@@ -120,6 +120,9 @@ def build_parser():
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; 128 for --shape tiny)")
     p.add_argument("--num-seqs", type=int, default=None, help="sequences per step, all ranks together (default 8; 4 for tiny)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass per rank (default 1; 2 for tiny)")
+    p.add_argument("--logprob-micro-batch-size", type=int, default=None,
+                   help="sequences per pass of the old-logprob (forward-only) pass per rank, as the scripts' flag "
+                        "(default: --micro-batch-size)")
     # --- parallelism (data parallelism is what is left: world / (tp * pp))
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
@@ -219,7 +222,7 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
 
 
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
-               warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None, count=False,
+               warmup, logprob_micro_batch_size, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None, count=False,
                wgrad_fusion=True, device_sort=True, ab=None):
     """Build the model, run warmup + timed training steps, free everything.
 
@@ -249,9 +252,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
 
     padding_mask = [True]  # --ab padding-mask: the passes without `valid` (megatron gets no padding_mask)
 
-    def my_micro_batches():
-        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items() if padding_mask[0] or k != "valid"},
-                                     micro_batch_size)
+    def my_micro_batches(size=micro_batch_size):
+        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items() if padding_mask[0] or k != "valid"}, size)
 
     def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
@@ -276,7 +278,8 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         #    sum gives all rows everywhere
         old_logprobs.zero_()
         with torch.no_grad():
-            schedule.run_micro_batches(model, my_micro_batches(), logprob_loss_fn, forward_only=True, device=info.device)
+            schedule.run_micro_batches(model, my_micro_batches(logprob_micro_batch_size), logprob_loss_fn,
+                                       forward_only=True, device=info.device)
         batch["old_logprobs"] = schedule.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
                                                  info.device).cpu()
         _sync(on_gpu)
@@ -450,9 +453,10 @@ def main():
     peak_tflops = args.peak_tflops or (default_peak_tflops(device_name) if on_gpu else None)
     if on_gpu and peak_tflops is None:
         raise SystemExit(f"unknown peak FLOP/s of {device_name!r}: pass --peak-tflops (dense bf16 of one device)")
-    if num_seqs % (info.dp_size * micro_batch_size):
-        raise SystemExit(f"--num-seqs {num_seqs} must be a multiple of dp {info.dp_size} x "
-                         f"--micro-batch-size {micro_batch_size}")
+    logprob_micro_batch_size = args.logprob_micro_batch_size or micro_batch_size
+    for flag, size in (("--micro-batch-size", micro_batch_size), ("--logprob-micro-batch-size", logprob_micro_batch_size)):
+        if num_seqs % (info.dp_size * size):
+            raise SystemExit(f"--num-seqs {num_seqs} must be a multiple of dp {info.dp_size} x {flag} {size}")
     if args.sp and seq_len % (args.tp * args.cp):
         raise SystemExit(f"--sp needs --seq-len {seq_len} divisible by --tp x --cp {args.tp * args.cp}")
     if args.cp > 1 and seq_len % (2 * args.cp):
@@ -465,7 +469,7 @@ def main():
     params = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec))
     batch = make_batch(spec, num_seqs, seq_len, args.seed)
     common = dict(dtype=dtype, tp=args.tp, pp=args.pp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp,
-                  micro_batch_size=micro_batch_size,
+                  micro_batch_size=micro_batch_size, logprob_micro_batch_size=logprob_micro_batch_size,
                   steps=args.steps, warmup=args.warmup, distributed_optimizer=args.distributed_optimizer,
                   overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion,
                   device_sort=args.device_sort)
@@ -474,7 +478,7 @@ def main():
                    peak_flops=peak_tflops * 1e12 if peak_tflops else None)
     params_text = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params:,}"
     print0(f"{shape_name}: {params_text} params, {seq_len} tokens x {num_seqs} sequences per step, "
-           f"micro-batch {micro_batch_size}, {str(dtype).replace('torch.', '')}, world {info.world_size} "
+           f"micro-batch {micro_batch_size} (logprob pass {logprob_micro_batch_size}), {str(dtype).replace('torch.', '')}, world {info.world_size} "
            f"(tp {info.tp_size} pp {info.pp_size} cp {info.cp_size} ep {info.ep_size} dp {info.dp_size}"
            f"{' sp' if args.sp else ''}) on {device_name}")
 
@@ -556,6 +560,7 @@ def main():
         etp=info.etp_size, dp=info.dp_size, sp=args.sp,
         shape=shape_name, params=params, seq_len=seq_len, num_seqs=num_seqs,
         micro_batch_size=micro_batch_size, num_micro_batches=num_seqs // info.dp_size // micro_batch_size,
+        logprob_micro_batch_size=logprob_micro_batch_size,
         packing="none (every row a full seq_len sequence; response mask = second half)",
         attention=args.attention, sdpa_flash=flash, kernels=args.kernels, logprob_kernels=logprob_kernels, recompute=args.recompute,
         recompute_modules=args.recompute_modules if args.recompute == "selective" else None,

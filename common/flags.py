@@ -97,6 +97,13 @@ def batch_flags(p):
                    help="instead of --micro-batch-size, fill each forward pass with samples up to this many tokens per "
                         "rank (packed: the row's tokens; with --no-pack: length-sorted samples x padded length; 0 = off): "
                         "fewer, fuller passes (docs/benchmarks.md)")
+    g.add_argument("--logprob-micro-batch-size", type=int, default=None,
+                   help="samples per forward-only pass per rank (old and reference logprobs; PPO's critic values), "
+                        "as --micro-batch-size: these passes keep no activations, so larger ones fit (default: "
+                        "--micro-batch-size; also the rule when only this is given, whatever --micro-batch-tokens says)")
+    g.add_argument("--logprob-micro-batch-tokens", type=int, default=None,
+                   help="tokens per forward-only pass per rank, as --micro-batch-tokens (default: --micro-batch-tokens, "
+                        "unless --logprob-micro-batch-size is given)")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recompute (less memory, more compute): selective = the --recompute-modules of "
                         "every layer, full = whole layers, --recompute-layers at a time")
@@ -155,3 +162,12 @@ def moe_overrides(args):
     if args.moe_dispatcher:
         overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
     return overrides
+
+
+def logprob_micro_batching(args):
+    """(samples, tokens) per forward-only pass per rank, B.micro_batches' micro_batch_size and
+    max_tokens: the --logprob-micro-batch-* flags, else the update's --micro-batch-* ones."""
+    size = args.logprob_micro_batch_size or args.micro_batch_size
+    if args.logprob_micro_batch_tokens is not None:
+        return size, args.logprob_micro_batch_tokens
+    return size, 0 if args.logprob_micro_batch_size else args.micro_batch_tokens

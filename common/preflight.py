@@ -23,6 +23,7 @@ import time
 
 from common.bridge import UnsupportedModelError, check_parallel_layout, parse_hf_config
 from common.dist import launcher_rank, launcher_world_size
+from common.flags import logprob_micro_batching
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # What a run writes into --out before its first step: a re-run over such a directory loses nothing.
@@ -64,15 +65,15 @@ def _check_numbers(args, min_group):
     for name in positive:
         if a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
-    for name in ("vpp", "first_stage_layers", "last_stage_layers", "mini_batch_size"):
+    for name in ("vpp", "first_stage_layers", "last_stage_layers", "mini_batch_size", "logprob_micro_batch_size"):
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
     non_negative = ["save_every", "save_every_minutes", "log_samples_every", "eval_every", "eval_temperature",
-                    "max_sampling_rounds", "overlong_buffer", "overlong_penalty_factor", "micro_batch_tokens", "lr", "min_lr", "weight_decay",
+                    "max_sampling_rounds", "overlong_buffer", "overlong_penalty_factor", "micro_batch_tokens", "logprob_micro_batch_tokens", "lr", "min_lr", "weight_decay",
                     "kl_coef", "entropy_coef", "tis_cap", "dual_clip", "lr_warmup_steps", "clip_low", "clip_high", "clip_grad",
                     "critic_lr", "critic_warmup_steps", "vf_clip"]
     for name in non_negative:
-        if name in a and not (a[name] >= 0 and math.isfinite(a[name])):
+        if name in a and a[name] is not None and not (a[name] >= 0 and math.isfinite(a[name])):
             raise UsageError(f"--{_flag(name)} must be a finite number >= 0, not {a[name]}")
     if args.dual_clip and not args.dual_clip > 1:
         raise UsageError(f"--dual-clip must be > 1 (verl uses 3) or 0 (off), not {args.dual_clip}")
@@ -253,6 +254,10 @@ def _check_layout(args, spec, critic=None):
     if not args.micro_batch_tokens and (mini_batch // dp) % args.micro_batch_size:
         raise UsageError(f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple of "
                          f"--micro-batch-size {args.micro_batch_size}")
+    size, tokens = logprob_micro_batching(args)
+    if not tokens and (mini_batch // dp) % size:
+        raise UsageError(f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple of "
+                         f"--logprob-micro-batch-size {size}")
     rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
     if world % rollout_tp:
         raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")

@@ -117,6 +117,20 @@ def test_layouts_match_single_process(layout, saved_rollouts, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
 
 
+def test_logprob_micro_batching_follows_the_update_unless_given():
+    from argparse import Namespace
+
+    from common.flags import logprob_micro_batching
+
+    def sizes(size=None, tokens=None, update=(4, 0)):
+        return logprob_micro_batching(Namespace(micro_batch_size=update[0], micro_batch_tokens=update[1],
+                                                logprob_micro_batch_size=size, logprob_micro_batch_tokens=tokens))
+
+    assert sizes() == (4, 0) and sizes(update=(4, 512)) == (4, 512)
+    assert sizes(16) == (16, 0) and sizes(16, update=(4, 512)) == (16, 0)  # samples given: no token budget
+    assert sizes(tokens=1024, update=(4, 512)) == (4, 1024) and sizes(16, 1024) == (16, 1024)
+
+
 def test_token_budget_matches_fixed_micro_batches(tmp_path):
     import glob
 
@@ -133,8 +147,9 @@ def test_token_budget_matches_fixed_micro_batches(tmp_path):
     packed = B.pack_sequences(samples, pad_id=0)
     counts = [len(B.micro_batches(packed, torch.arange(dp * 8, dp * 8 + 8), 4, max_tokens=48)) for dp in range(2)]
     assert counts[0] != counts[1], counts
-    run_torchrun("train_grpo.py", 2, *geometry, "--micro-batch-tokens", "48", "--steps", 2, "--out", tmp_path / "budget",
-                 "--load-rollouts", tmp_path / "rollouts")
+    # the forward-only (old logprob) passes of twice that budget
+    run_torchrun("train_grpo.py", 2, *geometry, "--micro-batch-tokens", "48", "--logprob-micro-batch-tokens", "96",
+                 "--steps", 2, "--out", tmp_path / "budget", "--load-rollouts", tmp_path / "rollouts")
     for a, b in zip(metrics(tmp_path / "fixed"), metrics(tmp_path / "budget"), strict=True):
         for key in TRAIN_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
