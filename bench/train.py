@@ -221,9 +221,9 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
         return False
 
 
-def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size, steps,
-               warmup, logprob_micro_batch_size, distributed_optimizer, overlap_grad_reduce, kernels="eager", profile=False, trace=None, count=False,
-               wgrad_fusion=True, device_sort=True, ab=None):
+def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size,
+               logprob_micro_batch_size, steps, warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager",
+               profile=False, trace=None, count=False, wgrad_fusion=True, device_sort=True, ab=None):
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):

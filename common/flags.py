@@ -100,7 +100,8 @@ def batch_flags(p):
     g.add_argument("--logprob-micro-batch-size", type=int, default=None,
                    help="samples per forward-only pass per rank (old and reference logprobs; PPO's critic values), "
                         "as --micro-batch-size: these passes keep no activations, so larger ones fit (default: "
-                        "--micro-batch-size; also the rule when only this is given, whatever --micro-batch-tokens says)")
+                        "--micro-batch-size; given alone, it sizes these passes by samples even where "
+                        "--micro-batch-tokens sizes the update's by tokens)")
     g.add_argument("--logprob-micro-batch-tokens", type=int, default=None,
                    help="tokens per forward-only pass per rank, as --micro-batch-tokens (default: --micro-batch-tokens, "
                         "unless --logprob-micro-batch-size is given)")
