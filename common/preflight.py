@@ -251,13 +251,11 @@ def _check_layout(args, spec, critic=None):
     if mini_batch % dp:
         raise UsageError(f"--mini-batch-size {mini_batch} must be a multiple of the data-parallel size {dp} "
                          f"(world {world} / (tp {args.tp} x pp {args.pp}))")
-    if not args.micro_batch_tokens and (mini_batch // dp) % args.micro_batch_size:
-        raise UsageError(f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple of "
-                         f"--micro-batch-size {args.micro_batch_size}")
-    size, tokens = logprob_micro_batching(args)
-    if not tokens and (mini_batch // dp) % size:
-        raise UsageError(f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple of "
-                         f"--logprob-micro-batch-size {size}")
+    for flag, (size, tokens) in (("--micro-batch-size", (args.micro_batch_size, args.micro_batch_tokens)),
+                                 ("--logprob-micro-batch-size", logprob_micro_batching(args))):
+        if not tokens and (mini_batch // dp) % size:
+            raise UsageError(f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple "
+                             f"of {flag} {size}")
     rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
     if world % rollout_tp:
         raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")
