@@ -74,7 +74,7 @@ def allgather_switch(model):
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
-    from common.moe import DeviceSortDispatcher, device_sort_possible
+    from common.moe import device_sort_possible, device_sorted
 
     pairs = []
     for module in (m for chunk in model for m in chunk.modules()):
@@ -86,9 +86,7 @@ def allgather_switch(model):
             made[kind] = (module.token_dispatcher if isinstance(module.token_dispatcher, kind)
                           else kind(module.num_local_experts, module.local_expert_indices, config=module.config,
                                     pg_collection=moe_layer.get_default_pg_collection()))
-        made[MoEAllGatherTokenDispatcher].__class__ = DeviceSortDispatcher
-        made[MoEAllGatherTokenDispatcher].grouped_experts = module.experts
-        pairs.append((module, made[MoEAllGatherTokenDispatcher], made[MoEAlltoAllTokenDispatcher]))
+        pairs.append((module, device_sorted(made[MoEAllGatherTokenDispatcher], module), made[MoEAlltoAllTokenDispatcher]))
 
     def switch(on):
         for module, allgather, alltoall in pairs:

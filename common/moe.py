@@ -59,7 +59,7 @@ class DeviceSortDispatcher(MoEAllGatherTokenDispatcher):
         first, count = self.local_expert_indices[0], self.num_local_experts
         if first:  # columns rolled: this rank's experts first
             probs = probs.roll(-first, dims=1)
-        experts = getattr(self, "grouped_experts", None)  # set by sort_tokens_on_device
+        experts = getattr(self, "grouped_experts", None)  # set by device_sorted
         descending = experts is not None and experts.order_descending()
         picks, token, self.order, self.keep, tokens_per_expert = permuted_rows(
             self.routing_map, first, count, self.config.moe_router_topk, descending)
@@ -176,11 +176,18 @@ def sort_tokens_on_device(chunks):
         for module in unwrap(chunk).modules():
             if (isinstance(module, moe_layer.MoELayer) and type(module.token_dispatcher) is MoEAllGatherTokenDispatcher
                     and device_sort_possible(module)):
-                module.token_dispatcher.__class__ = DeviceSortDispatcher
-                module.token_dispatcher.grouped_experts = module.experts if isinstance(module.experts, GroupedExperts) else None
+                device_sorted(module.token_dispatcher, module)
                 module.experts.mask_tail = module.num_local_experts < module.config.num_moe_experts
                 changed += 1
     return changed
+
+
+def device_sorted(dispatcher, layer):
+    """megatron's all-gather dispatcher of this MoELayer made DeviceSortDispatcher in place, told
+    the layer's GroupedExperts (whose weights' order it sorts the rows in). Returns it."""
+    dispatcher.__class__ = DeviceSortDispatcher
+    dispatcher.grouped_experts = layer.experts if isinstance(layer.experts, GroupedExperts) else None
+    return dispatcher
 
 
 def device_sort_possible(layer):
