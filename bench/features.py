@@ -12,6 +12,8 @@ FEATURES = {
     "allgather": "MoE at EP > 1: the all-gather dispatcher, common/moe.py DeviceSortDispatcher, vs megatron's "
                  "all-to-all",
     "padding-mask": "the MoE routers told which positions are padding, common/moe.py moe_padding_mask",
+    "logprob-micro-batch": "the old-logprob (forward-only) pass in micro-batches of --logprob-micro-batch-size "
+                           "sequences, as the scripts' flag, vs the update's --micro-batch-size",
     "qkv-bias-gemm": "the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add",
     "cp-split": "with --cp, each chunk's attention split at its own keys and run on cuDNN, common/attention_cp.py, "
                 "vs one varlen flash call per chunk",
@@ -27,9 +29,11 @@ FEATURES = {
 }
 
 
-def ab_switches(model, optimizer, padding_mask):
-    """{feature: function(on)} for these DDP-wrapped chunks and their optimizer. padding_mask: the
-    bench's one-item list that says whether its passes hand megatron the padding mask."""
+def ab_switches(model, optimizer, passes):
+    """{feature: function(on)} for these DDP-wrapped chunks and their optimizer. passes: the bench's
+    dict of how it runs its passes, which two switches set: "padding_mask" (whether the passes hand
+    megatron the padding mask) and "logprob_micro_batch_size" (the old-logprob pass's sequences per
+    micro-batch, off / on: "logprob_sizes")."""
     from common import attention_cp, fused, linear
     from common.moe_experts import GroupedExperts
     from common.moe_router import Router
@@ -40,7 +44,8 @@ def ab_switches(model, optimizer, padding_mask):
 
     return {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
             "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
-            "padding-mask": lambda on: padding_mask.__setitem__(0, on),
+            "padding-mask": lambda on: passes.__setitem__("padding_mask", on),
+            "logprob-micro-batch": lambda on: passes.__setitem__("logprob_micro_batch_size", passes["logprob_sizes"][on]),
             "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
             "cp-split": lambda on: setattr(attention_cp, "SPLIT", on),
             "listed-copies": lambda on: listed_optimizer_copies(optimizer, enabled=on),

@@ -250,10 +250,14 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     num_tokens = batch["mask"].sum()  # token_mean normaliser: valid tokens of the whole batch, all DP ranks
     scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging (rl.aggregate_loss)
 
-    padding_mask = [True]  # --ab padding-mask: the passes without `valid` (megatron gets no padding_mask)
+    # what --ab padding-mask and --ab logprob-micro-batch switch: the passes without `valid` (megatron
+    # gets no padding_mask), the old-logprob pass in the update's micro-batches
+    passes = {"padding_mask": True, "logprob_micro_batch_size": logprob_micro_batch_size,
+              "logprob_sizes": (micro_batch_size, logprob_micro_batch_size)}
 
     def my_micro_batches(size=micro_batch_size):
-        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items() if padding_mask[0] or k != "valid"}, size)
+        return B.split_micro_batches({k: v[my_rows] for k, v in batch.items() if passes["padding_mask"] or k != "valid"},
+                                     size)
 
     def logprob_loss_fn(mb, logits):  # last pipeline stage: logits (mb, T, V/tp)
         logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)
@@ -278,7 +282,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         #    sum gives all rows everywhere
         old_logprobs.zero_()
         with torch.no_grad():
-            schedule.run_micro_batches(model, my_micro_batches(logprob_micro_batch_size), logprob_loss_fn,
+            schedule.run_micro_batches(model, my_micro_batches(passes["logprob_micro_batch_size"]), logprob_loss_fn,
                                        forward_only=True, device=info.device)
         batch["old_logprobs"] = schedule.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
                                                  info.device).cpu()
@@ -312,9 +316,10 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         model, optimizer, scheduler = setup_training(
             chunks, lr=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
             overlap_grad_reduce=overlap_grad_reduce, total_steps=steps + warmup)
-        features = ab_switches(model, optimizer, padding_mask)
+        features = ab_switches(model, optimizer, passes)
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
                   "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True,
+                  "logprob-micro-batch": True,
                   "qkv-bias-gemm": True, "cp-split": True, "listed-copies": True, "compiled-dispatch": True,
                   "compiled-router": True, "in-place-experts": True}
         for name, on in chosen.items():
@@ -457,6 +462,9 @@ def main():
     for flag, size in (("--micro-batch-size", micro_batch_size), ("--logprob-micro-batch-size", logprob_micro_batch_size)):
         if num_seqs % (info.dp_size * size):
             raise SystemExit(f"--num-seqs {num_seqs} must be a multiple of dp {info.dp_size} x {flag} {size}")
+    if args.ab == "logprob-micro-batch" and logprob_micro_batch_size == micro_batch_size:
+        raise SystemExit(f"--ab logprob-micro-batch compares --logprob-micro-batch-size with --micro-batch-size "
+                         f"{micro_batch_size}: give it another size")
     if args.sp and seq_len % (args.tp * args.cp):
         raise SystemExit(f"--sp needs --seq-len {seq_len} divisible by --tp x --cp {args.tp * args.cp}")
     if args.cp > 1 and seq_len % (2 * args.cp):

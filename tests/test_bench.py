@@ -183,20 +183,24 @@ def test_count_ops_flag_tiny_moe():
     49 tensors) are copied into the model by one foreach copy per optimizer (dense, experts:
     common/training.py ListedCopies), not one copy each as megatron's distributed optimizer
     does (--ab listed-copies switches back to it); each pass
-    runs RMSNorm 2 x 4 + 1 times (one kernel each way on a GPU); each MoE layer's router and
-    dispatcher call their compiled functions once per layer and pass (the logprob pass and the
-    update's, of one micro-batch each)."""
+    runs RMSNorm 2 x 4 + 1 times per micro-batch (one kernel each way on a GPU); each MoE layer's
+    router and dispatcher call their compiled functions once per layer and micro-batch: the
+    logprob pass takes both sequences in one (--logprob-micro-batch-size 2), the update one each
+    (two). The counted step comes after --ab logprob-micro-batch's pairs, which must leave the
+    asked sizes behind."""
     r = bench_json(run("--shape", "tiny-moe", "--steps", 1, "--warmup", 1, "--no-baseline", "--count-ops",
-                       "--seq-len", 64, "--num-seqs", 2, "--micro-batch-size", 2))
+                       "--seq-len", 64, "--num-seqs", 2, "--micro-batch-size", 1, "--logprob-micro-batch-size", 2,
+                       "--ab", "logprob-micro-batch"))
+    assert len(r["candidate"]["ab"]["ratios"]) == 1
     counts = r["candidate"]["op_counts"]
     sites = {(where, name): n for n, where, name in counts["sites"]}
     assert sites["no_grad", "common/training.py:_copy_main_params_to_model_params"] == 2
     assert {op: n for n, op in counts["ops"]}["aten._foreach_copy_"] == 2
     assert not [name for _, name in sites if name.endswith("copy_group_params")]
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
-    assert sites["no_grad", norm] == sites["forward", norm] == sites["backward", norm] == 2 * 4 + 1
+    assert sites["no_grad", norm] == 2 * 4 + 1 and sites["forward", norm] == sites["backward", norm] == 2 * (2 * 4 + 1)
     for name in ("moe.permuted_rows", "moe_router.topk_routing"):
-        assert sites["no_grad", "compiled: common." + name] == sites["forward", "compiled: common." + name] == 2
+        assert sites["no_grad", "compiled: common." + name] == 2 and sites["forward", "compiled: common." + name] == 4
     assert counts["total"] == sum(counts["by_pass"].values()) == sum(n for n, _, _ in counts["sites"])
 
 
