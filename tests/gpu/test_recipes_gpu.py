@@ -8,7 +8,9 @@ The embedded default model (its task and held-out set), a random-weight reward m
 shape. Checked: exit 0; eval metrics at step 0 and every --eval-every steps with their
 eval/step_N.jsonl; the reward is 0.5 x rule + 1 x score with the scores varying; sampling
 rounds logged; train_mfu, gen_tokens_per_s and the trainer/engine logprob mismatch present
-and sane. The PPO run packs its trainer passes (--pack: varlen attention, actor and critic).
+and sane. The PPO run packs its trainer passes (--pack: varlen attention, actor and critic)
+and runs its forward-only ones (old logprobs, values) at 4x the update's token budget
+(--logprob-micro-batch-tokens).
 """
 import json
 import os
@@ -80,5 +82,6 @@ def test_grpo_dapo_reward_model_eval(rm_dir, tmp_path):
 
 
 def test_ppo_reward_model_eval(rm_dir, tmp_path):
-    rows, output = train("train_ppo.py", tmp_path, "--reward-model", rm_dir, "--pack")  # + packed passes
+    rows, output = train("train_ppo.py", tmp_path, "--reward-model", rm_dir, "--pack",  # + packed passes,
+                         "--micro-batch-tokens", "1024", "--logprob-micro-batch-tokens", "4096")  # larger forward-only
     check_common(rows, tmp_path, output)
