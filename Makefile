@@ -21,7 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 # Two pytest workers (pytest-xdist), each taking whole files (module fixtures shared, e.g. the
 # layouts of a torchrun launch): single-process tests fill the second core while another file
-# runs. The slowest 15 listed: the suite must stay under 20 min on 2 cores.
+# runs. Scripts the tests run start as forks of tests/zygote.py (torch and megatron-core imported
+# once per worker; TESTS_REAL_PROCESSES=1 for real processes). The slowest 15 listed: the suite
+# must stay under 20 min on 2 cores.
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 clean:

@@ -1,9 +1,12 @@
 """Shared pytest fixtures and the torchrun launcher used by the multi-rank tests."""
+import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -17,14 +20,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two pytest workers
 
 
 def run_torchrun(script, nproc, *args, timeout=600):
-    """Run `torchrun --nproc_per_node nproc script args...` on gloo (CPU) from the repo root.
+    """Run `torchrun --nproc_per_node nproc script args...` on gloo (CPU) from the repo root
+    (through tests/zygote.py: torchrun's environment, no start-up imports).
 
     Returns the CompletedProcess; fails the test with the output tail when it exits non-zero.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--standalone", script, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(TOKENIZERS_PARALLELISM="false"), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = launch(cmd, script, args, nproc=nproc, env=script_env(TOKENIZERS_PARALLELISM="false"), timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
@@ -36,13 +39,143 @@ def script_env(**more):
 
 
 def run_script(script, *args, timeout=900, env=None, check=True):
-    """Run `python script args...` from the repo root in script_env (env: more variables); with
-    check, fails the test with the output tail when it exits non-zero. Returns the
-    CompletedProcess."""
-    proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=script_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    """Run `python script args...` from the repo root in script_env (env: more variables; through
+    tests/zygote.py); with check, fails the test with the output tail when it exits non-zero.
+    Returns the CompletedProcess."""
+    cmd = [sys.executable, script, *map(str, args)]
+    proc = launch(cmd, script, args, env=script_env(**(env or {})), timeout=timeout)
     assert proc.returncode == 0 or not check, (proc.stdout + proc.stderr)[-5000:]
     return proc
+
+
+# Variables that torch, transformers, the hub or python itself read when tests/zygote.py
+# imports them (or at start-up): a launch whose environment differs from the zygote's in one
+# of them runs as a real process. TESTS_REAL_PROCESSES=1 runs every launch so.
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "MKL", "KMP",
+                   "MPL", "XDG_", "HOME", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_")
+
+
+class Forked:
+    """A launch made by tests/zygote.py, as much of subprocess.Popen as the tests use: poll,
+    wait, kill, returncode. pid is its launcher's, the leader of its process group."""
+
+    def __init__(self, pid, rc_path, args):
+        self.pid, self.rc_path, self.args, self.returncode = pid, rc_path, args, None
+
+    def poll(self):
+        if self.returncode is None:
+            if os.path.exists(self.rc_path):
+                with open(self.rc_path) as f:
+                    self.returncode = int(f.read())
+            else:
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:  # gone: its code written just now, or killed without one
+                    if not os.path.exists(self.rc_path):
+                        self.returncode = -9
+                    return self.poll()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self):
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Zygote:
+    """This pytest process's tests/zygote.py, started at its first launch."""
+    proc = env = has_gpu = None
+
+    @classmethod
+    def start(cls, script, args, *, nproc, torchrun, env, out, err):
+        """A Forked for this launch, or None where it must be a real process."""
+        if os.environ.get("TESTS_REAL_PROCESSES") == "1" or cls.gpu():
+            return None
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.env = script_env()
+            cls.proc = subprocess.Popen([sys.executable, "tests/zygote.py"], cwd=ROOT, env=cls.env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            atexit.register(cls.stop)
+        keys = {k for k in {*env, *cls.env} if k.startswith(IMPORT_TIME_ENV)}
+        if any(env.get(k) != cls.env.get(k) for k in keys):
+            return None
+        request = dict(script=script, args=[str(a) for a in args], env=env, cwd=ROOT, nproc=nproc,
+                       torchrun=torchrun, out=out, err=err, rc=out + ".rc")
+        try:
+            cls.proc.stdin.write(json.dumps(request) + "\n")
+            cls.proc.stdin.flush()
+            reply = cls.proc.stdout.readline()
+        except OSError:
+            reply = ""
+        if not reply:  # the zygote died (its imports failed?): real processes from here
+            cls.proc.kill()
+            os.environ["TESTS_REAL_PROCESSES"] = "1"
+            return None
+        return Forked(json.loads(reply)["pid"], request["rc"], [script, *map(str, args)])
+
+    @classmethod
+    def gpu(cls):
+        """Whether this machine has a GPU: there every launch is a real process, as the GPU suite
+        has always run them (CUDA in a fork of a process that asked the driver anything is not
+        safe, and the launches there are few)."""
+        if cls.has_gpu is None:
+            import torch
+
+            cls.has_gpu = torch.cuda.is_available()
+        return cls.has_gpu
+
+    @classmethod
+    def stop(cls):
+        """At this pytest process's exit: the zygote reads the end of its input and exits."""
+        if cls.proc is not None:
+            cls.proc.stdin.close()
+            try:
+                cls.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
+
+
+def start(cmd, script, args, *, env, stdout, stderr, nproc=1, torchrun=False):
+    """cmd (`python script args` or torchrun's) started now, through the zygote where it can:
+    its output appended to the files at paths stdout and stderr (the same path: merged)."""
+    forked = Zygote.start(script, args, nproc=nproc, torchrun=torchrun, env=env, out=stdout, err=stderr)
+    if forked is not None:
+        return forked
+    out = open(stdout, "a")
+    err = out if stderr == stdout else open(stderr, "a")
+    try:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=out, stderr=err)
+    finally:
+        out.close()
+        err.close()
+
+
+def launch(cmd, script, args, *, env, timeout, nproc=1):
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) from the repo root,
+    through the zygote where it can (torchrun's when cmd is torchrun's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        open(out, "w").close()
+        open(err, "w").close()
+        proc = start(cmd, script, args, env=env, stdout=out, stderr=err, nproc=nproc,
+                     torchrun=cmd[1:3] == ["-m", "torch.distributed.run"])
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        with open(out) as f_out, open(err) as f_err:
+            return subprocess.CompletedProcess(cmd, proc.returncode, f_out.read(), f_err.read())
 
 
 class Background:
@@ -51,9 +184,11 @@ class Background:
     returns the output."""
 
     def __init__(self, script, *args):
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=script_env(), text=True,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.tmp = tempfile.TemporaryDirectory()
+        self.log = os.path.join(self.tmp.name, "log")
+        open(self.log, "w").close()
+        self.proc = start([sys.executable, script, *map(str, args)], script, args, env=script_env(),
+                          stdout=self.log, stderr=self.log)
 
     def wait(self, timeout=900):
         try:
@@ -61,9 +196,9 @@ class Background:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-        self.log.seek(0)
-        output = self.log.read()
-        self.log.close()
+        with open(self.log) as f:
+            output = f.read()
+        self.tmp.cleanup()
         assert code == 0, output[-5000:]
         return output
 
@@ -88,8 +223,9 @@ def run_batch_worker(tmp_path, mode, names):
 
     for name in names:
         save_tiny_hf_model(name, str(tmp_path / name))
-    proc = subprocess.run([sys.executable, "tests/batch_worker.py", ",".join(str(tmp_path / n) for n in names), mode],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=script_env())
+    args = [",".join(str(tmp_path / n) for n in names), mode]
+    proc = launch([sys.executable, "tests/batch_worker.py", *args], "tests/batch_worker.py", args, env=script_env(),
+                  timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["model"] for r in results] == list(names)
