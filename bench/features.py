@@ -32,8 +32,8 @@ FEATURES = {
 def ab_switches(model, optimizer, passes):
     """{feature: function(on)} for these DDP-wrapped chunks and their optimizer. passes: the bench's
     dict of how it runs its passes, which two switches set: "padding_mask" (whether the passes hand
-    megatron the padding mask) and "logprob_micro_batch_size" (the old-logprob pass's sequences per
-    micro-batch, off / on: "logprob_sizes")."""
+    megatron the padding mask) and "logprob_micro_batch" (whether the old-logprob pass takes
+    --logprob-micro-batch-size sequences per micro-batch or the update's)."""
     from common import attention_cp, fused, linear
     from common.moe_experts import GroupedExperts
     from common.moe_router import Router
@@ -45,7 +45,7 @@ def ab_switches(model, optimizer, passes):
     return {"wgrad-fusion": lambda on: fuse_wgrad_accumulation(model, enabled=on),
             "device-sort": device_sort_switch(model), "allgather": allgather_switch(model),
             "padding-mask": lambda on: passes.__setitem__("padding_mask", on),
-            "logprob-micro-batch": lambda on: passes.__setitem__("logprob_micro_batch_size", passes["logprob_sizes"][on]),
+            "logprob-micro-batch": lambda on: passes.__setitem__("logprob_micro_batch", on),
             "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
             "cp-split": lambda on: setattr(attention_cp, "SPLIT", on),
             "listed-copies": lambda on: listed_optimizer_copies(optimizer, enabled=on),

@@ -250,10 +250,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     num_tokens = batch["mask"].sum()  # token_mean normaliser: valid tokens of the whole batch, all DP ranks
     scale = num_micro * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging (rl.aggregate_loss)
 
-    # what --ab padding-mask and --ab logprob-micro-batch switch: the passes without `valid` (megatron
-    # gets no padding_mask), the old-logprob pass in the update's micro-batches
-    passes = {"padding_mask": True, "logprob_micro_batch_size": logprob_micro_batch_size,
-              "logprob_sizes": (micro_batch_size, logprob_micro_batch_size)}
+    # what --ab padding-mask and --ab logprob-micro-batch switch off: megatron told the padding (the
+    # passes' `valid`), the old-logprob pass in micro-batches of logprob_micro_batch_size (else the update's)
+    passes = {"padding_mask": True, "logprob_micro_batch": True}
 
     def my_micro_batches(size=micro_batch_size):
         return B.split_micro_batches({k: v[my_rows] for k, v in batch.items() if passes["padding_mask"] or k != "valid"},
@@ -281,9 +280,10 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         # 1. old logprobs: forward only; each DP rank fills its rows (each CP rank its columns), the
         #    sum gives all rows everywhere
         old_logprobs.zero_()
+        size = logprob_micro_batch_size if passes["logprob_micro_batch"] else micro_batch_size
         with torch.no_grad():
-            schedule.run_micro_batches(model, my_micro_batches(passes["logprob_micro_batch_size"]), logprob_loss_fn,
-                                       forward_only=True, device=info.device)
+            schedule.run_micro_batches(model, my_micro_batches(size), logprob_loss_fn, forward_only=True,
+                                       device=info.device)
         batch["old_logprobs"] = schedule.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
                                                  info.device).cpu()
         _sync(on_gpu)
