@@ -64,16 +64,16 @@ class Forked:
 
     def poll(self):
         if self.returncode is None:
+            try:  # asked first: a launcher gone by now wrote its code before it went, unless it was killed
+                os.kill(self.pid, 0)
+                gone = False
+            except ProcessLookupError:
+                gone = True
             if os.path.exists(self.rc_path):
                 with open(self.rc_path) as f:
                     self.returncode = int(f.read())
-            else:
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:  # gone: its code written just now, or killed without one
-                    if not os.path.exists(self.rc_path):
-                        self.returncode = -9
-                    return self.poll()
+            elif gone:
+                self.returncode = -9
         return self.returncode
 
     def wait(self, timeout=None):
