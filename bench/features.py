@@ -14,6 +14,8 @@ FEATURES = {
     "padding-mask": "the MoE routers told which positions are padding, common/moe.py moe_padding_mask",
     "logprob-micro-batch": "the old-logprob (forward-only) pass in micro-batches of --logprob-micro-batch-size "
                            "sequences, as the scripts' flag, vs the update's --micro-batch-size",
+    "swiglu-kernel": "the MLPs' SwiGLU backward as one Triton kernel reading its inputs once, common/swiglu.py, vs "
+                     "megatron's compiled swiglu_back",
     "qkv-bias-gemm": "the QKV bias added by the GEMM, common/linear.py, vs megatron's separate add",
     "cp-split": "with --cp, each chunk's attention split at its own keys and run on cuDNN, common/attention_cp.py, "
                 "vs one varlen flash call per chunk",
@@ -34,7 +36,7 @@ def ab_switches(model, optimizer, passes):
     dict of how it runs its passes, which two switches set: "padding_mask" (whether the passes hand
     megatron the padding mask) and "logprob_micro_batch" (whether the old-logprob pass takes
     --logprob-micro-batch-size sequences per micro-batch or the update's)."""
-    from common import attention_cp, fused, linear
+    from common import attention_cp, fused, linear, swiglu
     from common.moe_experts import GroupedExperts
     from common.moe_router import Router
     from common.training import fuse_wgrad_accumulation, listed_optimizer_copies
@@ -47,6 +49,7 @@ def ab_switches(model, optimizer, passes):
             "padding-mask": lambda on: passes.__setitem__("padding_mask", on),
             "logprob-micro-batch": lambda on: passes.__setitem__("logprob_micro_batch", on),
             "qkv-bias-gemm": lambda on: setattr(linear, "ENABLED", on),
+            "swiglu-kernel": lambda on: setattr(swiglu, "TRITON", on),
             "cp-split": lambda on: setattr(attention_cp, "SPLIT", on),
             "listed-copies": lambda on: listed_optimizer_copies(optimizer, enabled=on),
             "compiled-dispatch": lambda on: (fused.EAGER.discard if on else fused.EAGER.add)("permuted_rows"),

@@ -92,6 +92,15 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
 
         layer.submodules.mlp.submodules.router = Router
         layer.submodules.mlp.submodules.experts.module = GroupedExperts
+    # every MLP's activation (dense, routed experts, shared experts): common/swiglu.py, with the
+    # config's use_te_activation_func (build_model)
+    from common.swiglu import SwiGLU
+
+    mlp = layer.submodules.mlp.submodules
+    for sub in (mlp, getattr(mlp, "experts", None), getattr(mlp, "shared_experts", None)):
+        sub = getattr(sub, "submodules", sub)
+        if hasattr(sub, "activation_func"):
+            sub.activation_func = SwiGLU
     # every norm of the layer (the final one: build_model) is RMSNorm above: SP works without TE/apex
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
     attn = layer.submodules.self_attention.submodules
@@ -184,6 +193,8 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, first_s
     split = dict(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     check_parallel_layout(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, **split)
     on_gpu = torch.cuda.is_available()
+    if (attention or "sdpa") != "te":  # the MLPs' activation is the spec's module (common/swiglu.py)
+        config_overrides = dict(use_te_activation_func=True, bias_activation_fusion=False, **config_overrides)
     config = transformer_config(
         spec, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sequence_parallel=sequence_parallel, params_dtype=dtype,
         use_cpu_initialization=not on_gpu, perform_initialization=init_weights, moe_aux_loss_coef=moe_aux_loss_coef,
@@ -208,6 +219,7 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, first_s
         # says; megatron's Float16Module casts the whole model, and so do we: DDP's grad
         # buffers and the optimizer assume one dtype (else a shape assertion at checkpoint save).
         model.to(dtype)
+        _check_activations(model)
         if not init_weights:
             _mark_tensor_parallel(model)
         if on_gpu:
@@ -218,6 +230,19 @@ def build_model(spec: HFModelSpec, *, tp=1, pp=1, vpp=None, ep=1, etp=1, first_s
 
         sort_tokens_on_device(chunks)  # EP=1: no host waits in the token dispatch
     return chunks
+
+
+def _check_activations(model):
+    """With use_te_activation_func megatron's MLP applies the spec's activation module to the whole
+    fc1 output; an MLP whose spec had none would apply plain SiLU there, ungated. Fail instead."""
+    from megatron.core.transformer.mlp import MLP
+
+    from common.swiglu import SwiGLU
+
+    for name, module in model.named_modules():
+        if (isinstance(module, MLP) and module.config.use_te_activation_func
+                and not isinstance(module.activation_func, SwiGLU)):
+            raise RuntimeError(f"{name}: the MLP's spec has no activation module (common/model.py layer_spec)")
 
 
 def _mark_tensor_parallel(model):

@@ -39,6 +39,7 @@ if [ "$MODE" != 2gpu ] && [ "$MODE" != exit ]; then
 run "offload (1 GPU, DP=2 if 2)" 300 python -m pytest -q -s -p no:cacheprovider tests/test_offload.py
 run "sdpa 1 GPU"             300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_sdpa_gpu.py
 run "fused logprobs 1 GPU"   300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_logprobs_gpu.py
+run "swiglu 1 GPU"           300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_swiglu_gpu.py
 # packed passes (varlen flash attention) vs padded ones, bf16 vs an fp32 reference
 run "packing 1 GPU"          300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_packing_gpu.py
 # vLLM through torchrun even on one GPU: its __main__ ends with os._exit (an in-process

@@ -23,7 +23,7 @@ case ${1:-} in
          # and the DP=2 agreement test after the exit cases on GPUs 2,3 (in session 26 the 2gpu
          # call's lane a ran out of its 560 s in that test, its last)
     lane a 0 1gpu 'offload|packing|recipes' & A=$!
-    ( lane b 1 1gpu 'sdpa|logprobs|agreement|moe|deepseek'; failed=$?
+    ( lane b 1 1gpu 'sdpa|logprobs|swiglu|agreement|moe|deepseek'; failed=$?
       lane signals 1 exit '^signals$'; exit $((failed + $?)) ) & B=$!
     ( lane exit 2,3 exit '^exit$'; failed=$?
       lane dp2 2,3 2gpu 'DP=2'; exit $((failed + $?)) ) & E=$! ;;
