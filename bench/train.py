@@ -142,6 +142,12 @@ def build_parser():
     p.add_argument("--device-sort", action=argparse.BooleanOptionalAction, default=True,
                    help="MoE at EP=1: tokens sorted by expert on the device, as the scripts do (common/moe.py; "
                         "--no-device-sort: megatron's all-gather dispatcher, which waits for the device)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the candidate's decoder layers captured as CUDA graphs by megatron-core's own local "
+                        "implementation (TransformerConfig cuda_graph_impl='local'; no TransformerEngine): one graph "
+                        "launch per layer and pass instead of its ~100 kernel launches, for a step the host cannot "
+                        "launch fast enough. Graphs are recorded in the first warm-up step and need the same shapes "
+                        "every step (this bench's full rows); a GPU, and not with --ab, --pp > 1 or --recompute")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
                    help="MoE token dispatcher at --ep > 1 (default alltoall, as the scripts; allgather: common/moe.py "
                         "DeviceSortDispatcher over the EP group, which needs equal token counts on every EP rank: this "
@@ -224,6 +230,7 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size,
                logprob_micro_batch_size, steps, warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager",
                profile=False, trace=None, count=False, wgrad_fusion=True, device_sort=True, ab=None):
+    # overrides may carry cuda_graph_impl="local" (--cuda-graphs): see the logprob pass below
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
@@ -242,6 +249,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     fused.COMPILE = kernels != "eager"
     fused.EAGER = {"apply_rope", "apply_rope_qk"} if kernels == "no-rope" else set()
     on_gpu = info.device.type == "cuda"
+    graphs = overrides.get("cuda_graph_impl") == "local"
     num_rows, seq_len = batch["tokens"].shape
     per_dp = num_rows // info.dp_size
     my_rows = torch.arange(info.dp_rank * per_dp, (info.dp_rank + 1) * per_dp)  # this DP rank's rows
@@ -281,9 +289,17 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         #    sum gives all rows everywhere
         old_logprobs.zero_()
         size = logprob_micro_batch_size if passes["logprob_micro_batch"] else micro_batch_size
+        # --cuda-graphs: megatron records a layer's graph in training mode and creates the graphs at
+        # the end of that schedule call; a forward-only call first would create forward-only graphs the
+        # update cannot use. In eval mode a forward-only pass runs eagerly until the update's graphs
+        # exist, and then replays their forward.
+        for chunk in model if graphs else ():
+            chunk.eval()
         with torch.no_grad():
             schedule.run_micro_batches(model, my_micro_batches(size), logprob_loss_fn, forward_only=True,
                                        device=info.device)
+        for chunk in model:
+            chunk.train()
         batch["old_logprobs"] = schedule.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
                                                  info.device).cpu()
         _sync(on_gpu)
@@ -299,7 +315,12 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         _, grad_norm, _ = optimizer.step()
         if not check:  # the first step's numbers: equal at any layout of the same batch (e.g. --cp 2 vs dp 2)
             mask = batch["mask"].bool()
-            check.update(logprob_mean=batch["old_logprobs"][mask].mean().item(), grad_norm=float(grad_norm or 0.0))
+            check.update(logprob_mean=batch["old_logprobs"][mask].mean().item(), grad_norm=float(grad_norm or 0.0),
+                         grad_norms=[])
+        # every step's, warm-up and timed: the same batch each step, so two runs of one seed agree step by
+        # step (e.g. --cuda-graphs against eager: the graphs replay from the second step on)
+        if len(check["grad_norms"]) < warmup + steps:
+            check["grad_norms"].append(float(grad_norm or 0.0))
         scheduler.step(1)
         _sync(on_gpu)
         ticks.append(time.perf_counter())
@@ -309,7 +330,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     old_logprobs = torch.zeros(num_rows + 1, seq_len, device=info.device)  # (N, T) + scatter_tokens' spare row
     batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
     phase_times, oom, kernels, op_counts = [], False, None, None  # per timed step: [logprob, fwd_bwd, optimizer] seconds
-    check = {}  # the first step's mean old logprob over response tokens and gradient norm
+    check = {}  # the first step's mean old logprob over response tokens and gradient norm, every step's norm
     try:
         chunks = build_model(spec, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp, dtype=dtype,
                              init_weights=True, attention=attention, **overrides)
@@ -320,7 +341,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         chosen = {"wgrad-fusion": wgrad_fusion, "device-sort": device_sort,
                   "allgather": overrides.get("moe_token_dispatcher_type") == "allgather", "padding-mask": True,
                   "logprob-micro-batch": True,
-                  "qkv-bias-gemm": True, "cp-split": True, "listed-copies": True, "compiled-dispatch": True,
+                  "qkv-bias-gemm": True, "swiglu-kernel": True, "cp-split": True, "listed-copies": True, "compiled-dispatch": True,
                   "compiled-router": True, "in-place-experts": True}
         for name, on in chosen.items():
             features[name](on)
@@ -350,6 +371,9 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
     except torch.OutOfMemoryError:  # the traceback (and its tensors) is dropped at the end of this block
         oom = True
     peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    if graphs:
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+        delete_cuda_graphs()  # the graphs' memory pool, before a baseline runs
     model = optimizer = scheduler = None
     batch.pop("old_logprobs")
     gc.collect()  # megatron's DDP/optimizer objects hold reference cycles
@@ -447,12 +471,26 @@ def main():
         overrides["recompute_method"] = args.recompute_method
     if args.moe_dispatcher:
         overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
+    if args.cuda_graphs:  # layers graphed once recorded; one warm-up run per graph before its capture
+        overrides.update(cuda_graph_impl="local", cuda_graph_warmup_steps=1)
 
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     info = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
     if args.count_ops and on_gpu:
         raise SystemExit("--count-ops is for CPU runs (CUDA_VISIBLE_DEVICES= ...): on a GPU, --profile counts the "
                          "kernel launches (cudaLaunchKernel in its host ops)")
+    if args.cuda_graphs:
+        refused = [flag for flag, on in (("--ab", args.ab), ("--pp > 1", args.pp > 1),
+                                         ("--recompute", args.recompute != "none")) if on]
+        if not on_gpu or refused:
+            raise SystemExit("--cuda-graphs: " + ("needs a GPU (CUDA graphs)" if not on_gpu else
+                             f"not with {', '.join(refused)} (graphs are recorded once, in the first "
+                             "warm-up step, for one schedule of one layout)"))
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        # megatron's graph manager asserts an RNG tracker whose states a graph can capture
+        model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=True, force_reset_rng=True)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     peak_tflops = args.peak_tflops or (default_peak_tflops(device_name) if on_gpu else None)
@@ -508,7 +546,8 @@ def main():
     # ---- report
     recompute_text = {"none": "none", "selective": "selective " + ",".join(args.recompute_modules),
                       "full": f"full, {args.recompute_method} {args.recompute_num_layers} layer(s)"}[args.recompute]
-    rows = [(f"candidate: {args.attention}, recompute {recompute_text}", candidate),
+    rows = [(f"candidate: {args.attention}, recompute {recompute_text}{', CUDA graphs' if args.cuda_graphs else ''}",
+             candidate),
             ("baseline: local, recompute none", baseline)]
 
     def fmt(value, pattern):
@@ -532,6 +571,7 @@ def main():
         print0(f"{'':4s}first step: mean old logprob {r['first_step']['logprob_mean']:.6f}, "
                f"grad norm {r['first_step']['grad_norm']:.6f} (the same at any layout with the same random "
                f"weights: not across --ep sizes, each EP rank initialises its own experts)")
+        print0(f"{'':4s}grad norm per step: " + " ".join(f"{g:.6f}" for g in r["first_step"]["grad_norms"]))
         if r.get("ab"):
             a = r["ab"]
             print0(f"{'':4s}--ab {args.ab}: step time off / on, median of {len(a['ratios'])} pairs {a['median']:.3f}x "
@@ -575,7 +615,8 @@ def main():
         recompute_num_layers=args.recompute_num_layers if args.recompute == "full" else None,
         recompute_method=args.recompute_method if args.recompute == "full" else None,
         dtype=str(dtype).replace("torch.", ""), distributed_optimizer=args.distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion, device_sort=args.device_sort, steps=args.steps, warmup=args.warmup,
+        overlap_grad_reduce=args.overlap_grad_reduce, wgrad_fusion=args.wgrad_fusion, device_sort=args.device_sort,
+        cuda_graphs=args.cuda_graphs, steps=args.steps, warmup=args.warmup,
         peak_tflops=peak_tflops, flops_per_step=flops_per_step, flops_per_step_full_attn=flops_per_step_full,
         flop_convention="4x forward per token (logprob pass + fwd/bwd); forward = 2 x matmul weights incl. LM head "
                         "+ 4 x layers x seq_len x heads*head_dim x 1/2 (causal); *_full_attn without the 1/2",

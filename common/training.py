@@ -102,6 +102,8 @@ def fuse_wgrad_accumulation(ddp_chunks, enabled=True):
         for module in chunk.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.gradient_accumulation_fusion = enabled
+                # what megatron's CUDA graph runner reads to restore grad_added_to_main_grad on replay
+                module.config.gradient_accumulation_fusion = enabled
                 layers.append(module)
             elif isinstance(module, GroupedExperts):
                 module.fuse_wgrad = enabled and not chunk.ddp_config.overlap_grad_reduce

@@ -101,6 +101,15 @@ def test_single_process():
     assert c["mfu"] == pytest.approx(r["flops_per_step"] / c["step_s"] / 1e9, rel=1e-9)
     assert c["mfu_full_attn"] == pytest.approx(r["flops_per_step_full_attn"] / c["step_s"] / 1e9, rel=1e-9)
     assert "baseline: local, recompute none" in out and "candidate / baseline: tokens/s x" in out
+    # every step's gradient norm, warm-up and timed: the first is the first step's
+    assert len(c["first_step"]["grad_norms"]) == 3 and c["first_step"]["grad_norms"][0] == c["first_step"]["grad_norm"]
+
+
+def test_cuda_graphs_flag_refused_on_cpu():
+    """--cuda-graphs (megatron's local CUDA graphs of the layers) says why it cannot run here."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--shape", "tiny", "--cuda-graphs"], cwd=ROOT, env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--cuda-graphs: needs a GPU" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_summarize_kernels_by_hand():
