@@ -145,7 +145,7 @@ def build_parser():
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the candidate's decoder layers captured as CUDA graphs by megatron-core's own local "
                         "implementation (TransformerConfig cuda_graph_impl='local'; no TransformerEngine): one graph "
-                        "launch per layer and pass instead of its ~100 kernel launches, for a step the host cannot "
+                        "launch per layer and pass instead of its kernel launches, for a step the host cannot "
                         "launch fast enough. Graphs are recorded in the first warm-up step and need the same shapes "
                         "every step (this bench's full rows); a GPU, and not with --ab, --pp > 1 or --recompute")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
@@ -230,7 +230,6 @@ def sdpa_takes_flash(spec, tp, seq_len, micro_batch_size, dtype):
 def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp, ep, etp, micro_batch_size,
                logprob_micro_batch_size, steps, warmup, distributed_optimizer, overlap_grad_reduce, kernels="eager",
                profile=False, trace=None, count=False, wgrad_fusion=True, device_sort=True, ab=None):
-    # overrides may carry cuda_graph_impl="local" (--cuda-graphs): see the logprob pass below
     """Build the model, run warmup + timed training steps, free everything.
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
