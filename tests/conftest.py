@@ -53,11 +53,13 @@ def run_script(script, *args, timeout=900, env=None, check=True):
 # of them runs as a real process. TESTS_REAL_PROCESSES=1 runs every launch so.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "MKL", "KMP",
                    "MPL", "XDG_", "HOME", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_")
-# ... except what torch writes into os.environ itself: the first compile in a process sets
-# TORCHINDUCTOR_CACHE_DIR to its default (torch/_inductor/runtime/cache_dir_utils.py), so a pytest
-# worker that ran a model in-process (tests/test_attention.py, ...) has it and its launches would
-# all become real processes; a fork computes the same default.
-SET_BY_TORCH_ENV = ("TORCHINDUCTOR_CACHE_DIR",)
+# ... except two that a pytest worker's os.environ gains when a test runs code in-process, which
+# would send every later launch of that worker to a real process: torch writes
+# TORCHINDUCTOR_CACHE_DIR (its default, torch/_inductor/runtime/cache_dir_utils.py) the first time
+# a process compiles, and common/log.py sets HF_HUB_DISABLE_PROGRESS_BARS on ranks other than 0
+# (switching the bars off directly where transformers is imported, as in the zygote): a fork
+# computes the same default, and its rank sets the other itself.
+SET_IN_PROCESS_ENV = ("TORCHINDUCTOR_CACHE_DIR", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 class Forked:
@@ -110,7 +112,7 @@ class Zygote:
             cls.proc = subprocess.Popen([sys.executable, "tests/zygote.py"], cwd=ROOT, env=cls.env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             atexit.register(cls.stop)
-        keys = {k for k in {*env, *cls.env} if k.startswith(IMPORT_TIME_ENV) and k not in SET_BY_TORCH_ENV}
+        keys = {k for k in {*env, *cls.env} if k.startswith(IMPORT_TIME_ENV) and k not in SET_IN_PROCESS_ENV}
         if any(env.get(k) != cls.env.get(k) for k in keys):
             return None
         request = dict(script=script, args=[str(a) for a in args], env=env, cwd=ROOT, nproc=nproc,
