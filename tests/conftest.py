@@ -53,13 +53,10 @@ def run_script(script, *args, timeout=900, env=None, check=True):
 # of them runs as a real process. TESTS_REAL_PROCESSES=1 runs every launch so.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "MKL", "KMP",
                    "MPL", "XDG_", "HOME", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_")
-# ... except two that a pytest worker's os.environ gains when a test runs code in-process, which
-# would send every later launch of that worker to a real process: torch writes
-# TORCHINDUCTOR_CACHE_DIR (its default, torch/_inductor/runtime/cache_dir_utils.py) the first time
-# a process compiles, and common/log.py sets HF_HUB_DISABLE_PROGRESS_BARS on ranks other than 0
-# (switching the bars off directly where transformers is imported, as in the zygote): a fork
-# computes the same default, and its rank sets the other itself.
-SET_IN_PROCESS_ENV = ("TORCHINDUCTOR_CACHE_DIR", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+def import_time_env(env):
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 
 
 class Forked:
@@ -107,13 +104,21 @@ class Zygote:
         """A Forked for this launch, or None where it must be a real process."""
         if os.environ.get("TESTS_REAL_PROCESSES") == "1" or cls.gpu():
             return None
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.env = script_env()
+        # A new zygote when there is none, or when this worker's own environment has changed since
+        # it started in a variable read at import: tests that run code in-process add some (torch
+        # writes TORCHINDUCTOR_CACHE_DIR at its first compile, common/log.py sets
+        # HF_HUB_DISABLE_PROGRESS_BARS on ranks other than 0), and every later launch would
+        # otherwise differ from the zygote and run as a real process. Launches already forked
+        # are their own sessions: the old zygote's exit leaves them running.
+        base = script_env()
+        if cls.proc is None or cls.proc.poll() is not None or import_time_env(base) != import_time_env(cls.env):
+            if cls.proc is None:
+                atexit.register(cls.stop)
+            cls.stop()
+            cls.env = base
             cls.proc = subprocess.Popen([sys.executable, "tests/zygote.py"], cwd=ROOT, env=cls.env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            atexit.register(cls.stop)
-        keys = {k for k in {*env, *cls.env} if k.startswith(IMPORT_TIME_ENV) and k not in SET_IN_PROCESS_ENV}
-        if any(env.get(k) != cls.env.get(k) for k in keys):
+        if import_time_env(env) != import_time_env(cls.env):  # this launch's own variables
             return None
         request = dict(script=script, args=[str(a) for a in args], env=env, cwd=ROOT, nproc=nproc,
                        torchrun=torchrun, out=out, err=err, rc=out + ".rc")
@@ -142,7 +147,8 @@ class Zygote:
 
     @classmethod
     def stop(cls):
-        """At this pytest process's exit: the zygote reads the end of its input and exits."""
+        """At this pytest process's exit, or before a new zygote starts: the zygote reads the end of
+        its input and exits."""
         if cls.proc is not None:
             cls.proc.stdin.close()
             try:

@@ -45,16 +45,6 @@ def lines(proc):
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fresh_zygote():
-    """A zygote started from this worker's environment as it is now: a test that ran earlier in
-    the same worker may have changed an import-time variable in os.environ, which sends launches
-    to real processes (tests/conftest.py), and these tests check the zygote's own behaviour."""
-    Zygote.stop()
-    Zygote.proc = None
-    yield
-
-
 def test_python_launch(tmp_path):
     proc = run(tmp_path, "ok", EXTRA="x")
     assert proc.returncode == 0 and Zygote.proc is not None and Zygote.proc.poll() is None  # it went through the zygote
