@@ -297,7 +297,7 @@ def run_config(spec, info, batch, *, attention, overrides, dtype, tp, pp, sp, cp
         with torch.no_grad():
             schedule.run_micro_batches(model, my_micro_batches(size), logprob_loss_fn, forward_only=True,
                                        device=info.device)
-        for chunk in model:
+        for chunk in model if graphs else ():
             chunk.train()
         batch["old_logprobs"] = schedule.all_reduce_sum(old_logprobs[:-1], mpu.get_data_parallel_group(with_context_parallel=True),
                                                  info.device).cpu()
