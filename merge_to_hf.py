@@ -11,7 +11,7 @@ It loads unchanged with transformers `from_pretrained` and with vLLM. HF -> mcor
 bit-exact for every tensor (same dtype).
 
 How: the checkpoint is loaded into a GPTModel at --tp/--pp (dist_checkpointing reshards to
-any layout), then common/weights.py:export_hf_weights streams full HF tensors (TP shards
+any layout), then common/model/weights.py:export_hf_weights streams full HF tensors (TP shards
 all-gathered, PP stages broadcast, in buckets); rank 0 writes each shard file as soon as it
 is full. Host memory: this rank's part of the model + one shard + two export buckets.
 
@@ -26,6 +26,7 @@ The HF side files (config.json, tokenizer, generation_config.json) come from the
 Exit codes: 0 done, 2 bad input or disk full (a one-paragraph message, no traceback), 130
 interrupted. The output is written to <out>.incomplete and renamed to <out> at the end.
 """
+
 import json
 import os
 import shutil
@@ -33,17 +34,28 @@ import sys
 
 import torch
 
-from common.cli import (DTYPES, HF_DTYPE_NAMES, ConversionError, Parser, check_output_dir, check_tool_layout,
-                        finish_output, read_hf_spec, root_cause, run_cli, temporary_output)
-from common.dist import print0
+from common.run.cli import (
+    DTYPES,
+    HF_DTYPE_NAMES,
+    ConversionError,
+    Parser,
+    check_output_dir,
+    check_tool_layout,
+    finish_output,
+    read_hf_spec,
+    root_cause,
+    run_cli,
+    temporary_output,
+)
+from common.run.dist import print0
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def resolve_checkpoint(path):
     """The model checkpoint directory --ckpt means, or a ConversionError saying why it is none."""
-    from common.checkpoint import is_model_checkpoint
-    from common.train_resume import check_step_dir
+    from common.train.checkpoint import is_model_checkpoint
+    from common.train.resume import check_step_dir
 
     path = os.path.abspath(path)
     latest = os.path.join(path, "latest")
@@ -54,25 +66,31 @@ def resolve_checkpoint(path):
         raise ConversionError(
             f"--ckpt {path} is not a checkpoint (no metadata.json). Pass a directory written by "
             "convert_hf_to_mcore.py, a training checkpoint step (.../checkpoints/step_000100) or the "
-            "checkpoints directory holding `latest`.")
+            "checkpoints directory holding `latest`."
+        )
     if os.path.isfile(os.path.join(path, "train_state.json")):  # a training step: is it complete?
         problem = check_step_dir(path)
         if problem:
-            raise ConversionError(f"training checkpoint {path} is damaged or incomplete: {problem}. "
-                                  "Merge an older step instead.")
+            raise ConversionError(
+                f"training checkpoint {path} is damaged or incomplete: {problem}. Merge an older step instead."
+            )
     return path
 
 
 def find_hf_files(ckpt, explicit):
-    candidates = [explicit] if explicit else [os.path.join(ckpt, "hf"), os.path.join(ckpt, "..", "hf"),
-                                               os.path.join(ckpt, "..", "..", "hf")]
+    candidates = (
+        [explicit]
+        if explicit
+        else [os.path.join(ckpt, "hf"), os.path.join(ckpt, "..", "hf"), os.path.join(ckpt, "..", "..", "hf")]
+    )
     for d in candidates:
         if os.path.isfile(os.path.join(d, "config.json")):
             return os.path.abspath(d)
     raise ConversionError(
         f"cannot find the HF config.json for {ckpt}: looked in {', '.join(map(os.path.abspath, candidates))}. "
         "Pass --hf-files DIR (the source HF model directory, or any directory with its config.json "
-        "and tokenizer files).")
+        "and tokenizer files)."
+    )
 
 
 def stored_dtype(ckpt):
@@ -101,8 +119,11 @@ def write_safetensors(path, tensors):
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format pads the header to a multiple of 8 bytes
@@ -119,27 +140,55 @@ def write_safetensors(path, tensors):
 def parse_args(argv=None):
     ap = Parser(description=__doc__)
     # input / output
-    ap.add_argument("--ckpt", required=True, help="converted checkpoint, training checkpoint step, or "
-                    "training checkpoint root (the step named by its `latest` file)")
+    ap.add_argument(
+        "--ckpt",
+        required=True,
+        help="converted checkpoint, training checkpoint step, or "
+        "training checkpoint root (the step named by its `latest` file)",
+    )
     ap.add_argument("--out", required=True, help="output HF directory (new or empty; see --force)")
-    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB "
-                    "(a single larger tensor gets a file of its own)")
-    ap.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                    help="dtype written; auto = the dtype the checkpoint stores")
-    ap.add_argument("--hf-files", default=None, help="directory with the HF config.json / tokenizer / "
-                    "generation_config.json (default: the checkpoint's hf/ or its run's hf/)")
-    ap.add_argument("--force", action="store_true", help="replace a non-empty --out that holds an earlier "
-                    "HF export; it is removed only after the new one is complete")
+    ap.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (a single larger tensor gets a file of its own)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="dtype written; auto = the dtype the checkpoint stores",
+    )
+    ap.add_argument(
+        "--hf-files",
+        default=None,
+        help="directory with the HF config.json / tokenizer / "
+        "generation_config.json (default: the checkpoint's hf/ or its run's hf/)",
+    )
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty --out that holds an earlier "
+        "HF export; it is removed only after the new one is complete",
+    )
     # parallel layout to load at (torchrun with tp*pp processes, or a multiple)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at")
-    ap.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first pipeline "
-                    "stage (default: even when the layers divide by pp, else automatic)")
-    ap.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last pipeline "
-                    "stage (default: automatic, no more than the other stages)")
+    ap.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers on the first pipeline stage (default: even when the layers divide by pp, else automatic)",
+    )
+    ap.add_argument(
+        "--last-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers on the last pipeline stage (default: automatic, no more than the other stages)",
+    )
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size to load the checkpoint at (MoE models)")
-    ap.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size to load the checkpoint at "
-                    "(MoE models)")
+    ap.add_argument(
+        "--etp", type=int, default=1, help="expert tensor-parallel size to load the checkpoint at (MoE models)"
+    )
     ap.add_argument("--bucket-mb", type=int, default=256, help="export bucket size (MB of full tensors)")
     return ap.parse_args(argv)
 
@@ -150,8 +199,15 @@ def run(args, created):
     ckpt = resolve_checkpoint(args.ckpt)
     hf_files = find_hf_files(ckpt, args.hf_files)
     spec = read_hf_spec(hf_files)
-    out = check_output_dir(args.out, args.force, [ckpt, hf_files], lambda d: os.path.isfile(
-        os.path.join(d, "model.safetensors.index.json")) or os.path.isfile(os.path.join(d, "model.safetensors")))
+    out = check_output_dir(
+        args.out,
+        args.force,
+        [ckpt, hf_files],
+        lambda d: (
+            os.path.isfile(os.path.join(d, "model.safetensors.index.json"))
+            or os.path.isfile(os.path.join(d, "model.safetensors"))
+        ),
+    )
     max_shard_bytes = parse_size(args.max_shard_size)
     stored = stored_dtype(ckpt)
     dtype = stored if args.dtype == "auto" else DTYPES[args.dtype]
@@ -164,17 +220,27 @@ def run(args, created):
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from common.bridge import expected_hf_names, stage_layers
-    from common.checkpoint import HF_SMALL_FILES, load_model_checkpoint
-    from common.dist import init_distributed
-    from common.model import build_model
-    from common.weights import export_hf_weights
+    from common.model.bridge import expected_hf_names, stage_layers
+    from common.model.gpt import build_model
+    from common.model.weights import export_hf_weights
+    from common.run.dist import init_distributed
+    from common.train.checkpoint import HF_SMALL_FILES, load_model_checkpoint
 
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
-    print0(f"merging {ckpt} ({spec.architecture}, stored as {HF_DTYPE_NAMES.get(stored, stored)}) -> {out} "
-           f"as {HF_DTYPE_NAMES[dtype]}, tp={args.tp} pp={args.pp} ep={args.ep} etp={args.etp}")
-    chunks = build_model(spec, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **split, dtype=stored,
-                         sequence_parallel=spec.moe is not None and args.tp > 1)  # (megatron: MoE + TP needs SP)
+    print0(
+        f"merging {ckpt} ({spec.architecture}, stored as {HF_DTYPE_NAMES.get(stored, stored)}) -> {out} "
+        f"as {HF_DTYPE_NAMES[dtype]}, tp={args.tp} pp={args.pp} ep={args.ep} etp={args.etp}"
+    )
+    chunks = build_model(
+        spec,
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        **split,
+        dtype=stored,
+        sequence_parallel=spec.moe is not None and args.tp > 1,
+    )  # (megatron: MoE + TP needs SP)
     print0(f"layers per pipeline stage: {stage_layers(chunks[0].config)}")
     try:
         load_model_checkpoint(ckpt, chunks)  # the model part only, at this layout
@@ -215,26 +281,32 @@ def run(args, created):
             flush()
     del chunks
     if non_finite:
-        raise ConversionError(f"{ckpt} holds NaN/Inf values in {len(non_finite)} tensors ({', '.join(non_finite[:5])}"
-                              f"{', ...' if len(non_finite) > 5 else ''}); nothing was written. Such a model cannot "
-                              "be used: export an earlier checkpoint (the training scripts stop before a "
-                              "non-finite update, so their checkpoints hold none).")
+        raise ConversionError(
+            f"{ckpt} holds NaN/Inf values in {len(non_finite)} tensors ({', '.join(non_finite[:5])}"
+            f"{', ...' if len(non_finite) > 5 else ''}); nothing was written. Such a model cannot "
+            "be used: export an earlier checkpoint (the training scripts stop before a "
+            "non-finite update, so their checkpoints hold none)."
+        )
 
     # -- index, config, generation config, tokenizer, then the final name
     if rank == 0:
         names = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
         for old, new in names.items():
             os.rename(os.path.join(tmp, old), os.path.join(tmp, new))
-        index = {"metadata": {"total_size": total_bytes},
-                 "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
+        index = {
+            "metadata": {"total_size": total_bytes},
+            "weight_map": {k: names[v] for k, v in sorted(weight_map.items())},
+        }
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
         # transformers 5 writes "dtype", 4.x "torch_dtype"; vLLM reads either through transformers
         config = dict(spec.hf_config)
         if config.get("num_nextn_predict_layers"):  # DeepSeek-V3's multi-token-prediction layers
-            print0(f"note: the {config['num_nextn_predict_layers']} multi-token-prediction layer(s) of the source "
-                   "(model.layers.{num_hidden_layers}.*) are not part of the trained model and are not written; "
-                   "config.json says num_nextn_predict_layers: 0 (for speculative decoding copy them from the source)")
+            print0(
+                f"note: the {config['num_nextn_predict_layers']} multi-token-prediction layer(s) of the source "
+                "(model.layers.{num_hidden_layers}.*) are not part of the trained model and are not written; "
+                "config.json says num_nextn_predict_layers: 0 (for speculative decoding copy them from the source)"
+            )
             config["num_nextn_predict_layers"] = 0
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":

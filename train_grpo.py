@@ -6,7 +6,7 @@ take PPO-clipped policy-gradient steps, optionally with a KL penalty to a frozen
 reference. No value function (that is train_ppo.py). Variants are flags:
   Dr.GRPO (Liu et al. 2025): --no-std-norm --loss-agg seq_mean_token_sum_norm --kl-coef 0
   DAPO (Yu et al. 2025):     --clip-high 0.28 --loss-agg token_mean --kl-coef 0 --dynamic-sampling
-                             --overlong-buffer N --mask-truncated (common/dapo.py)
+                             --overlong-buffer N --mask-truncated (common/rl/dapo.py)
   GSPO (Zheng et al. 2025):  --gspo --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean
   dual-clip PPO (Ye et al. 2020, verl's c = 3): --dual-clip 3
 
@@ -26,6 +26,7 @@ Launch:
       sbatch launch/slurm.sh train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
   On CPUs, torchrun works the same on gloo: torchrun --nproc_per_node 2 train_grpo.py --tp 2
 """
+
 import functools
 import os
 import time
@@ -33,39 +34,101 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import flags as F
-from common.bridge import recompute_config
-from common.cli import Parser, finish_training, parse_with_defaults, run_training
-from common.preflight import check_training_run
-from common.rollout import generate_checked, rollout_logprobs_mode
+from common.model.bridge import recompute_config
+from common.rollout.engine import generate_checked, rollout_logprobs_mode
+from common.run import flags as F
+from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
+from common.run.preflight import check_training_run
 
 
 def build_parser():
     p = Parser(
         description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
-               + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()),
+    )
     m = F.model_flags(p)
-    m.add_argument("--mcore-ckpt", default=None, help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
+    m.add_argument(
+        "--mcore-ckpt",
+        default=None,
+        help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model",
+    )
     F.data_flags(p)
     F.parallel_flags(p)
     F.rollout_flags(p, group_help="group size G", models="policy, reference")
     a = p.add_argument_group("algorithm (GRPO)")
     a.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     a.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
-    a.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
-    a.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
-    a.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="loss aggregation (DAPO / GRPO / Dr.GRPO)")
-    a.add_argument("--dynamic-sampling", action="store_true", help="DAPO: drop prompt groups whose rewards are all equal and sample more prompts until the batch holds only groups with a signal")
-    a.add_argument("--max-sampling-rounds", type=int, default=3, help="--dynamic-sampling: at most this many extra rounds per step, then zero-signal groups fill the batch")
-    a.add_argument("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before --max-new-tokens, added to the reward (0: off)")
-    a.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="the penalty at --max-new-tokens (it grows linearly over --overlong-buffer)")
-    a.add_argument("--mask-truncated", action="store_true", help="DAPO's overlong filtering: responses cut at --max-new-tokens are left out of the loss")
-    a.add_argument("--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)")
-    a.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
+    a.add_argument(
+        "--dual-clip",
+        type=float,
+        default=0.0,
+        help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)",
+    )
+    a.add_argument(
+        "--gspo",
+        action="store_true",
+        help=(
+            "GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the "
+            "paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean"
+        ),
+    )
+    a.add_argument(
+        "--loss-agg",
+        choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
+        default="token_mean",
+        help="loss aggregation (DAPO / GRPO / Dr.GRPO)",
+    )
+    a.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help=(
+            "DAPO: drop prompt groups whose rewards are all equal and sample more prompts until the batch holds only "
+            "groups with a signal"
+        ),
+    )
+    a.add_argument(
+        "--max-sampling-rounds",
+        type=int,
+        default=3,
+        help="--dynamic-sampling: at most this many extra rounds per step, then zero-signal groups fill the batch",
+    )
+    a.add_argument(
+        "--overlong-buffer",
+        type=int,
+        default=0,
+        help=(
+            "DAPO's soft overlong penalty over the last N tokens before --max-new-tokens, added to the reward (0: off)"
+        ),
+    )
+    a.add_argument(
+        "--overlong-penalty-factor",
+        type=float,
+        default=1.0,
+        help="the penalty at --max-new-tokens (it grows linearly over --overlong-buffer)",
+    )
+    a.add_argument(
+        "--mask-truncated",
+        action="store_true",
+        help="DAPO's overlong filtering: responses cut at --max-new-tokens are left out of the loss",
+    )
+    a.add_argument(
+        "--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)"
+    )
+    a.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.001,
+        help="KL penalty to the frozen reference (0 disables it and the reference model)",
+    )
     a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
-    a.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
+    a.add_argument(
+        "--tis-cap",
+        type=float,
+        default=0.0,
+        help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)",
+    )
     F.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
@@ -94,56 +157,72 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new
 
 
 def main():
-    from common.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings
 
-    quiet_known_warnings()  # first: some fire while megatron is imported (common/log.py says which and why)
+    quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
+    from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
-    from common import batch as B, dapo, moe, rl, schedule
-    from common.checkpoint import load_model_checkpoint
-    from common.data import PromptSampler, task_prompts
-    from common.dist import init_distributed, print0
-    from common.embedded import EMBEDDED_MODELS, write_embedded_model
-    from common.evaluate import Evaluator
-    from common.flops import step_throughput
-    from common.guard import RunControl, check_finite
-    from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
-    from common.model import build_model, load_hf_spec
-    from common.weights import export_hf_weights, load_hf_weights
-    from common.host_memory import check_host_memory
-    from common.offload import Colocation, PhaseMemory, Timer
-    from common.reward_model import RewardModel
-    from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
-    from common.rollout import make_engine, vllm_available
-    from common.train_checkpoint import CheckpointWriter
-    from common.train_resume import load_training_checkpoint
-    from common.training import setup_training
-    from megatron.core import parallel_state as mpu
+    from common.model import moe
+    from common.model.flops import step_throughput
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.rl import batch as B
+    from common.rl import dapo
+    from common.rl.advantages import group_advantages
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss, truncated_is_weights
+    from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
+    from common.rollout.engines import make_engine, vllm_available
+    from common.rollout.evaluate import Evaluator
+    from common.run.data import PromptSampler, task_prompts
+    from common.run.dist import init_distributed, print0
+    from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
+    from common.run.host_memory import check_host_memory
+    from common.run.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
+    from common.train import schedule
+    from common.train.checkpoint import load_model_checkpoint
+    from common.train.guard import RunControl, check_finite
+    from common.train.offload import Colocation, PhaseMemory, Timer
+    from common.train.resume import load_training_checkpoint
+    from common.train.reward_model import RewardModel
+    from common.train.save import CheckpointWriter
+    from common.train.setup import setup_training
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
-    print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
-           + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "") + f" on {info.device}, {dtype}")
+    print0(
+        f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
+        + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "")
+        + f" on {info.device}, {dtype}"
+    )
     os.makedirs(args.out, exist_ok=True)
 
     # ---- model source, tokenizer, prompts --------------------------------------------
     hf_dir = args.model or os.path.join(args.out, "embedded_model")
     if args.model is None and info.master_process:
-        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])  # made in code (needs a shared --out across nodes)
+        # made in code (needs a shared --out across nodes)
+        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])
     dist.barrier()
     spec = load_hf_spec(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
-    prompt_format = dict(prompt_key=args.prompt_key, answer_key=args.answer_key, data_config=args.data_config,
-                         raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
-                         max_prompt_len=args.max_prompt_len, max_positions=spec.max_position_embeddings)
+    prompt_format = dict(
+        prompt_key=args.prompt_key,
+        answer_key=args.answer_key,
+        data_config=args.data_config,
+        raw_prompts=args.raw_prompts,
+        system_prompt=args.system_prompt,
+        max_prompt_len=args.max_prompt_len,
+        max_positions=spec.max_position_embeddings,
+    )
     items, prompt_ids = task_prompts(tokenizer, args.data, data_split=args.data_split, seed=args.seed, **prompt_format)
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
-    # ---- batch geometry (checked in common/preflight.py): rollout batch -> mini-batches
+    # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches
     # (optimizer steps) -> micro-batches
     group = args.samples_per_prompt
     rollout_batch = args.prompts_per_step * group  # samples per step, global
@@ -152,10 +231,20 @@ def main():
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
-    model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
-                      first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
-                      moe_aux_loss_coef=args.moe_aux_loss_coef, **F.moe_overrides(args),
-                      **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
+    model_args = dict(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        cp=args.cp,
+        ep=args.ep,
+        etp=args.etp,
+        sequence_parallel=args.sp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        moe_aux_loss_coef=args.moe_aux_loss_coef,
+        **F.moe_overrides(args),
+        **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers),
+    )
 
     def load_model():
         chunks = build_model(spec, dtype=dtype, **model_args)
@@ -166,9 +255,16 @@ def main():
         return chunks
 
     model, optimizer, scheduler = setup_training(
-        load_model(), lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-        warmup_steps=args.lr_warmup_steps, total_steps=args.steps * args.ppo_epochs * (rollout_batch // mini_batch),
-        decay_style=args.lr_decay, use_distributed_optimizer=args.distributed_optimizer)
+        load_model(),
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        warmup_steps=args.lr_warmup_steps,
+        total_steps=args.steps * args.ppo_epochs * (rollout_batch // mini_batch),
+        decay_style=args.lr_decay,
+        use_distributed_optimizer=args.distributed_optimizer,
+    )
     reference = None
     if args.kl_coef > 0:
         reference = load_model()
@@ -177,42 +273,97 @@ def main():
 
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
-    engine, rollout_tp = (None, args.rollout_tp) if args.load_rollouts else make_engine(  # replay: no engine
-        use_vllm, hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed, device=info.device)
+    # (with --load-rollouts: replayed samples, no engine)
+    engine, rollout_tp = (
+        (None, args.rollout_tp)
+        if args.load_rollouts
+        else make_engine(
+            use_vllm,
+            hf_dir,
+            rollout_tp=args.rollout_tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_prompt_len + args.max_new_tokens,
+            seed=args.seed,
+            device=info.device,
+        )
+    )
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
-    # validation on held-out prompts (common/evaluate.py): --eval-data, or the embedded task's own prompts
-    evaluator = Evaluator(tokenizer, *(task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
-                                       if args.eval_data or not args.data else ([], [])),
-                          samples=args.eval_samples, temperature=args.eval_temperature, max_tokens=args.max_new_tokens,
-                          every=args.eval_every, last_step=args.steps - 1, out_dir=args.out, seed=args.seed,
-                          reward_fn=math_reward if args.eval_data else reward_fn, answer_fn=final_answer if args.eval_data else synthetic_answer,
-                          replica=replica, num_replicas=num_replicas, first_of_replica=info.rank % rollout_tp == 0, master_process=info.master_process)
-    # Memory choreography on a shared GPU (common/offload.py): what the rollout does not use
+    # validation on held-out prompts (common/rollout/evaluate.py): --eval-data, or the embedded task's own prompts
+    evaluator = Evaluator(
+        tokenizer,
+        *(
+            task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
+            if args.eval_data or not args.data
+            else ([], [])
+        ),
+        samples=args.eval_samples,
+        temperature=args.eval_temperature,
+        max_tokens=args.max_new_tokens,
+        every=args.eval_every,
+        last_step=args.steps - 1,
+        out_dir=args.out,
+        seed=args.seed,
+        reward_fn=math_reward if args.eval_data else reward_fn,
+        answer_fn=final_answer if args.eval_data else synthetic_answer,
+        replica=replica,
+        num_replicas=num_replicas,
+        first_of_replica=info.rank % rollout_tp == 0,
+        master_process=info.master_process,
+    )
+    # Memory choreography on a shared GPU (common/train/offload.py): what the rollout does not use
     # waits in pinned host memory, the reference but for its logprob pass. No-ops for tensors
     # already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
-    colo = Colocation(engine, model, [(optimizer, model)], frozen=[reference], params=offload_params,
-                      optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
-                      weights=lambda: export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks,
-                                                        local_reads=engine.local_reads))
-    # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
-    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp, dtype=dtype,
-                                    micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
+    colo = Colocation(
+        engine,
+        model,
+        [(optimizer, model)],
+        frozen=[reference],
+        params=offload_params,
+        optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
+        weights=lambda: export_hf_weights(
+            model,
+            spec,
+            dtype=torch.bfloat16 if use_vllm else torch.float32,
+            bucket_mb=args.sync_bucket_mb,
+            expert_blocks=engine.expert_blocks,
+            local_reads=engine.local_reads,
+        ),
+    )
+    # a model-based reward (common/train/reward_model.py): frozen, sharded like the policy, offloaded like the reference
+    reward_model = (
+        RewardModel.load(
+            args.reward_model,
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            cp=args.cp,
+            sequence_parallel=args.sp,
+            dtype=dtype,
+            micro_batch_size=args.micro_batch_size,
+            offload=offload_params,
+        )
+        if args.reward_model
+        else None
+    )
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
-    if args.resume:  # common/preflight.py made sure there is a checkpoint
+    if args.resume:  # common/run/preflight.py made sure there is a checkpoint
         extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler)
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])
         print0(f"resumed from step {start_step}")
-    logger = MetricsLogger(args.out, run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
-                           wandb_mode=args.wandb or default_wandb_mode(),
-                           project=args.wandb_project, run_name=args.run_name,
-                           enabled=info.master_process, resume=bool(args.resume))
+    logger = MetricsLogger(
+        args.out,
+        run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
+        wandb_mode=args.wandb or default_wandb_mode(),
+        project=args.wandb_project,
+        run_name=args.run_name,
+        enabled=info.master_process,
+        resume=bool(args.resume),
+    )
     logger.truncate_after(start_step)
     tp_group = mpu.get_tensor_model_parallel_group()
     # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
@@ -228,17 +379,24 @@ def main():
         on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
 
         def loss_fn(mb, logits):
-            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
             B.scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
             return logprobs.sum() * 0, {}
+
         with torch.no_grad():
             schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
-        store.copy_(schedule.all_reduce_sum(on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device))
+        store.copy_(
+            schedule.all_reduce_sum(
+                on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device
+            )
+        )
 
     checkpointed = [(model, optimizer)]  # what a checkpoint holds (its host copies pinned by the writer)
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
-    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)})
+    check_host_memory(
+        {"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)}
+    )
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -255,17 +413,38 @@ def main():
         def sample_round(prompts_idx, round_):
             with timer("rollout"):
                 mine = prompts_idx[replica::num_replicas]
-                local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
-                                         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                         seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_)
+                local = generate_checked(
+                    engine,
+                    [prompt_ids[i] for i in mine],
+                    args.rollout_logprobs,
+                    n=group,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    max_tokens=args.max_new_tokens,
+                    seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_,
+                )
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            answers = [items[i]["answer"] for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+            answers = [
+                items[i]["answer"]
+                for r in range(num_replicas)
+                for i in prompts_idx[r::num_replicas]
+                for _ in range(group)
+            ]
             with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
-                rewards = args.rule_reward_weight * torch.tensor([reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                                                                  for s, a in zip(samples, answers)], dtype=torch.float32)
+                rewards = args.rule_reward_weight * torch.tensor(
+                    [
+                        reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
+                        for s, a in zip(samples, answers)
+                    ],
+                    dtype=torch.float32,
+                )
                 if args.overlong_buffer:
-                    rewards += dapo.overlong_penalty([len(s.response_ids) for s in samples], args.max_new_tokens,
-                                                     args.overlong_buffer, args.overlong_penalty_factor)
+                    rewards += dapo.overlong_penalty(
+                        [len(s.response_ids) for s in samples],
+                        args.max_new_tokens,
+                        args.overlong_buffer,
+                        args.overlong_penalty_factor,
+                    )
             return samples, rewards
 
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
@@ -275,9 +454,16 @@ def main():
         else:  # weights synced first (all ranks: the export runs collectives); after the block the engine sleeps
             with colo.rollout(timer, memory):
                 samples, rewards = sample_round(prompts_idx, 0)
-                if args.dynamic_sampling:  # DAPO: only groups whose rewards differ, more prompts until the batch is full
-                    samples, rewards, sampling = dapo.dynamic_sampling(samples, rewards, group, max_rounds=args.max_sampling_rounds,
-                                                                       more=lambda round_: sample_round(sampler.next_batch(), round_))
+                if (
+                    args.dynamic_sampling
+                ):  # DAPO: only groups whose rewards differ, more prompts until the batch is full
+                    samples, rewards, sampling = dapo.dynamic_sampling(
+                        samples,
+                        rewards,
+                        group,
+                        max_rounds=args.max_sampling_rounds,
+                        more=lambda round_: sample_round(sampler.next_batch(), round_),
+                    )
                     side_metrics.update(sampling)
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
@@ -285,17 +471,24 @@ def main():
             if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
                 with timer("reward_model"):
                     order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
-                    scores = reward_model.score([items[i]["prompt"] for i in order],
-                                                [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], info.device)
-                rewards = rewards + args.reward_model_weight * scores  # (saved with --save-rollouts: replayed as they are)
+                    scores = reward_model.score(
+                        [items[i]["prompt"] for i in order],
+                        [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
+                        info.device,
+                    )
+                rewards = (
+                    rewards + args.reward_model_weight * scores
+                )  # (saved with --save-rollouts: replayed as they are)
                 side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         check_finite("rewards", rewards, step=step)
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)
-            torch.save({"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt"))
+            torch.save(
+                {"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt")
+            )
 
         # ---- 4. advantages: group-normalised reward, the same for every token of a sample
-        advantages = rl.group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)
+        advantages = group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)
         batch = B.pack_sequences(samples, pad_id, length_multiple=multiple)  # (N, T) tensors
         if args.mask_truncated:  # DAPO's overlong filtering: a cut-off response says nothing of its answer
             batch["mask"][torch.tensor([s.finish_reason == "length" for s in samples])] = 0.0
@@ -306,20 +499,30 @@ def main():
 
         # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
         def my_micro_batches(order, m, sizes=(args.micro_batch_size, args.micro_batch_tokens)):
-            rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
+            rows = order[m * mini_batch + info.dp_rank * per_dp :][:per_dp]
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
-            return B.micro_batches(batch, rows, sizes[0], length_multiple=multiple,
-                                   same_length=args.pp > 1, max_tokens=sizes[1], pack=args.pack,
-                                   same_count_group=expert_peers,  # (all-to-all in every pass)
-                                   same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
-                                   sample_multiple=sample_multiple)
+            return B.micro_batches(
+                batch,
+                rows,
+                sizes[0],
+                length_multiple=multiple,
+                same_length=args.pp > 1,
+                max_tokens=sizes[1],
+                pack=args.pack,
+                same_count_group=expert_peers,  # (all-to-all in every pass)
+                same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
+                sample_multiple=sample_multiple,
+            )
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
         identity = torch.arange(num_rows)
-        all_mine = [mb for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
-                    for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))]
+        all_mine = [
+            mb
+            for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
+            for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
+        ]
         # On-policy (one epoch, one mini-batch, no TIS): the old logprobs are the update's own forward
         # (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B step)
         on_policy = args.ppo_epochs == 1 and mini_batch == rollout_batch and args.tis_cap == 0
@@ -334,8 +537,11 @@ def main():
                 logprob_pass(reference, all_mine, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         memory.end("logprob")
-        batch["is_weights"] = (rl.truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
-                               if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
+        batch["is_weights"] = (
+            truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
+            if args.tis_cap > 0
+            else torch.ones(num_rows, seq_len)
+        )
 
         # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
         colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
@@ -344,63 +550,98 @@ def main():
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
             for m in range(rollout_batch // mini_batch):
-                rows = order[m * mini_batch:(m + 1) * mini_batch]
+                rows = order[m * mini_batch : (m + 1) * mini_batch]
                 # global normalisers of this mini-batch (all DP ranks, all micro-batches)
                 norm = dict(num_tokens=batch["mask"][rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
                 mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
                 scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def loss_fn(mb, logits):
-                    mask, norm_mb = mb["mask"], dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))  # packing / CP
-                    logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
-                                                                   args.temperature, compute_entropy=True)
+                    mask, norm_mb = (
+                        mb["mask"],
+                        dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
+                    )  # packing / CP
+                    logprobs, entropy = vocab_parallel_logprobs(
+                        logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
+                    )
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
-                    per_token, clipped = rl.policy_loss(logprobs, old, mb["advantages"], args.clip_low,
-                                                        args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
-                                                        sequence_mask=mask if args.gspo else None, seq_ids=mb.get("seq"),
-                                                        cp_group=cp_group)
-                    loss = rl.aggregate_loss(per_token, mask, args.loss_agg, **norm_mb)
+                    per_token, clipped = policy_loss(
+                        logprobs,
+                        old,
+                        mb["advantages"],
+                        args.clip_low,
+                        args.clip_high,
+                        is_weights=mb["is_weights"],
+                        dual_clip=args.dual_clip,
+                        sequence_mask=mask if args.gspo else None,
+                        seq_ids=mb.get("seq"),
+                        cp_group=cp_group,
+                    )
+                    loss = aggregate_loss(per_token, mask, args.loss_agg, **norm_mb)
                     if reference is not None:
-                        kl = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
-                        loss = loss + args.kl_coef * rl.aggregate_loss(kl, mask, args.loss_agg, **norm_mb)
+                        kl = kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
+                        loss = loss + args.kl_coef * aggregate_loss(kl, mask, args.loss_agg, **norm_mb)
                     if args.entropy_coef:
-                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mask, args.loss_agg, **norm_mb)
+                        loss = loss - args.entropy_coef * aggregate_loss(entropy, mask, args.loss_agg, **norm_mb)
                     n = mask.sum()
-                    metrics = {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
-                               "entropy": rl.masked_sum(entropy.detach(), mask), "entropy__n": n,
-                               "clip_frac": rl.masked_sum(clipped.float(), mask), "clip_frac__n": n,
-                               "ppo_kl": rl.masked_sum(old - logprobs.detach(), mask), "ppo_kl__n": n}  # mean old - new
+                    metrics = {
+                        "policy_loss": loss.detach(),
+                        "policy_loss__n": n / norm["num_tokens"],
+                        "entropy": masked_sum(entropy.detach(), mask),
+                        "entropy__n": n,
+                        "clip_frac": masked_sum(clipped.float(), mask),
+                        "clip_frac__n": n,
+                        "ppo_kl": masked_sum(old - logprobs.detach(), mask),
+                        "ppo_kl__n": n,
+                    }  # mean old - new
                     if reference is not None:
-                        metrics.update(kl=rl.masked_sum(kl.detach(), mask), kl__n=n)
+                        metrics.update(kl=masked_sum(kl.detach(), mask), kl__n=n)
                     if epoch == 0 and m == 0 and not on_policy:  # before any update: old = new but for rounding
                         drift = (old - logprobs.detach()).abs()  # else the two passes disagree with each other
-                        metrics.update(first_update_logprob_err=rl.masked_sum(drift, mask), first_update_logprob_err__n=n)
+                        metrics.update(first_update_logprob_err=masked_sum(drift, mask), first_update_logprob_err__n=n)
                     if on_policy and args.rollout_logprobs != "none":  # the one update's forward = old logprobs
                         mismatch = (mb["rollout_logprobs"] - logprobs.detach()).abs()
                         has_lp = mb["rollout_mask"]  # the samples that brought the engine's logprobs
-                        metrics.update(logprob_mismatch=rl.masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
+                        metrics.update(logprob_mismatch=masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
-                mb_metrics, grad_norm = schedule.train_step(model, optimizer, scheduler, mbs, loss_fn, info.device, step=step,
-                                                     before_step=lambda: colo.wait_optimizers(timer))  # no update from a NaN/Inf loss or grad
+                mb_metrics, grad_norm = schedule.train_step(
+                    model,
+                    optimizer,
+                    scheduler,
+                    mbs,
+                    loss_fn,
+                    info.device,
+                    step=step,
+                    before_step=lambda: colo.wait_optimizers(timer),
+                )  # no update from a NaN/Inf loss or grad
                 train_metrics += mb_metrics
                 grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick
         memory.end("train")
 
         if not on_policy and args.rollout_logprobs != "none" and mpu.is_pipeline_last_stage(ignore_virtual=True):
-            has_lp = batch["rollout_mask"]  # |engine - trainer| on the samples that brought logprobs (old
-            train_metrics.append({"logprob_mismatch": rl.masked_sum(  # logprobs: on the last stage only)
-                (batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), has_lp), "logprob_mismatch__n": has_lp.sum()})
+            # |engine - trainer| on the samples that brought logprobs (old logprobs: on the last stage only)
+            has_lp = batch["rollout_mask"]
+            train_metrics.append(
+                {
+                    "logprob_mismatch": masked_sum((batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), has_lp),
+                    "logprob_mismatch__n": has_lp.sum(),
+                }
+            )
 
         # ---- 7. log (every rank joins the metric reduction), then checkpoint
         metrics = schedule.reduce_metrics(train_metrics, info.device)
         if spec.moe:  # expert load (max/mean routed tokens per layer) and the aux loss of the updates
             metrics.update(moe.step_metrics(model, spec, info.device))
-        metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
-                       grad_norm=sum(grad_norms) / len(grad_norms), lr=optimizer.param_groups[0]["lr"],
-                       response_len_mean=batch["response_len"].mean().item(),
-                       truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
+        metrics.update(
+            reward_mean=rewards.mean().item(),
+            reward_std=rewards.std().item(),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            lr=optimizer.param_groups[0]["lr"],
+            response_len_mean=batch["response_len"].mean().item(),
+            truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
+        )
         if not batch["rollout_mask"].any():  # no engine logprob in the loss this step: no number, not a 0
             metrics.pop("logprob_mismatch", None)
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
@@ -408,17 +649,37 @@ def main():
         save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal
         if save:
             tick = time.time()  # save_s: what the loop waits for (checks, planning, copies to host memory)
-            writer.save(ckpt_root, step + 1, model, optimizer, scheduler,
-                        extra={"step": step + 1, "sampler": sampler.state_dict()},
-                        keep_last=args.keep_checkpoints, hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
-                        meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
-                        optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
+            writer.save(
+                ckpt_root,
+                step + 1,
+                model,
+                optimizer,
+                scheduler,
+                extra={"step": step + 1, "sampler": sampler.state_dict()},
+                keep_last=args.keep_checkpoints,
+                hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
+                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
+                optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
+            )
             times["save_s"] = time.time() - tick
             metrics["save_wait_sec"] = writer.wait_s  # of save_s: the previous save's files still being written
         times["step_s"] = time.time() - t0
-        metrics.update(times, **memory.metrics, **side_metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
-            spec, samples, times, forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs, world_size=info.world_size, device=info.device))
-        logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0 prints
+        metrics.update(
+            times,
+            **memory.metrics,
+            **side_metrics,
+            **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
+                spec,
+                samples,
+                times,
+                forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs,
+                world_size=info.world_size,
+                device=info.device,
+            ),
+        )
+        logger.log_samples(
+            step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group
+        )  # rank 0 prints
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
@@ -426,8 +687,10 @@ def main():
             print0(control.stop_message(step))
             break
 
-    # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/cli.py)
-    finish_training(writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None)
+    # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/run/cli.py)
+    finish_training(
+        writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None
+    )
 
 
 if __name__ == "__main__":

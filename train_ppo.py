@@ -25,6 +25,7 @@ Launch:
       sbatch launch/slurm.sh train_ppo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
   On CPUs, torchrun works the same on gloo: torchrun --nproc_per_node 2 train_ppo.py --tp 2
 """
+
 import functools
 import math
 import os
@@ -33,21 +34,36 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import flags as F
-from common.bridge import recompute_config
-from common.cli import Parser, finish_training, parse_with_defaults, run_training
-from common.preflight import check_training_run
-from common.rollout import generate_checked, rollout_logprobs_mode
+from common.model.bridge import recompute_config
+from common.rollout.engine import generate_checked, rollout_logprobs_mode
+from common.run import flags as F
+from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
+from common.run.preflight import check_training_run
 
 
 def build_parser():
     p = Parser(
         description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
-               + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()))
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()),
+    )
     m = F.model_flags(p)
-    m.add_argument("--mcore-ckpt", default=None, help="start the actor and reference from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model")
-    m.add_argument("--critic-model", default=None, help="HF causal-LM dir or hub id to initialise the critic's body from (a score.weight/score.bias value head in it is used too); default: --model")
+    m.add_argument(
+        "--mcore-ckpt",
+        default=None,
+        help=(
+            "start the actor and reference from this megatron checkpoint (convert_hf_to_mcore.py output) instead of "
+            "the HF weights of --model"
+        ),
+    )
+    m.add_argument(
+        "--critic-model",
+        default=None,
+        help=(
+            "HF causal-LM dir or hub id to initialise the critic's body from (a score.weight/score.bias value head "
+            "in it is used too); default: --model"
+        ),
+    )
     F.data_flags(p)
     F.parallel_flags(p)  # the critic is sharded like the actor
     F.rollout_flags(p, group_help="responses sampled per prompt", models="actor, critic, reference")
@@ -55,24 +71,81 @@ def build_parser():
     # advantages
     a.add_argument("--gamma", type=float, default=1.0, help="GAE discount (1: no discount within a response)")
     a.add_argument("--lam", type=float, default=0.95, help="GAE lambda (1: Monte-Carlo returns, 0: one-step TD)")
-    a.add_argument("--kl-coef", type=float, default=0.001, help="KL penalty to the frozen reference (0 disables it and the reference model)")
-    a.add_argument("--kl-mode", choices=["reward", "loss"], default="reward", help="reward: -kl_coef * KL added to every token's reward (InstructGPT); loss: a KL term in the actor loss (GRPO-style)")
-    a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default=None, help="per-token KL estimator; default k1 (log pi/ref) in the reward, k3 in the loss (k1's gradient as a loss is 0 in expectation)")
+    a.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.001,
+        help="KL penalty to the frozen reference (0 disables it and the reference model)",
+    )
+    a.add_argument(
+        "--kl-mode",
+        choices=["reward", "loss"],
+        default="reward",
+        help=(
+            "reward: -kl_coef * KL added to every token's reward (InstructGPT); loss: a KL term in the actor loss "
+            "(GRPO-style)"
+        ),
+    )
+    a.add_argument(
+        "--kl-estimator",
+        choices=["k1", "k2", "k3"],
+        default=None,
+        help=(
+            "per-token KL estimator; default k1 (log pi/ref) in the reward, k3 in the loss (k1's gradient as a loss "
+            "is 0 in expectation)"
+        ),
+    )
     # losses
     a.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     a.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
-    a.add_argument("--dual-clip", type=float, default=0.0, help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)")
-    a.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean")
-    a.add_argument("--vf-clip", type=float, default=0.2, help="value clip: new values stay within this distance of the rollout's values")
-    a.add_argument("--loss-agg", choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"], default="token_mean", help="policy loss aggregation (the value loss is always token_mean)")
+    a.add_argument(
+        "--dual-clip",
+        type=float,
+        default=0.0,
+        help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)",
+    )
+    a.add_argument(
+        "--gspo",
+        action="store_true",
+        help=(
+            "GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the "
+            "paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean"
+        ),
+    )
+    a.add_argument(
+        "--vf-clip",
+        type=float,
+        default=0.2,
+        help="value clip: new values stay within this distance of the rollout's values",
+    )
+    a.add_argument(
+        "--loss-agg",
+        choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
+        default="token_mean",
+        help="policy loss aggregation (the value loss is always token_mean)",
+    )
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
-    a.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)")
-    a.add_argument("--critic-warmup-steps", type=int, default=0, help="the first N steps update only the critic (the actor is left unchanged)")
+    a.add_argument(
+        "--tis-cap",
+        type=float,
+        default=0.0,
+        help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)",
+    )
+    a.add_argument(
+        "--critic-warmup-steps",
+        type=int,
+        default=0,
+        help="the first N steps update only the critic (the actor is left unchanged)",
+    )
     F.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
-    o = F.optim_flags(p, "optimisation (two optimizers: actor and critic)", lr_help="actor peak learning rate",
-                      scope=" (actor and critic)")
+    o = F.optim_flags(
+        p,
+        "optimisation (two optimizers: actor and critic)",
+        lr_help="actor peak learning rate",
+        scope=" (actor and critic)",
+    )
     o.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
     F.run_flags(p, out="runs/ppo")
@@ -95,60 +168,85 @@ def parse_args(argv=None):
 
 # As train_grpo.py's, plus the critic's learning rate and micro-batches of 32 (the same math;
 # per-micro-batch overheads dominate a model this small: 2.5x faster steps). See the README.
-EMBEDDED_DEFAULTS = dict(lr=3e-3, critic_lr=3e-3, entropy_coef=0.02, mini_batch_size=64, micro_batch_size=32,
-                         max_new_tokens=1, steps=100)
+EMBEDDED_DEFAULTS = dict(
+    lr=3e-3, critic_lr=3e-3, entropy_coef=0.02, mini_batch_size=64, micro_batch_size=32, max_new_tokens=1, steps=100
+)
 
 
 def main():
-    from common.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings
 
-    quiet_known_warnings()  # first: some fire while megatron is imported (common/log.py says which and why)
+    quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
+    from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
-    from common import batch as B, moe, rl, schedule
-    from common.checkpoint import load_model_checkpoint
-    from common.critic import build_critic, load_critic_weights
-    from common.data import PromptSampler, task_prompts
-    from common.dist import init_distributed, print0
-    from common.embedded import EMBEDDED_MODELS, write_embedded_model
-    from common.evaluate import Evaluator
-    from common.flops import step_throughput
-    from common.guard import RunControl, check_finite
-    from common.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
-    from common.model import build_model, load_hf_spec
-    from common.weights import export_hf_weights, load_hf_weights
-    from common.host_memory import check_host_memory
-    from common.offload import Colocation, PhaseMemory, Timer
-    from common.reward_model import RewardModel
-    from common.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
-    from common.rollout import make_engine, vllm_available
-    from common.train_checkpoint import CheckpointWriter
-    from common.train_resume import load_training_checkpoint
-    from common.training import setup_training
-    from megatron.core import parallel_state as mpu
+    from common.model import moe
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.flops import step_throughput
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.rl import batch as B
+    from common.rl.advantages import gae, masked_whiten
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.rl.losses import (
+        aggregate_loss,
+        explained_variance,
+        kl_penalty,
+        masked_mean,
+        masked_sum,
+        policy_loss,
+        truncated_is_weights,
+        value_loss,
+    )
+    from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
+    from common.rollout.engines import make_engine, vllm_available
+    from common.rollout.evaluate import Evaluator
+    from common.run.data import PromptSampler, task_prompts
+    from common.run.dist import init_distributed, print0
+    from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
+    from common.run.host_memory import check_host_memory
+    from common.run.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
+    from common.train import schedule
+    from common.train.checkpoint import load_model_checkpoint
+    from common.train.guard import RunControl, check_finite
+    from common.train.offload import Colocation, PhaseMemory, Timer
+    from common.train.resume import load_training_checkpoint
+    from common.train.reward_model import RewardModel
+    from common.train.save import CheckpointWriter
+    from common.train.setup import setup_training
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
     on_gpu = info.device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
-    print0(f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
-           + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "") + f" on {info.device}, {dtype}")
+    print0(
+        f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
+        + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "")
+        + f" on {info.device}, {dtype}"
+    )
     os.makedirs(args.out, exist_ok=True)
 
     # ---- model source, tokenizer, prompts --------------------------------------------
     hf_dir = args.model or os.path.join(args.out, "embedded_model")
     if args.model is None and info.master_process:
-        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])  # made in code (needs a shared --out across nodes)
+        # made in code (needs a shared --out across nodes)
+        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])
     dist.barrier()
     spec = load_hf_spec(hf_dir)
-    critic_dir = args.critic_model or hf_dir  # vocabulary checked in common/preflight.py
+    critic_dir = args.critic_model or hf_dir  # vocabulary checked in common/run/preflight.py
     critic_spec = load_hf_spec(critic_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
-    prompt_format = dict(prompt_key=args.prompt_key, answer_key=args.answer_key, data_config=args.data_config,
-                         raw_prompts=args.raw_prompts, system_prompt=args.system_prompt,
-                         max_prompt_len=args.max_prompt_len, max_positions=spec.max_position_embeddings)
+    prompt_format = dict(
+        prompt_key=args.prompt_key,
+        answer_key=args.answer_key,
+        data_config=args.data_config,
+        raw_prompts=args.raw_prompts,
+        system_prompt=args.system_prompt,
+        max_prompt_len=args.max_prompt_len,
+        max_positions=spec.max_position_embeddings,
+    )
     items, prompt_ids = task_prompts(tokenizer, args.data, data_split=args.data_split, seed=args.seed, **prompt_format)
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
@@ -161,10 +259,20 @@ def main():
 
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
-    model_args = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
-                      first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
-                      moe_aux_loss_coef=args.moe_aux_loss_coef, **F.moe_overrides(args),
-                      **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers))
+    model_args = dict(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        cp=args.cp,
+        ep=args.ep,
+        etp=args.etp,
+        sequence_parallel=args.sp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        moe_aux_loss_coef=args.moe_aux_loss_coef,
+        **F.moe_overrides(args),
+        **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers),
+    )
 
     def load_model():
         chunks = build_model(spec, dtype=dtype, **model_args)
@@ -174,17 +282,27 @@ def main():
             load_hf_weights(chunks, spec, hf_dir)
         return chunks
 
-    lr_schedule = dict(min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-                    warmup_steps=args.lr_warmup_steps, decay_style=args.lr_decay,
-                    use_distributed_optimizer=args.distributed_optimizer)
+    lr_schedule = dict(
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        warmup_steps=args.lr_warmup_steps,
+        decay_style=args.lr_decay,
+        use_distributed_optimizer=args.distributed_optimizer,
+    )
     model, optimizer, scheduler = setup_training(
-        load_model(), lr=args.lr, total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step, **lr_schedule)
+        load_model(),
+        lr=args.lr,
+        total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step,
+        **lr_schedule,
+    )
     # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
     # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
     critic_chunks = build_critic(critic_spec, dtype=dtype, **model_args)
     load_critic_weights(critic_chunks, critic_spec, critic_dir)  # body from HF; head zero unless the dir has one
     critic, critic_optimizer, critic_scheduler = setup_training(
-        critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **lr_schedule)
+        critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **lr_schedule
+    )
     reference = None
     if args.kl_coef > 0:
         reference = load_model()
@@ -193,43 +311,99 @@ def main():
 
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
-    engine, rollout_tp = (None, args.rollout_tp) if args.load_rollouts else make_engine(  # replay: no engine
-        use_vllm, hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_prompt_len + args.max_new_tokens, seed=args.seed, device=info.device)
+    # (with --load-rollouts: replayed samples, no engine)
+    engine, rollout_tp = (
+        (None, args.rollout_tp)
+        if args.load_rollouts
+        else make_engine(
+            use_vllm,
+            hf_dir,
+            rollout_tp=args.rollout_tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_prompt_len + args.max_new_tokens,
+            seed=args.seed,
+            device=info.device,
+        )
+    )
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
-    # validation on held-out prompts (common/evaluate.py): --eval-data, or the embedded task's own prompts
-    evaluator = Evaluator(tokenizer, *(task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
-                                       if args.eval_data or not args.data else ([], [])),
-                          samples=args.eval_samples, temperature=args.eval_temperature, max_tokens=args.max_new_tokens,
-                          every=args.eval_every, last_step=args.steps - 1, out_dir=args.out, seed=args.seed,
-                          reward_fn=math_reward if args.eval_data else reward_fn, answer_fn=final_answer if args.eval_data else synthetic_answer,
-                          replica=replica, num_replicas=num_replicas, first_of_replica=info.rank % rollout_tp == 0, master_process=info.master_process)
-    # Memory choreography on a shared GPU (common/offload.py, as in train_grpo.py): the critic
+    # validation on held-out prompts (common/rollout/evaluate.py): --eval-data, or the embedded task's own prompts
+    evaluator = Evaluator(
+        tokenizer,
+        *(
+            task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
+            if args.eval_data or not args.data
+            else ([], [])
+        ),
+        samples=args.eval_samples,
+        temperature=args.eval_temperature,
+        max_tokens=args.max_new_tokens,
+        every=args.eval_every,
+        last_step=args.steps - 1,
+        out_dir=args.out,
+        seed=args.seed,
+        reward_fn=math_reward if args.eval_data else reward_fn,
+        answer_fn=final_answer if args.eval_data else synthetic_answer,
+        replica=replica,
+        num_replicas=num_replicas,
+        first_of_replica=info.rank % rollout_tp == 0,
+        master_process=info.master_process,
+    )
+    # Memory choreography on a shared GPU (common/train/offload.py, as in train_grpo.py): the critic
     # idles from its update until the next values pass, the reference but for its logprob
     # pass, both Adam states but for the updates. No-ops for tensors already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
-    colo = Colocation(engine, model, [(optimizer, model), (critic_optimizer, critic)], idle=[critic], frozen=[reference],
-                      params=offload_params, optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
-                      weights=lambda: export_hf_weights(model, spec, dtype=torch.bfloat16 if use_vllm else torch.float32,
-                                                        bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks,
-                                                        local_reads=engine.local_reads))
-    # a model-based reward (common/reward_model.py): frozen, sharded like the policy, offloaded like the reference
-    reward_model = RewardModel.load(args.reward_model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp, dtype=dtype,
-                                    micro_batch_size=args.micro_batch_size, offload=offload_params) if args.reward_model else None
+    colo = Colocation(
+        engine,
+        model,
+        [(optimizer, model), (critic_optimizer, critic)],
+        idle=[critic],
+        frozen=[reference],
+        params=offload_params,
+        optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
+        weights=lambda: export_hf_weights(
+            model,
+            spec,
+            dtype=torch.bfloat16 if use_vllm else torch.float32,
+            bucket_mb=args.sync_bucket_mb,
+            expert_blocks=engine.expert_blocks,
+            local_reads=engine.local_reads,
+        ),
+    )
+    # a model-based reward (common/train/reward_model.py): frozen, sharded like the policy, offloaded like the reference
+    reward_model = (
+        RewardModel.load(
+            args.reward_model,
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            cp=args.cp,
+            sequence_parallel=args.sp,
+            dtype=dtype,
+            micro_batch_size=args.micro_batch_size,
+            offload=offload_params,
+        )
+        if args.reward_model
+        else None
+    )
 
     # ---- logging, resume (the critic is saved in the actor's step directory) -------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
-    if args.resume:  # common/preflight.py made sure there is a checkpoint
+    if args.resume:  # common/run/preflight.py made sure there is a checkpoint
         extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler, extra_models=critic_state)
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])
         print0(f"resumed from step {start_step}")
-    logger = MetricsLogger(args.out, run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
-                           wandb_mode=args.wandb or default_wandb_mode(),
-                           project=args.wandb_project, run_name=args.run_name,
-                           enabled=info.master_process, resume=bool(args.resume))
+    logger = MetricsLogger(
+        args.out,
+        run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
+        wandb_mode=args.wandb or default_wandb_mode(),
+        project=args.wandb_project,
+        run_name=args.run_name,
+        enabled=info.master_process,
+        resume=bool(args.resume),
+    )
     logger.truncate_after(start_step)
     tp_group = mpu.get_tensor_model_parallel_group()
     # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
@@ -253,16 +427,22 @@ def main():
             if tp_first:
                 B.scatter_tokens(on_device, mb, per_token.float())  # back to the samples' rows
             return per_token.sum() * 0, {}
+
         with torch.no_grad():
             schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
         store.copy_(schedule.all_reduce_sum(on_device[:-1], None, info.device))
 
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
-        return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
+        return vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
-    checkpointed = [(model, optimizer), (critic, critic_optimizer)]  # what a checkpoint holds (its host copies pinned by the writer)
+    checkpointed = [
+        (model, optimizer),
+        (critic, critic_optimizer),
+    ]  # what a checkpoint holds (its host copies pinned by the writer)
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
-    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)})
+    check_host_memory(
+        {"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)}
+    )
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -280,19 +460,30 @@ def main():
             with colo.rollout(timer, memory):  # optimizer states, critic and actor out, weights in, then the KV cache
                 with timer("rollout"):
                     mine = prompts_idx[replica::num_replicas]
-                    local = generate_checked(engine, [prompt_ids[i] for i in mine], args.rollout_logprobs, n=group,
-                                             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                             seed=args.seed * 100_003 + step * 1009 + replica)
+                    local = generate_checked(
+                        engine,
+                        [prompt_ids[i] for i in mine],
+                        args.rollout_logprobs,
+                        n=group,
+                        temperature=args.temperature,
+                        top_p=args.top_p,
+                        max_tokens=args.max_new_tokens,
+                        seed=args.seed * 100_003 + step * 1009 + replica,
+                    )
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
                         eval_metrics = evaluator.run(engine, step)
             with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]  # item of each sample
+            order = [
+                i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)
+            ]  # item of each sample
             # ---- 3. reward: rule-based, on the decoded response (+ a reward model's score)
             with timer("reward"):
                 texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-                rewards = args.rule_reward_weight * torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
+                rewards = args.rule_reward_weight * torch.tensor(
+                    [reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)]
+                )
             if reward_model is not None:
                 with timer("reward_model"):
                     scores = reward_model.score([items[i]["prompt"] for i in order], texts, info.device)
@@ -304,7 +495,9 @@ def main():
         check_finite("rewards", rewards, step=step)
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)
-            torch.save({"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt"))
+            torch.save(
+                {"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt")
+            )
 
         batch = B.pack_sequences(samples, pad_id, length_multiple=multiple)  # (N, T) tensors
         batch["row"] = torch.arange(len(samples))
@@ -313,20 +506,30 @@ def main():
 
         # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
         def my_micro_batches(order, m, sizes=(args.micro_batch_size, args.micro_batch_tokens)):
-            rows = order[m * mini_batch + info.dp_rank * per_dp:][:per_dp]
+            rows = order[m * mini_batch + info.dp_rank * per_dp :][:per_dp]
             # rows ordered by length, each micro-batch cut after its longest row (one length
             # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
-            return B.micro_batches(batch, rows, sizes[0], length_multiple=multiple,
-                                   same_length=args.pp > 1, max_tokens=sizes[1], pack=args.pack,
-                                   same_count_group=expert_peers,  # (all-to-all in every pass)
-                                   same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
-                                   sample_multiple=sample_multiple)
+            return B.micro_batches(
+                batch,
+                rows,
+                sizes[0],
+                length_multiple=multiple,
+                same_length=args.pp > 1,
+                max_tokens=sizes[1],
+                pack=args.pack,
+                same_count_group=expert_peers,  # (all-to-all in every pass)
+                same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
+                sample_multiple=sample_multiple,
+            )
 
         # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
         identity = torch.arange(num_rows)
-        all_mine = [mb for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
-                    for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))]
+        all_mine = [
+            mb
+            for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
+            for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
+        ]
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         with timer("old_logprob"):
             forward_pass(model, all_mine, logprobs_of, batch["old_logprobs"])
@@ -342,8 +545,11 @@ def main():
             forward_pass(critic, all_mine, lambda mb, values: values.squeeze(-1), batch["old_values"])
         check_finite("critic values", batch["old_values"], batch["mask"], step)
         memory.end("logprob")
-        batch["is_weights"] = (rl.truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
-                               if args.tis_cap > 0 else torch.ones(num_rows, seq_len))
+        batch["is_weights"] = (
+            truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
+            if args.tis_cap > 0
+            else torch.ones(num_rows, seq_len)
+        )
 
         # ---- 5. token rewards and GAE. The score sits on the last response token (the episode's
         # end); with --kl-mode reward every response token also gets -kl_coef * its KL(pi_old || ref).
@@ -351,15 +557,16 @@ def main():
         last = seq_len - 1 - mask.flip(1).argmax(1)  # (N,) position of each row's last response token
         token_rewards[identity, last] = rewards * (mask.sum(1) > 0)
         if reference is not None:
-            kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask  # (N, T)
+            kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask  # (N, T)
             if args.kl_mode == "reward":
                 token_rewards -= args.kl_coef * kl
-        advantages, batch["returns"] = rl.gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
-        batch["advantages"] = rl.masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
+        advantages, batch["returns"] = gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
+        batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
 
         # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
         colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
-        def optimizers_ready():  # before the first optimizer step (common/offload.py)
+
+        def optimizers_ready():  # before the first optimizer step (common/train/offload.py)
             colo.wait_optimizers(timer)
 
         tick = time.time()
@@ -368,48 +575,87 @@ def main():
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
             for m in range(rollout_batch // mini_batch):
-                rows = order[m * mini_batch:(m + 1) * mini_batch]
+                rows = order[m * mini_batch : (m + 1) * mini_batch]
                 # global normalisers of this mini-batch (all DP ranks, all micro-batches)
                 norm = dict(num_tokens=mask[rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
                 mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
                 scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def actor_loss_fn(mb, logits):
-                    mb_mask, norm_mb = mb["mask"], dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))  # packing / CP
-                    logprobs, entropy = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group,
-                                                                   args.temperature, compute_entropy=True)
-                    per_token, clipped = rl.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low,
-                                                        args.clip_high, is_weights=mb["is_weights"], dual_clip=args.dual_clip,
-                                                        sequence_mask=mb_mask if args.gspo else None, seq_ids=mb.get("seq"),
-                                                        cp_group=cp_group)
-                    loss = rl.aggregate_loss(per_token, mb_mask, args.loss_agg, **norm_mb)
+                    mb_mask, norm_mb = (
+                        mb["mask"],
+                        dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
+                    )  # packing / CP
+                    logprobs, entropy = vocab_parallel_logprobs(
+                        logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
+                    )
+                    per_token, clipped = policy_loss(
+                        logprobs,
+                        mb["old_logprobs"],
+                        mb["advantages"],
+                        args.clip_low,
+                        args.clip_high,
+                        is_weights=mb["is_weights"],
+                        dual_clip=args.dual_clip,
+                        sequence_mask=mb_mask if args.gspo else None,
+                        seq_ids=mb.get("seq"),
+                        cp_group=cp_group,
+                    )
+                    loss = aggregate_loss(per_token, mb_mask, args.loss_agg, **norm_mb)
                     if reference is not None and args.kl_mode == "loss":
-                        kl_loss = rl.kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
-                        loss = loss + args.kl_coef * rl.aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
+                        kl_loss = kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
+                        loss = loss + args.kl_coef * aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
                     if args.entropy_coef:
-                        loss = loss - args.entropy_coef * rl.aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
+                        loss = loss - args.entropy_coef * aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
                     n = mb_mask.sum()
-                    return loss * scale, {"policy_loss": loss.detach(), "policy_loss__n": n / norm["num_tokens"],
-                                          "entropy": rl.masked_sum(entropy.detach(), mb_mask), "entropy__n": n,
-                                          "clip_frac": rl.masked_sum(clipped.float(), mb_mask), "clip_frac__n": n,
-                                          "ppo_kl": rl.masked_sum(mb["old_logprobs"] - logprobs.detach(), mb_mask), "ppo_kl__n": n}
+                    return loss * scale, {
+                        "policy_loss": loss.detach(),
+                        "policy_loss__n": n / norm["num_tokens"],
+                        "entropy": masked_sum(entropy.detach(), mb_mask),
+                        "entropy__n": n,
+                        "clip_frac": masked_sum(clipped.float(), mb_mask),
+                        "clip_frac__n": n,
+                        "ppo_kl": masked_sum(mb["old_logprobs"] - logprobs.detach(), mb_mask),
+                        "ppo_kl__n": n,
+                    }
 
                 def critic_loss_fn(mb, values):  # values: (b, T, 1) from the value head
                     mb_mask = mb["mask"]
-                    per_token, clipped = rl.value_loss(values.squeeze(-1).float(), mb["old_values"], mb["returns"],
-                                                       mb_mask, clip=args.vf_clip)
-                    loss = rl.aggregate_loss(per_token, mb_mask, "token_mean", num_tokens=norm["num_tokens"])
+                    per_token, clipped = value_loss(
+                        values.squeeze(-1).float(), mb["old_values"], mb["returns"], mb_mask, clip=args.vf_clip
+                    )
+                    loss = aggregate_loss(per_token, mb_mask, "token_mean", num_tokens=norm["num_tokens"])
                     n = mb_mask.sum()
-                    return loss * scale, {"value_loss": loss.detach(), "value_loss__n": n / norm["num_tokens"],
-                                          "vf_clip_frac": rl.masked_sum(clipped.float(), mb_mask), "vf_clip_frac__n": n}
+                    return loss * scale, {
+                        "value_loss": loss.detach(),
+                        "value_loss__n": n / norm["num_tokens"],
+                        "vf_clip_frac": masked_sum(clipped.float(), mb_mask),
+                        "vf_clip_frac__n": n,
+                    }
 
                 if train_actor:
-                    mb_metrics, grad_norm = schedule.train_step(model, optimizer, scheduler, mbs, actor_loss_fn, info.device,
-                                                         step=step, before_step=optimizers_ready)
+                    mb_metrics, grad_norm = schedule.train_step(
+                        model,
+                        optimizer,
+                        scheduler,
+                        mbs,
+                        actor_loss_fn,
+                        info.device,
+                        step=step,
+                        before_step=optimizers_ready,
+                    )
                     train_metrics += mb_metrics
                     grad_norms.append(grad_norm)
-                mb_metrics, grad_norm = schedule.train_step(critic, critic_optimizer, critic_scheduler, mbs, critic_loss_fn,
-                                                     info.device, step=step, before_step=optimizers_ready)
+                mb_metrics, grad_norm = schedule.train_step(
+                    critic,
+                    critic_optimizer,
+                    critic_scheduler,
+                    mbs,
+                    critic_loss_fn,
+                    info.device,
+                    step=step,
+                    before_step=optimizers_ready,
+                )
                 train_metrics += mb_metrics
                 critic_grad_norms.append(grad_norm)
         times["train_s"] = time.time() - tick
@@ -421,20 +667,26 @@ def main():
             metrics.update(moe.step_metrics(model, spec, info.device, aux=False))
         if critic_spec.moe:
             metrics.update(moe.step_metrics(critic, critic_spec, info.device, prefix="critic_", aux=False))
-        metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
-                       critic_grad_norm=sum(critic_grad_norms) / len(critic_grad_norms),
-                       critic_lr=critic_optimizer.param_groups[0]["lr"], lr=optimizer.param_groups[0]["lr"],
-                       value_mean=rl.masked_mean(batch["old_values"], mask).item(), return_mean=rl.masked_mean(batch["returns"], mask).item(),
-                       response_len_mean=batch["response_len"].mean().item(),
-                       truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
-        explained = rl.explained_variance(batch["old_values"], batch["returns"], mask)
+        metrics.update(
+            reward_mean=rewards.mean().item(),
+            reward_std=rewards.std().item(),
+            critic_grad_norm=sum(critic_grad_norms) / len(critic_grad_norms),
+            critic_lr=critic_optimizer.param_groups[0]["lr"],
+            lr=optimizer.param_groups[0]["lr"],
+            value_mean=masked_mean(batch["old_values"], mask).item(),
+            return_mean=masked_mean(batch["returns"], mask).item(),
+            response_len_mean=batch["response_len"].mean().item(),
+            truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
+        )
+        explained = explained_variance(batch["old_values"], batch["returns"], mask)
         if math.isfinite(explained):  # nan when all returns are equal (e.g. no reward yet): left out
             metrics["explained_variance"] = explained
         if args.rollout_logprobs != "none":  # |engine - trainer| logprob on the samples that brought them
-            metrics["logprob_mismatch"] = rl.masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"]).abs(),
-                                                         batch["rollout_mask"]).item()
+            metrics["logprob_mismatch"] = masked_mean(
+                (batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), batch["rollout_mask"]
+            ).item()
         if reference is not None:
-            metrics["kl"] = rl.masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
+            metrics["kl"] = masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
         if train_actor:
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
@@ -442,26 +694,51 @@ def main():
         save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal
         if save:
             tick = time.time()  # save_s: what the loop waits for (checks, planning, copies to host memory)
-            writer.save(ckpt_root, step + 1, model, optimizer, scheduler,
-                        extra={"step": step + 1, "sampler": sampler.state_dict()},
-                        keep_last=args.keep_checkpoints, extra_models=critic_state, hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
-                        meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
-                        optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable")
+            writer.save(
+                ckpt_root,
+                step + 1,
+                model,
+                optimizer,
+                scheduler,
+                extra={"step": step + 1, "sampler": sampler.state_dict()},
+                keep_last=args.keep_checkpoints,
+                extra_models=critic_state,
+                hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
+                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
+                optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
+            )
             times["save_s"] = time.time() - tick
             metrics["save_wait_sec"] = writer.wait_s  # of save_s: the previous save's files still being written
         times["step_s"] = time.time() - t0
-        metrics.update(times, **memory.metrics, **eval_metrics, **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
-            spec, samples, times, forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs, world_size=info.world_size, device=info.device))
-        logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0 prints
+        metrics.update(
+            times,
+            **memory.metrics,
+            **eval_metrics,
+            **step_throughput(  # tokens/s, MFU; passes per token: a backward is 2
+                spec,
+                samples,
+                times,
+                forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs,
+                world_size=info.world_size,
+                device=info.device,
+            ),
+        )
+        logger.log_samples(
+            step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group
+        )  # rank 0 prints
         logger.log(step, metrics)
         if info.master_process:
-            progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}")
+            progress.set_postfix(
+                reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}"
+            )
         if stop:
             print0(control.stop_message(step))
             break
 
-    # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/cli.py)
-    finish_training(writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None)
+    # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/run/cli.py)
+    finish_training(
+        writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None
+    )
 
 
 if __name__ == "__main__":

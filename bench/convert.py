@@ -16,6 +16,7 @@ its own time). Peak RSS is each process's high-water mark (ru_maxrss). Goals (is
 convert >= 0.5x raw read; convert peak RSS < 2 GB + 2x the largest tensor.
 Files are deleted at the end unless --keep.
 """
+
 import argparse
 import json
 import os
@@ -30,14 +31,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-
 def qwen2_config(args):
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-        "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.ffn,
-        "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "tie_word_embeddings": True, "use_sliding_window": False, "dtype": "bfloat16",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "dtype": "bfloat16",
     }
 
 
@@ -46,7 +56,7 @@ def write_synthetic_model(hf_dir, args):
     at a time. Prints the sizes as JSON."""
     import torch
 
-    from common.bridge import expected_hf_names, expected_hf_shape, parse_hf_config
+    from common.model.bridge import expected_hf_names, expected_hf_shape, parse_hf_config
     from merge_to_hf import write_safetensors
 
     config = qwen2_config(args)
@@ -153,12 +163,20 @@ def main():
             else:  # --keep DIR from an earlier run: the sizes from the headers
                 import torch
 
-                from common.convert_io import SafetensorsDir
+                from common.run.convert_io import SafetensorsDir
 
                 tensors = SafetensorsDir(args.phase[1]).tensors.values()
                 sizes = [torch.Size(t.shape).numel() * t.dtype.itemsize for t in tensors]
-                print(json.dumps({"bytes": sum(sizes), "largest": max(sizes), "files": "existing",
-                                  "params": sum(torch.Size(t.shape).numel() for t in tensors)}))
+                print(
+                    json.dumps(
+                        {
+                            "bytes": sum(sizes),
+                            "largest": max(sizes),
+                            "files": "existing",
+                            "params": sum(torch.Size(t.shape).numel() for t in tensors),
+                        }
+                    )
+                )
         elif args.phase[0] == "read":
             raw_read(args.phase[1])
         else:
@@ -169,17 +187,24 @@ def main():
     os.makedirs(work, exist_ok=True)
     hf_dir, out = os.path.join(work, "hf"), os.path.join(work, "mcore")
     try:
-        model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                      ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "shard_mb")]
+        model_args = [
+            f"--{k.replace('_', '-')}={getattr(args, k)}"
+            for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "shard_mb")
+        ]
         me = [sys.executable, os.path.abspath(__file__), *model_args, "--phase"]
         t = time.time()
         stdout, _, _ = measure(me + ["make", hf_dir])
         model = json.loads(stdout.strip().splitlines()[-1])
         total, largest = model["bytes"], model["largest"]
-        print(f"synthetic model: {model['params'] / 1e9:.2f}B params, {total / 1e9:.2f} GB bf16 in "
-              f"{model['files']} files, largest tensor {largest / 1e9:.2f} GB ({time.time() - t:.0f} s)")
-        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                     str(args.nproc)] if args.nproc > 1 else [sys.executable])
+        print(
+            f"synthetic model: {model['params'] / 1e9:.2f}B params, {total / 1e9:.2f} GB bf16 in "
+            f"{model['files']} files, largest tensor {largest / 1e9:.2f} GB ({time.time() - t:.0f} s)"
+        )
+        launcher = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+            if args.nproc > 1
+            else [sys.executable]
+        )
         rows = []
         reads = [measure(me + ["read", hf_dir]) for _ in range(2)]  # the faster of two (page cache warm)
         stdout, wall, rss = min(reads, key=lambda r: json.loads(r[0].strip().splitlines()[-1])["seconds"])
@@ -190,8 +215,20 @@ def main():
             runs.append(("convert -> tmpfs", os.path.join(shm, f"bench_convert_{os.getpid()}"), []))
         for label, out_dir, extra in runs:
             shutil.rmtree(out_dir, ignore_errors=True)
-            stdout, wall, rss = measure(launcher + ["convert_hf_to_mcore.py", "--hf", hf_dir, "--out", out_dir,
-                                                    "--dtype", "bf16", "--no-tokenizer", *extra])
+            stdout, wall, rss = measure(
+                launcher
+                + [
+                    "convert_hf_to_mcore.py",
+                    "--hf",
+                    hf_dir,
+                    "--out",
+                    out_dir,
+                    "--dtype",
+                    "bf16",
+                    "--no-tokenizer",
+                    *extra,
+                ]
+            )
             shutil.rmtree(out_dir, ignore_errors=True)
             seconds = float(re.search(r"wrote \S+ GB in (\S+) s", stdout).group(1))
             rows.append((label + (f", {args.nproc} procs" if args.nproc > 1 else ""), seconds, wall, rss))
@@ -206,8 +243,10 @@ def main():
             print(f"{label:28s} {gbps:6.2f} {gbps / read_gbps:10.2f} {seconds:7.1f} {wall:7.1f} {rss_text:>9s}")
         budget = 2e9 + 2 * largest
         peak = max(row[3] for row in rows[1:-1])
-        print(f"\nconverter peak RSS {peak / 1e9:.2f} GB (one process) vs the budget 2 GB + 2 x largest tensor "
-              f"= {budget / 1e9:.2f} GB -> {'OK' if peak < budget else 'OVER'}")
+        print(
+            f"\nconverter peak RSS {peak / 1e9:.2f} GB (one process) vs the budget 2 GB + 2 x largest tensor "
+            f"= {budget / 1e9:.2f} GB -> {'OK' if peak < budget else 'OVER'}"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

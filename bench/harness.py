@@ -1,11 +1,12 @@
 """What the benchmark scripts share: model shapes, a model dir all ranks see, timing over ranks,
 and the statistics of a comparison (paired rounds, the median of the per-pair ratios).
 
-Shapes: config.json dicts of the published Qwen2 models, written from the configs of Qwen/Qwen2-0.5B, Qwen2-1.5B and Qwen2-7B on the HF hub (not
-downloaded; only the shapes matter, the weights are random). NB: Qwen2-7B's vocabulary is
-152064, not the 151936 of the two small ones. "tiny" is a 2-layer model of the same layout for
-CPU smoke runs and the tests.
+Shapes: config.json dicts of the published Qwen2 models, written from the configs of Qwen/Qwen2-0.5B,
+Qwen2-1.5B and Qwen2-7B on the HF hub (not downloaded; only the shapes matter, the weights are random).
+NB: Qwen2-7B's vocabulary is 152064, not the 151936 of the two small ones. "tiny" is a 2-layer
+model of the same layout for CPU smoke runs and the tests.
 """
+
 import json
 import os
 import statistics
@@ -18,12 +19,23 @@ import torch.distributed as dist
 
 def qwen2_config(hidden, ffn, layers, heads, kv_heads, vocab, tied, max_pos=131072):
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
-        "tie_word_embeddings": tied, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": max_pos, "use_sliding_window": False, "torch_dtype": "bfloat16",
-        "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": max_pos,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
 
 
@@ -37,41 +49,104 @@ SHAPES = {
 # which 6 active, 2 shared, layer 0 dense), from its published config.json; "-6l": its first 6
 # layers, what one GPU holds with the optimizer state (bench/train.py).
 SHAPES["moonlight-16b-a3b"] = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
-    "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
-    "n_routed_experts": 64, "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1,
-    "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
-    "norm_topk_prob": True, "scoring_func": "sigmoid", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-    "rope_theta": 50000.0, "rope_scaling": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 0, "eos_token_id": 1,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_act": "silu",
+    "vocab_size": 163840,
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "routed_scaling_factor": 2.446,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 6,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 SHAPES["moonlight-16b-a3b-6l"] = dict(SHAPES["moonlight-16b-a3b"], num_hidden_layers=6)
 # Qwen3-30B-A3B's published config.json, its first 6 of 48 layers (bench/train.py on one GPU)
 SHAPES["qwen3-30b-a3b-6l"] = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu", "vocab_size": 151936,
-    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 6,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-    "router_aux_loss_coef": 0.001, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_act": "silu",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.001,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 # the whole model (bench/sync.py at EP=2), and as many layers as train on two H200s at EP=2
 SHAPES["qwen3-30b-a3b"] = dict(SHAPES["qwen3-30b-a3b-6l"], num_hidden_layers=48)
 SHAPES["qwen3-30b-a3b-16l"] = dict(SHAPES["qwen3-30b-a3b-6l"], num_hidden_layers=16)
 SHAPES["moonlight-16b-a3b-16l"] = dict(SHAPES["moonlight-16b-a3b"], num_hidden_layers=16)
 # a CPU-sized Qwen3-MoE (smoke runs of the MoE paths: --ep 2 on gloo)
-SHAPES["tiny-moe"] = dict(SHAPES["qwen3-30b-a3b-6l"], vocab_size=512, hidden_size=64, intermediate_size=128,
-                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-                          torch_dtype="float32")
+SHAPES["tiny-moe"] = dict(
+    SHAPES["qwen3-30b-a3b-6l"],
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+    torch_dtype="float32",
+)
 
 # the Qwen3-30B-A3B layout (48 layers, 128 experts, top-8, q/k norms) at CPU widths: a step
 # dispatches as many ops as the real model's (--count-ops; --num-layers as on the GPU)
-SHAPES["qwen3-30b-a3b-narrow"] = dict(SHAPES["qwen3-30b-a3b"], vocab_size=512, hidden_size=64, intermediate_size=128,
-                                      moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=16, max_position_embeddings=8192, torch_dtype="float32")
+SHAPES["qwen3-30b-a3b-narrow"] = dict(
+    SHAPES["qwen3-30b-a3b"],
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+    torch_dtype="float32",
+)
 
 
 def write_config_dir(out_dir, shape):
@@ -128,6 +203,7 @@ def timed(fn, device):
 # plain vLLM 28.3k, 29.2k, 42.3k, 29.1k tokens/s against ours 23.2k, 31.9k, 28.7k, 32.0k gave
 # a best-of ratio of 0.756x although ours was faster in two of the four rounds.
 
+
 def run_pairs(run_a, run_b, reps, warmup=1):
     """Run A and B in interleaved pairs, the order alternating: (A, B), (B, A), (A, B), ...,
     so that neither side always runs first (right after the other, or with the clocks still
@@ -155,8 +231,14 @@ def paired_ratios(a, b):
     Returns dict(median, min, max, ratios, a_median, b_median)."""
     assert len(a) == len(b) > 0, (len(a), len(b))
     ratios = [x / y for x, y in zip(a, b)]
-    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios), ratios=ratios,
-                a_median=statistics.median(a), b_median=statistics.median(b))
+    return dict(
+        median=statistics.median(ratios),
+        min=min(ratios),
+        max=max(ratios),
+        ratios=ratios,
+        a_median=statistics.median(a),
+        b_median=statistics.median(b),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -201,8 +283,13 @@ def summarize_kernels(kernels, wall_us, top=25):
             busy += b - max(a, end)
             end = b
     ranked = sorted(((ms, count, name) for name, (ms, count) in by_name.items()), reverse=True)[:top]
-    return dict(wall_ms=wall_us / 1e3, busy_ms=busy / 1e3, idle_frac=1 - busy / wall_us if wall_us else None,
-                categories=dict(sorted(by_category.items(), key=lambda kv: -kv[1])), top=ranked)
+    return dict(
+        wall_ms=wall_us / 1e3,
+        busy_ms=busy / 1e3,
+        idle_frac=1 - busy / wall_us if wall_us else None,
+        categories=dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        top=ranked,
+    )
 
 
 def profile_kernels(fn, device, trace=None):
@@ -227,8 +314,11 @@ def profile_kernels(fn, device, trace=None):
         wall_us = (time.perf_counter() - t0) * 1e6
     # record_function ranges (e.g. "Optimizer.step#AdamW.step") also appear on the device
     # timeline: they span kernels, they are not kernels
-    kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
-               if e.device_type == kind and not getattr(e, "is_user_annotation", False)]
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == kind and not getattr(e, "is_user_annotation", False)
+    ]
     summary = summarize_kernels(kernels, wall_us)
     # host side: the ops that cost the CPU most of its own time (launch overhead shows up here)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -243,8 +333,15 @@ def profile_kernels(fn, device, trace=None):
     # which op (and input shapes) launched the device time: tells a transpose copy of the
     # logits from a weight-gradient accumulation, which the kernel names do not
     self_time = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    shaped = sorted((e for e in prof.key_averages(group_by_input_shape=True)  # host ops, not the kernels
-                     if e.self_cpu_time_total > 0 and self_time(e) > 0), key=self_time, reverse=True)
+    shaped = sorted(
+        (
+            e
+            for e in prof.key_averages(group_by_input_shape=True)  # host ops, not the kernels
+            if e.self_cpu_time_total > 0 and self_time(e) > 0
+        ),
+        key=self_time,
+        reverse=True,
+    )
     summary["op_shapes_top"] = [(self_time(e) / 1e3, e.count, e.key, str(e.input_shapes)[:120]) for e in shaped[:20]]
     return summary
 
@@ -280,7 +377,7 @@ def count_ops(fn):
     forward) or "backward", and under the innermost frame of the project (common/, the scripts,
     the tests) or of megatron-core that made it; a backward op under the frame that made its
     autograd node in the forward (autograd's anomaly mode records it), else under the node's
-    name. A function that common/fused.py compiles on a GPU (eager on a CPU) and torch's
+    name. A function that common/rl/fused.py compiles on a GPU (eager on a CPU) and torch's
     RMSNorm (a fused CUDA kernel, decomposed on a CPU) count as one op per call, plus one
     backward op per call recorded by autograd (inductor's fused kernels; a few more where it
     cannot fuse, e.g. a sort). Returns dict(total, by_pass, sites=[[count, pass, site], ...]
@@ -291,13 +388,15 @@ def count_ops(fn):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from common import fused
+    from common.rl import fused
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    skip = (os.path.abspath(__file__), os.path.join(root, "common", "cpu_compat.py"))
+    skip = (os.path.abspath(__file__), os.path.join(root, "common", "model", "cpu_compat.py"))
     # the functions that are one kernel each way on a GPU: (file, name) of their code -> label
-    one_kernel = {(f.__code__.co_filename, f.__code__.co_name): f"compiled: {f.__module__}.{f.__name__}"
-                  for f in fused.COMPILED_ON_GPU}
+    one_kernel = {
+        (f.__code__.co_filename, f.__code__.co_name): f"compiled: {f.__module__}.{f.__name__}"
+        for f in fused.COMPILED_ON_GPU
+    }
     norm = torch.nn.functional.rms_norm  # torch's RMSNorm: aten::_fused_rms_norm on CUDA, decomposed on a CPU
     one_kernel[norm.__code__.co_filename, norm.__code__.co_name] = "fused on a GPU: torch.nn.functional.rms_norm"
 
@@ -326,8 +425,17 @@ def count_ops(fn):
 
     by_site, by_op, last_call = collections.Counter(), collections.Counter(), [None]
     aten = torch.ops.aten  # ops that launch nothing on a GPU: allocations, views without the view tag, CPU scalars
-    no_kernel = {aten.detach, aten.alias, aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided,
-                 aten.new_empty, aten.new_empty_strided, aten.scalar_tensor}
+    no_kernel = {
+        aten.detach,
+        aten.alias,
+        aten._unsafe_view,
+        aten.empty,
+        aten.empty_like,
+        aten.empty_strided,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.scalar_tensor,
+    }
 
     class Counter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -355,15 +463,21 @@ def count_ops(fn):
     by_pass = collections.Counter()
     for (where, _), n in by_site.items():
         by_pass[where] += n
-    return dict(total=sum(by_pass.values()), by_pass=dict(by_pass),
-                sites=[[n, where, name] for (where, name), n in by_site.most_common()],
-                ops=[[n, op] for op, n in by_op.most_common()])
+    return dict(
+        total=sum(by_pass.values()),
+        by_pass=dict(by_pass),
+        sites=[[n, where, name] for (where, name), n in by_site.most_common()],
+        ops=[[n, op] for op, n in by_op.most_common()],
+    )
 
 
 def format_op_counts(counts, top=40):
     """Lines of text for count_ops' result: the `top` sites."""
-    lines = [f"tensor ops dispatched in one step: {counts['total']} ("
-             + ", ".join(f"{where} {n}" for where, n in counts["by_pass"].items()) + "); by site:"]
+    lines = [
+        f"tensor ops dispatched in one step: {counts['total']} ("
+        + ", ".join(f"{where} {n}" for where, n in counts["by_pass"].items())
+        + "); by site:"
+    ]
     lines += [f"  {n:7d}  {where:8s} {name}" for n, where, name in counts["sites"][:top]]
     lines.append("  by op: " + ", ".join(f"{op} {n}" for n, op in counts["ops"][:12]))
     return lines
@@ -371,8 +485,10 @@ def format_op_counts(counts, top=40):
 
 def format_kernel_summary(summary):
     """Lines of text: the busy/idle split, ms per category, the top kernels."""
-    lines = [f"profile of one step: wall {summary['wall_ms']:.1f} ms, device busy {summary['busy_ms']:.1f} ms "
-             f"(idle {100 * summary['idle_frac']:.1f}%)"]
+    lines = [
+        f"profile of one step: wall {summary['wall_ms']:.1f} ms, device busy {summary['busy_ms']:.1f} ms "
+        f"(idle {100 * summary['idle_frac']:.1f}%)"
+    ]
     total = sum(summary["categories"].values()) or 1.0
     lines += [f"  {name:16s} {ms:9.1f} ms  {100 * ms / total:5.1f}%" for name, ms in summary["categories"].items()]
     lines.append("  top kernels:")
@@ -382,8 +498,12 @@ def format_kernel_summary(summary):
         lines += [f"  {ms:9.1f} ms x{count:<5d} {name[:110]}" for ms, count, name in summary["host_top"]]
     if summary.get("op_shapes_top"):
         lines.append("  ops by their own device time, with input shapes:")
-        lines += [f"  {ms:9.1f} ms x{count:<5d} {name} {shapes}" for ms, count, name, shapes in summary["op_shapes_top"]]
+        lines += [
+            f"  {ms:9.1f} ms x{count:<5d} {name} {shapes}" for ms, count, name, shapes in summary["op_shapes_top"]
+        ]
     if summary.get("syncs") is not None:
-        lines.append(f"  host waits for the device (torch.cuda.set_sync_debug_mode): {sum(n for n, _ in summary['syncs'])}")
+        lines.append(
+            f"  host waits for the device (torch.cuda.set_sync_debug_mode): {sum(n for n, _ in summary['syncs'])}"
+        )
         lines += [f"  {n:6d} x {where}" for n, where in summary["syncs"][:15]]
     return lines

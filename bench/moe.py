@@ -1,11 +1,11 @@
-"""Benchmark MoE experts: grouped GEMMs (common/moe_experts.py's GroupedExperts) vs megatron's per-expert loop.
+"""Benchmark MoE experts: grouped GEMMs (common/model/moe_experts.py's GroupedExperts) vs megatron's per-expert loop.
 
     python bench/moe.py                          # 1 GPU: Qwen3-30B-A3B-shaped layers
     python bench/moe.py --shape tiny --reps 2    # CPU smoke run (no grouped path on a CPU: ratio ~1)
 
 A GPTModel of --layers Qwen3-30B-A3B decoder layers (hidden 2048, 32 heads / 4 KV groups of
 128, 128 experts of 768, top-8, renormalised; the published config, fewer layers and a small
-vocabulary so that the experts dominate), random bf16 weights, built by common/model.py at
+vocabulary so that the experts dominate), random bf16 weights, built by common/model/gpt.py at
 EP=1 on one GPU. Each repetition times one forward + backward of --tokens tokens (one
 sequence) twice, with the experts grouped and with SequentialMLP's loop over experts, the
 order alternating between repetitions (CUDA synchronised; harness.run_pairs). The comparison
@@ -14,6 +14,7 @@ the ratios with their min and max (harness.paired_ratios).
 
 Output: a table and one `BENCH_JSON {...}` line (medians over --reps after one warm-up pair).
 """
+
 import argparse
 import json
 import os
@@ -26,12 +27,35 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 
 # Qwen3-30B-A3B's config.json (transformer fields), layers and vocabulary set by the flags
-QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False)
-TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
-            max_position_embeddings=4096, tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
 
 
@@ -46,15 +70,21 @@ def main():
 
     from harness import paired_ratios, run_pairs, timed
 
-    from common.bridge import parse_hf_config
-    from common.dist import init_distributed
-    from common.model import build_model
-    from common.moe_experts import GroupedExperts
+    from common.model.bridge import parse_hf_config
+    from common.model.gpt import build_model
+    from common.model.moe_experts import GroupedExperts
+    from common.run.dist import init_distributed
 
     info = init_distributed()
     on_gpu = info.device.type == "cuda"
-    spec = parse_hf_config(dict(SHAPES[args.shape], architectures=["Qwen3MoeForCausalLM"], vocab_size=args.vocab,
-                                num_hidden_layers=args.layers))
+    spec = parse_hf_config(
+        dict(
+            SHAPES[args.shape],
+            architectures=["Qwen3MoeForCausalLM"],
+            vocab_size=args.vocab,
+            num_hidden_layers=args.layers,
+        )
+    )
     dtype = torch.bfloat16 if on_gpu else torch.float32
     chunks = build_model(spec, dtype=dtype, init_weights=True)
     model = chunks[0]
@@ -71,22 +101,41 @@ def main():
         model(tokens, positions, None).float().logsumexp(-1).mean().backward()
 
     # loop, grouped, then grouped, loop, ...; the first pair warms up (allocator, kernels)
-    loop_s, grouped_s = run_pairs(lambda _: timed(lambda: step(False), info.device),
-                                  lambda _: timed(lambda: step(True), info.device), args.reps)
+    loop_s, grouped_s = run_pairs(
+        lambda _: timed(lambda: step(False), info.device), lambda _: timed(lambda: step(True), info.device), args.reps
+    )
     stats = paired_ratios(loop_s, grouped_s)  # loop seconds / grouped seconds: the speed-up
     ratios = stats["ratios"]
-    result = {"loop_s": stats["a_median"], "grouped_s": stats["b_median"], "speedup_median_of_pairs": stats["median"],
-              "speedup_min": stats["min"], "speedup_max": stats["max"]}
-    settings = dict(shape=args.shape, layers=args.layers, tokens=args.tokens, reps=args.reps, dtype=str(dtype),
-                    device=torch.cuda.get_device_name() if on_gpu else "cpu",
-                    grouped_path=on_gpu)  # on a CPU both sides run the loop
+    result = {
+        "loop_s": stats["a_median"],
+        "grouped_s": stats["b_median"],
+        "speedup_median_of_pairs": stats["median"],
+        "speedup_min": stats["min"],
+        "speedup_max": stats["max"],
+    }
+    settings = dict(
+        shape=args.shape,
+        layers=args.layers,
+        tokens=args.tokens,
+        reps=args.reps,
+        dtype=str(dtype),
+        device=torch.cuda.get_device_name() if on_gpu else "cpu",
+        grouped_path=on_gpu,
+    )  # on a CPU both sides run the loop
     print(f"{args.shape} x {args.layers} layers, {args.tokens} tokens, fwd+bwd, {settings['device']}")
     print(f"  per-expert loop  {result['loop_s'] * 1e3:9.1f} ms (median)")
     print(f"  grouped GEMMs    {result['grouped_s'] * 1e3:9.1f} ms (median)")
-    print(f"  loop / grouped   {result['speedup_median_of_pairs']:9.2f}x (median of {len(ratios)} per-pair ratios: "
-          + ", ".join(f"{r:.2f}" for r in ratios) + ")")
-    print("BENCH_JSON " + json.dumps(dict(settings, ratios=[round(r, 4) for r in ratios],
-                                          **{k: float(f"{v:.6g}") for k, v in result.items()})))
+    print(
+        f"  loop / grouped   {result['speedup_median_of_pairs']:9.2f}x (median of {len(ratios)} per-pair ratios: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + ")"
+    )
+    print(
+        "BENCH_JSON "
+        + json.dumps(
+            dict(settings, ratios=[round(r, 4) for r in ratios], **{k: float(f"{v:.6g}") for k, v in result.items()})
+        )
+    )
 
 
 if __name__ == "__main__":

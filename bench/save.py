@@ -9,7 +9,7 @@
 process, saves alternate between megatron's way and ours, per optimizer layout on disk:
   megatron  any-layout state gathered by megatron (get_parameter_state_dp_zero), GPU tensors
             staged by megatron (tensor.to("cpu", non_blocking=True) per tensor)
-  ours      common/training.model_space_optimizer_state (DP=1) and the pinned HostStaging
+  ours      common/train/setup.model_space_optimizer_state (DP=1) and the pinned HostStaging
             reserved once by CheckpointWriter(models=...) (its seconds printed apart)
 and prints each save's blocking seconds (of which staging), the ratio ours/megatron of each
 pair of saves and their median, and the whole save (written + published). megatron's first
@@ -30,6 +30,7 @@ after the other, not interleaved, so compare them only roughly. A save whose wri
 the next step is published by the next save's wait and logs no save_total_sec, so that list
 may be shorter than the blocking one.
 """
+
 import argparse
 import json
 import os
@@ -45,25 +46,55 @@ sys.path.insert(0, ROOT)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=["embedded", "0.5b", "1.5b", "7b"], default="1.5b",
-                    help="model: the embedded tiny model, or a random Qwen2-shaped one (tests/gpu/make_random_model.py)")
+    ap.add_argument(
+        "--shape",
+        choices=["embedded", "0.5b", "1.5b", "7b"],
+        default="1.5b",
+        help="model: the embedded tiny model, or a random Qwen2-shaped one (tests/gpu/make_random_model.py)",
+    )
     ap.add_argument("--steps", type=int, default=3, help="training steps")
-    ap.add_argument("--save-every", type=int, default=1,
-                    help="a checkpoint every N steps (1: after each, so a save meets the previous one's writing; "
-                         "2 or more at 1.5B: the save's own blocking)")
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=1,
+        help="a checkpoint every N steps (1: after each, so a save meets the previous one's writing; "
+        "2 or more at 1.5B: the save's own blocking)",
+    )
     ap.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary dir)")
     ap.add_argument("--direct", action="store_true", help="time the save alone in this process, ours vs megatron's")
     return ap.parse_args(argv)
 
 
 def run(model_dir, out, steps, any_layout, save_every=1):
-    cmd = [sys.executable, "train_grpo.py", "--steps", str(steps), "--save-every", str(save_every), "--out", out,
-           "--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4", "--mini-batch-size", "32",
-           "--save-any-layout" if any_layout else "--no-save-any-layout"]
+    cmd = [
+        sys.executable,
+        "train_grpo.py",
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--out",
+        out,
+        "--prompts-per-step",
+        "8",
+        "--samples-per-prompt",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--mini-batch-size",
+        "32",
+        "--save-any-layout" if any_layout else "--no-save-any-layout",
+    ]
     if model_dir:
         cmd += ["--model", model_dir, "--max-new-tokens", "64"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, WANDB_MODE="disabled"))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, WANDB_MODE="disabled"),
+    )
     output = proc.stdout.read()
     eof = time.time()
     if proc.wait() != 0:
@@ -79,11 +110,11 @@ def direct(shape, steps, work):
 
     import torch
 
-    from common import train_checkpoint
-    from common.dist import init_distributed
-    from common.embedded import DEFAULT_CONFIG
-    from common.model import build_model, parse_hf_config
-    from common.training import setup_training
+    from common.model.gpt import build_model, parse_hf_config
+    from common.run.dist import init_distributed
+    from common.run.embedded import DEFAULT_CONFIG
+    from common.train import save as train_save
+    from common.train.setup import setup_training
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.environ.setdefault("MASTER_PORT", "29517")
     info = init_distributed(tp=1, pp=1, seed=0)
@@ -91,6 +122,7 @@ def direct(shape, steps, work):
         config = dict(DEFAULT_CONFIG)
     else:
         from tests.gpu.make_random_model import SHAPES
+
         config = dict(DEFAULT_CONFIG, max_position_embeddings=4096, rope_theta=1e6, **SHAPES[shape])
     spec = parse_hf_config(dict(config, architectures=["Qwen2ForCausalLM"], model_type="qwen2"))
     dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
@@ -99,22 +131,29 @@ def direct(shape, steps, work):
         param.main_grad.normal_()
     optimizer.step()
     t = time.perf_counter()
-    ours = train_checkpoint.CheckpointWriter(models=[(model, optimizer)])
+    ours = train_save.CheckpointWriter(models=[(model, optimizer)])
     reserve_s = time.perf_counter() - t
-    theirs = train_checkpoint.CheckpointWriter()  # nothing reserved: megatron's staging
-    own_state = train_checkpoint.model_space_optimizer_state
-    result = {"shape": shape, "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
-              "params": sum(p.numel() for chunk in model for p in chunk.parameters()), "reserve_s": reserve_s,
-              "reserved_gb": ours.staging.buffer.numel() / 1e9}
-    print(f"{result['params'] / 1e9:.2f}B params on {result['device']}; pinned staging reserved at start-up: "
-          f"{result['reserved_gb']:.1f} GB in {reserve_s:.2f} s", flush=True)
+    theirs = train_save.CheckpointWriter()  # nothing reserved: megatron's staging
+    own_state = train_save.model_space_optimizer_state
+    result = {
+        "shape": shape,
+        "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+        "params": sum(p.numel() for chunk in model for p in chunk.parameters()),
+        "reserve_s": reserve_s,
+        "reserved_gb": ours.staging.buffer.numel() / 1e9,
+    }
+    print(
+        f"{result['params'] / 1e9:.2f}B params on {result['device']}; pinned staging reserved at start-up: "
+        f"{result['reserved_gb']:.1f} GB in {reserve_s:.2f} s",
+        flush=True,
+    )
     for sharding in ("fully_reshardable", "dp_reshardable"):
         runs = {"megatron": [], "ours": []}
         for i in range(steps):
             for name in ("megatron", "ours") if i % 2 == 0 else ("ours", "megatron"):  # interleaved
                 writer = ours if name == "ours" else theirs
                 # megatron's way: its gather for the any-layout state (a bench-only switch)
-                train_checkpoint.model_space_optimizer_state = own_state if name == "ours" else lambda *a: None
+                train_save.model_space_optimizer_state = own_state if name == "ours" else lambda *a: None
                 root = os.path.join(work, f"{sharding}_{name}")
                 t = time.perf_counter()
                 writer.save(root, i + 1, model, optimizer, None, keep_last=1, optimizer_sharding=sharding)
@@ -122,17 +161,24 @@ def direct(shape, steps, work):
                 stage = writer.pending.stage_s
                 writer.wait()
                 runs[name].append(dict(blocking_s=blocking, stage_s=stage, total_s=writer.last["total_s"]))
-        train_checkpoint.model_space_optimizer_state = own_state
+        train_save.model_space_optimizer_state = own_state
         # pair i: the i-th save of each way (taken back to back, the order alternating)
         ratios = [o["blocking_s"] / m["blocking_s"] for o, m in zip(runs["ours"], runs["megatron"])]
-        result[sharding] = dict(runs, blocking_ratios_ours_vs_megatron=ratios,
-                                blocking_ratio_ours_vs_megatron=statistics.median(ratios))
+        result[sharding] = dict(
+            runs, blocking_ratios_ours_vs_megatron=ratios, blocking_ratio_ours_vs_megatron=statistics.median(ratios)
+        )
         for name, rows in runs.items():
             seconds = {key: ", ".join(f"{r[key]:.2f}" for r in rows) for key in rows[0]}
-            print(f"{sharding:17s} {name:8s} blocking {seconds['blocking_s']} s (staging {seconds['stage_s']}) "
-                  f"| whole save {seconds['total_s']} s", flush=True)
-        print(f"{sharding:17s} blocking ours / megatron per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median "
-              f"{result[sharding]['blocking_ratio_ours_vs_megatron']:.3f}", flush=True)
+            print(
+                f"{sharding:17s} {name:8s} blocking {seconds['blocking_s']} s (staging {seconds['stage_s']}) "
+                f"| whole save {seconds['total_s']} s",
+                flush=True,
+            )
+        print(
+            f"{sharding:17s} blocking ours / megatron per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median "
+            f"{result[sharding]['blocking_ratio_ours_vs_megatron']:.3f}",
+            flush=True,
+        )
     ours.wait(), theirs.wait()
     print("BENCH_JSON " + json.dumps(result))
 
@@ -144,8 +190,8 @@ def main():
         return direct(args.shape, args.steps, work)
     model_dir = None
     if args.shape != "embedded":
+        from common.run.embedded import write_embedded_model
         from tests.gpu.make_random_model import SHAPES
-        from common.embedded import write_embedded_model
 
         model_dir = os.path.join(work, f"qwen2-{args.shape}")
         t = time.time()
@@ -162,12 +208,20 @@ def main():
         waiting = [r.get("save_wait_sec", 0.0) for r in saved]  # of blocking: the previous save still writing
         total = [r["save_total_sec"] for r in rows if "save_total_sec" in r]
         offload = [r.get("offload_s", 0.0) for r in rows]
-        result[name] = dict(save_blocking_s=blocking, save_wait_s=waiting, save_total_s=total, offload_s=offload,
-                            exit_after_last_step_s=exit_s)
-        print(f"{name:11s} blocking {', '.join(f'{b:.2f}' for b in blocking)} s (of which waiting for the previous "
-              f"save {', '.join(f'{w:.2f}' for w in waiting)} s) | whole save (published later) "
-              f"{', '.join(f'{t:.2f}' for t in total)} s | offload {', '.join(f'{o:.2f}' for o in offload)} s | "
-              f"exit {exit_s:.1f} s after the last step", flush=True)
+        result[name] = dict(
+            save_blocking_s=blocking,
+            save_wait_s=waiting,
+            save_total_s=total,
+            offload_s=offload,
+            exit_after_last_step_s=exit_s,
+        )
+        print(
+            f"{name:11s} blocking {', '.join(f'{b:.2f}' for b in blocking)} s (of which waiting for the previous "
+            f"save {', '.join(f'{w:.2f}' for w in waiting)} s) | whole save (published later) "
+            f"{', '.join(f'{t:.2f}' for t in total)} s | offload {', '.join(f'{o:.2f}' for o in offload)} s | "
+            f"exit {exit_s:.1f} s after the last step",
+            flush=True,
+        )
     print("BENCH_JSON " + json.dumps(result))
 
 

@@ -7,7 +7,7 @@
     python bench/sync.py --shape tiny --engine hf --reps 2                             # CPU smoke run
 
 Random bf16 weights of a Qwen2 shape (bench/harness.py) in a Megatron GPTModel at --tp/--pp, and
-a VLLMEngine (common/rollout_vllm.py) on the same GPUs started with load_format="dummy". Each
+a VLLMEngine (common/rollout/vllm_engine.py) on the same GPUs started with load_format="dummy". Each
 repetition is the engine part of train_grpo.py's step, every phase timed on its own (CUDA
 synchronised, max over ranks):
   sleep         engine.sleep(): vLLM sleep(level=2), weights and KV cache freed
@@ -30,6 +30,7 @@ sleep + wake <= 0.5 s per step at 7B.
 Output: a table on rank 0 and one `BENCH_JSON {...}` line (medians over --reps after one
 warm-up pair).
 """
+
 import argparse
 import json
 import os
@@ -43,36 +44,50 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir, timed  # noqa: E402
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="model shape (bench/harness.py)")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
-    p.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size (MoE shapes; the export gathers "
-                   "each layer's experts over it)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="Megatron expert parallel size (MoE shapes; the export gathers each layer's experts over it)",
+    )
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
-    p.add_argument("--engine", choices=["vllm", "hf"], default=None, help="rollout engine (default: vllm on a GPU, hf on a CPU)")
+    p.add_argument(
+        "--engine", choices=["vllm", "hf"], default=None, help="rollout engine (default: vllm on a GPU, hf on a CPU)"
+    )
     p.add_argument("--sync-bucket-mb", type=int, default=512, help="export bucket size, MB of full tensors")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of each GPU")
-    p.add_argument("--reps", type=int, default=5, help="timed pairs (engine cycle, baseline copy; the order "
-                   "alternating) after one warm-up pair")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timed pairs (engine cycle, baseline copy; the order alternating) after one warm-up pair",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start-up)")
-    p.add_argument("--gather-all", action="store_true", help="gather every TP-split tensor, as before session 19 "
-                   "(default: at Megatron TP = vLLM TP each rank writes its own TP pieces; export_hf_weights(local_reads=))")
+    p.add_argument(
+        "--gather-all",
+        action="store_true",
+        help="gather every TP-split tensor, as before session 19 "
+        "(default: at Megatron TP = vLLM TP each rank writes its own TP pieces; export_hf_weights(local_reads=))",
+    )
     return p
 
 
 def main():
     args = build_parser().parse_args()
-    from common.bridge import expected_hf_names, expected_hf_shape
-    from common.dist import init_distributed, print0
-    from common.model import build_model, load_hf_spec
-    from common.weights import export_hf_weights
+    from common.model.bridge import expected_hf_names, expected_hf_shape
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import export_hf_weights
+    from common.run.dist import init_distributed, print0
 
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)
     on_gpu = info.device.type == "cuda"
@@ -87,18 +102,30 @@ def main():
     model_bytes = sum(torch.Size(expected_hf_shape(n, spec)).numel() for n in expected_hf_names(spec)) * dtype.itemsize
 
     if engine_kind == "vllm":
-        from common.rollout_vllm import VLLMEngine
+        from common.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(hf_dir, rollout_tp=args.rollout_tp, gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_model_len=2048, enforce_eager=args.enforce_eager, eos_token_ids=[])
+        engine = VLLMEngine(
+            hf_dir,
+            rollout_tp=args.rollout_tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=2048,
+            enforce_eager=args.enforce_eager,
+            eos_token_ids=[],
+        )
     else:
-        from common.rollout import HFEngine
+        from common.rollout.hf_engine import HFEngine
 
         engine = HFEngine(hf_dir, dtype=dtype, device=info.device, eos_token_ids=[])
 
     def export():
-        return export_hf_weights(model, spec, dtype=dtype, bucket_mb=args.sync_bucket_mb, expert_blocks=engine.expert_blocks,
-                                 local_reads=None if args.gather_all else engine.local_reads)
+        return export_hf_weights(
+            model,
+            spec,
+            dtype=dtype,
+            bucket_mb=args.sync_bucket_mb,
+            expert_blocks=engine.expert_blocks,
+            local_reads=None if args.gather_all else engine.local_reads,
+        )
 
     def export_only():
         for _ in export():
@@ -133,7 +160,7 @@ def main():
                 dst[:n].copy_(src[:n])
 
         seconds = timed(copy, info.device)
-        del src, dst
+        src = dst = None  # freed (the closure above holds the names)
         if on_gpu:
             torch.cuda.empty_cache()  # give the memory back before vLLM wakes again
         return seconds
@@ -146,31 +173,56 @@ def main():
     result["baseline_copy_s"] = statistics.median(copies)
     sync_vs_copy = paired_ratios([r["sync_s"] for r in rows], copies)  # sync seconds / copy seconds, per pair
 
-    settings = dict(shape=args.shape, device=torch.cuda.get_device_name() if on_gpu else "cpu",
-                    world_size=info.world_size, tp=args.tp, pp=args.pp, ep=args.ep, rollout_tp=args.rollout_tp,
-                    engine=engine_kind, bucket_mb=args.sync_bucket_mb, model_gb=model_bytes / 1e9,
-                    reps=args.reps, date=time.strftime("%Y-%m-%d"))
+    settings = dict(
+        shape=args.shape,
+        device=torch.cuda.get_device_name() if on_gpu else "cpu",
+        world_size=info.world_size,
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        rollout_tp=args.rollout_tp,
+        engine=engine_kind,
+        bucket_mb=args.sync_bucket_mb,
+        model_gb=model_bytes / 1e9,
+        reps=args.reps,
+        date=time.strftime("%Y-%m-%d"),
+    )
     result["sleep_wake_s"] = result["sleep_s"] + result["wake_weights_s"] + result["wake_kv_s"]
     result["sync_vs_copy"] = sync_vs_copy["median"]
     result["sync_vs_copy_min"], result["sync_vs_copy_max"] = sync_vs_copy["min"], sync_vs_copy["max"]
     result["sync_gb_per_s"] = model_bytes / 1e9 / result["sync_s"]
     if info.master_process:
-        print(f"\nweight sync, {args.shape} ({model_bytes / 1e9:.2f} GB {str(dtype)[6:]}), {settings['device']} x "
-              f"{info.world_size}, Megatron TP={args.tp} PP={args.pp} EP={args.ep}, rollout TP={args.rollout_tp}, {engine_kind}")
+        print(
+            f"\nweight sync, {args.shape} ({model_bytes / 1e9:.2f} GB {str(dtype)[6:]}), {settings['device']} x "
+            f"{info.world_size}, Megatron TP={args.tp} PP={args.pp} EP={args.ep}, rollout TP={args.rollout_tp}, "
+            f"{engine_kind}"
+        )
         print(f"  sync                {result['sync_s']:8.4f} s   ({result['sync_gb_per_s']:.1f} GB/s of HF tensors)")
         print(f"  export only         {result['export_only_s']:8.4f} s")
-        print(f"  baseline D2D copy   {result['baseline_copy_s']:8.4f} s   ({per_gpu / 1e9:.2f} GB per GPU)  "
-              f"sync / copy = {result['sync_vs_copy']:.1f}x (median of {args.reps} pairs; min "
-              f"{result['sync_vs_copy_min']:.1f}, max {result['sync_vs_copy_max']:.1f})")
-        print(f"  sleep + wake        {result['sleep_wake_s']:8.4f} s   (sleep {result['sleep_s']:.4f}, wake weights "
-              f"{result['wake_weights_s']:.4f}, wake KV {result['wake_kv_s']:.4f})")
-        print("BENCH_JSON " + json.dumps(dict(settings, **{k: float(f"{v:.6g}") for k, v in result.items()},
-                                              sync_vs_copy_per_pair=sync_vs_copy["ratios"])))
+        print(
+            f"  baseline D2D copy   {result['baseline_copy_s']:8.4f} s   ({per_gpu / 1e9:.2f} GB per GPU)  "
+            f"sync / copy = {result['sync_vs_copy']:.1f}x (median of {args.reps} pairs; min "
+            f"{result['sync_vs_copy_min']:.1f}, max {result['sync_vs_copy_max']:.1f})"
+        )
+        print(
+            f"  sleep + wake        {result['sleep_wake_s']:8.4f} s   (sleep {result['sleep_s']:.4f}, wake weights "
+            f"{result['wake_weights_s']:.4f}, wake KV {result['wake_kv_s']:.4f})"
+        )
+        print(
+            "BENCH_JSON "
+            + json.dumps(
+                dict(
+                    settings,
+                    **{k: float(f"{v:.6g}") for k, v in result.items()},
+                    sync_vs_copy_per_pair=sync_vs_copy["ratios"],
+                )
+            )
+        )
     dist.barrier()
     if engine_kind == "vllm":  # vLLM's in-process engine can block interpreter exit
         sys.stdout.flush()
         os._exit(0)
-    from common.dist import destroy_distributed
+    from common.run.dist import destroy_distributed
 
     destroy_distributed()
 

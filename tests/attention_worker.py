@@ -4,11 +4,12 @@
 
 For every tiny HF model in --models-dir: build the megatron model twice at the given layout,
 once with attention="local" (megatron's DotProductAttention) and once with "sdpa"
-(common/attention.py), load the same HF weights, and run forward + backward of the
+(common/model/attention.py), load the same HF weights, and run forward + backward of the
 vocab-parallel cross entropy. Rank 0 writes, per model and rank: max |logits - transformers|
 for both, max |logits_sdpa - logits_local|, and the largest gradient difference relative to
 the gradient scale. Runs in-process too (world of one) for the TP=1 case.
 """
+
 import argparse
 import os
 import sys
@@ -23,15 +24,15 @@ def forward_backward(spec, hf_dir, attention, ids, tp, sequence_parallel):
     """(full-vocab logits (B, T, V), {param name: grad}) of one model on this rank."""
     from megatron.core import parallel_state as mpu
 
-    from common.model import build_model
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model
+    from common.model.weights import load_hf_weights
 
     model = build_model(spec, tp=tp, sequence_parallel=sequence_parallel, attention=attention)[0]
     load_hf_weights([model], spec, hf_dir)
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    logits = model(ids, positions, None)                         # (B, T, V_padded/tp)
+    logits = model(ids, positions, None)  # (B, T, V_padded/tp)
     labels = torch.roll(ids, -1, dims=1)
-    loss = model(ids, positions, None, labels=labels).mean()    # vocab-parallel CE, (B, T) -> ()
+    loss = model(ids, positions, None, labels=labels).mean()  # vocab-parallel CE, (B, T) -> ()
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     local = logits.detach().contiguous()
@@ -44,7 +45,7 @@ def compare(models_dir, tp, sequence_parallel=False, seq_len=32):
     """One row per model: the numbers test_attention.py asserts on (this rank's view)."""
     from transformers import AutoModelForCausalLM
 
-    from common.model import load_hf_spec
+    from common.model.gpt import load_hf_spec
 
     ids = torch.randint(0, 300, (2, seq_len), generator=torch.Generator().manual_seed(11))
     rows = {}
@@ -59,8 +60,10 @@ def compare(models_dir, tp, sequence_parallel=False, seq_len=32):
         assert local_grads.keys() == sdpa_grads.keys(), "the two specs have different parameters"
         # gradient difference relative to that tensor's largest gradient (norms and
         # embeddings have very different scales)
-        grad_rel = max(((sdpa_grads[k] - local_grads[k]).abs().max() / local_grads[k].abs().max().clamp(min=1e-12)).item()
-                       for k in local_grads)
+        grad_rel = max(
+            ((sdpa_grads[k] - local_grads[k]).abs().max() / local_grads[k].abs().max().clamp(min=1e-12)).item()
+            for k in local_grads
+        )
         rows[name] = {
             "local_vs_hf": (local_logits - reference).abs().max().item(),
             "sdpa_vs_hf": (sdpa_logits - reference).abs().max().item(),
@@ -81,7 +84,7 @@ def parse_layout(argv):
 
 
 def run_layout(args):
-    from common.dist import init_distributed
+    from common.run.dist import init_distributed
 
     info = init_distributed(tp=args.tp)
     rows = compare(args.models_dir, args.tp, args.sp)

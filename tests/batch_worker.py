@@ -16,6 +16,7 @@ buffer's main_grad): decoupled weight decay on matrices only (megatron's default
 biases and norms), bias-corrected moments. Prints whether torch's fused kernel was on and
 the largest |difference| over all parameters.
 """
+
 import json
 import os
 import sys
@@ -27,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def tiny_model(hf_dir, dtype=torch.float32):
     """(spec, model chunks with the HF weights), in a world of one process."""
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.run.dist import init_distributed
 
     if not torch.distributed.is_initialized():
         init_distributed()
@@ -40,11 +41,12 @@ def tiny_model(hf_dir, dtype=torch.float32):
 
 
 def main():
-    from common import batch as B
-    from common import schedule
-    from common import rl
-    from common.rollout import Sample
-    from common.training import setup_training
+    from common.rl import batch as B
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.rl.losses import aggregate_loss
+    from common.rollout.engine import Sample
+    from common.train import schedule
+    from common.train.setup import setup_training
 
     spec, chunks = tiny_model(sys.argv[1])
     model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
@@ -62,9 +64,9 @@ def main():
         store = torch.zeros_like(batch["mask"])
 
         def loss_fn(mb, logits):
-            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
-            store[mb["row"], :logprobs.shape[1]] = logprobs.detach()
-            loss = rl.aggregate_loss(-logprobs, mb["mask"], "token_mean", num_tokens=num_tokens)
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+            store[mb["row"], : logprobs.shape[1]] = logprobs.detach()
+            loss = aggregate_loss(-logprobs, mb["mask"], "token_mean", num_tokens=num_tokens)
             return loss * len(mbs), {}
 
         for chunk in model:
@@ -76,23 +78,33 @@ def main():
     full_lp, full_grad, full_tokens = run(B.split_micro_batches(batch, 4))
     cut_lp, cut_grad, cut_tokens = run(B.micro_batches(batch, torch.arange(len(samples)), 4, length_multiple=8))
     mask = batch["mask"].bool()
-    print("RESULT " + json.dumps(dict(
-        logprob_diff=float((full_lp - cut_lp)[mask].abs().max()),
-        grad_diff=float((full_grad - cut_grad).abs().max()), grad_max=float(full_grad.abs().max()),
-        full_tokens=full_tokens, cut_tokens=cut_tokens, width=batch["tokens"].shape[1])))
+    print(
+        "RESULT "
+        + json.dumps(
+            dict(
+                logprob_diff=float((full_lp - cut_lp)[mask].abs().max()),
+                grad_diff=float((full_grad - cut_grad).abs().max()),
+                grad_max=float(full_grad.abs().max()),
+                full_tokens=full_tokens,
+                cut_tokens=cut_tokens,
+                width=batch["tokens"].shape[1],
+            )
+        )
+    )
 
 
 def adam(clip_grad=0.0):
     """Two steps of setup_training's optimizer against Adam by hand; clip_grad > 0: with
-    gradients clipped to that total norm (common/training.py's foreach multiply)."""
-    from common import schedule
-    from common import rl
-    from common.training import setup_training, torch_adams
+    gradients clipped to that total norm (common/train/setup.py's foreach multiply)."""
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.train import schedule
+    from common.train.setup import setup_training, torch_adams
 
     spec, chunks = tiny_model(sys.argv[1])
     lr, weight_decay, (beta1, beta2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
-    model, optimizer, scheduler = setup_training(chunks, lr=lr, weight_decay=weight_decay, adam_betas=(beta1, beta2),
-                                                 adam_eps=eps, clip_grad=clip_grad)
+    model, optimizer, scheduler = setup_training(
+        chunks, lr=lr, weight_decay=weight_decay, adam_betas=(beta1, beta2), adam_eps=eps, clip_grad=clip_grad
+    )
     fused = all(g["fused"] for adam in torch_adams(optimizer) for g in adam.param_groups)
     named = list(model[0].named_parameters())
     expected = {n: p.detach().clone() for n, p in named}
@@ -105,7 +117,7 @@ def adam(clip_grad=0.0):
         mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
 
         def loss_fn(mb, logits):
-            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
             return -logprobs.mean(), {}
 
         _, grad_norm = schedule.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
@@ -119,21 +131,34 @@ def adam(clip_grad=0.0):
             m[n] = beta1 * m[n] + (1 - beta1) * g
             v[n] = beta2 * v[n] + (1 - beta2) * g * g
             decay = 0.0 if n.endswith(".bias") or p.dim() == 1 else weight_decay
-            update = (m[n] / (1 - beta1 ** t)) / ((v[n] / (1 - beta2 ** t)).sqrt() + eps)
+            update = (m[n] / (1 - beta1**t)) / ((v[n] / (1 - beta2**t)).sqrt() + eps)
             expected[n] = expected[n] * (1 - lr * decay) - lr * update
             errors.append(float((p.detach() - expected[n]).abs().max()))
-    print("RESULT " + json.dumps(dict(fused=fused, max_err=max(errors), params=len(named), grad_norm_rel_err=max(norm_errors),
-                                      optimizer=type(optimizer).__name__, clip_grad=clip_grad, clipped=clipped)))
+    print(
+        "RESULT "
+        + json.dumps(
+            dict(
+                fused=fused,
+                max_err=max(errors),
+                params=len(named),
+                grad_norm_rel_err=max(norm_errors),
+                optimizer=type(optimizer).__name__,
+                clip_grad=clip_grad,
+                clipped=clipped,
+            )
+        )
+    )
 
 
 def listed_copies():
-    """A bf16 model's optimizer step with common/training.py's listed copies, then megatron's own
+    """A bf16 model's optimizer step with common/train/setup.py's listed copies, then megatron's own
     two copies run again on the same optimizer: they must find each main shard's grad already the
     same view of DDP's buffer, and each bf16 parameter already the same bits."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from common import rl, schedule
-    from common.training import setup_training
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.train import schedule
+    from common.train.setup import setup_training
 
     spec, chunks = tiny_model(sys.argv[1], dtype=torch.bfloat16)
     model, optimizer, scheduler = setup_training(chunks, lr=1e-2, clip_grad=1.0, listed_copies=True)
@@ -142,7 +167,7 @@ def listed_copies():
     before = [p.detach().clone() for p in model[0].parameters()]
 
     def loss_fn(mb, logits):
-        return -rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)[0].float().mean(), {}
+        return -vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)[0].float().mean(), {}
 
     schedule.train_step(model, optimizer, scheduler, [mb], loss_fn, device=torch.device("cpu"))
     after = [p.detach().clone() for p in model[0].parameters()]
@@ -152,20 +177,29 @@ def listed_copies():
         DistributedOptimizer._copy_main_params_to_model_params(opt)
         DistributedOptimizer._copy_model_grads_to_main_grads(opt)
         assert [(m.grad.data_ptr(), m.grad.shape, m.grad.stride()) for m in opt._copy_lists[0]] == listed
-    print("RESULT " + json.dumps(dict(
-        listed=[type(opt).__name__ for opt in inner], shards=sum(len(x) for x in ours),
-        changed=sum(not torch.equal(a, b) for a, b in zip(before, after)), params=len(after),
-        megatron_differs=sum(not torch.equal(a, p) for a, p in zip(after, model[0].parameters())))))
+    print(
+        "RESULT "
+        + json.dumps(
+            dict(
+                listed=[type(opt).__name__ for opt in inner],
+                shards=sum(len(x) for x in ours),
+                changed=sum(not torch.equal(a, b) for a, b in zip(before, after)),
+                params=len(after),
+                megatron_differs=sum(not torch.equal(a, p) for a, p in zip(after, model[0].parameters())),
+            )
+        )
+    )
 
 
 def wgrad(hf_dir):
-    """Weight gradients accumulated inside the GEMM (common/training.py fuse_wgrad_accumulation)
+    """Weight gradients accumulated inside the GEMM (common/train/setup.py fuse_wgrad_accumulation)
     against megatron's own path (a weight gradient, then DDP's hook adds it), over three
     micro-batches so the accumulation itself is compared, for fp32 and bf16 models. For an MoE
-    model the grouped experts' per-layer accumulation (common/moe_experts.py) too, compared exactly."""
-    from common import schedule
-    from common import linear, rl
-    from common.training import fuse_wgrad_accumulation, setup_training
+    model the grouped experts' per-layer accumulation (common/model/moe_experts.py) too, compared exactly."""
+    from common.model import linear
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.train import schedule
+    from common.train.setup import fuse_wgrad_accumulation, setup_training
 
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -178,69 +212,94 @@ def wgrad(hf_dir):
             mbs.append(dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1)))
 
         def loss_fn(mb, logits):
-            logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
             return -logprobs.float().mean(), {}
 
         grads = {}
-        # (fused wgrad accumulation, QKV bias in the GEMM: common/linear.py); megatron's path is (False, False)
+        # (fused wgrad accumulation, QKV bias in the GEMM: common/model/linear.py); megatron's path is (False, False)
         for fused, bias_in_gemm in ((False, False), (True, True), (True, False)):
             layers = fuse_wgrad_accumulation(model, enabled=fused)
             linear.ENABLED = bias_in_gemm
             for chunk in model:
                 chunk.zero_grad_buffer()
-            schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+            schedule.run_micro_batches(
+                model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device
+            )
             grads[fused, bias_in_gemm] = {n: p.main_grad.clone() for n, p in model[0].named_parameters()}
         linear.ENABLED = True
 
         def rel_err(a, b):
             return {n: float((grads[a][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads[b].items()}
+
         rel = rel_err((True, False), (False, False))
         bias_rel = rel_err((True, True), (True, False))
         if dtype == torch.float32:
             exact = grads[False, False]
         # each bf16 path's distance from the fp32 gradients (the same HF weights): the bias in the GEMM
         # rounds the QKV output once instead of twice, so its gradients must not be further from them
-        from_fp32 = {key: max(float((g.float() - exact[n]).norm() / exact[n].norm().clamp(min=1e-30))
-                              for n, g in grads[key].items()) for key in ((True, True), (True, False))}
+        from_fp32 = {
+            key: max(
+                float((g.float() - exact[n]).norm() / exact[n].norm().clamp(min=1e-30)) for n, g in grads[key].items()
+            )
+            for key in ((True, True), (True, False))
+        }
         bias_layers = sum(isinstance(m, linear.BiasInGemmColumnParallelLinear) for m in model[0].modules())
-        experts = {n: float((grads[True, False][n] - g).abs().max()) for n, g in grads[False, False].items()
-                   if ".local_experts." in n}
-        result[str(dtype).split(".")[-1]] = dict(layers=layers, device=str(next(model[0].parameters()).device), params=len(rel), max_rel_err=max(rel.values()),
-                                                 worst=max(rel, key=rel.get), tied=spec.tie_word_embeddings,
-                                                 expert_params=len(experts), experts_max_abs_diff=max(experts.values(), default=None),
-                                                 experts_nonzero=sum(bool(grads[True, False][n].any()) for n in experts),
-                                                 bias_in_gemm_layers=bias_layers, bias_in_gemm_max_rel_err=max(bias_rel.values()),
-                                                 bias_in_gemm_from_fp32=from_fp32[True, True],
-                                                 bias_add_from_fp32=from_fp32[True, False])
+        experts = {
+            n: float((grads[True, False][n] - g).abs().max())
+            for n, g in grads[False, False].items()
+            if ".local_experts." in n
+        }
+        result[str(dtype).split(".")[-1]] = dict(
+            layers=layers,
+            device=str(next(model[0].parameters()).device),
+            params=len(rel),
+            max_rel_err=max(rel.values()),
+            worst=max(rel, key=rel.get),
+            tied=spec.tie_word_embeddings,
+            expert_params=len(experts),
+            experts_max_abs_diff=max(experts.values(), default=None),
+            experts_nonzero=sum(bool(grads[True, False][n].any()) for n in experts),
+            bias_in_gemm_layers=bias_layers,
+            bias_in_gemm_max_rel_err=max(bias_rel.values()),
+            bias_in_gemm_from_fp32=from_fp32[True, True],
+            bias_add_from_fp32=from_fp32[True, False],
+        )
         if dtype == torch.float32 and experts:
             # MoE, with the distributed optimizer: its parameter buffer holds the expert weights evenly
-            # spaced too, so the grouped GEMMs read them in place (common/moe_experts.py GroupedExperts.stacks)
-            from common.moe_experts import GroupedExperts
+            # spaced too, so the grouped GEMMs read them in place (common/model/moe_experts.py GroupedExperts.stacks)
+            from common.model.moe_experts import GroupedExperts
 
             spec, chunks = tiny_model(hf_dir, dtype)
             model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=True)
-            schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+            schedule.run_micro_batches(
+                model, mbs, loss_fn, forward_only=False, device=next(model[0].parameters()).device
+            )
             layers = [m for m in model[0].modules() if isinstance(m, GroupedExperts)]
             result["in_place"] = dict(
                 layers=sum(all(m.stacks()[k] is not None for k in ("w1", "w2", "g1", "g2")) for m in layers),
-                descending=sorted({m.stacks()["descending"] for m in layers}), moe_layers=len(layers),
-                experts_max_abs_diff=max(float((p.main_grad - exact[n]).abs().max())
-                                         for n, p in model[0].named_parameters() if ".local_experts." in n))
+                descending=sorted({m.stacks()["descending"] for m in layers}),
+                moe_layers=len(layers),
+                experts_max_abs_diff=max(
+                    float((p.main_grad - exact[n]).abs().max())
+                    for n, p in model[0].named_parameters()
+                    if ".local_experts." in n
+                ),
+            )
     print("RESULT " + json.dumps(dict(result, model=os.path.basename(hf_dir))))
 
 
 def dispatch(hf_dir):
-    """MoE layers' tokens sorted by expert on the device (common/moe.py DeviceSortDispatcher) and
-    routed by common/moe_router.py's routing (compiled on a GPU) against megatron's all-gather
+    """MoE layers' tokens sorted by expert on the device (common/model/moe.py DeviceSortDispatcher) and
+    routed by common/model/moe_router.py's routing (compiled on a GPU) against megatron's all-gather
     dispatcher and routing, same weights and tokens (fp32), a padded tail in the batch: the loss,
     every gradient (the permutation, the probs, the combine and the aux losses both ways) and
     the aux losses megatron's tracker logged."""
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    from common import schedule
-    from common import rl
-    from common.training import fuse_wgrad_accumulation, setup_training
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.train import schedule
+    from common.train.setup import fuse_wgrad_accumulation, setup_training
 
     spec, chunks = tiny_model(hf_dir)
     model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
@@ -253,7 +312,7 @@ def dispatch(hf_dir):
     mb = dict(tokens=tokens, positions=torch.arange(24).expand(2, 24), targets=tokens.roll(-1, 1), valid=valid)
 
     def loss_fn(mb, logits):
-        logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+        logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
         loss = -logprobs.float().mean()
         return loss, {"loss": loss.detach()}
 
@@ -262,7 +321,9 @@ def dispatch(hf_dir):
         runs[name + "_dispatchers"] = sorted({type(layer.token_dispatcher).__name__ for layer in layers})
         for chunk in model:
             chunk.zero_grad_buffer()
-        metrics = schedule.run_micro_batches(model, [mb], loss_fn, forward_only=False, device=next(model[0].parameters()).device)
+        metrics = schedule.run_micro_batches(
+            model, [mb], loss_fn, forward_only=False, device=next(model[0].parameters()).device
+        )
         runs[name] = (float(metrics[0]["loss"]), {n: p.main_grad.clone() for n, p in model[0].named_parameters()})
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         runs[name + "_aux"] = {key: tracker[key]["values"].tolist() for key in sorted(tracker)}
@@ -272,9 +333,21 @@ def dispatch(hf_dir):
             layer.router.compiled = False
     (loss, grads), (ref_loss, ref_grads) = runs.pop("ours"), runs.pop("megatron")
     diff = {n: float((grads[n] - g).abs().max()) for n, g in ref_grads.items()}
-    print("RESULT " + json.dumps(dict(runs, model=os.path.basename(hf_dir), moe_layers=len(layers), loss=loss, loss_diff=abs(loss - ref_loss),
-                                      max_grad_diff=max(diff.values()), params=len(diff),
-                                      experts_with_grads=sum(bool(g.any()) for n, g in grads.items() if ".local_experts." in n))))
+    print(
+        "RESULT "
+        + json.dumps(
+            dict(
+                runs,
+                model=os.path.basename(hf_dir),
+                moe_layers=len(layers),
+                loss=loss,
+                loss_diff=abs(loss - ref_loss),
+                max_grad_diff=max(diff.values()),
+                params=len(diff),
+                experts_with_grads=sum(bool(g.any()) for n, g in grads.items() if ".local_experts." in n),
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

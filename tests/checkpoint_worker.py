@@ -11,7 +11,7 @@ Job keys (all optional but name):
   name                  results in O/<name>.json, final full weights in O/<name>.pt (rank 0)
   dist_opt (True)       use_distributed_optimizer
   first_stage_layers    decoder layers of the first pipeline stage (None: automatic)
-  critic                also train a PPO critic (common/critic.py, own Adam and schedule) on the
+  critic                also train a PPO critic (common/model/critic.py, own Adam and schedule) on the
                         same batches, saved and loaded as extra_models={"critic": ...}
   resume                checkpoint root to resume from (else: train from step 1)
   try_first             roots to load before `resume`; each error message is recorded
@@ -35,6 +35,7 @@ Job keys (all optional but name):
 Every step draws its batch from the global python, numpy and torch RNGs, so the losses
 after a resume only match if those RNG states were restored.
 """
+
 import argparse
 import hashlib
 import json
@@ -118,8 +119,14 @@ def optimizer_step(ddp_chunks, optimizer, scheduler, forward_step, local):
     optimizer.zero_grad()
     lr = optimizer.param_groups[0]["lr"]
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(local.split(1)), model=ddp_chunks,
-        num_microbatches=local.shape[0], seq_length=SEQ_LEN, micro_batch_size=1, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=iter(local.split(1)),
+        model=ddp_chunks,
+        num_microbatches=local.shape[0],
+        seq_length=SEQ_LEN,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
     # only the last pipeline stage has losses: the sum over the PP group carries them to all
@@ -163,31 +170,47 @@ def error_of(fn, *args, **kwargs):
 
 
 def run_job(job, args, info, spec, out_dir):
-    from common.critic import build_critic, load_critic_weights
-    from common.dist import set_seed
-    from common.model import build_model
-    from common.weights import export_hf_weights, load_hf_weights
-    from common.train_checkpoint import CheckpointWriter, save_training_checkpoint
-    from common.train_resume import load_training_checkpoint
-    from common.training import setup_training
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import build_model
+    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.run.dist import set_seed
+    from common.train.resume import load_training_checkpoint
+    from common.train.save import CheckpointWriter, save_training_checkpoint
+    from common.train.setup import setup_training
 
     set_seed(1234)  # as init_distributed: a job later in the process starts like a fresh process
-    chunks = build_model(spec, tp=info.tp_size, pp=info.pp_size, ep=args.ep,
-                         first_stage_layers=job.get("first_stage_layers"))
+    chunks = build_model(
+        spec, tp=info.tp_size, pp=info.pp_size, ep=args.ep, first_stage_layers=job.get("first_stage_layers")
+    )
     load_hf_weights(chunks, spec, args.hf_dir)
     # warmup + cosine decay: a scheduler that is not restored gives a different LR. clip_grad
     # never clips: clipping would scale updates by a norm whose rounding depends on the layout.
     ddp_chunks, optimizer, scheduler = setup_training(
-        chunks, lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=10, decay_style="cosine",
-        clip_grad=1e3, use_distributed_optimizer=job.get("dist_opt", True))
+        chunks,
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=2,
+        total_steps=10,
+        decay_style="cosine",
+        clip_grad=1e3,
+        use_distributed_optimizer=job.get("dist_opt", True),
+    )
     result = {"losses": {}, "grad_norms": {}, "lrs": {}, "saves": {}}
     critic, extra_models = None, None
     if job.get("critic"):
         critic_chunks = build_critic(spec, tp=info.tp_size)
         load_critic_weights(critic_chunks, spec, args.hf_dir)
         # another schedule than the policy's, so a scheduler mix-up shows in the LRs
-        critic = setup_training(critic_chunks, lr=3e-2, min_lr=0.0, warmup_steps=1, total_steps=8,
-                                decay_style="linear", clip_grad=1e3, use_distributed_optimizer=job.get("dist_opt", True))
+        critic = setup_training(
+            critic_chunks,
+            lr=3e-2,
+            min_lr=0.0,
+            warmup_steps=1,
+            total_steps=8,
+            decay_style="linear",
+            clip_grad=1e3,
+            use_distributed_optimizer=job.get("dist_opt", True),
+        )
         extra_models = {"critic": critic}
         result.update(critic_losses={}, critic_grad_norms={}, critic_lrs={})
 
@@ -195,8 +218,10 @@ def run_job(job, args, info, spec, out_dir):
     if job.get("resume"):
         # perturb every RNG so that only a restore can bring back the saved states
         random.seed(7), np.random.seed(7), torch.manual_seed(7)
-        result["try_first"] = [error_of(load_training_checkpoint, root, ddp_chunks, optimizer, scheduler,
-                                        extra_models=extra_models) for root in job.get("try_first", [])]
+        result["try_first"] = [
+            error_of(load_training_checkpoint, root, ddp_chunks, optimizer, scheduler, extra_models=extra_models)
+            for root in job.get("try_first", [])
+        ]
         extra = load_training_checkpoint(job["resume"], ddp_chunks, optimizer, scheduler, extra_models=extra_models)
         result["extra"] = extra
         result["rng_after_load"] = gather(rng_fingerprints())
@@ -214,8 +239,11 @@ def run_job(job, args, info, spec, out_dir):
         if published:
             result["saves"][f"published_at_{step}"] = published
         if step == hold_until:  # the held writers (a slow disk) have missed the poll of this step
-            result["saves"]["while_held"] = {"poll": published, "latest": latest_of(held_root),
-                                             "step_dir_exists": os.path.exists(held_dir)}
+            result["saves"]["while_held"] = {
+                "poll": published,
+                "latest": latest_of(held_root),
+                "step_dir_exists": os.path.exists(held_dir),
+            }
             HELD.set()
         extra = {"step": step, "samples_seen": step * GLOBAL_BATCH}
         if step == job.get("compare_model_space_at"):
@@ -223,14 +251,18 @@ def run_job(job, args, info, spec, out_dir):
         if step == job.get("nan_save_at"):
             result["nan"] = nan_save(ddp_chunks, optimizer, scheduler, extra, out_dir / f"{job['name']}_nan", step)
         if step == job.get("fail_save_at"):
-            result["fail"] = failing_save(writer, ddp_chunks, optimizer, scheduler, extra,
-                                          out_dir / f"{job['name']}_fail", step)
+            result["fail"] = failing_save(
+                writer, ddp_chunks, optimizer, scheduler, extra, out_dir / f"{job['name']}_fail", step
+            )
         for save in job.get("saves", []):
             if save["step"] != step:
                 continue
-            kwargs = dict(keep_last=save.get("keep_last", 2), extra_models=extra_models,
-                          meta={"written_by": "tests/checkpoint_worker.py"} if save.get("meta") else None,
-                          **({"optimizer_sharding": save["sharding"]} if "sharding" in save else {}))
+            kwargs = dict(
+                keep_last=save.get("keep_last", 2),
+                extra_models=extra_models,
+                meta={"written_by": "tests/checkpoint_worker.py"} if save.get("meta") else None,
+                **({"optimizer_sharding": save["sharding"]} if "sharding" in save else {}),
+            )
             if save.get("background"):
                 before = latest_of(save["root"])
                 if save.get("hold_until"):
@@ -246,7 +278,8 @@ def run_job(job, args, info, spec, out_dir):
                 # nothing is published by save() itself: `latest` and step_N appear at a poll
                 result["saves"][f"{save['root']}@{step}"] = {
                     "latest_unchanged": latest_of(save["root"]) == before,
-                    "step_dir_absent": not os.path.exists(os.path.join(save["root"], f"step_{step:06d}"))}
+                    "step_dir_absent": not os.path.exists(os.path.join(save["root"], f"step_{step:06d}")),
+                }
             else:
                 save_training_checkpoint(save["root"], step, ddp_chunks, optimizer, scheduler, extra, **kwargs)
         if step == 3:
@@ -272,7 +305,7 @@ INJECTED = []  # failures fail_first_write raised
 
 def fail_first_write():
     """Make the first tensor write of a checkpoint writer thread fail once (as a write can fail
-    for a moment, e.g. a disk that had no room: common/checkpoint_io.py PendingWrite._write_file):
+    for a moment, e.g. a disk that had no room: common/train/checkpoint_io.py PendingWrite._write_file):
     the file must be written again from the host copies. One failure per process: afterwards
     the wrapper only passes writes on."""
     import functools
@@ -293,7 +326,7 @@ def fail_first_write():
 
 def hold_writers(frame, event, arg):
     """Trace function (threading.settrace) that holds this rank's checkpoint writer threads
-    (common/checkpoint_io.py names them ckpt-write-*) of the last rank at their start until HELD
+    (common/train/checkpoint_io.py names them ckpt-write-*) of the last rank at their start until HELD
     is set: a slow disk on demand, so that training goes on while a save is in flight."""
     if threading.current_thread().name.startswith("ckpt-write") and dist.get_rank() == dist.get_world_size() - 1:
         HELD.wait()
@@ -310,45 +343,72 @@ def compare_model_space(ddp_chunks, optimizer):
     sharded state dict of the same optimizer: entries, their metadata and values."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    from common.checkpoint import model_sharded_state_dict
-    from common.training import model_space_optimizer_state
+    from common.train.checkpoint import model_sharded_state_dict
+    from common.train.setup import model_space_optimizer_state
 
     ours = model_space_optimizer_state(optimizer, model_sharded_state_dict(ddp_chunks))
-    theirs = optimizer.sharded_state_dict(model_sharded_state_dict(ddp_chunks), is_loading=False,
-                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    theirs = optimizer.sharded_state_dict(
+        model_sharded_state_dict(ddp_chunks),
+        is_loading=False,
+        metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+    )
     if ours is None:
         return None
 
     def entries(state):
-        return {entry.key: entry for index in sorted(state["param_state"])
-                for entry in nested_values(state["param_state"][index])}
+        return {
+            entry.key: entry
+            for index in sorted(state["param_state"])
+            for entry in nested_values(state["param_state"][index])
+        }
 
     def meta(entry):
-        return repr((type(entry).__name__, entry.data.dtype, tuple(entry.data.shape),
-                     *(getattr(entry, f, None) for f in ("dtype", "global_shape", "global_offset",
-                                                         "axis_fragmentations", "replica_id", "prepend_axis_num"))))
+        return repr(
+            (
+                type(entry).__name__,
+                entry.data.dtype,
+                tuple(entry.data.shape),
+                *(
+                    getattr(entry, f, None)
+                    for f in (
+                        "dtype",
+                        "global_shape",
+                        "global_offset",
+                        "axis_fragmentations",
+                        "replica_id",
+                        "prepend_axis_num",
+                    )
+                ),
+            )
+        )
 
     a, b = entries(ours), entries(theirs)
-    order = lambda state: [entry.key for index in sorted(state["param_state"])  # noqa: E731
-                           for entry in nested_values(state["param_state"][index])]
-    return {"entries": len(a), "same_keys_in_order": order(ours) == order(theirs),
-            "metadata_differs": [k for k in a if k in b and meta(a[k]) != meta(b[k])],
-            "values_differ": [k for k in a if k in b and not torch.equal(a[k].data.cpu(), b[k].data.cpu())],
-            "rest_equal": repr({k: v for k, v in ours.items() if k != "param_state"}) ==
-                          repr({k: v for k, v in theirs.items() if k != "param_state"})}
+    order = lambda state: [
+        entry.key
+        for index in sorted(state["param_state"])  # noqa: E731
+        for entry in nested_values(state["param_state"][index])
+    ]
+    return {
+        "entries": len(a),
+        "same_keys_in_order": order(ours) == order(theirs),
+        "metadata_differs": [k for k in a if k in b and meta(a[k]) != meta(b[k])],
+        "values_differ": [k for k in a if k in b and not torch.equal(a[k].data.cpu(), b[k].data.cpu())],
+        "rest_equal": repr({k: v for k, v in ours.items() if k != "param_state"})
+        == repr({k: v for k, v in theirs.items() if k != "param_state"}),
+    }
 
 
 def nan_save(ddp_chunks, optimizer, scheduler, extra, root, step):
     """A NaN in one weight of the last rank: the save must be refused everywhere, before writing."""
-    from common.model import unwrap
-    from common.train_checkpoint import save_training_checkpoint
+    from common.model.chunks import unwrap
+    from common.train.save import save_training_checkpoint
 
     weight = unwrap(ddp_chunks[-1]).decoder.layers[-1].mlp.linear_fc2.weight
     original = weight.detach().clone()
     if dist.get_rank() == dist.get_world_size() - 1:
         with torch.no_grad():
             weight[0, 0] = float("nan")
-    from common.guard import NonFiniteError
+    from common.train.guard import NonFiniteError
 
     try:  # NonFiniteError: the scripts' run_training ends with one line and exit code 3
         save_training_checkpoint(str(root), step, ddp_chunks, optimizer, scheduler, extra)
@@ -357,8 +417,12 @@ def nan_save(ddp_chunks, optimizer, scheduler, extra, root, step):
         message, kind = str(e), type(e).__name__ if isinstance(e, NonFiniteError) else f"not NonFiniteError: {e!r}"
     with torch.no_grad():
         weight.copy_(original)
-    return {"error": message, "errors_agree": len(set(gather(message))) == 1, "error_type": kind,
-            "root_exists": os.path.exists(root)}
+    return {
+        "error": message,
+        "errors_agree": len(set(gather(message))) == 1,
+        "error_type": kind,
+        "root_exists": os.path.exists(root),
+    }
 
 
 def failing_save(writer, ddp_chunks, optimizer, scheduler, extra, root, step):
@@ -382,7 +446,7 @@ def failing_save(writer, ddp_chunks, optimizer, scheduler, extra, root, step):
 def break_and_load(root, copy, ddp_chunks, optimizer, scheduler):
     """Every checkpoint of a copy of root damaged: the newest one (already missing a file)
     structurally, the older one so that its files look complete but the load itself fails."""
-    from common.train_resume import load_training_checkpoint
+    from common.train.resume import load_training_checkpoint
 
     if dist.get_rank() == 0:
         shutil.copytree(root, copy)
@@ -405,8 +469,8 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     args = ap.parse_args()
 
-    from common.dist import destroy_distributed, init_distributed
-    from common.model import load_hf_spec
+    from common.model.gpt import load_hf_spec
+    from common.run.dist import destroy_distributed, init_distributed
 
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=1234)
     spec = load_hf_spec(args.hf_dir)
@@ -421,8 +485,7 @@ def main():
         # train_grpo.py's exit with vLLM: no interpreter shutdown, so no atexit handler runs
         writer.wait()
         manager = getattr(filesystem_async._results_queue, "_manager", None)  # for the test to clean up
-        print(f"[worker] megatron's results-queue Manager: pid {manager._process.pid if manager else None}",
-              flush=True)
+        print(f"[worker] megatron's results-queue Manager: pid {manager._process.pid if manager else None}", flush=True)
         dist.barrier()
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)

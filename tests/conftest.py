@@ -1,4 +1,5 @@
 """Shared pytest fixtures and the torchrun launcher used by the multi-rank tests."""
+
 import atexit
 import json
 import os
@@ -25,8 +26,16 @@ def run_torchrun(script, nproc, *args, timeout=600):
 
     Returns the CompletedProcess; fails the test with the output tail when it exits non-zero.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--standalone", script, *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",
+        script,
+        *map(str, args),
+    ]
     proc = launch(cmd, script, args, nproc=nproc, env=script_env(TOKENIZERS_PARALLELISM="false"), timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
@@ -51,8 +60,25 @@ def run_script(script, *args, timeout=900, env=None, check=True):
 # Variables that torch, transformers, the hub or python itself read when tests/zygote.py
 # imports them (or at start-up): a launch whose environment differs from the zygote's in one
 # of them runs as a real process. TESTS_REAL_PROCESSES=1 runs every launch so.
-IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "MKL", "KMP",
-                   "MPL", "XDG_", "HOME", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_")
+IMPORT_TIME_ENV = (
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "NCCL",
+    "GLOO",
+    "MKL",
+    "KMP",
+    "MPL",
+    "XDG_",
+    "HOME",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONWARNINGS",
+    "LD_",
+)
 
 
 def import_time_env(env):
@@ -97,6 +123,7 @@ class Forked:
 
 class Zygote:
     """This pytest process's tests/zygote.py, started at its first launch."""
+
     proc = env = has_gpu = None
 
     @classmethod
@@ -106,7 +133,7 @@ class Zygote:
             return None
         # A new zygote when there is none, or when this worker's own environment has changed since
         # it started in a variable read at import: tests that run code in-process add some (torch
-        # writes TORCHINDUCTOR_CACHE_DIR at its first compile, common/log.py sets
+        # writes TORCHINDUCTOR_CACHE_DIR at its first compile, common/run/log.py sets
         # HF_HUB_DISABLE_PROGRESS_BARS on ranks other than 0), and every later launch would
         # otherwise differ from the zygote and run as a real process. Launches already forked
         # are their own sessions: the old zygote's exit leaves them running.
@@ -116,12 +143,27 @@ class Zygote:
                 atexit.register(cls.stop)
             cls.stop()
             cls.env = base
-            cls.proc = subprocess.Popen([sys.executable, "tests/zygote.py"], cwd=ROOT, env=cls.env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            cls.proc = subprocess.Popen(
+                [sys.executable, "tests/zygote.py"],
+                cwd=ROOT,
+                env=cls.env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
         if import_time_env(env) != import_time_env(cls.env):  # this launch's own variables
             return None
-        request = dict(script=script, args=[str(a) for a in args], env=env, cwd=ROOT, nproc=nproc,
-                       torchrun=torchrun, out=out, err=err, rc=out + ".rc")
+        request = dict(
+            script=script,
+            args=[str(a) for a in args],
+            env=env,
+            cwd=ROOT,
+            nproc=nproc,
+            torchrun=torchrun,
+            out=out,
+            err=err,
+            rc=out + ".rc",
+        )
         try:
             cls.proc.stdin.write(json.dumps(request) + "\n")
             cls.proc.stdin.flush()
@@ -179,8 +221,16 @@ def launch(cmd, script, args, *, env, timeout, nproc=1):
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         open(out, "w").close()
         open(err, "w").close()
-        proc = start(cmd, script, args, env=env, stdout=out, stderr=err, nproc=nproc,
-                     torchrun=cmd[1:3] == ["-m", "torch.distributed.run"])
+        proc = start(
+            cmd,
+            script,
+            args,
+            env=env,
+            stdout=out,
+            stderr=err,
+            nproc=nproc,
+            torchrun=cmd[1:3] == ["-m", "torch.distributed.run"],
+        )
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -200,8 +250,9 @@ class Background:
         self.tmp = tempfile.TemporaryDirectory()
         self.log = os.path.join(self.tmp.name, "log")
         open(self.log, "w").close()
-        self.proc = start([sys.executable, script, *map(str, args)], script, args, env=script_env(),
-                          stdout=self.log, stderr=self.log)
+        self.proc = start(
+            [sys.executable, script, *map(str, args)], script, args, env=script_env(), stdout=self.log, stderr=self.log
+        )
 
     def wait(self, timeout=900):
         try:
@@ -237,8 +288,9 @@ def run_batch_worker(tmp_path, mode, names):
     for name in names:
         save_tiny_hf_model(name, str(tmp_path / name))
     args = [",".join(str(tmp_path / n) for n in names), mode]
-    proc = launch([sys.executable, "tests/batch_worker.py", *args], "tests/batch_worker.py", args, env=script_env(),
-                  timeout=600)
+    proc = launch(
+        [sys.executable, "tests/batch_worker.py", *args], "tests/batch_worker.py", args, env=script_env(), timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["model"] for r in results] == list(names)
@@ -291,7 +343,7 @@ def tiny_models_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def uneven_models_dir(tmp_path_factory):
     """Tiny models whose layers do not divide by the pipeline stages of the tests (megatron's
-    uneven stages, common/bridge.py:pipeline_layout): llama_3layers (tied embeddings; PP=2:
+    uneven stages, common/model/bridge.py:pipeline_layout): llama_3layers (tied embeddings; PP=2:
     2 + 1 layers) and qwen2_6layers (PP=2 x VPP=2: 4 + 2)."""
     from tests.tiny_models import save_tiny_hf_model
 

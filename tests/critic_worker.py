@@ -12,6 +12,7 @@ sequence-parallel norm weights). The test computes the same numbers with transfo
 Also loads the critic from the dir WITHOUT a score head (--plain-suffix) and reports the
 largest |value| (the head must start at exactly 0).
 """
+
 import argparse
 import os
 import sys
@@ -42,11 +43,12 @@ def parse_layout(argv):
 
 
 def run_layout(args):
-    from common import schedule
-    from common.dist import init_distributed
-    from common.critic import build_critic, load_critic_weights
-    from common.model import load_hf_spec
     from megatron.core import parallel_state as mpu
+
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import load_hf_spec
+    from common.run.dist import init_distributed
+    from common.train import schedule
 
     info = init_distributed(tp=args.tp, pp=args.pp)
     ids, c = inputs()
@@ -66,8 +68,10 @@ def run_layout(args):
             # megatron divides by the number of micro-batches: undo it, so grads are of sum(values * c)
             return (values * mb["c"]).sum() * B, {}
 
-        mbs = [dict(tokens=ids[i:i + 1], positions=torch.arange(T)[None], c=c[i:i + 1], row=torch.tensor(i))
-               for i in range(B)]
+        mbs = [
+            dict(tokens=ids[i : i + 1], positions=torch.arange(T)[None], c=c[i : i + 1], row=torch.tensor(i))
+            for i in range(B)
+        ]
         schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=False, device=info.device)
         row = {"last_stage": mpu.is_pipeline_last_stage()}
         if row["last_stage"]:
@@ -76,9 +80,12 @@ def run_layout(args):
             if args.sp and args.tp > 1:  # each TP rank holds the part of its own sequence rows
                 dist.all_reduce(norm_grad, group=mpu.get_tensor_model_parallel_group())
             head = model.output_layer
-            row.update(values=torch.cat([store[i] for i in range(B)]).tolist(),
-                       head_weight_grad=head.weight.grad.view(-1).tolist(), head_bias_grad=head.bias.grad.tolist(),
-                       norm_grad=norm_grad.tolist())
+            row.update(
+                values=torch.cat([store[i] for i in range(B)]).tolist(),
+                head_weight_grad=head.weight.grad.view(-1).tolist(),
+                head_bias_grad=head.bias.grad.tolist(),
+                norm_grad=norm_grad.tolist(),
+            )
 
         # the same model without a score head: the value head starts at exactly zero
         plain = build_critic(spec, tp=args.tp, pp=args.pp, sequence_parallel=args.sp)

@@ -8,6 +8,7 @@ runs run(parse(BASE_FLAGS + flags)) for each layout, one after the other (the wo
 init_distributed makes megatron's groups again for each), and rank 0 writes {name: result};
 without --layouts, one layout from the flags and R.json holds its result alone.
 """
+
 import json
 import sys
 
@@ -15,14 +16,14 @@ import sys
 def main(parse, run):
     import torch.distributed as dist
 
-    from common.dist import destroy_distributed
+    from common.run.dist import destroy_distributed
 
     argv = sys.argv[1:]
     at = argv.index("--out")
-    out, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    out, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     if "--layouts" in argv:
         at = argv.index("--layouts")
-        layouts, base = json.loads(argv[at + 1]), argv[:at] + argv[at + 2:]
+        layouts, base = json.loads(argv[at + 1]), argv[:at] + argv[at + 2 :]
         results = {name: run(parse(base + [str(f) for f in flags])) for name, flags in layouts.items()}
     else:
         results = run(parse(argv))

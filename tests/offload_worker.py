@@ -4,6 +4,7 @@ whole training state (params, grad buffers, optimizer) between steps; print JSON
     python tests/offload_worker.py HF_DIR          (one process)
     torchrun --nproc_per_node 2 tests/offload_worker.py HF_DIR   (DP=2: sharded optimizer)
 """
+
 import json
 import os
 import sys
@@ -14,12 +15,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train(hf_dir, dtype, distributed_optimizer, offload):
-    from common import schedule
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
-    from common.offload import Offloader
-    from common.training import setup_training
     from megatron.core import parallel_state as mpu
+
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.train import schedule
+    from common.train.offload import Offloader
+    from common.train.setup import setup_training
 
     spec = load_hf_spec(hf_dir)
     chunks = build_model(spec, dtype=dtype)
@@ -67,8 +69,17 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     params = torch.cat([p.detach().float().flatten() for p in model[0].parameters()])
     # host buffers an offload had to create after allocate() (each costs a pinning on a GPU)
     late = len({id(b) for off in (model_off, optim_off) for b in off._host.values()} - buffers) if offload else 0
-    return dict(losses=losses, moved=moved, left=left, params=params.cpu(), numel=params.numel(), freed_gpu=freed_gpu,
-                intact=intact, late_buffers=late, overlapped=overlapped)
+    return dict(
+        losses=losses,
+        moved=moved,
+        left=left,
+        params=params.cpu(),
+        numel=params.numel(),
+        freed_gpu=freed_gpu,
+        intact=intact,
+        late_buffers=late,
+        overlapped=overlapped,
+    )
 
 
 def optimizer_states(optimizer):
@@ -76,7 +87,7 @@ def optimizer_states(optimizer):
 
 
 def main():
-    from common.dist import init_distributed
+    from common.run.dist import init_distributed
 
     hf_dir = sys.argv[1]
     info = init_distributed()
@@ -87,11 +98,17 @@ def main():
             offloaded = train(hf_dir, dtype, distributed_optimizer, offload=True)
             name = f"{str(dtype).split('.')[-1]}_{'distopt' if distributed_optimizer else 'ddp'}"
             result[name] = dict(
-                losses=plain["losses"], losses_offloaded=offloaded["losses"],
+                losses=plain["losses"],
+                losses_offloaded=offloaded["losses"],
                 max_param_diff=float((plain["params"] - offloaded["params"]).abs().max()),
-                moved=offloaded["moved"], left=offloaded["left"], numel=offloaded["numel"],
-                freed_gpu=offloaded["freed_gpu"], intact=offloaded["intact"], late_buffers=offloaded["late_buffers"],
-                overlapped=offloaded["overlapped"])
+                moved=offloaded["moved"],
+                left=offloaded["left"],
+                numel=offloaded["numel"],
+                freed_gpu=offloaded["freed_gpu"],
+                intact=offloaded["intact"],
+                late_buffers=offloaded["late_buffers"],
+                overlapped=offloaded["overlapped"],
+            )
     result["reference"] = frozen_model_roundtrip(hf_dir)
     result["colocation"] = colocation_phases(hf_dir)
     if info.rank == 0:
@@ -101,9 +118,9 @@ def main():
 def frozen_model_roundtrip(hf_dir):
     """A plain (not DDP-wrapped) frozen model, as train_grpo.py's reference: same logits after
     offload + reload, and its storages empty in between."""
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
-    from common.offload import Offloader
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.train.offload import Offloader
 
     spec = load_hf_spec(hf_dir)
     chunks = build_model(spec, dtype=torch.float32)
@@ -118,8 +135,12 @@ def frozen_model_roundtrip(hf_dir):
         left = sum(p.untyped_storage().nbytes() for p in chunks[0].parameters())
         off.reload()
         after = chunks[0](tokens, positions, None)
-    return dict(equal=bool(torch.equal(before, after)), left=left, moved=off.nbytes,
-                param_bytes=sum(p.numel() * p.element_size() for p in chunks[0].parameters()))
+    return dict(
+        equal=bool(torch.equal(before, after)),
+        left=left,
+        moved=off.nbytes,
+        param_bytes=sum(p.numel() * p.element_size() for p in chunks[0].parameters()),
+    )
 
 
 class RecordingEngine:
@@ -148,10 +169,10 @@ def colocation_phases(hf_dir):
     """common/offload.Colocation as the scripts drive it (a policy with Adam, PPO's critic as the
     idle model, a frozen reference; a recording engine): what is on the device in each phase,
     and every tensor the same after its round trip."""
-    from common.model import build_model, load_hf_spec
-    from common.offload import Colocation, Timer
-    from common.training import setup_training
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.train.offload import Colocation, Timer
+    from common.train.setup import setup_training
 
     spec = load_hf_spec(hf_dir)
 
@@ -172,8 +193,12 @@ def colocation_phases(hf_dir):
         return True if all(sizes) else False if not any(sizes) else None
 
     def adam_state():
-        return [v for s in optimizer_states(optimizer) + optimizer_states(critic_optimizer)
-                for v in s.values() if torch.is_tensor(v) and v.dim()]
+        return [
+            v
+            for s in optimizer_states(optimizer) + optimizer_states(critic_optimizer)
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim()
+        ]
 
     seen = {}
 
@@ -181,13 +206,24 @@ def colocation_phases(hf_dir):
         seen.update(policy_at_sync=resident(params(policy)), adam_at_sync=resident(adam_state()), synced=len(weights))
 
     engine = RecordingEngine(on_sync)
-    colo = Colocation(engine, policy, [(optimizer, policy), (critic_optimizer, critic)], idle=[critic], frozen=[reference],
-                      weights=lambda: ((f"w{i}", p.detach()) for i, p in enumerate(params(policy))), include_cpu=True)
+    colo = Colocation(
+        engine,
+        policy,
+        [(optimizer, policy), (critic_optimizer, critic)],
+        idle=[critic],
+        frozen=[reference],
+        weights=lambda: ((f"w{i}", p.detach()) for i, p in enumerate(params(policy))),
+        include_cpu=True,
+    )
     seen["reference_at_start"] = resident(params(reference))
     colo.allocate()  # creates Adam's state (zeros), as the first step would
     with colo.frozen_model(reference):  # (reading an offloaded tensor's emptied storage would crash)
-        before = {name: [t.detach().clone() for t in tensors] for name, tensors in
-                  dict(policy=params(policy), critic=params(critic), reference=params(reference), adam=adam_state()).items()}
+        before = {
+            name: [t.detach().clone() for t in tensors]
+            for name, tensors in dict(
+                policy=params(policy), critic=params(critic), reference=params(reference), adam=adam_state()
+            ).items()
+        }
     times = {}
 
     class Memory:
@@ -198,10 +234,18 @@ def colocation_phases(hf_dir):
             seen.setdefault("memory", []).append(name)
 
     with colo.rollout(Timer(times), Memory()):
-        seen.update(policy_in_rollout=resident(params(policy)), critic_in_rollout=resident(params(critic)),
-                    adam_in_rollout=resident(adam_state()), calls_in_rollout=list(engine.calls))
-    seen.update(policy_after=resident(params(policy)), critic_after=resident(params(critic)),
-                adam_after=resident(adam_state()), calls_after=list(engine.calls))
+        seen.update(
+            policy_in_rollout=resident(params(policy)),
+            critic_in_rollout=resident(params(critic)),
+            adam_in_rollout=resident(adam_state()),
+            calls_in_rollout=list(engine.calls),
+        )
+    seen.update(
+        policy_after=resident(params(policy)),
+        critic_after=resident(params(critic)),
+        adam_after=resident(adam_state()),
+        calls_after=list(engine.calls),
+    )
     with colo.frozen_model(reference):
         seen["reference_in_block"] = resident(params(reference))
     seen["reference_after_block"] = resident(params(reference))

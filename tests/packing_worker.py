@@ -24,6 +24,7 @@ allgather_logprob_diff / allgather_grad_diff (packed and padded, the larger).
 Writes {model: {logprob_diff, control_diff, grad_diff, grad_max, value_diff, ...,
 padded_tokens, packed_tokens}} (the maxima over all ranks) from rank 0.
 """
+
 import argparse
 import os
 import sys
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def samples_for(spec):
-    from common.rollout import Sample
+    from common.rollout.engine import Sample
 
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -51,8 +52,8 @@ def score(model, mbs, batch, loss_of, output_of, info):
     forward-backward over micro-batches."""
     from megatron.core import parallel_state as mpu
 
-    from common import batch as B
-    from common import schedule
+    from common.rl import batch as B
+    from common.train import schedule
 
     num_rows, width = batch["mask"].shape
     store = torch.zeros(num_rows + 1, width, device=info.device)  # + the spare row of packed tails
@@ -88,13 +89,14 @@ def parse_layout(argv):
 def run_layout(args):
     from megatron.core import parallel_state as mpu
 
-    from common import batch as B
-    from common import rl
-    from common.critic import build_critic, load_critic_weights
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
-    from common.training import setup_training
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.rl import batch as B
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.rl.losses import aggregate_loss, policy_loss
+    from common.run.dist import init_distributed
+    from common.train.setup import setup_training
 
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, sequence_parallel=args.sp)
@@ -112,57 +114,103 @@ def run_layout(args):
         samples = samples_for(spec)
         batch = B.pack_sequences(samples, pad_id=0, length_multiple=multiple)
         batch["row"] = torch.arange(len(samples))
-        batch["advantages"] = torch.randn(len(samples), generator=torch.Generator().manual_seed(2))[:, None] * batch["mask"]
+        batch["advantages"] = (
+            torch.randn(len(samples), generator=torch.Generator().manual_seed(2))[:, None] * batch["mask"]
+        )
         batch["noise"] = torch.randn(batch["mask"].shape, generator=torch.Generator().manual_seed(1)) * 0.1
         per_dp = len(samples) // info.dp_size
         rows = torch.arange(info.dp_rank * per_dp, (info.dp_rank + 1) * per_dp)
         peers = mpu.get_data_parallel_group() if args.ep > 1 else None  # as the scripts' expert_peers
         padded = B.micro_batches(batch, rows, 4, length_multiple=multiple, same_length=args.pp > 1)
-        packed = B.micro_batches(batch, rows, 4, length_multiple=multiple, same_length=args.pp > 1, max_tokens=64,
-                                 pack=True, same_count_group=peers, sample_multiple=sample_multiple)
+        packed = B.micro_batches(
+            batch,
+            rows,
+            4,
+            length_multiple=multiple,
+            same_length=args.pp > 1,
+            max_tokens=64,
+            pack=True,
+            same_count_group=peers,
+            sample_multiple=sample_multiple,
+        )
 
         def logprobs_of(mb, logits):
-            return rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)[0]
+            return vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group)[0]
 
         def gspo_loss(mb, logits):  # the two per-sequence terms: GSPO's ratio and the per-sequence mean
             logprobs = logprobs_of(mb, logits)
             old = logprobs.detach() + mb["noise"]
-            per_token, _ = rl.policy_loss(logprobs, old, mb["advantages"], 0.2, 0.2, sequence_mask=mb["mask"],
-                                          seq_ids=mb.get("seq"), cp_group=cp_group)
-            return rl.aggregate_loss(per_token, mb["mask"], "seq_mean_token_mean", num_seqs=len(samples),
-                                     seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))
+            per_token, _ = policy_loss(
+                logprobs,
+                old,
+                mb["advantages"],
+                0.2,
+                0.2,
+                sequence_mask=mb["mask"],
+                seq_ids=mb.get("seq"),
+                cp_group=cp_group,
+            )
+            return aggregate_loss(
+                per_token,
+                mb["mask"],
+                "seq_mean_token_mean",
+                num_seqs=len(samples),
+                seq_ids=mb.get("seq"),
+                seq_counts=mb.get("seq_counts"),
+            )
 
         lp_pad, grad_pad = score(model, padded, batch, gspo_loss, logprobs_of, info)
         lp_pack, grad_pack = score(model, packed, batch, gspo_loss, logprobs_of, info)
         gathered = {}
         if spec.moe is not None and args.ep > 1:  # the all-gather dispatcher: passes of equal token counts
-            ag_chunks = build_model(spec, dtype=torch.float32, moe_aux_loss_coef=0.0, moe_token_dispatcher_type="allgather",
-                                    **layout)
+            ag_chunks = build_model(
+                spec, dtype=torch.float32, moe_aux_loss_coef=0.0, moe_token_dispatcher_type="allgather", **layout
+            )
             load_hf_weights(ag_chunks, spec, hf_dir)
             ag_model, _, _ = setup_training(ag_chunks, lr=0.0, use_distributed_optimizer=False)
             for pack in (False, True):
-                mbs = B.micro_batches(batch, rows, 4, length_multiple=multiple, same_length=args.pp > 1, max_tokens=64,
-                                      pack=pack, same_count_group=peers, same_tokens=True,
-                                      sample_multiple=sample_multiple)
+                mbs = B.micro_batches(
+                    batch,
+                    rows,
+                    4,
+                    length_multiple=multiple,
+                    same_length=args.pp > 1,
+                    max_tokens=64,
+                    pack=pack,
+                    same_count_group=peers,
+                    same_tokens=True,
+                    sample_multiple=sample_multiple,
+                )
                 gathered[pack] = score(ag_model, mbs, batch, gspo_loss, logprobs_of, info) + (mbs,)
         # negative control: the same packed rows as ONE sequence each (attention across samples, RoPE
         # positions running on): the comparison must see it
-        merged = [dict(mb, cu_seqlens=torch.tensor([0, mb["tokens"].shape[1]], dtype=torch.int32),
-                       max_seqlen=mb["tokens"].shape[1]) for mb in packed]
+        merged = [
+            dict(
+                mb,
+                cu_seqlens=torch.tensor([0, mb["tokens"].shape[1]], dtype=torch.int32),
+                max_seqlen=mb["tokens"].shape[1],
+            )
+            for mb in packed
+        ]
         lp_merged, _ = score(model, merged, batch, gspo_loss, logprobs_of, info)
         mask = batch["mask"].bool()
-        result = dict(logprob_diff=float((lp_pad - lp_pack)[mask].abs().max()),
-                      control_diff=float((lp_pad - lp_merged)[mask].abs().max()),
-                      logprob_max=float(lp_pad[mask].abs().max()),
-                      grad_diff=float((grad_pad - grad_pack).abs().max()), grad_max=float(grad_pad.abs().max()),
-                      padded_tokens=sum(mb["tokens"].numel() for mb in padded),
-                      packed_tokens=sum(mb["tokens"].numel() for mb in packed))
+        result = dict(
+            logprob_diff=float((lp_pad - lp_pack)[mask].abs().max()),
+            control_diff=float((lp_pad - lp_merged)[mask].abs().max()),
+            logprob_max=float(lp_pad[mask].abs().max()),
+            grad_diff=float((grad_pad - grad_pack).abs().max()),
+            grad_max=float(grad_pad.abs().max()),
+            padded_tokens=sum(mb["tokens"].numel() for mb in padded),
+            packed_tokens=sum(mb["tokens"].numel() for mb in packed),
+        )
         if gathered:
-            result.update(allgather_logprob_diff=max(float((lp_pad - lp)[mask].abs().max()) for lp, _, _ in gathered.values()),
-                          allgather_grad_diff=max(float((grad_pad - g).abs().max()) for _, g, _ in gathered.values()),
-                          # the ranks' token counts per pass: equal in the group (each rank reports its own)
-                          allgather_tokens=[[mb["tokens"].numel() for mb in mbs] for _, _, mbs in gathered.values()],
-                          plain_tokens=[mb["tokens"].numel() for mb in padded])  # without same_tokens
+            result.update(
+                allgather_logprob_diff=max(float((lp_pad - lp)[mask].abs().max()) for lp, _, _ in gathered.values()),
+                allgather_grad_diff=max(float((grad_pad - g).abs().max()) for _, g, _ in gathered.values()),
+                # the ranks' token counts per pass: equal in the group (each rank reports its own)
+                allgather_tokens=[[mb["tokens"].numel() for mb in mbs] for _, _, mbs in gathered.values()],
+                plain_tokens=[mb["tokens"].numel() for mb in padded],
+            )  # without same_tokens
         if args.critic:
             critic_chunks = build_critic(spec, dtype=torch.float32, moe_aux_loss_coef=0.0, **layout)
             load_critic_weights(critic_chunks, spec, hf_dir)
@@ -176,13 +224,17 @@ def run_layout(args):
                 return values.squeeze(-1).float()
 
             def value_loss(mb, values):
-                return rl.aggregate_loss((values_of(mb, values) - 0.5) ** 2, mb["mask"], "token_mean",
-                                         num_tokens=batch["mask"].sum())
+                return aggregate_loss(
+                    (values_of(mb, values) - 0.5) ** 2, mb["mask"], "token_mean", num_tokens=batch["mask"].sum()
+                )
 
             v_pad, g_pad = score(critic, padded, batch, value_loss, values_of, info)
             v_pack, g_pack = score(critic, packed, batch, value_loss, values_of, info)
-            result.update(value_diff=float((v_pad - v_pack)[mask].abs().max()),
-                          value_grad_diff=float((g_pad - g_pack).abs().max()), value_grad_max=float(g_pad.abs().max()))
+            result.update(
+                value_diff=float((v_pad - v_pack)[mask].abs().max()),
+                value_grad_diff=float((g_pad - g_pack).abs().max()),
+                value_grad_max=float(g_pad.abs().max()),
+            )
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, result)
         lists = ("allgather_tokens", "plain_tokens")

@@ -13,6 +13,7 @@ layer too early, as an even split's offset would) must NOT match. --ep/--etp: ex
 parallel sizes. MoE models also: the load-balancing loss and expert load of a right-padded
 batch, through the trainer's path, against transformers' with the attention mask.
 """
+
 import argparse
 import os
 import sys
@@ -43,9 +44,15 @@ def forward_logits(chunks, ids, seq_len):
 
     # one sequence per micro-batch (interleaved pipelines need >= pp micro-batches)
     micro_batches = list(ids.split(1))
-    get_forward_backward_func()(forward_step_func=step, data_iterator=[iter(micro_batches) for _ in chunks],
-                                model=chunks, num_microbatches=len(micro_batches), seq_length=seq_len,
-                                micro_batch_size=1, forward_only=True)
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=[iter(micro_batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_len,
+        micro_batch_size=1,
+        forward_only=True,
+    )
     pp_last = mpu.is_pipeline_last_stage()
     shape = (ids.shape[0], seq_len, chunks[-1].vocab_size // mpu.get_tensor_model_parallel_world_size())
     local = torch.cat(out) if pp_last else torch.empty(shape)
@@ -60,41 +67,45 @@ def forward_logits(chunks, ids, seq_len):
 
 
 def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
-    """--moe-dispatcher allgather (common/moe.py DeviceSortDispatcher at EP > 1: every rank's
+    """--moe-dispatcher allgather (common/model/moe.py DeviceSortDispatcher at EP > 1: every rank's
     tokens gathered, this rank's experts' pairs sorted first, the other rows masked) against
     megatron's all-to-all, same weights: logits vs transformers, and every parameter's
     gradient of one random projection of the logits (this rank's shard) against all-to-all's."""
-    from common.model import build_model
-    from common.moe_experts import GroupedExperts
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model
+    from common.model.moe_experts import GroupedExperts
+    from common.model.weights import load_hf_weights
 
     out, grads = {}, {}
     for dispatcher in ("alltoall", "allgather"):
         chunks = build_model(spec, **layout, moe_token_dispatcher_type=dispatcher)
         load_hf_weights(chunks, spec, hf_dir)
-        out[f"{dispatcher}_dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in chunks[0].modules()
-                                                   if hasattr(m, "token_dispatcher")})
+        out[f"{dispatcher}_dispatchers"] = sorted(
+            {type(m.token_dispatcher).__name__ for m in chunks[0].modules() if hasattr(m, "token_dispatcher")}
+        )
         logits = chunks[0](ids, torch.arange(seq_len).unsqueeze(0), None)
         weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
         (logits.float() * weights).sum().backward()
         grads[dispatcher] = {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
         if dispatcher == "allgather":
             with torch.no_grad():
-                out["allgather_max_abs_diff"] = (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
-                                                 - reference).abs().max().item()
+                out["allgather_max_abs_diff"] = (
+                    (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size] - reference).abs().max().item()
+                )
                 # megatron's per-expert loop instead of the grouped GEMMs (what fp32 on a GPU runs)
                 experts = [m for m in chunks[0].modules() if isinstance(m, GroupedExperts)]
                 for m in experts:
                     m.grouped = False
-                out["allgather_loop_max_abs_diff"] = (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
-                                                      - reference).abs().max().item()
+                out["allgather_loop_max_abs_diff"] = (
+                    (forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size] - reference).abs().max().item()
+                )
                 for m in experts:
                     m.grouped = True
     ours, theirs = grads["allgather"], grads["alltoall"]
     out["dispatch_grad_names_equal"] = sorted(ours) == sorted(theirs)
     out["dispatch_grad_params"] = len(theirs)
-    out["dispatch_max_grad_rel_diff"] = max(float((ours[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
-                                            for n, g in theirs.items())
+    out["dispatch_max_grad_rel_diff"] = max(
+        float((ours[n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in theirs.items()
+    )
     return out
 
 
@@ -114,26 +125,40 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     from megatron.core.transformer.moe import moe_utils
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from common import batch as B
-    from common import schedule
-    from common.model import unwrap
-    from common.moe import routers, step_metrics
+    from common.model.chunks import unwrap
+    from common.model.moe import routers, step_metrics
+    from common.rl import batch as B
+    from common.train import schedule
 
     moe_utils.clear_aux_losses_tracker()  # what earlier models' passes with gradients left there
     rng = torch.Generator().manual_seed(5)
-    samples = [SimpleNamespace(prompt_ids=torch.randint(1, 300, (p,), generator=rng).tolist(),
-                               response_ids=torch.randint(1, 300, (r,), generator=rng).tolist(), response_logprobs=[0.0] * r)
-               for p, r in ((6, seq_len - 6), (5, 8), (4, 3))]  # 24, 13 and 7 of 24 positions real
+    samples = [
+        SimpleNamespace(
+            prompt_ids=torch.randint(1, 300, (p,), generator=rng).tolist(),
+            response_ids=torch.randint(1, 300, (r,), generator=rng).tolist(),
+            response_logprobs=[0.0] * r,
+        )
+        for p, r in ((6, seq_len - 6), (5, 8), (4, 3))
+    ]  # 24, 13 and 7 of 24 positions real
     batch = B.pack_sequences(samples, pad_id=0, length=seq_len)
     for chunk in chunks:
         chunk.train()  # the routers' losses apply in training only
     topk, experts = spec.moe.topk, spec.moe.num_experts
     result = {}
     for case in ("masked", "unmasked"):
-        passes = B.micro_batches(batch if case == "masked" else {k: v for k, v in batch.items() if k != "valid"},
-                                 torch.arange(len(samples)), len(samples), length_multiple=8 * layout["tp"])
-        schedule.run_micro_batches(chunks, passes, lambda mb, logits: (logits.float().sum() * 0, {}), forward_only=False,
-                            device=torch.device("cpu"))
+        passes = B.micro_batches(
+            batch if case == "masked" else {k: v for k, v in batch.items() if k != "valid"},
+            torch.arange(len(samples)),
+            len(samples),
+            length_multiple=8 * layout["tp"],
+        )
+        schedule.run_micro_batches(
+            chunks,
+            passes,
+            lambda mb, logits: (logits.float().sum() * 0, {}),
+            forward_only=False,
+            device=torch.device("cpu"),
+        )
         if unwrap(chunks[0]).config.moe_router_enable_expert_bias:  # (every rank: a stage may hold no MoE layer)
             # megatron's counts for the bias update (all passes so far), over the SP shards
             biased = [router for _, router in routers(chunks)]
@@ -174,16 +199,17 @@ def parse_layout(argv):
 
 
 def run_layout(args):
+    from megatron.core import parallel_state as mpu
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    import common.model as model_module
-    import common.weights as weights_module
-    from common import bridge
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec, named_global_parameters, unwrap
-    from common.weights import export_hf_weights, load_hf_weights
-    from megatron.core import parallel_state as mpu
+    import common.model.chunks as chunks_module
+    import common.model.weights as weights_module
+    from common.model import bridge
+    from common.model.chunks import named_global_parameters, unwrap
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.run.dist import init_distributed
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     layout = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp)
@@ -206,8 +232,10 @@ def run_layout(args):
         with torch.no_grad():
             reference = hf(input_ids=ids).logits
         chunks, logits = logits_with()
-        row = {"max_abs_diff": (logits - reference).abs().max().item(),
-               "layers": [layer.layer_number - 1 for c in chunks for layer in unwrap(c).decoder.layers]}
+        row = {
+            "max_abs_diff": (logits - reference).abs().max().item(),
+            "layers": [layer.layer_number - 1 for c in chunks for layer in unwrap(c).decoder.layers],
+        }
         if spec.moe is not None:  # load-balancing loss, expert load or bias-update counts, padding left out
             row["routing_statistics"] = routing_statistics(chunks, spec, layout, hf, seq_len)
         if spec.moe is not None and args.ep > 1 and args.pp == 1:  # the two token dispatchers at EP > 1
@@ -221,9 +249,11 @@ def run_layout(args):
         exported = {k: v.clone() for k, v in export_hf_weights(chunks, spec, dtype=torch.float32, bucket_mb=0.05)}
         row["export_missing"] = sorted(set(on_disk) - set(exported))
         row["export_extra"] = sorted(set(exported) - set(on_disk))
-        row["export_mismatch"] = sorted(k for k in set(on_disk) & set(exported) if not torch.equal(on_disk[k], exported[k]))
+        row["export_mismatch"] = sorted(
+            k for k in set(on_disk) & set(exported) if not torch.equal(on_disk[k], exported[k])
+        )
         # routed experts as stacked ExpertBlocks (the vLLM sync's form): expanded, the same tensors
-        from common.weights import ExpertBlock
+        from common.model.weights import ExpertBlock
 
         via_blocks, row["expert_blocks"] = {}, 0
         for hf_name, t in export_hf_weights(chunks, spec, dtype=torch.float32, bucket_mb=0.05, expert_blocks=True):
@@ -232,18 +262,23 @@ def run_layout(args):
                 via_blocks.update((n, x.clone()) for n, x in t.hf())
             else:
                 via_blocks[hf_name] = t.clone()
-        row["blocks_mismatch"] = sorted(k for k in set(on_disk) | set(via_blocks)
-                                        if k not in via_blocks or k not in on_disk or not torch.equal(on_disk[k], via_blocks[k]))
+        row["blocks_mismatch"] = sorted(
+            k
+            for k in set(on_disk) | set(via_blocks)
+            if k not in via_blocks or k not in on_disk or not torch.equal(on_disk[k], via_blocks[k])
+        )
         # each rank's own TP pieces (the vLLM sync at Megatron TP = vLLM TP), for a consumer that
         # reads any box: every piece equals its box of the HF tensor, every tensor comes once
-        from common.weights import LocalShard
+        from common.model.weights import LocalShard
 
         class ReadsAnything:
             def reads_within(self, *box):
                 return True
 
         row["pieces"], seen, row["pieces_mismatch"] = 0, [], []
-        for hf_name, t in export_hf_weights(chunks, spec, dtype=torch.float32, bucket_mb=0.05, local_reads=ReadsAnything()):
+        for hf_name, t in export_hf_weights(
+            chunks, spec, dtype=torch.float32, bucket_mb=0.05, local_reads=ReadsAnything()
+        ):
             seen.append(hf_name)
             if isinstance(t, LocalShard):
                 row["pieces"] += 1
@@ -270,8 +305,12 @@ def run_layout(args):
                     for module in chunk.modules():
                         if getattr(module, "expert_bias", None) is not None:
                             module.expert_bias.zero_()
-                row["control_kv_swapped"] = (forward_logits(chunks_zero_bias, ids, seq_len)[..., : spec.vocab_size]
-                                             - reference).abs().max().item()
+                row["control_kv_swapped"] = (
+                    (forward_logits(chunks_zero_bias, ids, seq_len)[..., : spec.vocab_size] - reference)
+                    .abs()
+                    .max()
+                    .item()
+                )
         # negative control 2 (TP>1): fc1 as a plain chunk of [gate; up]
         if args.tp > 1:
             original = bridge.shard_from_hf
@@ -294,22 +333,25 @@ def run_layout(args):
                 with torch.no_grad():
                     for suffix in ("linear_fc1.weight", "linear_fc2.weight"):
                         a, b = (params[first.replace("0.linear_fc1.weight", f"{j}.{suffix}")] for j in (0, 1))
-                        tmp = a.clone(); a.copy_(b); b.copy_(tmp)
+                        tmp = a.clone()
+                        a.copy_(b)
+                        b.copy_(tmp)
             with torch.no_grad():
                 swapped = forward_logits(chunks, ids, seq_len)[..., : spec.vocab_size]
             row["control_experts_swapped"] = (swapped - reference).abs().max().item()
         # negative control 4 (uneven pipeline stages): the layers after the first stage loaded from
         # the layer before each, where an offset that ignored the bigger first stage would put them
         if bridge.pipeline_layout(spec.num_layers, args.pp, args.vpp):
+
             def shifted(chunk, global_experts=True):
                 for n, p in named_global_parameters(chunk, global_experts):
                     parts = n.split(".", 3)
                     later = parts[1] == "layers" and mpu.get_pipeline_model_parallel_rank() > 0
                     yield (f"decoder.layers.{int(parts[2]) - 1}.{parts[3]}" if later else n), p
 
-            model_module.named_global_parameters = shifted
+            chunks_module.named_global_parameters = shifted
             row["control_shifted_layers"] = (logits_with()[1] - reference).abs().max().item()
-            model_module.named_global_parameters = named_global_parameters
+            chunks_module.named_global_parameters = named_global_parameters
         rows = [None] * info.world_size
         dist.all_gather_object(rows, row)
         results[name] = rows

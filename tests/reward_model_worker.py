@@ -6,10 +6,11 @@ classifier on the same token ids, at each given layout in turn (gloo, fp32).
 
 Layouts: one (one rank), tp2 (TP=2), cp2 (CP=2: each text cut over the two CP ranks, its
 score read on the rank that holds its last token). Several layouts reuse one launch: the
-parallel groups are set up again for each (common.dist.init_distributed).
+parallel groups are set up again for each (common.run.dist.init_distributed).
 Writes {"scores": {layout: [N scores]}, "transformers": [N], "templated": bool,
 "last_token_ranks": {layout: the CP rank holding each text's last token}} from rank 0.
 """
+
 import argparse
 import json
 import os
@@ -27,15 +28,16 @@ LAYOUTS = {"one": dict(), "tp2": dict(tp=2), "cp2": dict(cp=2)}
 def last_token_ranks(rm, cp):
     """The CP rank holding each text's last token, as RewardModel.score cuts the texts (2 texts
     per micro-batch, cut after the longer, B.context_parallel_slice): the test wants both."""
-    from common import batch as B
+    from common.rl import batch as B
 
     lengths = torch.tensor([len(rm.token_ids(p, r)) for p, r in zip(PROMPTS, RESPONSES)])
     multiple = 8 * 2 * cp
     width = -(-int(lengths.max()) // multiple) * multiple
     mask = (torch.arange(width)[None] < lengths[:, None]).float()
     ranks = [None] * len(lengths)
-    for mb in B.micro_batches(dict(mask=mask, row=torch.arange(len(lengths))), torch.arange(len(lengths)), 2,
-                              length_multiple=multiple):
+    for mb in B.micro_batches(
+        dict(mask=mask, row=torch.arange(len(lengths))), torch.arange(len(lengths)), 2, length_multiple=multiple
+    ):
         for rank in range(cp):
             part = B.context_parallel_slice(dict(mb, tokens=mb["mask"]), cp, rank)
             for i, row in enumerate(mb["row"].tolist()):
@@ -52,8 +54,8 @@ def main():
     args = ap.parse_args()
     import transformers
 
-    from common.dist import destroy_distributed, init_distributed
-    from common.reward_model import RewardModel
+    from common.run.dist import destroy_distributed, init_distributed
+    from common.train.reward_model import RewardModel
 
     scores, holders = {}, {}
     for name in args.layouts:
@@ -68,8 +70,15 @@ def main():
         reference = [hf(torch.tensor([rm.token_ids(p, r)])).logits[0, 0].item() for p, r in zip(PROMPTS, RESPONSES)]
     if info.rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"scores": scores, "transformers": reference, "templated": bool(rm.tokenizer.chat_template),
-                       "last_token_ranks": holders}, f)
+            json.dump(
+                {
+                    "scores": scores,
+                    "transformers": reference,
+                    "templated": bool(rm.tokenizer.chat_template),
+                    "last_token_ranks": holders,
+                },
+                f,
+            )
     destroy_distributed()
 
 

@@ -9,6 +9,7 @@ writes, per case and rank, the max errors of logprobs, entropy and the gradient 
 reference on the full logits, plus the largest tensor any collective carried.
 Cases: no vocab padding, padding inside rank 1's shard, rank 1 holding only padding, bf16.
 """
+
 import argparse
 import json
 import os
@@ -19,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from common.rl import vocab_parallel_logprobs
+from common.rl.logprobs import vocab_parallel_logprobs
 
 B, T = 3, 5
 
@@ -57,13 +58,14 @@ def run_case(v_local, vocab_size, temperature, dtype, compute_entropy, tp_group)
     ref_loss = (ref_lp * w).sum() + ((ref_ent * w2).sum() if compute_entropy else 0.0)
     ref_loss.backward()
 
-    shard = full[..., tp_rank * v_local:(tp_rank + 1) * v_local].detach().clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs(shard, targets, vocab_size, tp_group=tp_group,
-                                      temperature=temperature, compute_entropy=compute_entropy)
+    shard = full[..., tp_rank * v_local : (tp_rank + 1) * v_local].detach().clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(
+        shard, targets, vocab_size, tp_group=tp_group, temperature=temperature, compute_entropy=compute_entropy
+    )
     loss = (lp * w).sum() + ((ent * w2).sum() if compute_entropy else 0.0)
     loss.backward()
 
-    ref_grad = ref_full.grad[..., tp_rank * v_local:(tp_rank + 1) * v_local].double()
+    ref_grad = ref_full.grad[..., tp_rank * v_local : (tp_rank + 1) * v_local].double()
     return {
         "logprobs_err": (lp.double() - ref_lp).abs().max().item(),
         "entropy_err": (ent.double() - ref_ent).abs().max().item() if compute_entropy else 0.0,
@@ -72,8 +74,9 @@ def run_case(v_local, vocab_size, temperature, dtype, compute_entropy, tp_group)
         "grad_dtype": str(shard.grad.dtype),
         "logprobs_dtype": str(lp.dtype),
         # gradient on padding columns must be exactly 0
-        "pad_grad_max": shard.grad[..., max(0, vocab_size - tp_rank * v_local):].abs().max().item()
-        if vocab_size < (tp_rank + 1) * v_local else 0.0,
+        "pad_grad_max": shard.grad[..., max(0, vocab_size - tp_rank * v_local) :].abs().max().item()
+        if vocab_size < (tp_rank + 1) * v_local
+        else 0.0,
     }
 
 
@@ -84,8 +87,12 @@ def main():
     # rendezvous through a file next to --out, not torchrun's MASTER_ADDR/PORT: with
     # `--master_port 0` (tests/conftest.py) torch 2.13's agent hands the workers MASTER_PORT=0
     # instead of the port it bound, and env:// initialisation then waits forever.
-    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(args.out)}.store",
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.abspath(args.out)}.store",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     tp_group = dist.new_group(list(range(dist.get_world_size())))
 
     cases = {  # name: (v_local, vocab_size, temperature, dtype, compute_entropy)

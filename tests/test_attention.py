@@ -1,4 +1,4 @@
-"""Tests of common/attention.py (SDPAttention) and layer_spec(attention=...) in common/model.py.
+"""Tests of common/model/attention.py (SDPAttention) and layer_spec(attention=...) in common/model/gpt.py.
 
     .venv/bin/python -m pytest -q tests/test_attention.py
 
@@ -29,12 +29,12 @@ def dist_world_of_one():
     """This process as a world of one. init_distributed exports MASTER_ADDR/PORT for it; they
     are removed again afterwards, or later tests' subprocesses would inherit a port this
     process still listens on (EADDRINUSE)."""
-    from common.dist import init_distributed
+    from common.run.dist import init_distributed
 
     with pytest.MonkeyPatch.context() as env:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
-            env.setenv(name, "")      # recorded as unset, so teardown removes what
-            env.delenv(name)          # init_distributed exports
+            env.setenv(name, "")  # recorded as unset, so teardown removes what
+            env.delenv(name)  # init_distributed exports
         yield init_distributed()
 
 
@@ -44,11 +44,18 @@ def core_attention_pair(num_heads=8, num_groups=2, head_dim=32):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from common.attention import SDPAttention
+    from common.model.attention import SDPAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
-                               num_query_groups=num_groups, kv_channels=head_dim, attention_dropout=0.0,
-                               hidden_dropout=0.0, masked_softmax_fusion=False)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=num_heads * head_dim,
+        num_attention_heads=num_heads,
+        num_query_groups=num_groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=False,
+    )
     kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     return DotProductAttention(**kwargs), SDPAttention(**kwargs)
 
@@ -90,13 +97,13 @@ def test_core_attention_matches_local_explicit_mask(dist_world_of_one):
     tensors = qkv()
     mask = torch.ones(24, 24, dtype=torch.bool).triu(1).expand(3, 1, 24, 24).clone()
     mask[1, :, :, :5] = True
-    mask[1, :, torch.arange(5), torch.arange(5)] = False     # padded rows attend to themselves
+    mask[1, :, torch.arange(5), torch.arange(5)] = False  # padded rows attend to themselves
     out_local, grads_local = run(local, tensors, mask)
     out_sdpa, grads_sdpa = run(sdpa, tensors, mask)
     assert (out_sdpa - out_local).abs().max() <= TOLERANCE
     for g_sdpa, g_local in zip(grads_sdpa, grads_local):
         assert (g_sdpa - g_local).abs().max() <= TOLERANCE
-    out_causal, _ = run(sdpa, tensors)                         # the padding really changes row 1
+    out_causal, _ = run(sdpa, tensors)  # the padding really changes row 1
     assert (out_causal[:, 1] - out_sdpa[:, 1]).abs().max() > 1e-2
 
 
@@ -115,8 +122,10 @@ def check_rows(rows, where):
     for name, per_rank in rows.items():
         for rank, row in enumerate(per_rank):
             at = f"{name} {where} rank {rank}"
-            print(f"{at}: sdpa-hf {row['sdpa_vs_hf']:.1e} local-hf {row['local_vs_hf']:.1e} "
-                  f"sdpa-local {row['sdpa_vs_local']:.1e} grad rel {row['grad_max_rel_diff']:.1e}")
+            print(
+                f"{at}: sdpa-hf {row['sdpa_vs_hf']:.1e} local-hf {row['local_vs_hf']:.1e} "
+                f"sdpa-local {row['sdpa_vs_local']:.1e} grad rel {row['grad_max_rel_diff']:.1e}"
+            )
             assert row["sdpa_vs_hf"] <= TOLERANCE, at
             assert row["local_vs_hf"] <= TOLERANCE, at
             assert row["sdpa_vs_local"] <= TOLERANCE, at
@@ -148,8 +157,12 @@ TP2_LAYOUTS = {"tp2": (2, ["--tp", 2]), "tp2_sp": (2, ["--tp", 2, "--sp"])}
 
 @pytest.fixture(scope="module")
 def tp2_runs(attention_models_dir, tmp_path_factory):  # both layouts in one torchrun launch
-    return LayoutLaunches("tests/attention_worker.py", TP2_LAYOUTS, ["--models-dir", attention_models_dir],
-                          tmp_path_factory.mktemp("attention"))
+    return LayoutLaunches(
+        "tests/attention_worker.py",
+        TP2_LAYOUTS,
+        ["--models-dir", attention_models_dir],
+        tmp_path_factory.mktemp("attention"),
+    )
 
 
 @pytest.mark.parametrize("layout", list(TP2_LAYOUTS))
@@ -161,13 +174,14 @@ def test_models_tp2_torchrun(tp2_runs, layout):
 
 
 def test_same_state_dict_and_spec_choices(dist_world_of_one, attention_models_dir):
-    from common.attention import SDPAttention
-    from common.model import build_model, layer_spec, load_hf_spec
+    from common.model.attention import SDPAttention
+    from common.model.gpt import build_model, layer_spec, load_hf_spec
 
     spec = load_hf_spec(str(attention_models_dir / "qwen3"))
-    local, sdpa = build_model(spec, attention="local")[0], build_model(spec)[0]   # default: sdpa
+    local, sdpa = build_model(spec, attention="local")[0], build_model(spec)[0]  # default: sdpa
     assert isinstance(sdpa.decoder.layers[0].self_attention.core_attention, SDPAttention)
     assert not isinstance(local.decoder.layers[0].self_attention.core_attention, SDPAttention)
+
     def shapes(model):  # _extra_state entries are None
         return {k: getattr(v, "shape", v) for k, v in model.state_dict().items()}
 
@@ -189,8 +203,8 @@ def test_same_state_dict_and_spec_choices(dist_world_of_one, attention_models_di
 def test_apply_rope_matches_megatron_and_compiles():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from common.attention import apply_rope, apply_rope_qk
-    from common.fused import compile_fn
+    from common.model.attention import apply_rope, apply_rope_qk
+    from common.rl.fused import compile_fn
 
     torch.manual_seed(0)
     compiled_rope = compile_fn(apply_rope.eager)  # one compiled function for all lengths, as on a GPU
@@ -242,7 +256,7 @@ def test_context_parallel_prefixes_equal_the_global_mask(cp):
     bottom-right causal alignment, equal causal attention over the whole sequence restricted
     to that rank's tokens (what the masked path computes), for every rank; GQA, two rows,
     and v's head size != q/k's (MLA). Top-left alignment (the wrong convention) differs."""
-    from common.attention_cp import context_parallel_prefix_attention
+    from common.model.attention_cp import context_parallel_prefix_attention
 
     torch.manual_seed(0)
     h, b, heads, groups, d, dv = 3, 2, 4, 2, 8, 6
@@ -253,10 +267,13 @@ def test_context_parallel_prefixes_equal_the_global_mask(cp):
     # ground truth: causal attention over the whole sequence
     rep = heads // groups
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q_all.permute(1, 2, 0, 3), k_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
-        v_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1), is_causal=True).permute(2, 0, 1, 3)  # (full, b, heads, dv)
+        q_all.permute(1, 2, 0, 3),
+        k_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
+        v_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
+        is_causal=True,
+    ).permute(2, 0, 1, 3)  # (full, b, heads, dv)
 
-    def positions(r):  # global positions of rank r's tokens (common/batch.py:context_parallel_slice)
+    def positions(r):  # global positions of rank r's tokens (common/rl/batch.py:context_parallel_slice)
         return torch.cat([torch.arange(r * h, (r + 1) * h), torch.arange((2 * cp - 1 - r) * h, (2 * cp - r) * h)])
 
     gathered_k = torch.cat([k_all[positions(r)] for r in range(cp)])  # rank after rank, as the all-gather
@@ -267,8 +284,8 @@ def test_context_parallel_prefixes_equal_the_global_mask(cp):
         assert out.shape == (s, b, heads, dv)
         torch.testing.assert_close(out, ref[mine], atol=1e-6, rtol=1e-5)
         top_left = context_parallel_prefix_attention(
-            q_all[mine], gathered_k, gathered_v, cp, rank,
-            lambda *a: varlen_reference(*a, bottom_right=False))
+            q_all[mine], gathered_k, gathered_v, cp, rank, lambda *a: varlen_reference(*a, bottom_right=False)
+        )
         assert (top_left - ref[mine]).abs().max() > 1e-2  # every rank's second chunk starts past position 0
 
 
@@ -279,8 +296,8 @@ def test_context_parallel_packed_prefixes_equal_per_sample_attention(cp):
     each rank's chunks of every sample equals each sample's own causal attention, restricted
     to that rank's tokens, for every rank (samples of different lengths, GQA); a layout that
     takes the gathered keys as if they were in sample order fails."""
-    from common.attention_cp import context_parallel_packed_prefixes
-    from common.batch import thd_context_parallel_layout
+    from common.model.attention_cp import context_parallel_packed_prefixes
+    from common.rl.batch import thd_context_parallel_layout
 
     torch.manual_seed(0)
     lengths = [4 * cp, 2 * cp, 6 * cp, 2 * cp]  # multiples of 2cp, as the packing pads them
@@ -288,9 +305,14 @@ def test_context_parallel_packed_prefixes_equal_per_sample_attention(cp):
     total, heads, groups, d, dv = int(cu[-1]), 4, 2, 8, 6
     q_all, k_all = torch.randn(total, heads, d), torch.randn(total, groups, d)
     v_all = torch.randn(total, groups, dv)
-    ref = torch.cat([varlen_reference(q_all[a:b], k_all[a:b], v_all[a:b], torch.tensor([0, b - a]),
-                                      torch.tensor([0, b - a]), b - a, b - a)
-                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])  # each sample alone
+    ref = torch.cat(
+        [
+            varlen_reference(
+                q_all[a:b], k_all[a:b], v_all[a:b], torch.tensor([0, b - a]), torch.tensor([0, b - a]), b - a, b - a
+            )
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+        ]
+    )  # each sample alone
 
     def mine(r):  # where rank r's tokens sit in the whole row
         sample, position = thd_context_parallel_layout(cu, cp, r, total // cp)
@@ -303,32 +325,39 @@ def test_context_parallel_packed_prefixes_equal_per_sample_attention(cp):
         assert int(cu_q[-1]) == total // cp and int(cu_k[-1]) == len(index)
         out = varlen_reference(q_all[mine(rank)], gathered_k[index], gathered_v[index], cu_q, cu_k, 0, 0)
         torch.testing.assert_close(out, ref[mine(rank)], atol=1e-6, rtol=1e-5)
-        wrong = varlen_reference(q_all[mine(rank)], k_all[index], v_all[index], cu_q, cu_k, 0, 0)  # keys in sample order
+        wrong = varlen_reference(
+            q_all[mine(rank)], k_all[index], v_all[index], cu_q, cu_k, 0, 0
+        )  # keys in sample order
         assert (wrong - ref[mine(rank)]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_split_prefix_attention_equals_causal_attention(cp):
-    """Context parallelism's split attention (common/attention_cp.py): each CP rank's two chunks
+    """Context parallelism's split attention (common/model/attention_cp.py): each CP rank's two chunks
     against the keys of the earlier chunks (no mask) and their own (causal), one kernel call
     per part merged by log-sum-exp, here with torch's CPU flash kernels (the GPU runs cuDNN's
     through the same code): output and the gradients of q and of the gathered k / v equal
     causal attention over the whole sequence restricted to each rank (fp32), GQA, two rows."""
-    from common.attention_cp import split_prefix_attention
+    from common.model.attention_cp import split_prefix_attention
 
     torch.manual_seed(0)
     h, b, heads, groups, d = 3, 2, 4, 2, 8
     full = 2 * cp * h
-    q_all, k_all, v_all = (torch.randn(full, b, n, d, dtype=torch.float64).float().requires_grad_()
-                           for n in (heads, groups, groups))
-    rep, scale = heads // groups, d ** -0.5
+    q_all, k_all, v_all = (
+        torch.randn(full, b, n, d, dtype=torch.float64).float().requires_grad_() for n in (heads, groups, groups)
+    )
+    rep, scale = heads // groups, d**-0.5
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q_all.permute(1, 2, 0, 3), k_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
-        v_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1), is_causal=True, scale=scale).permute(2, 0, 1, 3)
+        q_all.permute(1, 2, 0, 3),
+        k_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
+        v_all.permute(1, 2, 0, 3).repeat_interleave(rep, 1),
+        is_causal=True,
+        scale=scale,
+    ).permute(2, 0, 1, 3)
     weights = torch.randn(ref.shape)
     ref_grads = torch.autograd.grad((ref * weights).sum(), (q_all, k_all, v_all))
 
-    def positions(r):  # global positions of rank r's tokens (common/batch.py:context_parallel_slice)
+    def positions(r):  # global positions of rank r's tokens (common/rl/batch.py:context_parallel_slice)
         return torch.cat([torch.arange(r * h, (r + 1) * h), torch.arange((2 * cp - 1 - r) * h, (2 * cp - r) * h)])
 
     order = torch.cat([positions(r) for r in range(cp)])  # the all-gather's order: rank after rank

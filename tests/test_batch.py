@@ -1,4 +1,4 @@
-"""common/batch.py: packing samples into (B, T) tensors and splitting micro-batches.
+"""common/rl/batch.py: packing samples into (B, T) tensors and splitting micro-batches.
 
     .venv/bin/python -m pytest -q tests/test_batch.py
 
@@ -10,6 +10,7 @@ micro_batches orders rows by length and cuts each micro-batch's padding (checked
 a tiny Qwen2 gives the same logprobs and gradients on cut micro-batches as at full width
 (worker: tests/batch_worker.py).
 """
+
 import json
 import math
 import subprocess
@@ -17,14 +18,13 @@ import sys
 
 import torch
 
-from common.batch import micro_batches, pack_sequences, split_micro_batches
-from common.rollout import Sample
+from common.rl.batch import micro_batches, pack_sequences, split_micro_batches
+from common.rollout.engine import Sample
 from tests.conftest import ROOT, script_env
 
 
 def test_pack_sequences_layout_by_hand():
-    samples = [Sample([5, 6], [7, 8, 9], [-0.5, -1.0, -2.0], "stop"),
-               Sample([4], [3], [-0.25], "length")]
+    samples = [Sample([5, 6], [7, 8, 9], [-0.5, -1.0, -2.0], "stop"), Sample([4], [3], [-0.25], "length")]
     b = pack_sequences(samples, pad_id=0, length_multiple=4)
     assert b["tokens"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [4, 3, 0, 0, 0, 0, 0, 0]]  # T = 5 -> 8
     assert b["targets"][0, :4].tolist() == [6, 7, 8, 9] and b["targets"][1, 0] == 3
@@ -54,8 +54,12 @@ def test_split_micro_batches():
 
 def test_micro_batches_sort_and_cut_by_hand():
     # ends (position after the last predicted token): row0 5, row1 2, row2 13, row3 9
-    samples = [Sample([1, 2], [3, 4, 5, 6], [0.0] * 4, "stop"), Sample([1, 2], [3], [0.0], "stop"),
-               Sample([1, 2], [3] * 12, [0.0] * 12, "length"), Sample([1, 2], [3] * 8, [0.0] * 8, "stop")]
+    samples = [
+        Sample([1, 2], [3, 4, 5, 6], [0.0] * 4, "stop"),
+        Sample([1, 2], [3], [0.0], "stop"),
+        Sample([1, 2], [3] * 12, [0.0] * 12, "length"),
+        Sample([1, 2], [3] * 8, [0.0] * 8, "stop"),
+    ]
     b = pack_sequences(samples, pad_id=0, length_multiple=4)  # width 16
     b["row"] = torch.arange(4)
     mbs = micro_batches(b, torch.tensor([0, 1, 2, 3]), micro_batch_size=2, length_multiple=4)
@@ -70,8 +74,12 @@ def test_micro_batches_sort_and_cut_by_hand():
 
 def test_micro_batches_token_budget_by_hand():
     # ends 2, 5, 9, 13 (rows 1, 0, 3, 2 ascending), length_multiple 4 -> cuts 4, 8, 12, 16
-    samples = [Sample([1, 2], [3, 4, 5, 6], [0.0] * 4, "stop"), Sample([1, 2], [3], [0.0], "stop"),
-               Sample([1, 2], [3] * 12, [0.0] * 12, "length"), Sample([1, 2], [3] * 8, [0.0] * 8, "stop")]
+    samples = [
+        Sample([1, 2], [3, 4, 5, 6], [0.0] * 4, "stop"),
+        Sample([1, 2], [3], [0.0], "stop"),
+        Sample([1, 2], [3] * 12, [0.0] * 12, "length"),
+        Sample([1, 2], [3] * 8, [0.0] * 8, "stop"),
+    ]
     b = pack_sequences(samples, pad_id=0, length_multiple=4)
     b["row"] = torch.arange(4)
     rows = torch.tensor([0, 1, 2, 3])
@@ -99,12 +107,17 @@ def test_cut_padding_same_logprobs_and_grads(tmp_path):
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
-    proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=script_env())
+    proc = subprocess.run(
+        [sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=script_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     print(r)
     assert r["logprob_diff"] < 1e-5
     assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_max"])
     assert r["cut_tokens"] < 0.7 * r["full_tokens"]  # the padding was really skipped
-

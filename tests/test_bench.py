@@ -24,6 +24,7 @@
   in every pair, the ratios are the median / min / max of one per pair; if one side generates
   a token less, no ratio is reported and the exit status is 1.
 """
+
 import importlib.util
 import json
 import os
@@ -42,7 +43,7 @@ SCRIPT = os.path.join("bench", "train.py")
 def bench_json(output):
     lines = [line for line in output.splitlines() if line.startswith("BENCH_JSON ")]
     assert len(lines) == 1, output[-3000:]  # rank 0 only
-    return json.loads(lines[0][len("BENCH_JSON "):])
+    return json.loads(lines[0][len("BENCH_JSON ") :])
 
 
 def run(*args, code=None, timeout=300):
@@ -86,13 +87,21 @@ def check_run(r, *, seq_len, num_seqs, steps, world_size, baseline=True):
         assert c["peak_mem_gib"] is None  # no GPU
     if baseline:
         assert r["ratio_tokens_per_s"] == pytest.approx(r["candidate"]["tokens_per_s"] / r["baseline"]["tokens_per_s"])
-        assert r["ratio_step_s_median"] == pytest.approx(r["baseline"]["step_s_median"] / r["candidate"]["step_s_median"])
+        assert r["ratio_step_s_median"] == pytest.approx(
+            r["baseline"]["step_s_median"] / r["candidate"]["step_s_median"]
+        )
 
 
 def test_single_process():
     out = run("--shape", "tiny", "--steps", 2, "--warmup", 1, "--peak-tflops", 0.001)
     r = bench_json(out)
-    assert (r["shape"], r["attention"], r["recompute"], r["dtype"], r["device"]) == ("tiny", "sdpa", "none", "float32", "cpu")
+    assert (r["shape"], r["attention"], r["recompute"], r["dtype"], r["device"]) == (
+        "tiny",
+        "sdpa",
+        "none",
+        "float32",
+        "cpu",
+    )
     # HF parameters: tied embedding, per layer q/k/v/o + q/k/v bias + MLP + 2 norms, final norm
     assert r["params"] == 512 * 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + (64 + 32 + 32) + 3 * 64 * 192 + 2 * 64) + 64
     check_run(r, seq_len=128, num_seqs=4, steps=2, world_size=1)
@@ -107,8 +116,14 @@ def test_single_process():
 
 def test_cuda_graphs_flag_refused_on_cpu():
     """--cuda-graphs (megatron's local CUDA graphs of the layers) says why it cannot run here."""
-    proc = subprocess.run([sys.executable, SCRIPT, "--shape", "tiny", "--cuda-graphs"], cwd=ROOT, env=script_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--shape", "tiny", "--cuda-graphs"],
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "--cuda-graphs: needs a GPU" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -116,15 +131,25 @@ def test_summarize_kernels_by_hand():
     # overlapping intervals count once in the busy time; categories by name, attention first
     # (flash kernels carry "sm90" too)
     import sys
+
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from harness import summarize_kernels
-    s = summarize_kernels([("sm90_xmma_gemm_bf16", 0, 40), ("flash_fwd_sm90_kernel", 30, 20),
-                           ("vectorized_elementwise_kernel", 100, 10), ("triton_red_fused_0", 150, 5),
-                           ("sm90_xmma_gemm_bf16", 160, 40)], wall_us=400)
+
+    s = summarize_kernels(
+        [
+            ("sm90_xmma_gemm_bf16", 0, 40),
+            ("flash_fwd_sm90_kernel", 30, 20),
+            ("vectorized_elementwise_kernel", 100, 10),
+            ("triton_red_fused_0", 150, 5),
+            ("sm90_xmma_gemm_bf16", 160, 40),
+        ],
+        wall_us=400,
+    )
     assert s["busy_ms"] == pytest.approx((50 + 10 + 5 + 40) / 1e3)
     assert s["idle_frac"] == pytest.approx(1 - 105 / 400)
-    assert s["categories"] == pytest.approx({"matmul": 0.08, "attention": 0.02, "elementwise": 0.01,
-                                             "fused (triton)": 0.005})
+    assert s["categories"] == pytest.approx(
+        {"matmul": 0.08, "attention": 0.02, "elementwise": 0.01, "fused (triton)": 0.005}
+    )
     assert s["top"][0] == (pytest.approx(0.08), 2, "sm90_xmma_gemm_bf16")
 
 
@@ -135,13 +160,13 @@ class _BackwardCallsCompiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from common.moe_experts import swiglu_weighted
+        from common.model.moe_experts import swiglu_weighted
 
         return swiglu_weighted(torch.cat([grad, grad], -1), torch.ones(len(grad)))  # cat, ones, compiled
 
 
 def _counted_step(x, w, probs):
-    from common.moe_experts import swiglu_weighted
+    from common.model.moe_experts import swiglu_weighted
 
     h = (_BackwardCallsCompiled.apply(x) * 2).sum(-1, keepdim=True) + x  # (clone), mul, sum, add
     h = torch.nn.functional.rms_norm(h, (8,), w)  # one fused kernel on a GPU (6 ops on a CPU)
@@ -150,12 +175,13 @@ def _counted_step(x, w, probs):
 
 def test_count_ops_by_hand():
     """harness.count_ops: every op counted once under its pass and the code that made it; a
-    function common/fused.py compiles on a GPU and torch's RMSNorm are one op per call each
+    function common/rl/fused.py compiles on a GPU and torch's RMSNorm are one op per call each
     way, however many they dispatch on a CPU (two calls in a row are two; one that a custom
     backward calls is one backward op)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from common.moe_experts import swiglu_weighted
     from harness import count_ops
+
+    from common.model.moe_experts import swiglu_weighted
 
     x, w, probs = torch.randn(4, 8, requires_grad=True), torch.ones(8, requires_grad=True), torch.rand(4)
 
@@ -168,7 +194,7 @@ def test_count_ops_by_hand():
 
     r = count_ops(fn)
     sites = {(where, name): n for n, where, name in r["sites"]}
-    mine, swiglu = "tests/test_bench.py:_counted_step", "compiled: common.moe_experts.swiglu_weighted"
+    mine, swiglu = "tests/test_bench.py:_counted_step", "compiled: common.model.moe_experts.swiglu_weighted"
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
     assert sites["forward", mine] == 5 and sites["no_grad", mine] == 5  # mul, sum, add, cat, sum
     assert sites["no_grad", "tests/test_bench.py:forward"] == 2  # the clone: a custom forward is not recorded
@@ -190,25 +216,44 @@ def test_count_ops_flag_tiny_moe():
     in BENCH_JSON. Counts made by hand from the shape: the updated parameters (2 layers x (QKV,
     proj, q/k norms, 2 layer norms, router, 8 experts x fc1/fc2) + embedding, final norm, LM head:
     49 tensors) are copied into the model by one foreach copy per optimizer (dense, experts:
-    common/training.py ListedCopies), not one copy each as megatron's distributed optimizer
+    common/train/setup.py ListedCopies), not one copy each as megatron's distributed optimizer
     does (--ab listed-copies switches back to it); each pass
     runs RMSNorm 2 x 4 + 1 times per micro-batch (one kernel each way on a GPU); each MoE layer's
     router and dispatcher call their compiled functions once per layer and micro-batch: the
     logprob pass takes both sequences in one (--logprob-micro-batch-size 2), the update one each
     (two). The counted step comes after --ab logprob-micro-batch's pairs, which must leave the
     asked sizes behind."""
-    r = bench_json(run("--shape", "tiny-moe", "--steps", 1, "--warmup", 1, "--no-baseline", "--count-ops",
-                       "--seq-len", 64, "--num-seqs", 2, "--micro-batch-size", 1, "--logprob-micro-batch-size", 2,
-                       "--ab", "logprob-micro-batch"))
+    r = bench_json(
+        run(
+            "--shape",
+            "tiny-moe",
+            "--steps",
+            1,
+            "--warmup",
+            1,
+            "--no-baseline",
+            "--count-ops",
+            "--seq-len",
+            64,
+            "--num-seqs",
+            2,
+            "--micro-batch-size",
+            1,
+            "--logprob-micro-batch-size",
+            2,
+            "--ab",
+            "logprob-micro-batch",
+        )
+    )
     assert len(r["candidate"]["ab"]["ratios"]) == 1
     counts = r["candidate"]["op_counts"]
     sites = {(where, name): n for n, where, name in counts["sites"]}
-    assert sites["no_grad", "common/training.py:_copy_main_params_to_model_params"] == 2
+    assert sites["no_grad", "common/train/setup.py:_copy_main_params_to_model_params"] == 2
     assert {op: n for n, op in counts["ops"]}["aten._foreach_copy_"] == 2
     assert not [name for _, name in sites if name.endswith("copy_group_params")]
     norm = "fused on a GPU: torch.nn.functional.rms_norm"
     assert sites["no_grad", norm] == 2 * 4 + 1 and sites["forward", norm] == sites["backward", norm] == 2 * (2 * 4 + 1)
-    for name in ("moe.permuted_rows", "moe_router.topk_routing"):
+    for name in ("model.moe.permuted_rows", "model.moe_router.topk_routing"):
         assert sites["no_grad", "compiled: common." + name] == 2 and sites["forward", "compiled: common." + name] == 4
     assert counts["total"] == sum(counts["by_pass"].values()) == sum(n for n, _, _ in counts["sites"])
 
@@ -223,6 +268,7 @@ def test_run_pairs_alternates_and_drops_warmup():
         def run(pair):
             calls.append((name, pair))
             return value + pair
+
         return run
 
     a, b = run_pairs(side("a", 10), side("b", 20), reps=3, warmup=1)
@@ -279,8 +325,25 @@ def test_allgather_dispatcher_ab_at_ep2():
     """bench/train.py --ab allgather at EP=2: megatron's all-to-all and --moe-dispatcher
     allgather swapped step by step in one process (CPU smoke: the pairs ran, both sides' step
     times are there; the speed itself is a GPU question)."""
-    r = bench_json(run_torchrun(SCRIPT, 2, "--shape", "tiny-moe", "--ep", 2, "--steps", 2, "--warmup", 1,
-                                "--seq-len", 32, "--no-baseline", "--ab", "allgather").stdout)
+    r = bench_json(
+        run_torchrun(
+            SCRIPT,
+            2,
+            "--shape",
+            "tiny-moe",
+            "--ep",
+            2,
+            "--steps",
+            2,
+            "--warmup",
+            1,
+            "--seq-len",
+            32,
+            "--no-baseline",
+            "--ab",
+            "allgather",
+        ).stdout
+    )
     assert r["ep"] == 2 and r["candidate"]["status"] == "ok"
     ab = r["candidate"]["ab"]
     assert len(ab["ratios"]) == 2 and all(x > 0 for x in ab["ratios"]) and ab["median"] > 0, ab
@@ -288,18 +351,20 @@ def test_allgather_dispatcher_ab_at_ep2():
 
 def test_baseline_oom_is_reported():
     # build_model raises the CUDA OOM error for the baseline's local attention
-    code = "\n".join([
-        "import runpy, sys, torch",
-        "import common.model",
-        "real = common.model.build_model",
-        "def build_model(spec, **kw):",
-        "    if kw.get('attention') == 'local':",
-        "        raise torch.OutOfMemoryError('CUDA out of memory (simulated by the test)')",
-        "    return real(spec, **kw)",
-        "common.model.build_model = build_model",
-        f"sys.argv = ['{SCRIPT}', '--shape', 'tiny', '--steps', '1', '--warmup', '1']",
-        f"runpy.run_path('{SCRIPT}', run_name='__main__')",
-    ])
+    code = "\n".join(
+        [
+            "import runpy, sys, torch",
+            "import common.model.gpt",
+            "real = common.model.gpt.build_model",
+            "def build_model(spec, **kw):",
+            "    if kw.get('attention') == 'local':",
+            "        raise torch.OutOfMemoryError('CUDA out of memory (simulated by the test)')",
+            "    return real(spec, **kw)",
+            "common.model.gpt.build_model = build_model",
+            f"sys.argv = ['{SCRIPT}', '--shape', 'tiny', '--steps', '1', '--warmup', '1']",
+            f"runpy.run_path('{SCRIPT}', run_name='__main__')",
+        ]
+    )
     out = run(code=code)
     r = bench_json(out)
     assert r["baseline"] == {"status": "oom"}
@@ -321,8 +386,14 @@ def test_sync_bench_cpu_smoke():
     """bench/sync.py with the CPU engine (vLLM needs a GPU): the cycle runs, the engine still
     generates after it, and the bytes synced are the tiny shape's, counted by hand."""
     env = script_env()
-    proc = subprocess.run([sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = bench_json(proc.stdout)
     # tiny: hidden 64, ffn 192, 2 layers, 4 heads x 16, 2 kv heads, vocab 512, tied, q/k/v bias
@@ -334,15 +405,23 @@ def test_sync_bench_cpu_smoke():
     ratios = result["sync_vs_copy_per_pair"]
     assert len(ratios) == 2
     assert result["sync_vs_copy"] == pytest.approx(statistics.median(ratios), rel=1e-5)
-    assert (result["sync_vs_copy_min"], result["sync_vs_copy_max"]) == pytest.approx((min(ratios), max(ratios)), rel=1e-5)
+    assert (result["sync_vs_copy_min"], result["sync_vs_copy_max"]) == pytest.approx(
+        (min(ratios), max(ratios)), rel=1e-5
+    )
 
 
 def test_moe_bench_cpu_smoke():
     """bench/moe.py on a tiny MoE (no grouped path on a CPU, both sides run the loop): the
     timed pairs and the median of their ratios are what BENCH_JSON reports."""
     env = script_env()
-    proc = subprocess.run([sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3",
-                           "--tokens", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3", "--tokens", "64"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = bench_json(proc.stdout)
     assert result["grouped_path"] is False and len(result["ratios"]) == 3
@@ -352,8 +431,20 @@ def test_moe_bench_cpu_smoke():
     assert result["loop_s"] > 0 and result["grouped_s"] > 0
 
 
-ROLLOUT_ARGS = ["--shape", "tiny", "--num-prompts", "2", "--samples-per-prompt", "3", "--prompt-len", "8",
-                "--max-new-tokens", "6", "--reps", "3"]
+ROLLOUT_ARGS = [
+    "--shape",
+    "tiny",
+    "--num-prompts",
+    "2",
+    "--samples-per-prompt",
+    "3",
+    "--prompt-len",
+    "8",
+    "--max-new-tokens",
+    "6",
+    "--reps",
+    "3",
+]
 
 
 def test_rollout_bench_cpu_smoke():
@@ -361,8 +452,14 @@ def test_rollout_bench_cpu_smoke():
     generate 2 prompts x 3 samples x 6 tokens = 36 tokens in every timed pair (EOS impossible),
     and the ratios are the median / min / max of one ratio per pair."""
     env = script_env()
-    proc = subprocess.run([sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     assert (r["engine"], r["reps"]) == ("hf", 3)
@@ -380,24 +477,25 @@ def test_rollout_bench_cpu_smoke():
 def test_rollout_bench_refuses_unequal_work():
     """One sample of ours one token short in the second timed pair: no ratio, exit status 1."""
     script = os.path.join("bench", "rollout.py")
-    code = "\n".join([
-        "import runpy, sys",
-        "import common.rollout",
-        "real = common.rollout.HFEngine.generate",
-        "calls = []",
-        "def generate(self, *args, **kwargs):",
-        "    samples = real(self, *args, **kwargs)",
-        "    calls.append(1)",
-        "    if len(calls) == 3:  # the warm-up pair, pair 1, then pair 2",
-        "        samples[0].response_ids.pop()",
-        "    return samples",
-        "common.rollout.HFEngine.generate = generate",
-        f"sys.argv = {[script] + ROLLOUT_ARGS!r}",
-        f"runpy.run_path({script!r}, run_name='__main__')",
-    ])
+    code = "\n".join(
+        [
+            "import runpy, sys",
+            "import common.rollout.hf_engine",
+            "real = common.rollout.hf_engine.HFEngine.generate",
+            "calls = []",
+            "def generate(self, *args, **kwargs):",
+            "    samples = real(self, *args, **kwargs)",
+            "    calls.append(1)",
+            "    if len(calls) == 3:  # the warm-up pair, pair 1, then pair 2",
+            "        samples[0].response_ids.pop()",
+            "    return samples",
+            "common.rollout.hf_engine.HFEngine.generate = generate",
+            f"sys.argv = {[script] + ROLLOUT_ARGS!r}",
+            f"runpy.run_path({script!r}, run_name='__main__')",
+        ]
+    )
     env = script_env()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     assert r["tokens_per_pair"] == [[36, 36], [36, 35], [36, 36]]

@@ -1,4 +1,4 @@
-"""Unit tests of common/bridge.py and the single-process paths of common/model.py.
+"""Unit tests of common/model/bridge.py and the single-process paths of common/model/gpt.py.
 
     .venv/bin/python -m pytest -q tests/test_bridge.py
 
@@ -7,14 +7,16 @@ TP shard/unshard functions (round trip at TP=1,2,4), pipeline stage splits (pipe
 against megatron-core's own layer placement and validation), llama3 rope scaling (the mcore model
 with scaling matches transformers; without it, it does not), and checkpoint-reading errors.
 """
+
 import json
 import os
 
 import pytest
 import torch
 
-from common import bridge
-from common.bridge import UnsupportedModelError, parse_hf_config
+from common.model import bridge
+from common.model.bridge import parse_hf_config
+from common.model.unsupported import UnsupportedModelError
 from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model, save_tiny_hf_model
 
 
@@ -37,23 +39,44 @@ def test_parse_supported(name):
 def test_parse_transformers4_style_rope():
     cfg = config_dict("llama")
     del cfg["rope_parameters"]
-    cfg.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cfg.update(
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     spec = parse_hf_config(cfg)
     assert spec.rope_theta == 500000.0 and spec.rope_scaling_factor == 8.0
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                          "rope_theta": 1e4}}, "low_freq_factor"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 2.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_theta": 1e4,
+                }
+            },
+            "low_freq_factor",
+        ),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ],
+)
 def test_parse_rejects(change, field):
     cfg = config_dict("llama")
     cfg.update(change)
@@ -98,8 +121,15 @@ def megatron_placement(num_layers, pp, vpp, fields):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
-                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, **fields)
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=8,
+        num_attention_heads=1,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        **fields,
+    )
     order, per_rank = [], [0] * pp
     for vp_stage in range(vpp or 1):
         for rank in range(pp):
@@ -111,14 +141,27 @@ def megatron_placement(num_layers, pp, vpp, fields):
     return order, per_rank
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp, asked, stages", [
-    (4, 2, None, {}, None), (8, 2, 2, {}, None), (6, 3, None, {}, None),  # even: megatron's default split
-    (3, 2, None, {}, [2, 1]), (5, 2, None, {}, [3, 2]), (5, 3, None, {}, [2, 2, 1]), (7, 4, None, {}, [2, 2, 2, 1]),
-    (9, 4, None, {}, [2, 3, 3, 1]), (6, 2, 2, {}, [4, 2]), (10, 4, 2, {}, [4, 2, 2, 2]),
-    (5, 2, None, dict(first=1), [1, 4]), (5, 2, None, dict(last=1), [4, 1]), (4, 2, None, dict(first=1), [1, 3]),
-    (5, 3, None, dict(first=1, last=2), [1, 2, 2]), (7, 3, None, dict(last=1), [3, 3, 1]),
-    (8, 3, 2, dict(first=2), [2, 4, 2]),
-])
+@pytest.mark.parametrize(
+    "num_layers, pp, vpp, asked, stages",
+    [
+        (4, 2, None, {}, None),
+        (8, 2, 2, {}, None),
+        (6, 3, None, {}, None),  # even: megatron's default split
+        (3, 2, None, {}, [2, 1]),
+        (5, 2, None, {}, [3, 2]),
+        (5, 3, None, {}, [2, 2, 1]),
+        (7, 4, None, {}, [2, 2, 2, 1]),
+        (9, 4, None, {}, [2, 3, 3, 1]),
+        (6, 2, 2, {}, [4, 2]),
+        (10, 4, 2, {}, [4, 2, 2, 2]),
+        (5, 2, None, dict(first=1), [1, 4]),
+        (5, 2, None, dict(last=1), [4, 1]),
+        (4, 2, None, dict(first=1), [1, 3]),
+        (5, 3, None, dict(first=1, last=2), [1, 2, 2]),
+        (7, 3, None, dict(last=1), [3, 3, 1]),
+        (8, 3, 2, dict(first=2), [2, 4, 2]),
+    ],
+)
 def test_pipeline_layout(num_layers, pp, vpp, asked, stages):
     """The automatic split (the busiest stage smallest, then the last stage) and the asked-for
     one, as megatron builds them: every layer once, in order, on the expected stages."""
@@ -148,24 +191,44 @@ def test_pipeline_layout_finds_every_split_megatron_can_build():
                 for first in range(1, num_layers + 1):
                     for last in range(1, num_layers + 1):
                         try:  # (with pp=2 and vpp megatron's offset divides by zero middle stages: first only)
-                            asked = dict(num_layers_in_first_pipeline_stage=first,
-                                         **(dict(num_layers_in_last_pipeline_stage=last) if pp > 2 or not vpp else {}))
+                            asked = dict(
+                                num_layers_in_first_pipeline_stage=first,
+                                **(dict(num_layers_in_last_pipeline_stage=last) if pp > 2 or not vpp else {}),
+                            )
                             order, _ = megatron_placement(num_layers, pp, vpp, asked)
                         except (ValueError, AssertionError):
                             continue
                         assert order != list(range(num_layers)), (num_layers, pp, vpp, first, last)
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp, asked, says", [
-    (3, 2, 2, {}, "num_hidden_layers=3 cannot be split over --pp 2 x --vpp 2: fewer layers than (virtual) pipeline stages (4)"),
-    (5, 2, 2, {}, "every stage needs a positive multiple of --vpp 2 layers"),
-    (4, 1, None, dict(first=2), "they need --pp > 1"),
-    (4, 2, None, dict(first=0), "over --pp 2 with --first-stage-layers 0: every stage needs >= 1 layer"),
-    (6, 2, 2, dict(last=1), "with --last-stage-layers 1: every stage needs a positive multiple of --vpp 2 layers"),
-    (5, 2, None, dict(first=2, last=2), "over --pp 2 with --first-stage-layers 2 and --last-stage-layers 2: every stage"),
-    (5, 3, None, dict(first=3, last=2), "every stage needs >= 1 layer, the 1 middle stage(s) equal shares"),
-    (6, 4, None, dict(first=1, last=2), "every stage needs >= 1 layer, the 2 middle stage(s) equal shares"),
-])
+@pytest.mark.parametrize(
+    "num_layers, pp, vpp, asked, says",
+    [
+        (
+            3,
+            2,
+            2,
+            {},
+            (
+                "num_hidden_layers=3 cannot be split over --pp 2 x --vpp 2: fewer layers than (virtual) pipeline "
+                "stages (4)"
+            ),
+        ),
+        (5, 2, 2, {}, "every stage needs a positive multiple of --vpp 2 layers"),
+        (4, 1, None, dict(first=2), "they need --pp > 1"),
+        (4, 2, None, dict(first=0), "over --pp 2 with --first-stage-layers 0: every stage needs >= 1 layer"),
+        (6, 2, 2, dict(last=1), "with --last-stage-layers 1: every stage needs a positive multiple of --vpp 2 layers"),
+        (
+            5,
+            2,
+            None,
+            dict(first=2, last=2),
+            "over --pp 2 with --first-stage-layers 2 and --last-stage-layers 2: every stage",
+        ),
+        (5, 3, None, dict(first=3, last=2), "every stage needs >= 1 layer, the 1 middle stage(s) equal shares"),
+        (6, 4, None, dict(first=1, last=2), "every stage needs >= 1 layer, the 2 middle stage(s) equal shares"),
+    ],
+)
 def test_pipeline_layout_errors(num_layers, pp, vpp, asked, says):
     with pytest.raises(ValueError) as err:
         bridge.pipeline_layout(num_layers, pp, vpp, **asked)
@@ -196,8 +259,14 @@ def test_shard_round_trip(name, tp):
     rebuilt = {}
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
     names += ["output_layer.weight"] if not spec.tie_word_embeddings else []
-    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-             "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    layer = [
+        "input_layernorm.weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_proj.weight",
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+    ]
     layer += ["self_attention.linear_qkv.bias"] if spec.qkv_bias else []
     layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"] if spec.qk_norm else []
     names += [f"decoder.layers.{i}.{s}" for i in range(spec.num_layers) for s in layer]
@@ -215,9 +284,9 @@ def test_shard_round_trip(name, tp):
 def test_llama3_rope_scaling_matters(tmp_path):
     """The llama3-scaled model matches transformers; the same weights with unscaled rope do
     not, so the scaling is really exercised by the parity tests."""
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.run.dist import init_distributed
 
     init_distributed()
     hf = save_tiny_hf_model("llama", str(tmp_path))
@@ -239,8 +308,8 @@ def test_llama3_rope_scaling_matters(tmp_path):
 
 
 def test_reader_errors(tmp_path):
-    from common.model import load_hf_spec
-    from common.weights import HFCheckpointReader
+    from common.model.gpt import load_hf_spec
+    from common.model.weights import HFCheckpointReader
 
     save_tiny_hf_model("qwen3", str(tmp_path / "sharded"), max_shard_size="20KB")
     spec = load_hf_spec(str(tmp_path / "sharded"))

@@ -8,6 +8,7 @@ shapes, chunks and values), and transformers' logits (--verify, and the merged d
 loaded with from_pretrained). Most cases run the scripts' main() in this process (fast);
 the multi-rank ones run them under torchrun on gloo.
 """
+
 import hashlib
 import json
 import os
@@ -18,11 +19,10 @@ import sys
 
 import torch
 
-from tests.conftest import ROOT, run_torchrun
-from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model
-
 import convert_hf_to_mcore  # noqa: E402  (the repo root is on sys.path via conftest)
 import merge_to_hf  # noqa: E402
+from tests.conftest import ROOT, run_torchrun
+from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model
 
 
 def convert(*args):
@@ -118,15 +118,19 @@ def test_same_checkpoint_as_megatron_save(tiny_models_dir, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from common.checkpoint import save_model_checkpoint
-    from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.run.dist import destroy_distributed, init_distributed
+    from common.train.checkpoint import save_model_checkpoint
 
     def contents(ckpt):
         md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-        layout = {k: (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-                  if hasattr(v, "chunks") else "bytes" for k, v in md.items()}
+        layout = {
+            k: (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+            if hasattr(v, "chunks")
+            else "bytes"
+            for k, v in md.items()
+        }
         tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items() if hasattr(v, "chunks")}
         dcp.load(tensors, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
         return layout, tensors
@@ -150,12 +154,12 @@ def test_merge_training_checkpoint(tiny_models_dir, tmp_path, capsys):
     """merge_to_hf.py reads only the model part of a training checkpoint (model + distributed
     optimizer), given the checkpoints root (`latest`) or a step directory; the HF files come
     from --hf-files or the run directory's hf/."""
-    from common.checkpoint import copy_hf_small_files
-    from common.train_checkpoint import save_training_checkpoint
-    from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
-    from common.training import setup_training
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.run.dist import destroy_distributed, init_distributed
+    from common.train.checkpoint import copy_hf_small_files
+    from common.train.save import save_training_checkpoint
+    from common.train.setup import setup_training
 
     hf_dir = tiny_models_dir / "llama"
     init_distributed()
@@ -183,16 +187,21 @@ def test_torchrun_convert_verify_tp2_pp2(tiny_models_dir, uneven_models_dir, tmp
     input) and at PP=2 (llama with tied embeddings and 3 layers: uneven stages of 2 + 1 layers),
     then merged in one process, and the llama also at PP=2 with --last-stage-layers 2 (stages of
     1 + 2 layers): bit-exact."""
-    for hf_dir, layout in ((tiny_models_dir / "qwen3", ["--tp", 2]), (uneven_models_dir / "llama_3layers", ["--pp", 2])):
+    for hf_dir, layout in (
+        (tiny_models_dir / "qwen3", ["--tp", 2]),
+        (uneven_models_dir / "llama_3layers", ["--pp", 2]),
+    ):
         ckpt = tmp_path / hf_dir.name
-        proc = run_torchrun("convert_hf_to_mcore.py", 2, "--hf", hf_dir, "--out", ckpt,
-                            "--dtype", "fp32", "--verify", *layout)
+        proc = run_torchrun(
+            "convert_hf_to_mcore.py", 2, "--hf", hf_dir, "--out", ckpt, "--dtype", "fp32", "--verify", *layout
+        )
         assert max_abs_diff(proc.stdout) <= 1e-5
         assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt))
         assert merge("--ckpt", ckpt, "--out", tmp_path / f"{hf_dir.name}-hf") == 0
         assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / f"{hf_dir.name}-hf"))
-    proc = run_torchrun("merge_to_hf.py", 2, "--ckpt", ckpt, "--out", tmp_path / "pp2-hf", "--pp", 2,
-                        "--last-stage-layers", 2)
+    proc = run_torchrun(
+        "merge_to_hf.py", 2, "--ckpt", ckpt, "--out", tmp_path / "pp2-hf", "--pp", 2, "--last-stage-layers", 2
+    )
     assert "layers per pipeline stage: [1, 2]" in proc.stdout
     assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / "pp2-hf"))
 
@@ -238,11 +247,21 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
     # --out not empty (without --force; and with --force when it is not an earlier output)
     expect_error(convert, "--hf", src, "--out", busy, says=["not empty", "--force"])
     expect_error(convert, "--hf", src, "--out", busy, "--force", says=["does not look like"])
-    expect_error(merge, "--ckpt", tiny_models_dir / "qwen2", "--out", tmp_path / "x",
-                 says=["is not a checkpoint"])
+    expect_error(merge, "--ckpt", tiny_models_dir / "qwen2", "--out", tmp_path / "x", says=["is not a checkpoint"])
     expect_error(convert, "--hf", src, "--out", src, "--force", says=["is (or contains) the input"])
-    expect_error(convert, "--hf", src, "--out", tmp_path / "o", "--verify", "--pp", 2, "--first-stage-layers", 4,
-                 says=["--verify layout: num_hidden_layers=4 cannot be split over --pp 2 with --first-stage-layers 4"])
+    expect_error(
+        convert,
+        "--hf",
+        src,
+        "--out",
+        tmp_path / "o",
+        "--verify",
+        "--pp",
+        2,
+        "--first-stage-layers",
+        4,
+        says=["--verify layout: num_hidden_layers=4 cannot be split over --pp 2 with --first-stage-layers 4"],
+    )
 
     # a truncated shard, then a missing shard: the file is named
     victim = src / shards[1]
@@ -257,8 +276,14 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
     # config.json inconsistent with the weights: the tensor and both shapes are named
     config = json.load(open(src / "config.json"))
     json.dump(dict(config, intermediate_size=128), open(src / "config.json", "w"))
-    expect_error(convert, "--hf", src, "--out", tmp_path / "o",
-                 says=["model.layers.0.mlp.gate_proj.weight", "[96, 64]", "[128, 64]"])
+    expect_error(
+        convert,
+        "--hf",
+        src,
+        "--out",
+        tmp_path / "o",
+        says=["model.layers.0.mlp.gate_proj.weight", "[96, 64]", "[128, 64]"],
+    )
     # unsupported architecture: named, and the supported ones listed
     json.dump(dict(config, architectures=["GPT2LMHeadModel"]), open(src / "config.json", "w"))
     expect_error(convert, "--hf", src, "--out", tmp_path / "o", says=["GPT2LMHeadModel", "Qwen2ForCausalLM"])
@@ -274,7 +299,7 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
 
         monkeypatch.setattr(module, "open", fake_open, raising=False)
 
-    from common import convert_io  # the converter's writer lives there
+    from common.run import convert_io  # the converter's writer lives there
 
     full_disk(convert_io, ".distcp")
     expect_error(convert, "--hf", src, "--out", tmp_path / "o", says=["disk full"])
@@ -295,6 +320,10 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
     # the real script in a subprocess: exit code 2 and no traceback
     with open(src / shards[0], "r+b") as f:
         f.truncate(100)
-    proc = subprocess.run([sys.executable, "convert_hf_to_mcore.py", "--hf", str(src), "--out",
-                           str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "convert_hf_to_mcore.py", "--hf", str(src), "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(src / shards[0]) in proc.stdout

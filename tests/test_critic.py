@@ -1,4 +1,4 @@
-"""The PPO critic (common/critic.py build_critic / load_critic_weights) against transformers.
+"""The PPO critic (common/model/critic.py build_critic / load_critic_weights) against transformers.
 
     .venv/bin/python -m pytest -q tests/test_critic.py
 
@@ -14,6 +14,7 @@ PP=2 (torchrun, gloo):
     gather's backward would make the norm's gradient tp times too large);
   - from a dir without a score head the head is zero: every value is exactly 0.
 """
+
 import json
 import subprocess
 import sys
@@ -52,15 +53,20 @@ def critic_models(tmp_path_factory):
         hidden = hf.model(input_ids=ids).last_hidden_state  # (B, T, H), after the final norm
         values = hidden @ w_[0] + b_  # (B, T)
         (values * c).sum().backward()
-        expected[name] = dict(values=values.detach(), head_weight_grad=w_.grad.view(-1), head_bias_grad=b_.grad,
-                              norm_grad=hf.model.norm.weight.grad.clone())
+        expected[name] = dict(
+            values=values.detach(),
+            head_weight_grad=w_.grad.view(-1),
+            head_bias_grad=b_.grad,
+            norm_grad=hf.model.norm.weight.grad.clone(),
+        )
     return root, expected
 
 
 @pytest.fixture(scope="module")
 def critic_runs(critic_models, tmp_path_factory):  # the 2-process layouts share a torchrun launch
-    return LayoutLaunches("tests/critic_worker.py", LAYOUTS, ["--models-dir", critic_models[0]],
-                          tmp_path_factory.mktemp("critic"))
+    return LayoutLaunches(
+        "tests/critic_worker.py", LAYOUTS, ["--models-dir", critic_models[0]], tmp_path_factory.mktemp("critic")
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -70,8 +76,14 @@ def test_critic_matches_transformers(layout, critic_models, critic_runs, tmp_pat
     if nproc == 1:  # one plain process, as `python train_ppo.py`
         out = tmp_path / "result.json"
         env = script_env()
-        proc = subprocess.run([sys.executable, "tests/critic_worker.py", "--models-dir", str(root), "--out", str(out)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "tests/critic_worker.py", "--models-dir", str(root), "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         results = json.loads(out.read_text())
     else:

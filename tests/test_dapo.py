@@ -1,14 +1,15 @@
-"""DAPO's data-side techniques (common/dapo.py) against hand computations, and the flags of
+"""DAPO's data-side techniques (common/rl/dapo.py) against hand computations, and the flags of
 train_grpo.py end to end on the CPU.
 
     .venv/bin/python -m pytest -q tests/test_dapo.py
 """
+
 import types
 
 import pytest
 import torch
 
-from common.dapo import dynamic_sampling, overlong_penalty
+from common.rl.dapo import dynamic_sampling, overlong_penalty
 from tests.conftest import read_metrics, run_script
 
 
@@ -36,8 +37,12 @@ def test_dynamic_sampling_keeps_informative_groups_then_fills():
     samples, rewards, metrics = dynamic_sampling(*batch([[1, 1], [0, 1], [2, 2]]), group=2, more=more, max_rounds=5)
     assert calls == [1, 2, 3]  # stopped as soon as the batch was full
     assert rewards.tolist() == [0, 1, 0, 1, 3, 4] and len(samples) == 6
-    assert metrics == {"sampling_rounds": 4, "informative_groups": 3, "filler_groups": 0,
-                       "first_round_informative_frac": pytest.approx(1 / 3)}
+    assert metrics == {
+        "sampling_rounds": 4,
+        "informative_groups": 3,
+        "filler_groups": 0,
+        "first_round_informative_frac": pytest.approx(1 / 3),
+    }
     # capped at one extra round: 2 informative groups, the first zero-signal group fills the batch
     calls.clear()
     samples, rewards, metrics = dynamic_sampling(*batch([[1, 1], [0, 1], [2, 2]]), group=2, more=more, max_rounds=1)
@@ -53,9 +58,35 @@ def test_train_grpo_dapo_flags(tmp_path):
     """All of DAPO's switches at once: every step trains on a full batch of groups, logs its
     rounds, and the overlong penalty shows in the rewards (responses of 4 tokens with a
     buffer of 2 tokens: 3 tokens cost 0.5, 4 cost 1)."""
-    run_script("train_grpo.py", "--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 32,
-               "--max-new-tokens", 4, "--steps", 3, "--out", tmp_path, "--dynamic-sampling", "--max-sampling-rounds", 2,
-               "--overlong-buffer", 2, "--mask-truncated", "--clip-high", 0.28, "--loss-agg", "token_mean", "--kl-coef", 0)
+    run_script(
+        "train_grpo.py",
+        "--prompts-per-step",
+        8,
+        "--samples-per-prompt",
+        4,
+        "--micro-batch-size",
+        4,
+        "--mini-batch-size",
+        32,
+        "--max-new-tokens",
+        4,
+        "--steps",
+        3,
+        "--out",
+        tmp_path,
+        "--dynamic-sampling",
+        "--max-sampling-rounds",
+        2,
+        "--overlong-buffer",
+        2,
+        "--mask-truncated",
+        "--clip-high",
+        0.28,
+        "--loss-agg",
+        "token_mean",
+        "--kl-coef",
+        0,
+    )
     for m in read_metrics(tmp_path):
         assert 1 <= m["sampling_rounds"] <= 3
         assert m["informative_groups"] + m["filler_groups"] == 8

@@ -1,22 +1,19 @@
-"""Prompt loading, chat formatting, the resumable sampler and the synthetic task (common/data.py).
+"""Prompt loading, chat formatting, the resumable sampler and the synthetic task (common/run/data.py).
 
 Run: .venv/bin/python -m pytest tests/test_data.py -q
 """
+
 import json
 
 import pytest
 
-from common.data import (
-    PromptSampler,
-    SyntheticArithmetic,
-    apply_chat_template,
-    load_prompts,
-    synthetic_prompts,
-)
+from common.run.data import PromptSampler, SyntheticArithmetic, apply_chat_template, load_prompts, synthetic_prompts
 
 GSM8K_ROWS = [
-    {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
-     "answer": "In May she sold 48/2 = 24.\nIn total 48+24 = 72.\n#### 72"},
+    {
+        "question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+        "answer": "In May she sold 48/2 = 24.\nIn total 48+24 = 72.\n#### 72",
+    },
     {"question": "What is 1,000 + 1?", "answer": "#### 1,001"},
 ]
 
@@ -31,6 +28,7 @@ def write_jsonl(path, rows):
 # -----------------------------------------------------------------------------
 # load_prompts
 
+
 def test_jsonl_gsm8k_fields(tmp_path):
     items = load_prompts(write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS))
     assert items == [dict(prompt=r["question"], answer=r["answer"]) for r in GSM8K_ROWS]
@@ -40,8 +38,10 @@ def test_parquet_math_fields(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"problem": "What is $\\frac{1}{2}+\\frac{1}{2}$?", "solution": "It is $\\boxed{1}$.", "level": 1},
-            {"problem": "Compute $2^3$.", "solution": "$\\boxed{8}$", "level": 2}]
+    rows = [
+        {"problem": "What is $\\frac{1}{2}+\\frac{1}{2}$?", "solution": "It is $\\boxed{1}$.", "level": 1},
+        {"problem": "Compute $2^3$.", "solution": "$\\boxed{8}$", "level": 2},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "math.parquet")
     items = load_prompts(str(tmp_path / "math.parquet"))
     assert items == [dict(prompt=r["problem"], answer=r["solution"]) for r in rows]
@@ -51,16 +51,25 @@ def test_datasets_dir_and_nested_chat_fields(tmp_path):
     import datasets
 
     # verl-style rows: chat-message prompts, the reference nested under reward_model.
-    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
-             "reward_model": {"ground_truth": "4", "style": "rule"}, "data_source": "toy"},
-            {"prompt": [{"role": "user", "content": "3*3?"}],
-             "reward_model": {"ground_truth": "9", "style": "rule"}, "data_source": "toy"}]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+            "reward_model": {"ground_truth": "4", "style": "rule"},
+            "data_source": "toy",
+        },
+        {
+            "prompt": [{"role": "user", "content": "3*3?"}],
+            "reward_model": {"ground_truth": "9", "style": "rule"},
+            "data_source": "toy",
+        },
+    ]
     expected = [dict(prompt=rows[0]["prompt"], answer="4"), dict(prompt=rows[1]["prompt"], answer="9")]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "plain"))
     assert load_prompts(str(tmp_path / "plain")) == expected
     # A DatasetDict: the train split is used.
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
-                          "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dict"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}
+    ).save_to_disk(str(tmp_path / "dict"))
     assert load_prompts(str(tmp_path / "dict"), prompt_key="prompt", answer_key="reward_model.ground_truth") == expected
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "no_train"))
     with pytest.raises(ValueError, match=r"no split 'train' \(--data-split; splits: \['test'\]\)"):
@@ -72,7 +81,9 @@ def test_explicit_keys_and_non_string_answers(tmp_path):
     rows = [{"input": "1+1=", "target": 2, "question": "ignored"}, {"input": "2+2=", "target": 4, "question": "x"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     assert load_prompts(path, prompt_key="input", answer_key="target") == [
-        dict(prompt="1+1=", answer="2"), dict(prompt="2+2=", answer="4")]
+        dict(prompt="1+1=", answer="2"),
+        dict(prompt="2+2=", answer="4"),
+    ]
     # A .json file holding one array works too.
     (tmp_path / "d.json").write_text(json.dumps(rows))
     assert load_prompts(str(tmp_path / "d.json"), prompt_key="input", answer_key="target")[1]["answer"] == "4"
@@ -106,11 +117,12 @@ def test_load_errors(tmp_path):
 # apply_chat_template (on the embedded byte tokenizer: token id == byte, so the expected
 # ids can be written by hand)
 
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from common.embedded import write_embedded_model
+    from common.run.embedded import write_embedded_model
 
     return AutoTokenizer.from_pretrained(write_embedded_model(str(tmp_path_factory.mktemp("emb") / "m")))
 
@@ -136,6 +148,7 @@ def test_apply_chat_template_without_template(tokenizer):
 
 # -----------------------------------------------------------------------------
 # PromptSampler
+
 
 def take(sampler, n):
     return [sampler.next_batch() for _ in range(n)]
@@ -172,6 +185,7 @@ def test_sampler_refuses_a_changed_dataset():
 
 # -----------------------------------------------------------------------------
 # The synthetic task
+
 
 def test_synthetic_default_items():
     items = synthetic_prompts(2000, seed=0)

@@ -1,7 +1,8 @@
-"""The embedded default model directory (common/embedded.py), reloaded the way users load it.
+"""The embedded default model directory (common/run/embedded.py), reloaded the way users load it.
 
 Run: .venv/bin/python -m pytest tests/test_embedded.py -q
 """
+
 import json
 import os
 import random
@@ -10,7 +11,7 @@ import unicodedata
 import pytest
 import torch
 
-from common.embedded import (
+from common.run.embedded import (
     CHAT_TEMPLATE,
     DEFAULT_CONFIG,
     ENDOFTEXT_ID,
@@ -36,8 +37,7 @@ def tokenizer(embedded_dir):
 def random_texts(n, seed=0):
     """Texts mixing ASCII, whitespace/control bytes, accents (NFD too), CJK and emoji."""
     rng = random.Random(seed)
-    pools = [range(0x00, 0x80), range(0x80, 0x250), range(0x300, 0x370), range(0x4E00, 0x4E80),
-             range(0x1F600, 0x1F650)]
+    pools = [range(0x00, 0x80), range(0x80, 0x250), range(0x300, 0x370), range(0x4E00, 0x4E80), range(0x1F600, 0x1F650)]
     texts = []
     for _ in range(n):
         texts.append("".join(chr(rng.choice(rng.choice(pools))) for _ in range(rng.randint(0, 40))))
@@ -78,7 +78,7 @@ def test_chat_template(tokenizer):
 def test_model_config_and_weights(embedded_dir):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from common.model import load_hf_spec
+    from common.model.gpt import load_hf_spec
 
     spec = load_hf_spec(embedded_dir)  # the bridge accepts it
     assert spec.architecture == "Qwen2ForCausalLM" and spec.tie_word_embeddings

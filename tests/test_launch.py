@@ -1,8 +1,9 @@
 """Tests of launch/*.sh: syntax, the torchrun command slurm.sh runs (srun/scontrol stubbed), and
-which python local.sh runs, and a plain `python script.py` start (common/dist.py).
+which python local.sh runs, and a plain `python script.py` start (common/run/dist.py).
 
     .venv/bin/python -m pytest -q tests/test_launch.py
 """
+
 import os
 import subprocess
 import sys
@@ -29,23 +30,52 @@ def test_slurm_forwards_args(tmp_path):
     stub(bin_dir / "srun", 'printf "SRUN_ARG<%s>\\n" "$@"\n')
     stub(bin_dir / "scontrol", '[ "$1 $2 $3" = "show hostnames gpu-[03-04]" ] && printf "gpu-03\\ngpu-04\\n"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "GPUS_PER", "MASTER_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="gpu-[03-04]", SLURM_NNODES="2",
-               SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="8")
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        SLURM_JOB_NODELIST="gpu-[03-04]",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="4242",
+        SLURM_GPUS_ON_NODE="8",
+    )
     args = ["train_grpo.py", "--model", "/models/Qwen 2", "--tp", "4"]
-    proc = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sh"), *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, check=True)
-    srun_args = [line[len("SRUN_ARG<"):-1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
-    torchrun = srun_args[srun_args.index("torchrun"):]
-    assert torchrun == ["torchrun", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
-                        "--rdzv_endpoint", "gpu-03:29500", "--rdzv_id", "4242", *args]
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch/slurm.sh"), *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    srun_args = [line[len("SRUN_ARG<") : -1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
+    torchrun = srun_args[srun_args.index("torchrun") :]
+    assert torchrun == [
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "gpu-03:29500",
+        "--rdzv_id",
+        "4242",
+        *args,
+    ]
     assert "--container-image" not in srun_args
 
     env.update(GPUS_PER_NODE="4", MASTER_PORT="12345", CONTAINER_IMAGE="img.sqsh")
-    proc = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sh"), *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, check=True)
-    srun_args = [line[len("SRUN_ARG<"):-1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch/slurm.sh"), *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    srun_args = [line[len("SRUN_ARG<") : -1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
     assert srun_args[srun_args.index("--container-image") + 1] == "img.sqsh"
-    torchrun = srun_args[srun_args.index("torchrun"):]
+    torchrun = srun_args[srun_args.index("torchrun") :]
     assert torchrun[torchrun.index("--nproc_per_node") + 1] == "4"
     assert torchrun[torchrun.index("--rdzv_endpoint") + 1] == "gpu-03:12345"
 
@@ -55,14 +85,32 @@ def test_local_forwards_args(tmp_path):
     stub(fake_python, 'printf "ARG<%s>\\n" "$@"\n')
     env = dict(os.environ, PYTHON=str(fake_python))
     env.pop("NPROC", None)
-    out = subprocess.run(["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "1"],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.splitlines() == ["ARG<train_grpo.py>", "ARG<--tp>", "ARG<1>"]
     env["NPROC"] = "8"
-    out = subprocess.run(["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "4"],
-                         env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["ARG<-m>", "ARG<torch.distributed.run>", "ARG<--standalone>",
-                                "ARG<--nproc_per_node>", "ARG<8>", "ARG<train_grpo.py>", "ARG<--tp>", "ARG<4>"]
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.splitlines() == [
+        "ARG<-m>",
+        "ARG<torch.distributed.run>",
+        "ARG<--standalone>",
+        "ARG<--nproc_per_node>",
+        "ARG<8>",
+        "ARG<train_grpo.py>",
+        "ARG<--tp>",
+        "ARG<4>",
+    ]
 
 
 def test_local_picks_repo_venv_then_python3(tmp_path):
@@ -79,16 +127,29 @@ def test_local_picks_repo_venv_then_python3(tmp_path):
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
 
     def launch(**extra_env):
-        return subprocess.run(["bash", str(script), "train_grpo.py", "--tp", "2"], env=dict(env, **extra_env),
-                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
+        return subprocess.run(
+            ["bash", str(script), "train_grpo.py", "--tp", "2"],
+            env=dict(env, **extra_env),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
 
     assert launch() == ["PY3<train_grpo.py>", "PY3<--tp>", "PY3<2>"]
     (repo / ".venv" / "bin").mkdir(parents=True)
     stub(repo / ".venv" / "bin" / "python", 'printf "VENV<%s>\\n" "$@"\n')
     assert launch() == ["VENV<train_grpo.py>", "VENV<--tp>", "VENV<2>"]
-    assert launch(NPROC="2") == ["VENV<-m>", "VENV<torch.distributed.run>", "VENV<--standalone>",
-                                      "VENV<--nproc_per_node>", "VENV<2>", "VENV<train_grpo.py>",
-                                      "VENV<--tp>", "VENV<2>"]
+    assert launch(NPROC="2") == [
+        "VENV<-m>",
+        "VENV<torch.distributed.run>",
+        "VENV<--standalone>",
+        "VENV<--nproc_per_node>",
+        "VENV<2>",
+        "VENV<train_grpo.py>",
+        "VENV<--tp>",
+        "VENV<2>",
+    ]
     # an explicit PYTHON still wins
     stub(bin_dir / "mypython", 'printf "MINE<%s>\\n" "$@"\n')
     assert launch(PYTHON=str(bin_dir / "mypython"))[0] == "MINE<train_grpo.py>"
@@ -104,15 +165,32 @@ def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):
     bin_dir.mkdir()
     log = tmp_path / "log"
     # srun: records its arguments and a USR1, then exits like ranks that saved and stopped
-    stub(bin_dir / "srun", f'trap \'echo GOT_USR1 >> {log}; exit 0\' USR1\nprintf "ARG<%s>\\n" "$@" >> {log}\n'
-                           f'echo READY >> {log}\nfor i in $(seq 600); do sleep 0.1; done\n')
-    stub(bin_dir / "scontrol", f'[ "$1" = requeue ] && echo "REQUEUE $2" >> {log}\n'
-                               '[ "$1 $2" = "show hostnames" ] && echo gpu-01\nexit 0\n')
+    stub(
+        bin_dir / "srun",
+        f'trap \'echo GOT_USR1 >> {log}; exit 0\' USR1\nprintf "ARG<%s>\\n" "$@" >> {log}\n'
+        f"echo READY >> {log}\nfor i in $(seq 600); do sleep 0.1; done\n",
+    )
+    stub(
+        bin_dir / "scontrol",
+        f'[ "$1" = requeue ] && echo "REQUEUE $2" >> {log}\n[ "$1 $2" = "show hostnames" ] && echo gpu-01\nexit 0\n',
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "GPUS_PER", "MASTER_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="gpu-01", SLURM_NNODES="1",
-               SLURM_JOB_ID="77", SLURM_GPUS_ON_NODE="8", SLURM_RESTART_COUNT="1")
-    proc = subprocess.Popen(["bash", os.path.join(ROOT, "launch/slurm.sh"), "train_grpo.py", "--out", "runs/x"],
-                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        SLURM_JOB_NODELIST="gpu-01",
+        SLURM_NNODES="1",
+        SLURM_JOB_ID="77",
+        SLURM_GPUS_ON_NODE="8",
+        SLURM_RESTART_COUNT="1",
+    )
+    proc = subprocess.Popen(
+        ["bash", os.path.join(ROOT, "launch/slurm.sh"), "train_grpo.py", "--out", "runs/x"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 30
     while time.time() < deadline and not (log.exists() and "READY" in log.read_text()):
         time.sleep(0.05)
@@ -127,17 +205,18 @@ def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):
 
 def test_plain_python_binds_no_port_it_picked_earlier():
     """A plain `python script.py` (a world of one) keeps torch.distributed's store in memory: on a
-    GPU machine running tests side by side, the port common/dist.py had picked was taken by
+    GPU machine running tests side by side, the port common/run/dist.py had picked was taken by
     another process before the TCP store bound it (EADDRINUSE, no step run). Here the port it
     picks is one already listening."""
-    code = ("import socket, torch.distributed as dist\n"
-            "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
-            "from common import dist as d\n"
-            "d._free_port = lambda: held.getsockname()[1]\n"
-            "info = d.init_distributed()\n"
-            "print('world', info.world_size, dist.get_world_size())\n")
+    code = (
+        "import socket, torch.distributed as dist\n"
+        "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
+        "from common.run import dist as d\n"
+        "d._free_port = lambda: held.getsockname()[1]\n"
+        "info = d.init_distributed()\n"
+        "print('world', info.world_size, dist.get_world_size())\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "world 1 1" in proc.stdout

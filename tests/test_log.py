@@ -1,9 +1,10 @@
-"""Tests of common/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
+"""Tests of common/run/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
 resume (truncate keeps the replaced lines, a fresh run never destroys one), the run record,
 and the warning filters.
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
+
 import importlib.metadata
 import json
 import math
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.log import MetricsLogger, default_wandb_mode, quiet_known_warnings, run_record, time_stack
+from common.run.log import MetricsLogger, default_wandb_mode, quiet_known_warnings, run_record, time_stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,23 +32,41 @@ def read_jsonl(path):
 
 
 def test_jsonl_config_and_plot(tmp_path):
-    logger = MetricsLogger(tmp_path, {"lr": 1e-6, "model": "tiny"}, wandb_mode="disabled",
-                           project="p", run_name=None, enabled=True, plot_every=2)
+    logger = MetricsLogger(
+        tmp_path,
+        {"lr": 1e-6, "model": "tiny"},
+        wandb_mode="disabled",
+        project="p",
+        run_name=None,
+        enabled=True,
+        plot_every=2,
+    )
     assert json.load(open(tmp_path / "config.json")) == {"lr": 1e-6, "model": "tiny"}
-    logger.log(0, {"reward_mean": torch.tensor(0.25), "kl": np.float32(0.5), "n": torch.tensor(3),
-                   "rollout_s": 1.5, "train_s": 0.5, "tag": "x"})
+    logger.log(
+        0,
+        {
+            "reward_mean": torch.tensor(0.25),
+            "kl": np.float32(0.5),
+            "n": torch.tensor(3),
+            "rollout_s": 1.5,
+            "train_s": 0.5,
+            "tag": "x",
+        },
+    )
     # flushed line by line: readable before close, and no plot yet (plot_every=2)
     assert read_jsonl(tmp_path / "metrics.jsonl") == [
-        {"step": 0, "reward_mean": 0.25, "kl": 0.5, "n": 3, "rollout_s": 1.5, "train_s": 0.5, "tag": "x"}]
+        {"step": 0, "reward_mean": 0.25, "kl": 0.5, "n": 3, "rollout_s": 1.5, "train_s": 0.5, "tag": "x"}
+    ]
     assert not (tmp_path / "curves.png").exists()
-    logger.log(1, {"reward_mean": 0.75, "grad_norm": torch.tensor(2.0, dtype=torch.bfloat16),
-                   "rollout_s": 1.0, "train_s": 0.25})
+    logger.log(
+        1,
+        {"reward_mean": 0.75, "grad_norm": torch.tensor(2.0, dtype=torch.bfloat16), "rollout_s": 1.0, "train_s": 0.25},
+    )
     png = (tmp_path / "curves.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 1000
     logger.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert lines[1] == json.dumps({"step": 1, "reward_mean": 0.75, "grad_norm": 2.0,
-                                   "rollout_s": 1.0, "train_s": 0.25})
+    assert lines[1] == json.dumps({"step": 1, "reward_mean": 0.75, "grad_norm": 2.0, "rollout_s": 1.0, "train_s": 0.25})
     assert not (tmp_path / "wandb").exists()
 
 
@@ -56,29 +75,35 @@ def test_log_samples(tmp_path, capsys):
     line each (prompt cut at its start, response at its end) and kept whole in samples.jsonl."""
     import types
 
-    from common.embedded import write_embedded_model
     from transformers import AutoTokenizer
+
+    from common.run.embedded import write_embedded_model
 
     tokenizer = AutoTokenizer.from_pretrained(write_embedded_model(str(tmp_path / "model")))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    samples = [types.SimpleNamespace(prompt_ids=encode(f"question {i}\nsay {i}="), response_ids=encode(f"{i}" * (1 + 40 * i)))
-               for i in range(4)]
+    samples = [
+        types.SimpleNamespace(prompt_ids=encode(f"question {i}\nsay {i}="), response_ids=encode(f"{i}" * (1 + 40 * i)))
+        for i in range(4)
+    ]
     logger = MetricsLogger(tmp_path / "out", {}, wandb_mode="disabled")
     logger.log_samples(3, tokenizer, samples, [0.0, 0.5, 1.0, 0.25], every=2, stride=2)  # 3 % 2: not this step
     assert not (tmp_path / "out" / "samples.jsonl").exists() and capsys.readouterr().out == ""
     logger.log_samples(4, tokenizer, samples, [0.0, 0.5, 1.0, 0.25], every=2, stride=2, width=12)
     assert read_jsonl(tmp_path / "out" / "samples.jsonl") == [
         {"step": 4, "prompt": "question 0\nsay 0=", "response": "0", "reward": 0.0},
-        {"step": 4, "prompt": "question 2\nsay 2=", "response": "2" * 81, "reward": 1.0}]
+        {"step": 4, "prompt": "question 2\nsay 2=", "response": "2" * 81, "reward": 1.0},
+    ]
     assert capsys.readouterr().out.splitlines() == [
-        "[step 4] reward 0.000 | prompt: ...n 0 | say 0=", "    response: 0",
-        "[step 4] reward 1.000 | prompt: ...n 2 | say 2=", "    response: " + "2" * 12 + "..."]
+        "[step 4] reward 0.000 | prompt: ...n 0 | say 0=",
+        "    response: 0",
+        "[step 4] reward 1.000 | prompt: ...n 2 | say 2=",
+        "    response: " + "2" * 12 + "...",
+    ]
     logger.close()
 
 
 def test_disabled_rank_writes_nothing(tmp_path):
-    logger = MetricsLogger(tmp_path / "out", {"a": 1}, wandb_mode="offline", project="p",
-                           run_name=None, enabled=False)
+    logger = MetricsLogger(tmp_path / "out", {"a": 1}, wandb_mode="offline", project="p", run_name=None, enabled=False)
     logger.log(0, {"reward_mean": 1.0})
     logger.truncate_after(0)
     logger.close()
@@ -101,14 +126,18 @@ def test_truncate_after_resume(tmp_path):
     logger.log(3, {"reward_mean": 0.9})
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [
-        {"step": 0, "reward_mean": 0.0}, {"step": 1, "reward_mean": 0.1},
-        {"step": 2, "reward_mean": 0.2}, {"step": 3, "reward_mean": 0.9}]
-    assert [r["step"] for r in logger.history] == [0, 1, 2, 3]   # the plot covers the resumed part
+        {"step": 0, "reward_mean": 0.0},
+        {"step": 1, "reward_mean": 0.1},
+        {"step": 2, "reward_mean": 0.2},
+        {"step": 3, "reward_mean": 0.9},
+    ]
+    assert [r["step"] for r in logger.history] == [0, 1, 2, 3]  # the plot covers the resumed part
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)  # close() draws
     # the lines the resume replaced are kept, tagged, in their order
     assert read_jsonl(tmp_path / "metrics.replaced.jsonl") == [
         {"replaced_by_resume_at": 3, "step": 3, "reward_mean": 0.3},
-        {"replaced_by_resume_at": 3, "step": 4, "reward_mean": 0.4}]
+        {"replaced_by_resume_at": 3, "step": 4, "reward_mean": 0.4},
+    ]
     # a second resume, from step 1, appends to the side file: nothing logged is ever lost
     logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
     logger.truncate_after(1)
@@ -117,7 +146,8 @@ def test_truncate_after_resume(tmp_path):
     assert read_jsonl(tmp_path / "metrics.replaced.jsonl")[2:] == [
         {"replaced_by_resume_at": 1, "step": 1, "reward_mean": 0.1},
         {"replaced_by_resume_at": 1, "step": 2, "reward_mean": 0.2},
-        {"replaced_by_resume_at": 1, "step": 3, "reward_mean": 0.9}]
+        {"replaced_by_resume_at": 1, "step": 3, "reward_mean": 0.9},
+    ]
     # resuming at a step past the end replaces nothing and leaves the side file alone
     logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0, resume=True)
     logger.truncate_after(5)
@@ -171,9 +201,12 @@ def test_time_stack_counts_missing_phases_as_zero():
     steps, phases, total = time_stack(history)
     assert steps == [0, 1, 2, 3]
     # save_s counted 0 where missing
-    assert phases == {"rollout_s": [1.0, 1.5, 0.5, 1.0], "save_s": [0.0, 4.0, 0.0, 3.0],
-                      "train_s": [2.0, 2.5, 1.0, 2.0]}
-    assert "step_s" not in phases   # the total is drawn as a line, never stacked on its parts
+    assert phases == {
+        "rollout_s": [1.0, 1.5, 0.5, 1.0],
+        "save_s": [0.0, 4.0, 0.0, 3.0],
+        "train_s": [2.0, 2.5, 1.0, 2.0],
+    }
+    assert "step_s" not in phases  # the total is drawn as a line, never stacked on its parts
     assert total[:2] == [3.5, 8.5] and math.isnan(total[2]) and total[3] == 6.5
 
 
@@ -188,20 +221,20 @@ def test_plot_draws_the_time_stack(tmp_path):
         logger.log(step, {"reward_mean": step / 10, **times, "step_s": sum(times.values()) + 0.5})
     fig = logger.plot()
     ax = next(a for a in fig.axes if a.get_title() == "seconds per step")
-    stacked = [c for c in ax.collections]   # one PolyCollection per stacked phase
+    stacked = [c for c in ax.collections]  # one PolyCollection per stacked phase
     assert len(stacked) == 3
-    tops = {}   # the upper edge of the last band (its outline holds both edges): max y per step
+    tops = {}  # the upper edge of the last band (its outline holds both edges): max y per step
     for x, y in stacked[-1].get_paths()[0].vertices:
         tops[x] = max(tops.get(x, -math.inf), y)
     for step in range(6):
         expected = 1.0 + step + 2.0 + (5.0 if step % 3 == 2 else 0.0)
         assert tops[step] == pytest.approx(expected)
     (line,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("step_s")]
-    assert list(line.get_ydata()) == pytest.approx([1.0 + s + 2.0 + (5.0 if s % 3 == 2 else 0.0) + 0.5
-                                                    for s in range(6)])
+    assert list(line.get_ydata()) == pytest.approx(
+        [1.0 + s + 2.0 + (5.0 if s % 3 == 2 else 0.0) + 0.5 for s in range(6)]
+    )
     legend = next(a.get_legend() for a in fig.axes if a.get_legend() is not None)
-    assert sorted(t.get_text() for t in legend.get_texts()) == [
-        "rollout_s", "save_s", "step_s (total)", "train_s"]
+    assert sorted(t.get_text() for t in legend.get_texts()) == ["rollout_s", "save_s", "step_s (total)", "train_s"]
     # outside the data area: the legend's box does not overlap the panel's
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
@@ -216,8 +249,9 @@ def test_wandb_offline_run_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
-    logger = MetricsLogger(tmp_path, {"lr": 0.1}, wandb_mode="offline", project="test",
-                           run_name="unit", enabled=True, plot_every=0)
+    logger = MetricsLogger(
+        tmp_path, {"lr": 0.1}, wandb_mode="offline", project="test", run_name="unit", enabled=True, plot_every=0
+    )
     logger.log(0, {"reward_mean": 1.0})
     logger.log(1, {"reward_mean": 2.0})
     run_id = logger.wandb_run.id
@@ -245,10 +279,18 @@ def test_default_wandb_mode(tmp_path, monkeypatch):
 def test_run_record(tmp_path):
     layout = {"world_size": 2, "tp": 2, "pp": 1, "dp": 1}
     record = run_record({"lr": 1e-6, "out": tmp_path, "steps": 3}, layout)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True, check=True).stdout.strip())
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = bool(
+        subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     assert record["git"] == {"commit": head, "dirty": dirty}
     for name in ("torch", "megatron-core", "transformers", "numpy"):
         assert record["versions"][name] == importlib.metadata.version(name)
@@ -257,11 +299,11 @@ def test_run_record(tmp_path):
     except importlib.metadata.PackageNotFoundError:
         vllm_version = None
     assert record["versions"]["vllm"] == vllm_version
-    assert "vllm" not in sys.modules   # read from metadata, never imported
+    assert "vllm" not in sys.modules  # read from metadata, never imported
     assert record["versions"]["python"] == platform.python_version()
     assert record["hostname"] == socket.gethostname()
     assert record["layout"] == layout
-    assert record["args"] == {"lr": 1e-6, "out": str(tmp_path), "steps": 3}   # a Path becomes a str
+    assert record["args"] == {"lr": 1e-6, "out": str(tmp_path), "steps": 3}  # a Path becomes a str
     assert json.loads(json.dumps(record)) == record
     # MetricsLogger writes it as config.json, unchanged
     MetricsLogger(tmp_path / "run", record, enabled=True, plot_every=0).close()
@@ -275,15 +317,14 @@ def test_run_record_without_git(monkeypatch):
 
 
 def test_run_record_outside_a_checkout(tmp_path):
-    from common.log import git_state
+    from common.run.log import git_state
 
     assert git_state(str(tmp_path)) is None
 
 
 def _known_warning(message, category, module):
     """Emit a warning attributed to `module`, as if that module had called warnings.warn."""
-    warnings.warn_explicit(message, category, filename=module.replace(".", "/") + ".py", lineno=1,
-                           module=module)
+    warnings.warn_explicit(message, category, filename=module.replace(".", "/") + ".py", lineno=1, module=module)
 
 
 def test_quiet_known_warnings_filters_only_known(monkeypatch):
@@ -291,30 +332,41 @@ def test_quiet_known_warnings_filters_only_known(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_known_warnings(rank=0, on_gpu=False)
-        _known_warning("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
-                       UserWarning, "megatron.core.transformer.transformer_config")
-        _known_warning("When using async grad allreduce it is recommended to set the environment variable "
-                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
-                       "megatron.core.tensor_parallel.layers")
+        _known_warning(
+            "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+            UserWarning,
+            "megatron.core.transformer.transformer_config",
+        )
+        _known_warning(
+            "When using async grad allreduce it is recommended to set the environment variable "
+            "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+            UserWarning,
+            "megatron.core.tensor_parallel.layers",
+        )
         warnings.warn("something new went wrong", UserWarning)
         # a known message from another module is not the known warning: it shows
         _known_warning("Apex is not installed. Falling back to Torch Norm", UserWarning, "mylib.norms")
-    assert [str(w.message) for w in caught] == ["something new went wrong",
-                                               "Apex is not installed. Falling back to Torch Norm"]
+    assert [str(w.message) for w in caught] == [
+        "something new went wrong",
+        "Apex is not installed. Falling back to Torch Norm",
+    ]
     # on a GPU the CUDA_DEVICE_MAX_CONNECTIONS hint is real advice: it shows
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_known_warnings(rank=0, on_gpu=True)
-        _known_warning("When using async grad allreduce it is recommended to set the environment variable "
-                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
-                       "megatron.core.tensor_parallel.layers")
+        _known_warning(
+            "When using async grad allreduce it is recommended to set the environment variable "
+            "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+            UserWarning,
+            "megatron.core.tensor_parallel.layers",
+        )
     assert len(caught) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS" in str(caught[0].message)
 
 
 def test_quiet_known_warnings_other_ranks_silent(monkeypatch):
     monkeypatch.setattr(sys, "warnoptions", [])
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
-    monkeypatch.setenv("RANK", "1")   # as torchrun sets it, before init_process_group
+    monkeypatch.setenv("RANK", "1")  # as torchrun sets it, before init_process_group
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_known_warnings()
@@ -347,7 +399,7 @@ import sys, warnings
 import torch
 import torch.distributed as dist
 if sys.argv[1] == "quiet":
-    from common.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings
     quiet_known_warnings(rank=0, on_gpu=False)
 import megatron.core.optimizer                      # TE/apex fallback notices (import time)
 from megatron.core.models.gpt import gpt_layer_specs
@@ -369,8 +421,14 @@ warnings.warn("something new went wrong")
 def _warnings_printed(tmp_path, mode):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", REAL_WARNINGS_SCRIPT, mode, str(tmp_path / f"store-{mode}")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", REAL_WARNINGS_SCRIPT, mode, str(tmp_path / f"store-{mode}")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # "path:line: Category: message" lines of the default warning printer
     return [line.split("Warning: ", 1)[1] for line in proc.stderr.splitlines() if "Warning: " in line]
@@ -380,10 +438,14 @@ def test_real_third_party_warnings_filtered(tmp_path):
     loud = _warnings_printed(tmp_path, "loud")
     quiet = _warnings_printed(tmp_path, "quiet")
     # without the filters, every known warning prints (else this test could not fail)
-    for start in ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back",
-                  "full scope is deprecated", "`torch.distributed.all_gather_into_tensor` is deprecated",
-                  "`torch.distributed.reduce_scatter_tensor` is deprecated",
-                  "The .grad attribute of a Tensor that is not a leaf"):
+    for start in (
+        "Transformer Engine and Apex are not installed",
+        "Apex is not installed. Falling back",
+        "full scope is deprecated",
+        "`torch.distributed.all_gather_into_tensor` is deprecated",
+        "`torch.distributed.reduce_scatter_tensor` is deprecated",
+        "The .grad attribute of a Tensor that is not a leaf",
+    ):
         assert any(m.startswith(start) for m in loud), (start, loud)
     grad_message = [m for m in loud if m.startswith("The .grad attribute")][0]
     assert quiet == ["something new went wrong", grad_message]

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest -q tests/test_long_sequences.py
 
 Packing puts samples back to back in one row per pass, no padding.
-Ground truth: the padded micro-batches (common/batch.py:micro_batches), which are exact
+Ground truth: the padded micro-batches (common/rl/batch.py:micro_batches), which are exact
 against transformers (tests/test_model_parity.py). tests/packing_worker.py scores the same
 samples both ways with tiny fp32 models at 1 rank, TP=2+SP, PP=2, EP=2 and CP=2 (gloo): logprobs,
 the gradient of a loss with both per-sequence terms (GSPO's ratio, seq_mean_token_mean),
@@ -15,13 +15,14 @@ rollouts (responses long enough that every CP rank's queries attend the other ra
 GSPO and seq_mean_token_mean, whose per-sequence terms span the CP ranks) and must give the
 same training metrics; the splits by hand. (tests/test_train_ppo.py runs the critic at --cp 2.)
 """
+
 import json
 
 import pytest
 import torch
 
-from common import batch as B
-from common import rl
+from common.rl import batch as B
+from common.rl.losses import aggregate_loss, policy_loss
 from tests.conftest import ROOT, LayoutLaunches, read_metrics, run_script, run_scripts, run_torchrun
 
 LAYOUTS = {  # name: (processes, worker flags, models)
@@ -48,8 +49,9 @@ def models_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def packing(models_dir, tmp_path_factory):  # the layouts of one process count share a torchrun launch
     layouts = {name: (nproc, ["--models", *models, *flags]) for name, (nproc, flags, models) in LAYOUTS.items()}
-    return LayoutLaunches("tests/packing_worker.py", layouts, ["--models-dir", models_dir, "--critic"],
-                          tmp_path_factory.mktemp("packing"))
+    return LayoutLaunches(
+        "tests/packing_worker.py", layouts, ["--models-dir", models_dir, "--critic"], tmp_path_factory.mktemp("packing")
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -75,8 +77,15 @@ def padded_batch(lengths, width):
     for i, end in enumerate(lengths):
         mask[i, :end] = 1.0
     tokens = torch.arange(n * width).reshape(n, width) + 100
-    return dict(tokens=tokens, targets=tokens + 1, positions=torch.arange(width).expand(n, width), mask=mask,
-                values=torch.rand(n, width), row=torch.arange(n), response_len=mask.sum(1))
+    return dict(
+        tokens=tokens,
+        targets=tokens + 1,
+        positions=torch.arange(width).expand(n, width),
+        mask=mask,
+        values=torch.rand(n, width),
+        row=torch.arange(n),
+        response_len=mask.sum(1),
+    )
 
 
 def test_packed_layout_by_hand():
@@ -122,27 +131,47 @@ def test_sequence_terms_with_packed_ids_by_hand():
     """seq_mean_token_mean and GSPO's sequence ratio over packed ids equal the per-row values."""
     per_token = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 8.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    by_rows = rl.aggregate_loss(per_token, mask, "seq_mean_token_mean", num_seqs=2)
+    by_rows = aggregate_loss(per_token, mask, "seq_mean_token_mean", num_seqs=2)
     assert by_rows.item() == pytest.approx((2.0 + 6.0) / 2)
     packed = torch.tensor([[1.0, 2.0, 3.0, 4.0, 8.0, 0.0]])
     packed_mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
     seq = torch.tensor([[0, 0, 0, 1, 1, 2]])
-    assert rl.aggregate_loss(packed, packed_mask, "seq_mean_token_mean", num_seqs=2, seq_ids=seq).item() \
-        == pytest.approx(4.0)
+    assert aggregate_loss(packed, packed_mask, "seq_mean_token_mean", num_seqs=2, seq_ids=seq).item() == pytest.approx(
+        4.0
+    )
     logprobs = torch.tensor([[-1.0, -2.0, -3.0, -0.5, -1.5, 0.0]])
     old = torch.zeros_like(logprobs)
-    loss, _ = rl.policy_loss(logprobs, old, torch.ones(1, 6), 10.0, 10.0, sequence_mask=packed_mask, seq_ids=seq)
+    loss, _ = policy_loss(logprobs, old, torch.ones(1, 6), 10.0, 10.0, sequence_mask=packed_mask, seq_ids=seq)
     ratios = torch.exp(torch.tensor([-2.0, -2.0, -2.0, -1.0, -1.0]))  # each sample's mean log-ratio
     assert torch.allclose(-loss[0, :5], ratios)
 
 
-GRPO_STEP = ["--steps", 1, "--eval-every", 0, "--log-samples-every", 0, "--prompts-per-step", 8,
-             "--samples-per-prompt", 4, "--mini-batch-size", 16, "--micro-batch-size", 4, "--ppo-epochs", 2,
-             "--no-pack"]  # padded passes (packing is the default); "pack" below turns it back on
+GRPO_STEP = [
+    "--steps",
+    1,
+    "--eval-every",
+    0,
+    "--log-samples-every",
+    0,
+    "--prompts-per-step",
+    8,
+    "--samples-per-prompt",
+    4,
+    "--mini-batch-size",
+    16,
+    "--micro-batch-size",
+    4,
+    "--ppo-epochs",
+    2,
+    "--no-pack",
+]  # padded passes (packing is the default); "pack" below turns it back on
 
 
-FIRST_STEP_FLAGS = {"pack": ["--pack"], "recompute_full": ["--recompute", "full", "--recompute-layers", "2"],
-                    "recompute_selective": ["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"]}
+FIRST_STEP_FLAGS = {
+    "pack": ["--pack"],
+    "recompute_full": ["--recompute", "full", "--recompute-layers", "2"],
+    "recompute_selective": ["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -173,16 +202,16 @@ def test_recompute_runs_megatrons_checkpointing(tmp_path):
     from tests.conftest import run_script as run
 
     script = tmp_path / "count.py"
-    script.write_text(f'''
+    script.write_text(f"""
 import json, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
 from megatron.core.tensor_parallel import random as mrandom
-from common.bridge import recompute_config
-from common.dist import init_distributed
-from common.embedded import DEFAULT_CONFIG
-from common.model import build_model
-from common.bridge import parse_hf_config
-from common.embedded import hf_config
+from common.model.bridge import recompute_config
+from common.run.dist import init_distributed
+from common.run.embedded import DEFAULT_CONFIG
+from common.model.gpt import build_model
+from common.model.bridge import parse_hf_config
+from common.run.embedded import hf_config
 init_distributed()
 spec = parse_hf_config(hf_config(DEFAULT_CONFIG))
 calls = {{"n": 0}}
@@ -201,11 +230,11 @@ for name, fields in (("none", recompute_config()), ("full", recompute_config("fu
     model(ids, torch.arange(16)[None], None).sum().backward()
     counts[name] = calls["n"]
 print("COUNTS " + json.dumps(dict(counts, layers=spec.num_layers)))
-''')
+""")
     proc = run(str(script))
     counts = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("COUNTS "))[7:])
     assert counts["none"] == 0 and counts["full"] == counts["layers"] and counts["selective"] == counts["layers"]
-    from common.bridge import recompute_config
+    from common.model.bridge import recompute_config
 
     with pytest.raises(ValueError, match="layernorm"):
         recompute_config("selective", ["layernorm"])
@@ -217,8 +246,12 @@ def test_context_parallel_split_by_hand():
     whole rows' valid tokens; and the scattered parts of both ranks rebuild the row. The
     length multiples the scripts pad to: rows of 8 per SP rank, times 2*cp chunks under CP;
     packed samples of 2*cp under CP."""
-    assert [B.length_multiples(tp, cp) for tp, cp in ((1, 1), (2, 1), (1, 2), (2, 3))] == \
-        [(8, 1), (16, 1), (32, 4), (96, 6)]
+    assert [B.length_multiples(tp, cp) for tp, cp in ((1, 1), (2, 1), (1, 2), (2, 3))] == [
+        (8, 1),
+        (16, 1),
+        (32, 4),
+        (96, 6),
+    ]
     batch = padded_batch([5, 8], width=8)
     mb = {k: v for k, v in batch.items()}
     parts = [B.context_parallel_slice(mb, 2, rank) for rank in (0, 1)]
@@ -233,9 +266,13 @@ def test_context_parallel_split_by_hand():
         B.context_parallel_slice(padded_batch([5], width=6), 2, 0)
     # seq_mean_token_mean over the two halves with the whole rows' counts = over whole rows
     per_token = torch.rand(2, 8)
-    whole = rl.aggregate_loss(per_token, batch["mask"], "seq_mean_token_mean", num_seqs=2)
-    halves = sum(rl.aggregate_loss(per_token[:, p["src_col"][0]], p["mask"], "seq_mean_token_mean", num_seqs=2,
-                                   seq_counts=p["seq_counts"]) for p in parts)
+    whole = aggregate_loss(per_token, batch["mask"], "seq_mean_token_mean", num_seqs=2)
+    halves = sum(
+        aggregate_loss(
+            per_token[:, p["src_col"][0]], p["mask"], "seq_mean_token_mean", num_seqs=2, seq_counts=p["seq_counts"]
+        )
+        for p in parts
+    )
     assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -253,7 +290,9 @@ def test_context_parallel_packed_split_by_hand():
     parts = [B.context_parallel_slice(mb, 2, rank) for rank in (0, 1)]
     assert parts[0]["tokens"].tolist() == [[100, 101, 0, 0, 108, 0]]
     assert parts[1]["tokens"].tolist() == [[102, 103, 104, 0, 109, 0]]
-    assert parts[0]["positions"].tolist() == [[0, 1, 6, 7, 0, 3]] and parts[1]["positions"].tolist() == [[2, 3, 4, 5, 1, 2]]
+    assert parts[0]["positions"].tolist() == [[0, 1, 6, 7, 0, 3]] and parts[1]["positions"].tolist() == [
+        [2, 3, 4, 5, 1, 2]
+    ]
     for rank, part in enumerate(parts):  # the layout the attention computes from cu_seqlens alone
         sample, position = B.thd_context_parallel_layout(mb["cu_seqlens"], 2, rank, 6)
         assert sample.tolist() == part["seq"][0].tolist() and position.tolist() == part["positions"][0].tolist()
@@ -265,9 +304,18 @@ def test_context_parallel_packed_split_by_hand():
     assert torch.equal(store[:2] * batch["mask"], batch["values"] * batch["mask"])
     # seq_mean_token_mean over the two ranks' halves with the whole samples' counts = over whole rows
     per_token = torch.rand(2, 8)
-    whole = rl.aggregate_loss(per_token, batch["mask"], "seq_mean_token_mean", num_seqs=2)
-    halves = sum(rl.aggregate_loss(per_token[p["src_row"].clamp(max=1), p["src_col"]], p["mask"], "seq_mean_token_mean",
-                                   num_seqs=2, seq_ids=p["seq"], seq_counts=p["seq_counts"]) for p in parts)
+    whole = aggregate_loss(per_token, batch["mask"], "seq_mean_token_mean", num_seqs=2)
+    halves = sum(
+        aggregate_loss(
+            per_token[p["src_row"].clamp(max=1), p["src_col"]],
+            p["mask"],
+            "seq_mean_token_mean",
+            num_seqs=2,
+            seq_ids=p["seq"],
+            seq_counts=p["seq_counts"],
+        )
+        for p in parts
+    )
     assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
     with pytest.raises(ValueError, match="divisible by 2 \\* cp"):  # samples not padded to 2 * cp
         (unpadded,) = B.packed_micro_batches(batch, torch.arange(2), max_tokens=16, length_multiple=4)
@@ -278,9 +326,29 @@ def test_context_parallel_packed_split_by_hand():
 # all four chunks of the CP split. GSPO's sequence ratio and seq_mean_token_mean are per-sequence
 # terms, summed over the CP ranks; DAPO's overlong penalty makes the rewards (so the advantages and
 # the policy gradient) nonzero: the embedded task's rule reward is 0 on such long responses.
-CP_GEOMETRY = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16,
-               "--max-new-tokens", 24, "--steps", 2, "--eval-every", 0, "--log-samples-every", 0,
-               "--gspo", "--loss-agg", "seq_mean_token_mean", "--overlong-buffer", 20]
+CP_GEOMETRY = [
+    "--prompts-per-step",
+    8,
+    "--samples-per-prompt",
+    4,
+    "--micro-batch-size",
+    4,
+    "--mini-batch-size",
+    16,
+    "--max-new-tokens",
+    24,
+    "--steps",
+    2,
+    "--eval-every",
+    0,
+    "--log-samples-every",
+    0,
+    "--gspo",
+    "--loss-agg",
+    "seq_mean_token_mean",
+    "--overlong-buffer",
+    20,
+]
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +366,18 @@ def test_grpo_at_cp2_equals_one_process(flags, one_process_run, tmp_path):
     of tests/test_train_grpo.py it did not); packed, a query seeing one position ahead in its
     sample gave logprob_mismatch 0.022, RoPE at the rank-local offset 5.4e-4 (here 1.3e-7), and
     GSPO's ratio without the CP sum policy_loss 7e-4 / 2e-4 (padded / packed) off."""
-    run_torchrun("train_grpo.py", 2, *CP_GEOMETRY, "--cp", 2, *flags, "--out", tmp_path,
-                 "--load-rollouts", one_process_run / "rollouts")
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        *CP_GEOMETRY,
+        "--cp",
+        2,
+        *flags,
+        "--out",
+        tmp_path,
+        "--load-rollouts",
+        one_process_run / "rollouts",
+    )
     for a, b in zip(read_metrics(one_process_run / "one"), read_metrics(tmp_path), strict=True):
         assert a["grad_norm"] > 0.1 and a["reward_std"] > 0  # the policy gradient is in the comparison
         for key in ("policy_loss", "grad_norm", "entropy", "kl", "ppo_kl", "logprob_mismatch", "lr"):
@@ -309,8 +387,26 @@ def test_grpo_at_cp2_equals_one_process(flags, one_process_run, tmp_path):
 def test_moe_at_cp2_ep2_matches_transformers(tmp_path):
     """The embedded MoE at --cp 2 --ep 2 (experts' all-to-all across the two CP ranks): the
     trainer's logprobs agree with the CPU engine's (transformers, fp32) on the sampled tokens."""
-    run_torchrun("train_grpo.py", 2, "--embedded-model", "moe", "--cp", 2, "--ep", 2, "--steps", 1,
-                 "--max-new-tokens", 16, "--eval-every", 0, "--log-samples-every", 0, "--out", tmp_path)
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        "--embedded-model",
+        "moe",
+        "--cp",
+        2,
+        "--ep",
+        2,
+        "--steps",
+        1,
+        "--max-new-tokens",
+        16,
+        "--eval-every",
+        0,
+        "--log-samples-every",
+        0,
+        "--out",
+        tmp_path,
+    )
     (row,) = read_metrics(tmp_path)
     print("logprob_mismatch", row["logprob_mismatch"])
     assert row["logprob_mismatch"] < 1e-5  # measured 1.4e-7; a subtly wrong CP mask gave 0.019

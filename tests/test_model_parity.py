@@ -11,7 +11,7 @@ Qwen3 with q/k norm and head_dim != hidden/heads, Mistral; Qwen3 as a sharded ch
   - two deliberately wrong mappings (k/v swapped; fc1 as a plain chunk of [gate; up] at
     TP>1) are far above the tolerance, so the comparison can fail.
 The PP=2 and PP=2 x VPP=2 launches add a model whose layers do not divide by the stages
-(megatron's uneven stages, common/bridge.py:pipeline_layout): each rank holds the layers the
+(megatron's uneven stages, common/model/bridge.py:pipeline_layout): each rank holds the layers the
 automatic split assigns it, the logits match, and the same layers loaded one layer off (as an
 even split's offset would) do not.
 build_model's GPTModel returns its logits as a view (no transposing copy) holding exactly
@@ -38,10 +38,13 @@ UNEVEN = {"pp2": ("llama_3layers", [[0, 1], [2]]), "pp2_vpp2": ("qwen2_6layers",
 
 @pytest.fixture(scope="module")
 def parity(tiny_models_dir, uneven_models_dir, tmp_path_factory):
-    layouts = {name: (nproc, flags + (["--model", uneven_models_dir / UNEVEN[name][0]] if name in UNEVEN else []))
-               for name, (nproc, flags) in LAYOUTS.items()}
-    return LayoutLaunches("tests/parity_worker.py", layouts, ["--models-dir", tiny_models_dir],
-                          tmp_path_factory.mktemp("parity"))
+    layouts = {
+        name: (nproc, flags + (["--model", uneven_models_dir / UNEVEN[name][0]] if name in UNEVEN else []))
+        for name, (nproc, flags) in LAYOUTS.items()
+    }
+    return LayoutLaunches(
+        "tests/parity_worker.py", layouts, ["--models-dir", tiny_models_dir], tmp_path_factory.mktemp("parity")
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -49,13 +52,17 @@ def test_parity(layout, parity):
     nproc, flags = LAYOUTS[layout]
     uneven, placement = UNEVEN.get(layout, (None, None))
     results = parity[layout]
-    assert sorted(results) == sorted(["llama", "mistral", "qwen2", "qwen2_tied", "qwen3"] + ([uneven] if uneven else []))
+    assert sorted(results) == sorted(
+        ["llama", "mistral", "qwen2", "qwen2_tied", "qwen3"] + ([uneven] if uneven else [])
+    )
     for name, ranks in results.items():
         assert len(ranks) == nproc
         for rank, row in enumerate(ranks):
             where = f"{name} {layout} rank {rank}"
-            print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e}",
-                  *(f"{k}={v:.2e}" for k, v in row.items() if k.startswith("control")))
+            print(
+                f"{where}: max_abs_diff={row['max_abs_diff']:.2e}",
+                *(f"{k}={v:.2e}" for k, v in row.items() if k.startswith("control")),
+            )
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [], where
             assert row["export_mismatch"] == [], where
@@ -72,15 +79,15 @@ def test_parity(layout, parity):
 
 
 def test_logits_are_a_view_of_megatrons_values(tiny_models_dir):
-    """common/model.py's GPTModel gives the (B, T, V) logits as a view of the output layer's
+    """common/model/gpt.py's GPTModel gives the (B, T, V) logits as a view of the output layer's
     (T, B, V) tensor; megatron's own forward (the base class's) copies them into (B, T, V)
     memory. Same numbers, bit for bit, and no copy."""
     import torch
     from megatron.core.models.gpt import GPTModel
 
-    from common.dist import destroy_distributed, init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.run.dist import destroy_distributed, init_distributed
 
     hf_dir = str(tiny_models_dir / "qwen2")
     init_distributed()

@@ -30,7 +30,7 @@ TOLERANCE = 1e-4
 LAYOUTS = {
     "one_rank": (1, []),
     "ep2": (2, ["--ep", 2]),
-    "tp2_sp": (2, ["--tp", 2, "--sp"]),  # EP=1: tokens gathered over TP, sorted on the device (common/moe.py)
+    "tp2_sp": (2, ["--tp", 2, "--sp"]),  # EP=1: tokens gathered over TP, sorted on the device (common/model/moe.py)
     "tp2_ep2_sp": (2, ["--tp", 2, "--sp", "--ep", 2]),
     "tp2_etp2_sp": (2, ["--tp", 2, "--sp", "--etp", 2]),
     "pp2_ep2": (4, ["--pp", 2, "--ep", 2]),
@@ -39,8 +39,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def parity(tiny_moe_models_dir, tmp_path_factory):
-    return LayoutLaunches("tests/parity_worker.py", LAYOUTS, ["--models-dir", tiny_moe_models_dir],
-                          tmp_path_factory.mktemp("parity"))
+    return LayoutLaunches(
+        "tests/parity_worker.py", LAYOUTS, ["--models-dir", tiny_moe_models_dir], tmp_path_factory.mktemp("parity")
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -52,7 +53,9 @@ def test_moe_parity(layout, parity):
         assert len(ranks) == nproc
         for rank, row in enumerate(ranks):
             where = f"{name} {layout} rank {rank}"
-            print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e} experts_swapped={row['control_experts_swapped']:.2e}")
+            print(
+                f"{where}: max_abs_diff={row['max_abs_diff']:.2e} experts_swapped={row['control_experts_swapped']:.2e}"
+            )
             assert row["max_abs_diff"] <= TOLERANCE, where
             assert row["export_missing"] == [] and row["export_extra"] == [] and row["export_mismatch"] == [], where
             # each rank's own TP pieces (export_hf_weights(local_reads=)): boxes of the HF tensors
@@ -81,8 +84,10 @@ def test_moe_parity(layout, parity):
                 # the check can fail: the padding changes these numbers
                 assert abs(stats["masked"][1]["moe_aux_loss"] - stats["unmasked"][1]["moe_aux_loss"]) > 1e-3, where
             if "--ep" in flags and "--pp" not in flags:  # --moe-dispatcher allgather against the all-to-all
-                print(f"{where}: allgather max_abs_diff={row['allgather_max_abs_diff']:.2e} "
-                      f"grad rel diff={row['dispatch_max_grad_rel_diff']:.2e} over {row['dispatch_grad_params']} params")
+                print(
+                    f"{where}: allgather max_abs_diff={row['allgather_max_abs_diff']:.2e} "
+                    f"grad rel diff={row['dispatch_max_grad_rel_diff']:.2e} over {row['dispatch_grad_params']} params"
+                )
                 assert row["alltoall_dispatchers"] == ["MoEAlltoAllTokenDispatcher"], where
                 assert row["allgather_dispatchers"] == ["DeviceSortDispatcher"], where
                 assert row["allgather_max_abs_diff"] <= TOLERANCE, where
@@ -100,7 +105,7 @@ def _config(name, **changes):
 
 
 def test_router_settings_map_exactly():
-    from common.bridge import parse_hf_config, transformer_config
+    from common.model.bridge import parse_hf_config, transformer_config
 
     qwen3 = parse_hf_config(_config("qwen3_moe"))
     assert qwen3.moe.moe_layers == [True, False, True, True]
@@ -115,44 +120,58 @@ def test_router_settings_map_exactly():
     assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate) == (48, True)
     assert qwen2.moe.moe_layers == [False, True, False, True] and qwen2.qkv_bias
     # the default dispatcher: all-gather with every expert local, all-to-all at EP or expert TP > 1
-    assert [transformer_config(qwen2, ep=ep, etp=etp).moe_token_dispatcher_type
-            for ep, etp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))] == ["allgather", "alltoall", "alltoall", "alltoall", "alltoall"]
+    assert [
+        transformer_config(qwen2, ep=ep, etp=etp).moe_token_dispatcher_type
+        for ep, etp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))
+    ] == ["allgather", "alltoall", "alltoall", "alltoall", "alltoall"]
     off = transformer_config(qwen2, moe_aux_loss_coef=0.0)
     assert off.moe_router_load_balancing_type == "none"
     z = parse_hf_config(_config("mixtral", router_z_loss_coef=0.001))
     assert transformer_config(z).moe_z_loss_coeff == 0.001
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(router_jitter_noise=0.1), "router_jitter_noise"),
-    (dict(num_experts_per_tok=1), "norm_topk_prob"),
-    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(sliding_window=64), "sliding_window"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(router_jitter_noise=0.1), "router_jitter_noise"),
+        (dict(num_experts_per_tok=1), "norm_topk_prob"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(sliding_window=64), "sliding_window"),
+    ],
+)
 def test_unrepresentable_moe_configs_are_refused(changes, message):
-    from common.bridge import UnsupportedModelError, parse_hf_config
+    from common.model.bridge import parse_hf_config
+    from common.model.unsupported import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=message):
         parse_hf_config(_config("mixtral", **changes))
 
 
 def test_expert_layouts_that_do_not_divide_are_refused():
-    from common.bridge import check_parallel_layout, parse_hf_config
+    from common.model.bridge import check_parallel_layout, parse_hf_config
 
     spec = parse_hf_config(_config("qwen2_moe"))
     with pytest.raises(ValueError, match="--ep 3 must divide the number of experts"):
         check_parallel_layout(spec, ep=3)
     with pytest.raises(ValueError, match="--etp 3 must divide"):
         check_parallel_layout(spec, etp=3)
-    dense = parse_hf_config(dict(architectures=["Qwen2ForCausalLM"], vocab_size=300, hidden_size=64,
-                                 intermediate_size=96, num_hidden_layers=2, num_attention_heads=4))
+    dense = parse_hf_config(
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+        )
+    )
     with pytest.raises(ValueError, match="need a Mixture-of-Experts model"):
         check_parallel_layout(dense, ep=2)
 
 
 def test_device_sorted_dispatch_equals_megatrons(tmp_path):
-    """At EP=1 common/moe.py sorts tokens by expert on the device (no host waits) and
-    common/moe_router.py routes them (the functions compiled on a GPU); the loss, every gradient
+    """At EP=1 common/model/moe.py sorts tokens by expert on the device (no host waits) and
+    common/model/moe_router.py routes them (the functions compiled on a GPU); the loss, every gradient
     and the logged aux losses equal megatron's all-gather dispatcher's and routing's bit for bit
     (fp32, same weights, a padded tail), for Qwen3-MoE (softmax top-k, load-balancing loss) and
     DeepSeek-V3 (sigmoid, grouped routing, router bias, shared experts, sequence aux loss)."""
@@ -161,19 +180,21 @@ def test_device_sorted_dispatch_equals_megatrons(tmp_path):
         assert r["ours_aux"] == r["megatron_aux"] and r["ours_aux"], r  # each layer's logged loss
         if r["model"] == "qwen3_moe":  # (the tiny DeepSeek-V3's aux-loss coefficient is 0)
             assert any(v > 0 for values in r["ours_aux"].values() for v in values), r
-        assert r["ours_dispatchers"] == ["DeviceSortDispatcher"] and r["megatron_dispatchers"] == ["MoEAllGatherTokenDispatcher"]
+        assert r["ours_dispatchers"] == ["DeviceSortDispatcher"] and r["megatron_dispatchers"] == [
+            "MoEAllGatherTokenDispatcher"
+        ]
         assert r["moe_layers"] >= 2 and r["experts_with_grads"] >= 8 * 2 * 2, r
         assert r["loss_diff"] == 0.0 and r["max_grad_diff"] == 0.0, r
 
 
 def test_moe_kernels_compiled_equal_eager():
-    """The two functions of common/moe.py that inductor compiles on a GPU, compiled here on a
+    """The two functions of common/model/moe.py that inductor compiles on a GPU, compiled here on a
     CPU, against their eager code and float64: gather_rows_sum (the combine and the
     permutation's backward: each token's kept rows summed, the others, which hold NaN here as
     the never-written tail may, leave no trace) and swiglu_weighted with its gradients."""
-    from common.fused import compile_fn
-    from common.moe import gather_rows_sum
-    from common.moe_experts import swiglu_weighted
+    from common.model.moe import gather_rows_sum
+    from common.model.moe_experts import swiglu_weighted
+    from common.rl.fused import compile_fn
 
     gen = torch.Generator().manual_seed(0)
     tokens, k, hidden = 6, 4, 16
@@ -181,8 +202,15 @@ def test_moe_kernels_compiled_equal_eager():
     order = torch.randperm(tokens * k, generator=gen).view(tokens, k)
     keep = torch.rand(tokens, k, generator=gen) > 0.3
     rows[order[~keep]] = float("nan")
-    expected = torch.stack([sum((rows[i].double() for i, kept in zip(order[t], keep[t]) if kept),
-                                torch.zeros(hidden, dtype=torch.float64)) for t in range(tokens)])
+    expected = torch.stack(
+        [
+            sum(
+                (rows[i].double() for i, kept in zip(order[t], keep[t]) if kept),
+                torch.zeros(hidden, dtype=torch.float64),
+            )
+            for t in range(tokens)
+        ]
+    )
     compiled = compile_fn(gather_rows_sum.eager)
     for fn in (gather_rows_sum, compiled):
         assert (fn(rows, order, keep).double() - expected).abs().max() < 1e-6
@@ -202,14 +230,14 @@ def test_moe_kernels_compiled_equal_eager():
 
 
 def test_permuted_rows_compiled_equal_by_hand():
-    """common/moe.py permuted_rows (DeviceSortDispatcher's bookkeeping, compiled on a GPU), eager
+    """common/model/moe.py permuted_rows (DeviceSortDispatcher's bookkeeping, compiled on a GPU), eager
     and compiled here on a CPU, against the rows written out by hand: this rank's (expert, token)
     pairs expert-major with tokens ascending (or this rank's experts last first: descending),
     then the other ranks' (the tail, picks past the end), each token's rows in ascending order
     (descending: reversed, so this rank's rows are in expert order), at EP=1 and as either rank
     of EP=2."""
-    from common.fused import compile_fn
-    from common.moe import permuted_rows
+    from common.model.moe import permuted_rows
+    from common.rl.fused import compile_fn
 
     gen = torch.Generator().manual_seed(0)
     tokens, experts, topk = 12, 8, 2
@@ -223,7 +251,7 @@ def test_permuted_rows_compiled_equal_by_hand():
         mine = sum(1 for e, _ in pairs if e < count)
         picks = [e * tokens + t if i < mine else tokens * experts for i, (e, t) in enumerate(pairs)]
         token = [t for _, t in pairs]
-        rows_of = [[i for i, (_, t) in enumerate(pairs) if t == u][::-1 if descending else 1] for u in range(tokens)]
+        rows_of = [[i for i, (_, t) in enumerate(pairs) if t == u][:: -1 if descending else 1] for u in range(tokens)]
         keep = [[i < mine for i in rows] for rows in rows_of]
         order = [[i if i < mine else 0 for i in rows] for rows in rows_of]
         case = (first, count, descending)
@@ -235,11 +263,11 @@ def test_permuted_rows_compiled_equal_by_hand():
 
 
 def test_router_functions_compiled_equal_eager():
-    """common/moe_router.py's three functions that inductor compiles on a GPU (megatron's own
+    """common/model/moe_router.py's three functions that inductor compiles on a GPU (megatron's own
     routing code inside), compiled here on a CPU, against their eager run: softmax top-k, and
     sigmoid with a router bias and grouped top-k (DeepSeek-V3), with and without padding."""
-    from common.fused import compile_fn
-    from common.moe_router import aux_loss_scores, load_balancing_loss, topk_routing
+    from common.model.moe_router import aux_loss_scores, load_balancing_loss, topk_routing
+    from common.rl.fused import compile_fn
 
     gen = torch.Generator().manual_seed(0)
     tokens, experts, topk = 20, 8, 2
@@ -249,19 +277,23 @@ def test_router_functions_compiled_equal_eager():
     padding[15:] = True
     weights = torch.randn(tokens, experts, generator=gen)
     cases = [(None, topk, False, None, None, None, "softmax"), (bias, topk, False, 4, 2, 2.5, "sigmoid")]
-    for fns in ((topk_routing, aux_loss_scores, load_balancing_loss),
-                tuple(compile_fn(f.eager) for f in (topk_routing, aux_loss_scores, load_balancing_loss))):
+    for fns in (
+        (topk_routing, aux_loss_scores, load_balancing_loss),
+        tuple(compile_fn(f.eager) for f in (topk_routing, aux_loss_scores, load_balancing_loss)),
+    ):
         results = []
         for args in cases:
             for mask in (None, padding):
                 probs, routing_map = fns[0](logits, *args)
                 aux_map, scores = fns[1](logits, mask, topk, args[-1])
                 loss, valid = fns[2](scores, aux_map, topk, experts, 0.01, mask is not None)
-                grad, = torch.autograd.grad((probs * weights).sum() + loss, logits)
+                (grad,) = torch.autograd.grad((probs * weights).sum() + loss, logits)
                 results.append((probs, routing_map, aux_map, scores, loss, valid, grad))
         if fns[0] is topk_routing:
             eager = results
-            assert all(r[1].sum() == tokens * topk and r[5] == (tokens if i % 2 == 0 else 15) for i, r in enumerate(results))
+            assert all(
+                r[1].sum() == tokens * topk and r[5] == (tokens if i % 2 == 0 else 15) for i, r in enumerate(results)
+            )
     for ours, ref in zip(results, eager):
         for a, b in zip(ours, ref):
             assert torch.equal(a, b) if a.dtype == torch.bool else (a - b).abs().max() < 1e-6
@@ -273,8 +305,24 @@ def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
     logged."""
     from tests.conftest import read_metrics
 
-    run_torchrun("train_grpo.py", 2, "--embedded-model", "moe", "--ep", 2, "--kl-coef", 0,  # no reference pass: -20% time
-                 "--steps", 50, "--eval-every", 25, "--log-samples-every", 0, "--out", tmp_path)
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        "--embedded-model",
+        "moe",
+        "--ep",
+        2,
+        "--kl-coef",
+        0,  # no reference pass: -20% time
+        "--steps",
+        50,
+        "--eval-every",
+        25,
+        "--log-samples-every",
+        0,
+        "--out",
+        tmp_path,
+    )
     rows = read_metrics(tmp_path)
     evals = {m["step"]: m["eval_accuracy"] for m in rows if "eval_accuracy" in m}
     print(f"eval accuracy {evals}; last moe_load_max {rows[-1]['moe_load_max']:.2f} aux {rows[-1]['moe_aux_loss']:.3f}")
@@ -298,11 +346,40 @@ def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
     runs = {}
     for dispatcher in ("alltoall", "allgather"):
         out = tmp_path / dispatcher
-        run_torchrun("train_ppo.py", 2, "--embedded-model", "moe", "--ep", 2, "--moe-dispatcher", dispatcher,
-                     "--steps", 1, "--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4,
-                     "--mini-batch-size", 16, "--eval-every", 0, "--pack", "--micro-batch-tokens", 48,
-                     "--max-new-tokens", 12, "--moe-aux-loss-coef", 0, "--log-samples-every", 0, "--out", out,
-                     timeout=400)
+        run_torchrun(
+            "train_ppo.py",
+            2,
+            "--embedded-model",
+            "moe",
+            "--ep",
+            2,
+            "--moe-dispatcher",
+            dispatcher,
+            "--steps",
+            1,
+            "--prompts-per-step",
+            8,
+            "--samples-per-prompt",
+            4,
+            "--micro-batch-size",
+            4,
+            "--mini-batch-size",
+            16,
+            "--eval-every",
+            0,
+            "--pack",
+            "--micro-batch-tokens",
+            48,
+            "--max-new-tokens",
+            12,
+            "--moe-aux-loss-coef",
+            0,
+            "--log-samples-every",
+            0,
+            "--out",
+            out,
+            timeout=400,
+        )
         runs[dispatcher] = rows = read_metrics(out)
         assert len(rows) == 1
         for m in rows:
@@ -334,8 +411,11 @@ def test_training_checkpoint_of_ep1_resumes_at_ep2(tmp_path):
     ref = load(tmp_path, "ref")
     for name in ("ep2", "dp2"):
         result = load(tmp_path, name)
-        diffs = [rel_diff(result, ref, "losses"), rel_diff(result, ref, "grad_norms"),
-                 weights_rel_diff(tmp_path, name, "ref")]
+        diffs = [
+            rel_diff(result, ref, "losses"),
+            rel_diff(result, ref, "grad_norms"),
+            weights_rel_diff(tmp_path, name, "ref"),
+        ]
         print(f"{name}: losses, grad norms, weights rel diff {diffs}")
         assert result["extra"]["step"] == 3 and len(result["losses"]) == TOTAL_STEPS - 3
         assert max(diffs) <= 1e-5, name
@@ -354,8 +434,10 @@ def test_convert_and_merge_round_trip(tiny_moe_models_dir, tmp_path, capsys):
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     for name in MOE_CONFIGS:
         hf_dir, ckpt, out = tiny_moe_models_dir / name, tmp_path / f"{name}-mcore", tmp_path / f"{name}-hf"
-        assert convert_hf_to_mcore.main([str(a) for a in ("--hf", hf_dir, "--out", ckpt, "--dtype", "fp32",
-                                                           "--verify")]) == 0, name
+        assert (
+            convert_hf_to_mcore.main([str(a) for a in ("--hf", hf_dir, "--out", ckpt, "--dtype", "fp32", "--verify")])
+            == 0
+        ), name
         assert max_abs_diff(capsys.readouterr().out) <= 1e-5, name
         assert merge_to_hf.main([str(a) for a in ("--ckpt", ckpt, "--out", out, "--max-shard-size", "300KB")]) == 0
         capsys.readouterr()
@@ -372,8 +454,21 @@ def test_convert_verify_and_merge_at_tp2_ep2(tiny_moe_models_dir, tmp_path):
     from tests.test_convert import assert_bit_exact, hf_tensors, max_abs_diff
 
     hf_dir = tiny_moe_models_dir / "qwen2_moe"
-    proc = run_torchrun("convert_hf_to_mcore.py", 2, "--hf", hf_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32",
-                        "--verify", "--tp", 2, "--ep", 2)
+    proc = run_torchrun(
+        "convert_hf_to_mcore.py",
+        2,
+        "--hf",
+        hf_dir,
+        "--out",
+        tmp_path / "ckpt",
+        "--dtype",
+        "fp32",
+        "--verify",
+        "--tp",
+        2,
+        "--ep",
+        2,
+    )
     assert max_abs_diff(proc.stdout) <= 1e-5
     run_torchrun("merge_to_hf.py", 2, "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--ep", 2)
     assert_bit_exact(hf_tensors(hf_dir), hf_tensors(tmp_path / "hf"))
@@ -387,14 +482,16 @@ def test_padding_mask_on_a_later_pipeline_stage_is_its_tp_ranks_part(monkeypatch
 
     from megatron.core import parallel_state as mpu
 
-    from common.moe import moe_padding_mask
+    from common.model.moe import moe_padding_mask
 
     valid = torch.arange(16).expand(2, 16) < torch.tensor([[16], [5]])
     monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 2)
     for rank in (0, 1):
         monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda rank=rank: rank)
-        for pre_process, expected in ((True, ~valid), (False, ~valid[:, rank * 8:(rank + 1) * 8])):
-            moe = SimpleNamespace(config=SimpleNamespace(num_moe_experts=4, sequence_parallel=True), pre_process=pre_process)
+        for pre_process, expected in ((True, ~valid), (False, ~valid[:, rank * 8 : (rank + 1) * 8])):
+            moe = SimpleNamespace(
+                config=SimpleNamespace(num_moe_experts=4, sequence_parallel=True), pre_process=pre_process
+            )
             assert torch.equal(moe_padding_mask(moe, valid), expected)
             assert moe_padding_mask(moe, None) is None
     dense = SimpleNamespace(config=SimpleNamespace(num_moe_experts=None, sequence_parallel=True), pre_process=False)

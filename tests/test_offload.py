@@ -1,4 +1,4 @@
-"""Offloading the training state to host memory and back (common/offload.py).
+"""Offloading the training state to host memory and back (common/train/offload.py).
 
     .venv/bin/python -m pytest -q tests/test_offload.py
 
@@ -17,6 +17,7 @@ CUDA memory to pinned host buffers and also checks that torch's allocated GPU me
 by the bytes moved (tests/gpu/run_all.sh runs it). Host buffers are made once, by allocate()
 before the first step (Adam's state created first, as the scripts do): no offload makes one.
 """
+
 import json
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def hf_dir(tmp_path_factory):
 
 def parse(proc):
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def check(result, dp):
@@ -76,7 +77,9 @@ def check_colocation(seen):
     assert seen["policy_at_sync"] is True and seen["adam_at_sync"] is False  # the sync reads a whole policy
     assert seen["synced"] > 0
     assert seen["calls_in_rollout"] == ["wake_weights", "update_weights", "wake_kv_cache"]
-    assert seen["policy_in_rollout"] is False and seen["critic_in_rollout"] is False and seen["adam_in_rollout"] is False
+    assert (
+        seen["policy_in_rollout"] is False and seen["critic_in_rollout"] is False and seen["adam_in_rollout"] is False
+    )
     assert seen["calls_after"][-1] == "sleep" and seen["policy_after"] is True  # the engine asleep, the policy back
     assert seen["critic_after"] is False and seen["adam_after"] is False  # until reload_idle / reload_optimizers
     assert seen["reference_in_block"] is True and seen["reference_after_block"] is False
@@ -93,8 +96,9 @@ def on_gpu():
 
 
 def test_offload_roundtrip_one_process(hf_dir):
-    proc = subprocess.run([sys.executable, WORKER, str(hf_dir)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=script_env())
+    proc = subprocess.run(
+        [sys.executable, WORKER, str(hf_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=script_env()
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     check(parse(proc), dp=1)
 
@@ -108,10 +112,10 @@ def test_offload_roundtrip_dp2(hf_dir):
 
 
 def test_host_memory_check():
-    """check_host_memory's rule (common/offload.py): a node's ranks together may pin at most the
+    """check_host_memory's rule (common/train/offload.py): a node's ranks together may pin at most the
     memory that node has available; the message names the node, the parts and the flags."""
-    from common.host_memory import check_host_memory, host_memory_available, host_memory_problem
-    from common.preflight import UsageError
+    from common.run.host_memory import check_host_memory, host_memory_available, host_memory_problem
+    from common.train.guard import UsageError
 
     gb = 10**9
     rank = ("gpu-node-1", {"offload buffers": 61 * gb, "checkpoint staging": 53 * gb}, 300 * gb)
@@ -135,7 +139,7 @@ def test_host_memory_check():
 def test_host_memory_cgroup_limits(tmp_path):
     """The room under a cgroup memory limit (a Slurm job's --mem), v2 and v1 layouts: limit -
     used + page cache (given back on demand) - tmpfs files (not); no limit: None."""
-    from common.host_memory import _cgroup_room
+    from common.run.host_memory import _cgroup_room
 
     def tree(proc_line, folder, files):
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
@@ -145,12 +149,24 @@ def test_host_memory_cgroup_limits(tmp_path):
         return _cgroup_room(str(tmp_path / "cgroup"), str(tmp_path))
 
     gb = 10**9
-    v2 = dict(**{"memory.max": f"{100 * gb}\n", "memory.current": f"{70 * gb}\n"},
-              **{"memory.stat": f"anon {50 * gb}\nfile {20 * gb}\nshmem {5 * gb}\n"})
+    v2 = dict(
+        **{"memory.max": f"{100 * gb}\n", "memory.current": f"{70 * gb}\n"},
+        **{"memory.stat": f"anon {50 * gb}\nfile {20 * gb}\nshmem {5 * gb}\n"},
+    )
     assert tree("0::/slurm/job_1\n", "slurm/job_1", v2) == 45 * gb  # 100 - 70 + 20 - 5
     assert tree("0::/slurm/job_2\n", "slurm/job_2", dict(v2, **{"memory.max": "max\n"})) is None
-    v1 = {"memory.limit_in_bytes": f"{64 * gb}\n", "memory.usage_in_bytes": f"{60 * gb}\n",
-          "memory.stat": f"cache {30 * gb}\nrss {30 * gb}\nshmem 0\n"}
+    v1 = {
+        "memory.limit_in_bytes": f"{64 * gb}\n",
+        "memory.usage_in_bytes": f"{60 * gb}\n",
+        "memory.stat": f"cache {30 * gb}\nrss {30 * gb}\nshmem 0\n",
+    }
     assert tree("4:memory:/slurm/job_3\n0::/\n", "memory/slurm/job_3", v1) == 34 * gb
-    assert tree("4:memory:/slurm/job_4\n", "memory/slurm/job_4", dict(v1, **{"memory.limit_in_bytes": "9223372036854771712\n"})) is None
+    assert (
+        tree(
+            "4:memory:/slurm/job_4\n",
+            "memory/slurm/job_4",
+            dict(v1, **{"memory.limit_in_bytes": "9223372036854771712\n"}),
+        )
+        is None
+    )
     assert _cgroup_room(str(tmp_path / "missing"), str(tmp_path)) is None

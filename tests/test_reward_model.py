@@ -1,9 +1,10 @@
-"""Model-based rewards (common/reward_model.py): an HF Qwen2ForSequenceClassification scored by
+"""Model-based rewards (common/train/reward_model.py): an HF Qwen2ForSequenceClassification scored by
 the Megatron model at TP=1, TP=2 and CP=2 equals transformers (fp32), and train_grpo.py
 --reward-model trains with it (at --cp 2).
 
     .venv/bin/python -m pytest -q tests/test_reward_model.py
 """
+
 import json
 
 import pytest
@@ -17,7 +18,7 @@ def rm_dir(tmp_path_factory):
     import torch
     import transformers
 
-    from common.embedded import write_embedded_model
+    from common.run.embedded import write_embedded_model
 
     root = tmp_path_factory.mktemp("rm")
     src = write_embedded_model(str(root / "src"))
@@ -49,14 +50,16 @@ def test_scores_equal_transformers(rm_dir, tmp_path, ranks):
 
 
 def test_refusals(rm_dir, tmp_path):
-    from common.reward_model import reward_model_spec
-    from common.bridge import UnsupportedModelError
+    from common.model.unsupported import UnsupportedModelError
+    from common.train.reward_model import reward_model_spec
 
     config = json.loads((rm_dir / "config.json").read_text())
     bad = tmp_path / "bad"
     bad.mkdir()
-    for change, says in (({"num_labels": 2, "id2label": {"0": "a", "1": "b"}}, "num_labels must be 1"),
-                         ({"architectures": ["GPT2ForSequenceClassification"]}, "not a reward model the bridge supports")):
+    for change, says in (
+        ({"num_labels": 2, "id2label": {"0": "a", "1": "b"}}, "num_labels must be 1"),
+        ({"architectures": ["GPT2ForSequenceClassification"]}, "not a reward model the bridge supports"),
+    ):
         (bad / "config.json").write_text(json.dumps(dict(config, **change)))
         with pytest.raises(UnsupportedModelError, match=says):
             reward_model_spec(str(bad))
@@ -66,9 +69,32 @@ def test_train_grpo_with_a_reward_model(rm_dir, tmp_path):
     """reward = 0.5 x rule + 2 x score, at --cp 2 (the reward model sharded like the policy, its
     texts cut over the CP ranks): the scores' statistics and seconds are logged, and the logged
     reward is that combination (rule rewards are 0 or 1 on the embedded task)."""
-    run_torchrun("train_grpo.py", 2, "--cp", 2, "--prompts-per-step", 4, "--samples-per-prompt", 4,
-                 "--micro-batch-size", 4, "--mini-batch-size", 16, "--max-new-tokens", 4, "--steps", 2, "--out", tmp_path,
-                 "--reward-model", rm_dir, "--reward-model-weight", 2, "--rule-reward-weight", 0.5)
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        "--cp",
+        2,
+        "--prompts-per-step",
+        4,
+        "--samples-per-prompt",
+        4,
+        "--micro-batch-size",
+        4,
+        "--mini-batch-size",
+        16,
+        "--max-new-tokens",
+        4,
+        "--steps",
+        2,
+        "--out",
+        tmp_path,
+        "--reward-model",
+        rm_dir,
+        "--reward-model-weight",
+        2,
+        "--rule-reward-weight",
+        0.5,
+    )
     for m in read_metrics(tmp_path):
         assert m["reward_model_s"] > 0 and m["rm_score_std"] > 0
         rule_part = m["reward_mean"] - 2 * m["rm_score_mean"]
@@ -77,9 +103,27 @@ def test_train_grpo_with_a_reward_model(rm_dir, tmp_path):
 
 def test_train_ppo_with_a_reward_model(rm_dir, tmp_path):
     """The reward model alone (--rule-reward-weight 0): the logged reward is its mean score."""
-    run_script("train_ppo.py", "--prompts-per-step", 4, "--samples-per-prompt", 4, "--micro-batch-size", 4,
-               "--mini-batch-size", 16, "--max-new-tokens", 4, "--steps", 2, "--out", tmp_path,
-               "--reward-model", rm_dir, "--rule-reward-weight", 0)
+    run_script(
+        "train_ppo.py",
+        "--prompts-per-step",
+        4,
+        "--samples-per-prompt",
+        4,
+        "--micro-batch-size",
+        4,
+        "--mini-batch-size",
+        16,
+        "--max-new-tokens",
+        4,
+        "--steps",
+        2,
+        "--out",
+        tmp_path,
+        "--reward-model",
+        rm_dir,
+        "--rule-reward-weight",
+        0,
+    )
     for m in read_metrics(tmp_path):
         assert m["reward_model_s"] > 0
         assert m["reward_mean"] == pytest.approx(m["rm_score_mean"], abs=1e-5)

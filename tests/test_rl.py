@@ -1,23 +1,34 @@
-"""Tests of common/rl.py against ground truth: hand-computed numbers, torch.log_softmax on the
+"""Tests of common/rl/losses.py against ground truth: hand-computed numbers, torch.log_softmax on the
 full vocabulary (TP=1 in-process, TP=2 under torchrun on gloo), Monte-Carlo KL.
 
     .venv/bin/python -m pytest -q tests/test_rl.py
 """
+
 import json
 import math
 
 import pytest
 import torch
 
-from common.rl import (aggregate_loss, explained_variance, gae, group_advantages, kl_penalty, masked_mean,
-                       masked_sum, masked_whiten, policy_loss, truncated_is_weights, value_loss,
-                       vocab_parallel_logprobs)
+from common.rl.advantages import gae, group_advantages, masked_whiten
+from common.rl.logprobs import vocab_parallel_logprobs
+from common.rl.losses import (
+    aggregate_loss,
+    explained_variance,
+    kl_penalty,
+    masked_mean,
+    masked_sum,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
 from tests.conftest import run_torchrun
 
 
 def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
-                               torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -86,7 +97,7 @@ def test_logprobs_one_output_used():
 
 
 def test_logprobs_of_time_major_logits_view():
-    # common/model.py's GPTModel returns its logits as a (B, T, V) view of (T, B, V) memory (no
+    # common/model/gpt.py's GPTModel returns its logits as a (B, T, V) view of (T, B, V) memory (no
     # transposing copy): same values as contiguous logits, and the gradient comes back in the
     # input's memory order (so the output layer's backward copies nothing either)
     torch.manual_seed(5)
@@ -109,26 +120,26 @@ def test_logprobs_of_time_major_logits_view():
 
 
 def test_logprobs_kernels_compile_like_eager():
-    # On a GPU the three helpers run torch.compile'd (common/fused.py: fullgraph, automatic dynamic
+    # On a GPU the three helpers run torch.compile'd (common/rl/fused.py: fullgraph, automatic dynamic
     # shapes). Compile them here with inductor's CPU backend, once: they must trace as one graph
     # each, give the eager values, and take a second shape (micro-batches differ in length: the
     # recompile with symbolic sizes).
-    from common import rl
-    from common.fused import compile_fn
+    from common.rl.fused import compile_fn
+    from common.rl.logprobs import _shard_grad, _shard_max, _shard_sums
+
     torch.manual_seed(4)
-    shard_max, shard_sums, shard_grad = (compile_fn(f.eager) for f in (rl._shard_max, rl._shard_sums, rl._shard_grad))
+    shard_max, shard_sums, shard_grad = (compile_fn(f.eager) for f in (_shard_max, _shard_sums, _shard_grad))
     for B, T in [(2, 5), (3, 9), (4, 6)]:
         logits = (3 * torch.randn(B, T, 40)).bfloat16()
         g = [torch.randn(B, T) for _ in range(4)]
         targets = torch.randint(0, 40, (B, T))
-        max_x = rl._shard_max(logits, 37, 0.7)
+        max_x = _shard_max(logits, 37, 0.7)
         close(shard_max(logits, 37, 0.7), max_x, 0)
         for entropy in (True, False):
-            close(shard_sums(logits, max_x, 37, 0.7, entropy),
-                  rl._shard_sums(logits, max_x, 37, 0.7, entropy), 1e-5)
+            close(shard_sums(logits, max_x, 37, 0.7, entropy), _shard_sums(logits, max_x, 37, 0.7, entropy), 1e-5)
         for grad_entropy in (g[2], None):
             args = (logits, targets, g[0], max_x, g[1], g[0], grad_entropy, g[3], 37, 0.7)
-            close(shard_grad(*args).float(), rl._shard_grad(*args).float(), 1e-2)  # bf16 output
+            close(shard_grad(*args).float(), _shard_grad(*args).float(), 1e-2)  # bf16 output
 
 
 def test_logprobs_gradcheck_float64():
@@ -190,8 +201,7 @@ def test_group_advantages():
     # group 0: mean 1/3, population std sqrt(2/9) -> [sqrt 2, -1/sqrt 2, -1/sqrt 2]
     # group 1: all equal -> 0; group 2: mean 3, population std sqrt(6) -> [-3, 0, 3] / sqrt 6
     s2, s6 = math.sqrt(2), math.sqrt(6)
-    close(group_advantages(rewards, 3, eps=1e-12),
-          [s2, -1 / s2, -1 / s2, 0, 0, 0, -3 / s6, 0, 3 / s6], 1e-6)
+    close(group_advantages(rewards, 3, eps=1e-12), [s2, -1 / s2, -1 / s2, 0, 0, 0, -3 / s6, 0, 3 / s6], 1e-6)
     close(group_advantages(rewards, 3, normalize_std=False), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0, -3, 0, 3], 1e-6)
     # equal non-round rewards give exactly 0, not rounding noise amplified by 1/eps
     assert (group_advantages(torch.full((4,), 0.1), 4) == 0).all()
@@ -219,7 +229,7 @@ def test_gae_hand_computed():
 
 
 def test_gae_packed_rows_lam_0_and_1():
-    # The layout of common/batch.py pack_sequences: prompt positions masked at the start of a
+    # The layout of common/rl/batch.py pack_sequences: prompt positions masked at the start of a
     # row, the response, then right padding. Rows end at different positions (a 3-token
     # response, a 1-token one, an empty row). Masked positions hold garbage (nan values, stray
     # rewards) that must not leak into any valid token. gamma 0.5.
@@ -284,8 +294,7 @@ def test_gspo_sequence_ratio_hand_computed():
 
     # clipped per sequence: s = exp(0.2) > 1 + 0.1, A > 0 -> every token of the row clipped, no gradient
     lp3 = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss3, clipped3 = policy_loss(lp3, torch.tensor([[-1.1, -2.3]]), adv, clip_high=0.1,
-                                  sequence_mask=torch.ones(1, 2))
+    loss3, clipped3 = policy_loss(lp3, torch.tensor([[-1.1, -2.3]]), adv, clip_high=0.1, sequence_mask=torch.ones(1, 2))
     close(loss3, [[-1.1, -1.1]], 1e-6)
     assert clipped3.all()
     loss3.sum().backward()
@@ -353,13 +362,20 @@ def test_aggregate_loss_microbatches_and_dp_sum_to_full_batch(mode):
         for micro in range(2):
             rows = slice(4 * dp_rank + 2 * micro, 4 * dp_rank + 2 * micro + 2)
             width = int(lengths[rows].max())  # micro-batches padded only to their own longest row
-            total = total + aggregate_loss(per_token[rows, :width], mask[rows, :width], mode,
-                                           num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+            total = total + aggregate_loss(
+                per_token[rows, :width],
+                mask[rows, :width],
+                mode,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                max_len=max_len,
+            )
     close(total, full, 1e-12)
 
     # the local defaults would NOT sum to the full-batch loss: the global normalisers matter
-    local_total = sum(aggregate_loss(per_token[i:i + 2], mask[i:i + 2], mode, max_len=max_len)
-                      for i in range(0, B, 2))
+    local_total = sum(
+        aggregate_loss(per_token[i : i + 2], mask[i : i + 2], mode, max_len=max_len) for i in range(0, B, 2)
+    )
     assert abs(local_total - full) > 0.5 * abs(full)
 
 

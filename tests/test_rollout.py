@@ -1,13 +1,15 @@
-"""Tests of common/rollout.py (HFEngine) against plain no-cache forwards of the same HF model.
+"""Tests of common/rollout/engine.py (HFEngine) against plain no-cache forwards of the same HF model.
 
-    .venv/bin/python -m pytest -q tests/test_rollout.py
+.venv/bin/python -m pytest -q tests/test_rollout.py
 """
+
 import math
 
 import pytest
 import torch
 
-from common.rollout import HFEngine, Sample, generate_checked, rollout_logprobs_mode
+from common.rollout.engine import Sample, generate_checked, rollout_logprobs_mode
+from common.rollout.hf_engine import HFEngine
 from tests.tiny_models import make_tiny_hf_model
 
 # Variable lengths on purpose: left padding must not change any row.
@@ -24,13 +26,13 @@ def greedy_reference(model, prompt, max_tokens):
     ids = list(prompt)
     for _ in range(max_tokens):
         ids.append(int(full_logits(model, ids)[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def recomputed_logprobs(model, sample, temperature):
     """log_softmax(logits / T) of each response token from one forward over prompt + response."""
     ids = sample.prompt_ids + sample.response_ids
-    logits = full_logits(model, ids)[len(sample.prompt_ids) - 1:-1]   # (R, V): predicts response
+    logits = full_logits(model, ids)[len(sample.prompt_ids) - 1 : -1]  # (R, V): predicts response
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     return logprobs.gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
 
@@ -42,13 +44,14 @@ def test_greedy_matches_no_cache_argmax(tiny_models_dir, arch):
     assert len(samples) == len(PROMPTS) * 2
     for i, prompt in enumerate(PROMPTS):
         expected = greedy_reference(engine.model, prompt, 10)
-        for s in samples[2 * i:2 * i + 2]:                      # prompt-major order
+        for s in samples[2 * i : 2 * i + 2]:  # prompt-major order
             assert s.prompt_ids == prompt
             assert s.response_ids == expected
             assert s.finish_reason == "length"
             # greedy returns log_softmax(logits) at T = 1
-            torch.testing.assert_close(torch.tensor(s.response_logprobs),
-                                       recomputed_logprobs(engine.model, s, 1.0), rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(s.response_logprobs), recomputed_logprobs(engine.model, s, 1.0), rtol=0, atol=1e-5
+            )
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
@@ -64,7 +67,7 @@ def test_logprobs_match_full_forward(tiny_models_dir, temperature, top_p):
         # every sampled token lies in the nucleus of its step's distribution
         for s in samples:
             ids = s.prompt_ids + s.response_ids
-            probs = torch.softmax(full_logits(engine.model, ids)[len(s.prompt_ids) - 1:-1] / temperature, -1)
+            probs = torch.softmax(full_logits(engine.model, ids)[len(s.prompt_ids) - 1 : -1] / temperature, -1)
             for t, tok in enumerate(s.response_ids):
                 mass_before = probs[t][probs[t] > probs[t, tok]].sum()
                 assert mass_before < top_p
@@ -89,7 +92,7 @@ def test_score_and_the_prefill_check(tiny_models_dir):
     engine.eos_token_ids = [samples[3].response_ids[2]]
     checked = generate_checked(engine, PROMPTS, "prefill", n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
     pick = next(i for i, s in enumerate(checked) if s.finish_reason == "stop")
-    assert pick <= 3 and checked[pick].response_logprobs == engine.score(checked[pick:pick + 1])[0]
+    assert pick <= 3 and checked[pick].response_logprobs == engine.score(checked[pick : pick + 1])[0]
     assert all(math.isnan(x) for i, s in enumerate(checked) if i != pick for x in s.response_logprobs)
 
 
@@ -97,7 +100,7 @@ def test_prefill_check_scores_a_bounded_prefix(tiny_models_dir, monkeypatch):
     """A long sample is scored on its first PREFILL_CHECK_TOKENS tokens (vLLM's prompt
     logprobs materialise the request's logits), the rest NaN; a prompt that fills the bound
     leaves nothing to score (the step logs no mismatch) instead of a huge request."""
-    import common.rollout as rollout
+    import common.rollout.engine as rollout
 
     engine = HFEngine(str(tiny_models_dir / "qwen2"))
     full = generate_checked(engine, PROMPTS, "prefill", n=1, temperature=1.0, top_p=1.0, max_tokens=6, seed=5)
@@ -113,7 +116,7 @@ def test_prefill_check_scores_a_bounded_prefix(tiny_models_dir, monkeypatch):
 def test_rollout_logprobs_defaults():
     assert rollout_logprobs_mode(None, 1.0, 0.0) == "prefill"
     assert rollout_logprobs_mode(None, 0.7, 0.0) == "one-per-prompt"  # vLLM's prompt logprobs are at T=1
-    assert rollout_logprobs_mode(None, 1.0, 2.0) == "all"             # TIS weights need every sample's
+    assert rollout_logprobs_mode(None, 1.0, 2.0) == "all"  # TIS weights need every sample's
     assert rollout_logprobs_mode("none", 0.7, 0.0) == "none"
     with pytest.raises(ValueError, match="at temperature 1, not --temperature 0.7"):
         rollout_logprobs_mode("prefill", 0.7, 0.0)
@@ -151,7 +154,7 @@ def test_eos_stops_sample(tiny_models_dir):
     assert 3 <= len(samples[i].response_ids) < 8 and samples[i].finish_reason == "stop"
 
     # sampling: a sample either ends at its first eos ("stop") or runs to max_tokens ("length")
-    engine = HFEngine(hf_dir, eos_token_ids=list(range(0, 300, 7)))   # ~1/7 of the vocab stops
+    engine = HFEngine(hf_dir, eos_token_ids=list(range(0, 300, 7)))  # ~1/7 of the vocab stops
     samples = engine.generate(PROMPTS, n=8, temperature=1.0, top_p=1.0, max_tokens=8, seed=0)
     reasons = {s.finish_reason for s in samples}
     assert reasons == {"stop", "length"}
@@ -183,14 +186,15 @@ def test_update_weights(tiny_models_dir, tmp_path, arch):
 
     def stream():
         for name, p in other.named_parameters():
-            buffer[:p.numel()].copy_(p.detach().reshape(-1))
-            yield name, buffer[:p.numel()].view(p.shape)
+            buffer[: p.numel()].copy_(p.detach().reshape(-1))
+            yield name, buffer[: p.numel()].view(p.shape)
 
     engine.update_weights(stream())
     after = engine.generate(PROMPTS, **kwargs)
     assert [s.response_ids for s in after] == [s.response_ids for s in expected]
-    torch.testing.assert_close([s.response_logprobs for s in after],
-                               [s.response_logprobs for s in expected], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        [s.response_logprobs for s in after], [s.response_logprobs for s in expected], rtol=0, atol=1e-6
+    )
 
 
 def test_update_weights_errors_consume_iterator(tiny_models_dir):
@@ -206,7 +210,7 @@ def test_update_weights_errors_consume_iterator(tiny_models_dir):
     bad = params[:3] + [("model.layers.0.mlp.bogus.weight", torch.zeros(3))] + params[3:]
     with pytest.raises(ValueError, match="unknown weight name 'model.layers.0.mlp.bogus.weight'"):
         engine.update_weights(stream(bad))
-    assert len(consumed) == len(bad)          # whole iterator consumed before raising
+    assert len(consumed) == len(bad)  # whole iterator consumed before raising
     with pytest.raises(ValueError, match="not updated"):
         engine.update_weights(stream(params[:-1]))
     with pytest.raises(ValueError, match="shape"):

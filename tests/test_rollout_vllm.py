@@ -1,4 +1,4 @@
-"""CPU tests of common/rollout_vllm.py: the parts that do not need vLLM itself.
+"""CPU tests of common/rollout/vllm_engine.py: the parts that do not need vLLM itself.
 
     .venv/bin/python -m pytest -q tests/test_rollout_vllm.py
 
@@ -11,6 +11,7 @@ sample, logprob extraction, the sleep/wake/sync state machine, and that a failin
 still drains the producer (whose collectives every rank must finish). Agreement with the real vLLM is
 tests/gpu/test_vllm_agreement.py.
 """
+
 import json
 import sys
 import types
@@ -18,7 +19,7 @@ import types
 import pytest
 import torch
 
-from common.rollout_vllm import eos_token_ids_of, replica_share, rollout_replica
+from common.rollout.vllm_engine import eos_token_ids_of, replica_share, rollout_replica
 
 
 def test_rollout_replica_and_share():
@@ -36,7 +37,7 @@ def test_eos_token_ids(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
     assert eos_token_ids_of(str(tmp_path)) == [5]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
-    assert eos_token_ids_of(str(tmp_path)) == [7, 5]      # generation_config wins, as in HF
+    assert eos_token_ids_of(str(tmp_path)) == [7, 5]  # generation_config wins, as in HF
 
 
 # ---------------------------------------------------------------------------------------
@@ -48,7 +49,7 @@ class FakeModel(torch.nn.Module):
         self.b = torch.nn.Parameter(torch.zeros(3))
         self.fail_after = None
 
-    def load_weights(self, weights):              # like vLLM: lazy, returns the names it set
+    def load_weights(self, weights):  # like vLLM: lazy, returns the names it set
         loaded = set()
         for i, (name, tensor) in enumerate(weights):
             if self.fail_after is not None and i == self.fail_after:
@@ -83,8 +84,9 @@ class FakeLLM:
         outs = []
         for p in params:
             tokens = [p.seed % 97, 2]
-            flat = types.SimpleNamespace(start_indices=[0, 1], end_indices=[1, 2], token_ids=tokens,
-                                         logprobs=[-0.5, -0.25])
+            flat = types.SimpleNamespace(
+                start_indices=[0, 1], end_indices=[1, 2], token_ids=tokens, logprobs=[-0.5, -0.25]
+            )
             done = types.SimpleNamespace(token_ids=tokens, logprobs=flat, finish_reason="stop")
             outs.append(types.SimpleNamespace(outputs=[done]))
         return outs
@@ -92,7 +94,7 @@ class FakeLLM:
 
 @pytest.fixture
 def engine(monkeypatch, tmp_path):
-    from common.dist import init_distributed
+    from common.run.dist import init_distributed
 
     # recorded as unset, so what init_distributed and the engine export is removed afterwards
     # (a leaked MASTER_PORT would send later tests' subprocesses to a port in use)
@@ -105,7 +107,7 @@ def engine(monkeypatch, tmp_path):
     fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", fake)
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "max_position_embeddings": 256}))
-    from common.rollout_vllm import VLLMEngine
+    from common.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(str(tmp_path), rollout_tp=1, max_model_len=1025)
 
@@ -113,7 +115,7 @@ def engine(monkeypatch, tmp_path):
 def test_engine_arguments(engine):
     kw = engine.llm.kwargs
     assert kw["distributed_executor_backend"] == "external_launcher"
-    assert kw["logprobs_mode"] == "processed_logprobs"    # temperature applied, see the docstring
+    assert kw["logprobs_mode"] == "processed_logprobs"  # temperature applied, see the docstring
     assert kw["skip_tokenizer_init"] and kw["enable_sleep_mode"] and kw["load_format"] == "dummy"
     assert engine.eos_token_ids == [2] and (engine.replica, engine.num_replicas) == (0, 1)
     # asked 1025 (train_grpo.py's default budget), but the model has 256 positions: vLLM
@@ -123,33 +125,33 @@ def test_engine_arguments(engine):
 
 def test_generate_and_weights_state_machine(engine):
     prompts = [[1, 2, 3], [4, 5]]
-    with pytest.raises(AssertionError, match="update_weights first"):   # dummy weights
+    with pytest.raises(AssertionError, match="update_weights first"):  # dummy weights
         engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
     engine.update_weights([("a", torch.ones(2)), ("b", torch.full((3,), 2.0))])
     assert engine.llm.model.b.tolist() == [2.0, 2.0, 2.0]
-    assert engine.llm.calls == [("reset_prefix_cache",)]            # awake: reset right away
+    assert engine.llm.calls == [("reset_prefix_cache",)]  # awake: reset right away
 
     samples = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_tokens=4, seed=0)  # greedy, n > 1
     requests, params = engine.llm.requests[-1]
     assert [r["prompt_token_ids"] for r in requests] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
     assert all(p.n == 1 and p.logprobs == 0 and p.stop_token_ids == [2] and not p.ignore_eos for p in params)
     seeds = [p.seed for p in params]
-    assert len(set(seeds)) == 4                                     # one seed per sample
+    assert len(set(seeds)) == 4  # one seed per sample
     assert [s.prompt_ids for s in samples] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
     assert samples[0].response_ids == [seeds[0] % 97, 2] and samples[0].response_logprobs == [-0.5, -0.25]
     assert samples[0].finish_reason == "stop"
     engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
-    assert [p.seed for p in engine.llm.requests[-1][1]] == seeds     # same seed: same draws
+    assert [p.seed for p in engine.llm.requests[-1][1]] == seeds  # same seed: same draws
     engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=1)
     assert set(p.seed for p in engine.llm.requests[-1][1]).isdisjoint(seeds)
-    engine.replica = 1                                              # another replica draws differently
+    engine.replica = 1  # another replica draws differently
     engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
     assert set(p.seed for p in engine.llm.requests[-1][1]).isdisjoint(seeds)
 
     # the loop's step: sleep, wake weights, sync, wake KV cache
     engine.llm.calls.clear()
     engine.sleep()
-    engine.sleep()                                                  # idempotent
+    engine.sleep()  # idempotent
     with pytest.raises(AssertionError, match="asleep"):
         engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
     with pytest.raises(AssertionError, match="wake_weights"):
@@ -157,19 +159,23 @@ def test_generate_and_weights_state_machine(engine):
     engine.wake_weights()
     engine.update_weights([("a", torch.ones(2)), ("b", torch.ones(3))])
     engine.wake_kv_cache()
-    assert engine.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)),
-                                ("reset_prefix_cache",)]
+    assert engine.llm.calls == [
+        ("sleep", 2),
+        ("wake_up", ("weights",)),
+        ("wake_up", ("kv_cache",)),
+        ("reset_prefix_cache",),
+    ]
     engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
     engine.sleep()
-    engine.wake()                                                   # woken but not synced:
-    with pytest.raises(AssertionError, match="update_weights first"):   # level-2 weights are gone
+    engine.wake()  # woken but not synced:
+    with pytest.raises(AssertionError, match="update_weights first"):  # level-2 weights are gone
         engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
 
 
 def test_failed_load_still_drains_the_producer(engine):
     pulled = []
 
-    def producer():                 # stands for export_hf_weights: each item = collectives
+    def producer():  # stands for export_hf_weights: each item = collectives
         for name in ("a", "b", "a", "b"):
             pulled.append(name)
             yield name, torch.ones(2 if name == "a" else 3)
@@ -179,7 +185,7 @@ def test_failed_load_still_drains_the_producer(engine):
         engine.update_weights(producer())
     assert len(pulled) == 4
     engine.llm.model.fail_after = None
-    with pytest.raises(RuntimeError, match="not written"):          # a parameter the sync missed
+    with pytest.raises(RuntimeError, match="not written"):  # a parameter the sync missed
         engine.update_weights([("a", torch.ones(2))])
 
 
@@ -222,8 +228,11 @@ def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_
     monkeypatch.setitem(sys.modules, "vllm.distributed", dist_module)
     model = engine.llm.model = FakeMoEModel(tp=tp_size)
     torch.manual_seed(0)
-    ckpt = {f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.randn(*((4, 6) if p == "down" else (6, 4)))
-            for e in range(3) for p in ("gate", "up", "down")}
+    ckpt = {
+        f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.randn(*((4, 6) if p == "down" else (6, 4)))
+        for e in range(3)
+        for p in ("gate", "up", "down")
+    }
     engine.update_weights(list(ckpt.items()) + [("norm", torch.ones(4))])
     assert model.seen == ["norm"] and torch.equal(model.norm, torch.ones(4))
     rows = slice(tp_rank * 6 // tp_size, (tp_rank + 1) * 6 // tp_size)
@@ -235,7 +244,7 @@ def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_
             assert torch.equal(model.model.layers[0].mlp.experts.w2_weight[e], down[:, rows])
 
     check_experts(ckpt)
-    # the next sync replays the first one's writes (common/weight_replay.py): no loader call
+    # the next sync replays the first one's writes (common/rollout/weight_replay.py): no loader call
     model.seen.clear()
     ckpt = {name: torch.randn_like(t) for name, t in ckpt.items()}
     engine.update_weights(list(ckpt.items()) + [("norm", torch.full((4,), 3.0))])
@@ -249,7 +258,7 @@ def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_
 def test_no_eos_ids_ignore_eos(engine, tmp_path):
     """eos_token_ids=[] (bench/rollout.py: identical work on both sides): no stop token and
     vLLM's ignore_eos, which keeps vLLM from adding the generation config's eos (2 here)."""
-    from common.rollout_vllm import VLLMEngine
+    from common.rollout.vllm_engine import VLLMEngine
 
     no_eos = VLLMEngine(str(tmp_path), rollout_tp=1, eos_token_ids=[])
     assert no_eos.eos_token_ids == []
@@ -265,7 +274,7 @@ def test_stacked_experts_are_copied_like_single_ones(engine, monkeypatch, tp_ran
     stacked) land in w13 / w2 exactly as the same experts sent one tensor at a time; a block for
     a module without fused parameters goes to load_weights as per-expert tensors; the first
     sync's recording neither records nor breaks on a block, and the second sync replays the rest."""
-    from common.weights import ExpertBlock
+    from common.model.weights import ExpertBlock
 
     dist_module = types.ModuleType("vllm.distributed")
     dist_module.get_tensor_model_parallel_rank = lambda: tp_rank
@@ -285,7 +294,10 @@ def test_stacked_experts_are_copied_like_single_ones(engine, monkeypatch, tp_ran
     single = sync(list(ExpertBlock(prefix, 0, fc1, fc2, names).hf()))
     engine.llm.model, engine._fused_cache, engine._write_plan = FakeMoEModel(tp=tp_size), {}, None
     # experts 0 and 1..2 in two blocks, as when a layer's experts span two export buckets
-    blocks = [(prefix, ExpertBlock(prefix, 0, fc1[:1], fc2[:1], names)), (prefix, ExpertBlock(prefix, 1, fc1[1:], fc2[1:], names))]
+    blocks = [
+        (prefix, ExpertBlock(prefix, 0, fc1[:1], fc2[:1], names)),
+        (prefix, ExpertBlock(prefix, 1, fc1[1:], fc2[1:], names)),
+    ]
     stacked = sync(blocks)
     assert engine.llm.model.seen == ["norm"] and not engine._write_plan.broken
     assert all(torch.equal(a, b) for a, b in zip(single, stacked))

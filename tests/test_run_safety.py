@@ -13,6 +13,7 @@ stops with one line saying what to fix, and never loses a file.
   a checkpoint is saved, exit 0; --resume then gives the metrics of an uninterrupted run;
 - merge_to_hf.py refuses a checkpoint with NaN weights and names the tensors.
 """
+
 import json
 import os
 import shutil
@@ -23,13 +24,22 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, Background, read_metrics, run_script, script_env
-
 import train_grpo  # noqa: E402  (the repo root is on sys.path via conftest)
 import train_ppo  # noqa: E402
+from tests.conftest import ROOT, Background, read_metrics, run_script, script_env
 
-SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
-         "--mini-batch-size", "16", "--max-new-tokens", "4"]
+SMALL = [
+    "--prompts-per-step",
+    "8",
+    "--samples-per-prompt",
+    "4",
+    "--micro-batch-size",
+    "4",
+    "--mini-batch-size",
+    "16",
+    "--max-new-tokens",
+    "4",
+]
 TRAIN_KEYS = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "reward_mean", "logprob_mismatch", "lr"]
 
 
@@ -37,12 +47,15 @@ TRAIN_KEYS = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "reward_
 def inputs(tmp_path_factory):
     """A complete tiny model dir and broken copies of it, a too-small model's checkpoint stub,
     a dataset."""
-    from common.embedded import DEFAULT_CONFIG, write_embedded_model
+    from common.run.embedded import DEFAULT_CONFIG, write_embedded_model
 
     root = tmp_path_factory.mktemp("inputs")
     good = write_embedded_model(str(root / "model"))
-    for name, drop in (("no_tokenizer", ("tokenizer.json", "tokenizer_config.json")),
-                       ("no_weights", ("model.safetensors",)), ("no_config", ("config.json",))):
+    for name, drop in (
+        ("no_tokenizer", ("tokenizer.json", "tokenizer_config.json")),
+        ("no_weights", ("model.safetensors",)),
+        ("no_config", ("config.json",)),
+    ):
         shutil.copytree(good, root / name)
         for f in drop:
             os.remove(root / name / f)
@@ -78,19 +91,50 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (["--micro-batch-size", "0"], 1, "--micro-batch-size must be >= 1"),
         (["--prompts-per-step", "0"], 1, "--prompts-per-step must be >= 1"),
         (["--max-new-tokens", "256"], 1, "model's 256 positions"),
-        (["--prompts-per-step", "3", "--samples-per-prompt", "4", "--mini-batch-size", "8"], 1, "multiple of --mini-batch-size 8"),
+        (
+            ["--prompts-per-step", "3", "--samples-per-prompt", "4", "--mini-batch-size", "8"],
+            1,
+            "multiple of --mini-batch-size 8",
+        ),
         (["--tp", "2"], 3, "world size 3 is not divisible by --tp 2"),
-        (["--mini-batch-size", "32", "--micro-batch-size", "32"], 2, "16 samples of a mini-batch, not a multiple of --micro-batch-size 32"),
-        (["--mini-batch-size", "32", "--micro-batch-size", "4", "--logprob-micro-batch-size", "12"], 2,
-         "16 samples of a mini-batch, not a multiple of --logprob-micro-batch-size 12"),
+        (
+            ["--mini-batch-size", "32", "--micro-batch-size", "32"],
+            2,
+            "16 samples of a mini-batch, not a multiple of --micro-batch-size 32",
+        ),
+        (
+            ["--mini-batch-size", "32", "--micro-batch-size", "4", "--logprob-micro-batch-size", "12"],
+            2,
+            "16 samples of a mini-batch, not a multiple of --logprob-micro-batch-size 12",
+        ),
         (["--logprob-micro-batch-size", "0"], 1, "--logprob-micro-batch-size must be >= 1"),
         (["--logprob-micro-batch-tokens", "-1"], 1, "--logprob-micro-batch-tokens must be a finite number >= 0"),
-        (["--pp", "3"], 3, "num_hidden_layers=2 cannot be split over --pp 3: fewer layers than (virtual) pipeline stages (3)"),
+        (
+            ["--pp", "3"],
+            3,
+            "num_hidden_layers=2 cannot be split over --pp 3: fewer layers than (virtual) pipeline stages (3)",
+        ),
         (["--pp", "2", "--first-stage-layers", "2"], 2, "cannot be split over --pp 2 with --first-stage-layers 2"),
-        (["--last-stage-layers", "1"], 1, "--first-stage-layers/--last-stage-layers size pipeline stages: they need --pp > 1"),
+        (
+            ["--last-stage-layers", "1"],
+            1,
+            "--first-stage-layers/--last-stage-layers size pipeline stages: they need --pp > 1",
+        ),
         (["--first-stage-layers", "0"], 1, "--first-stage-layers must be >= 1, not 0"),
-        (["--prompts-per-step", "3", "--samples-per-prompt", "4", "--mini-batch-size", "12", "--micro-batch-size", "2"], 2,
-         "multiple of the 2 rollout replicas"),
+        (
+            [
+                "--prompts-per-step",
+                "3",
+                "--samples-per-prompt",
+                "4",
+                "--mini-batch-size",
+                "12",
+                "--micro-batch-size",
+                "2",
+            ],
+            2,
+            "multiple of the 2 rollout replicas",
+        ),
         (["--model", str(inputs / "model")], 1, "--max-new-tokens 1024 leaves no room"),
         (["--model", str(inputs / "missing")], 1, "no such file or directory"),
         (["--model", str(inputs / "no_tokenizer")], 1, "has no tokenizer"),
@@ -101,13 +145,25 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (["--load-rollouts", str(inputs)], 1, "has 0 saved steps"),
         (["--resume", "--start-over"], 1, "pass one"),
         (["--eval-samples", "4"], 1, "--eval-temperature 0 is greedy decoding"),
-        (["--eval-data", str(inputs / "missing.jsonl")], 1, "--eval-data " + str(inputs / "missing.jsonl") + ": no such file"),
-        (["--overlong-buffer", "8", "--max-new-tokens", "8"], 1, "--overlong-buffer 8 must be below --max-new-tokens 8"),
+        (
+            ["--eval-data", str(inputs / "missing.jsonl")],
+            1,
+            "--eval-data " + str(inputs / "missing.jsonl") + ": no such file",
+        ),
+        (
+            ["--overlong-buffer", "8", "--max-new-tokens", "8"],
+            1,
+            "--overlong-buffer 8 must be below --max-new-tokens 8",
+        ),
         (["--dynamic-sampling", "--load-rollouts", str(inputs)], 1, "--dynamic-sampling samples more prompts"),
         (["--model", "Qwen2-7B"], 1, "did you mean Qwen/Qwen2-7B?"),
         (["--resume"], 1, "there is no checkpoint"),
         (["--temperature", "0.7", "--rollout-logprobs", "prefill"], 1, "which vLLM computes at temperature 1"),
-        (["--tis-cap", "2", "--rollout-logprobs", "prefill"], 1, "--tis-cap needs the rollout logprobs of every sample"),
+        (
+            ["--tis-cap", "2", "--rollout-logprobs", "prefill"],
+            1,
+            "--tis-cap needs the rollout logprobs of every sample",
+        ),
         (["--moe-dispatcher", "allgather"], 1, "--moe-dispatcher allgather: Qwen2ForCausalLM has no experts"),
     ]
     for argv, world, says in cases:
@@ -115,7 +171,9 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         assert says in err and ": error: " in err, (argv, err)
     monkeypatch.setenv("WORLD_SIZE", "1")
     # PPO shares the checks; its critic is checked too
-    assert "has no config.json" in parse_error(capsys, train_ppo.parse_args, ["--critic-model", str(inputs / "no_config")] + out)
+    assert "has no config.json" in parse_error(
+        capsys, train_ppo.parse_args, ["--critic-model", str(inputs / "no_config")] + out
+    )
     assert "--temperature must be > 0" in parse_error(capsys, train_ppo.parse_args, ["--temperature", "0"] + out)
 
 
@@ -124,10 +182,12 @@ def test_out_never_overlaps_inputs_or_an_earlier_run(inputs, tmp_path, capsys, m
     monkeypatch.setenv("WORLD_SIZE", "1")
     model = str(inputs / "model")
     for out in (model, os.path.join(model, "run"), str(inputs)):  # equal, inside, containing
-        assert "overlaps --model" in parse_error(capsys, train_grpo.parse_args, ["--model", model, "--out", out,
-                                                                                 "--max-new-tokens", "4"])
-    assert "overlaps --data" in parse_error(capsys, train_grpo.parse_args, ["--data", str(inputs / "data.jsonl"),
-                                                                             "--out", str(inputs)])
+        assert "overlaps --model" in parse_error(
+            capsys, train_grpo.parse_args, ["--model", model, "--out", out, "--max-new-tokens", "4"]
+        )
+    assert "overlaps --data" in parse_error(
+        capsys, train_grpo.parse_args, ["--data", str(inputs / "data.jsonl"), "--out", str(inputs)]
+    )
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
@@ -173,18 +233,38 @@ def test_help_says_each_default_once():
 
 def test_mistakes_found_after_start_up_are_one_line(inputs, tmp_path):
     """Every prompt too long: found after the tokenizer is loaded, still one line and exit 2."""
-    proc = subprocess.run([sys.executable, "train_grpo.py", "--model", str(inputs / "model"), "--data",
-                           str(inputs / "data.jsonl"), "--max-prompt-len", "16", "--max-new-tokens", "4",
-                           "--out", str(tmp_path / "r")],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train_grpo.py",
+            "--model",
+            str(inputs / "model"),
+            "--data",
+            str(inputs / "data.jsonl"),
+            "--max-prompt-len",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "every prompt of" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_nan_stops_the_run_before_the_update(tmp_path):
-    proc = subprocess.run([sys.executable, "train_grpo.py", *SMALL, "--lr", "1e30", "--steps", "4", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          env=script_env())
+    proc = subprocess.run(
+        [sys.executable, "train_grpo.py", *SMALL, "--lr", "1e30", "--steps", "4", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=script_env(),
+    )
     assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "step 1: " in last and "NaN/Inf" in last and "no optimizer step was applied" in last, last
@@ -210,9 +290,24 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     serializer fail with "unexpected pos 704 vs 598", which said nothing of the cause.)"""
     wrapper = tmp_path / "full_disk.py"
     wrapper.write_text(FULL_DISK)
-    proc = subprocess.run([sys.executable, str(wrapper), "train_grpo.py", *SMALL, "--steps", "4", "--save-every", "1",
-                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                          env=script_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(wrapper),
+            "train_grpo.py",
+            *SMALL,
+            "--steps",
+            "4",
+            "--save-every",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=script_env(),
+    )
     assert proc.returncode == 4, (proc.stdout + proc.stderr)[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("train_grpo.py: stopped: writing the training checkpoint") and "step_000002.tmp" in last
@@ -224,8 +319,14 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
 
 
 def _popen(cmd, out, **env):
-    return subprocess.Popen(cmd + ["--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=script_env(**env))
+    return subprocess.Popen(
+        cmd + ["--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=script_env(**env),
+    )
 
 
 def _signal_after(proc, out, sig, steps_logged, timeout=300):
@@ -244,8 +345,12 @@ def test_signal_saves_and_resume_continues_exactly(tmp_path):
     steps = ["--steps", "10"]
     straight_run = Background("train_grpo.py", *SMALL, *steps, "--out", tmp_path / "straight")  # beside the stopped run
     try:
-        code, output = _signal_after(_popen([sys.executable, "train_grpo.py", *SMALL, *steps], tmp_path / "stopped"),
-                                     tmp_path / "stopped", signal.SIGTERM, steps_logged=3)
+        code, output = _signal_after(
+            _popen([sys.executable, "train_grpo.py", *SMALL, *steps], tmp_path / "stopped"),
+            tmp_path / "stopped",
+            signal.SIGTERM,
+            steps_logged=3,
+        )
         assert code == 0, output[-3000:]
         assert "SIGTERM received" in output and "--resume" in output
         stopped_at = len(read_metrics(tmp_path / "stopped"))
@@ -263,10 +368,24 @@ def test_signal_saves_and_resume_continues_exactly(tmp_path):
 
 def test_torchrun_forwards_sigusr1_and_every_rank_stops_after_the_same_step(tmp_path):
     """launch/slurm.sh's path: torchrun told to forward SIGUSR1 (PET_SIGNALS_TO_HANDLE)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_grpo.py",
-           *SMALL, "--steps", "40"]
-    _, output = _signal_after(_popen(cmd, tmp_path, PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"),
-                              tmp_path, signal.SIGUSR1, steps_logged=2)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "train_grpo.py",
+        *SMALL,
+        "--steps",
+        "40",
+    ]
+    _, output = _signal_after(
+        _popen(cmd, tmp_path, PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"),
+        tmp_path,
+        signal.SIGUSR1,
+        steps_logged=2,
+    )
     # (torchrun itself exits 1 after forwarding a signal; the ranks exit 0)
     assert "SIGUSR1 received" in output and "stopped by SIGUSR1" in output, output[-3000:]
     saved = len(read_metrics(tmp_path))
@@ -299,7 +418,7 @@ def test_merge_refuses_non_finite_weights(tmp_path, capsys):
 def test_run_control_decides_when_to_save_and_stop():
     import torch
 
-    from common.guard import STOP_SIGNALS, RunControl
+    from common.train.guard import STOP_SIGNALS, RunControl
 
     old = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     cpu = torch.device("cpu")
@@ -323,7 +442,7 @@ def test_run_control_decides_when_to_save_and_stop():
 def test_non_finite_gradient_is_named_and_no_update_happens():
     import torch
 
-    from common.guard import NonFiniteError, check_finite, check_finite_update
+    from common.train.guard import NonFiniteError, check_finite, check_finite_update
 
     layer = torch.nn.Linear(3, 2)
     layer.weight.grad, layer.bias.grad = torch.ones(2, 3), torch.tensor([0.0, float("inf")])

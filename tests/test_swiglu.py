@@ -1,8 +1,9 @@
-"""common/swiglu.py: the MLPs' activation module (its Triton backward: tests/gpu/test_swiglu_gpu.py)."""
+"""common/model/swiglu.py: the MLPs' activation module (its Triton backward: tests/gpu/test_swiglu_gpu.py)."""
+
 import torch
 import torch.nn.functional as F
 
-from common.swiglu import SwiGLU, swiglu, swiglu_backward, swiglu_backward_reference
+from common.model.swiglu import SwiGLU, swiglu, swiglu_backward, swiglu_backward_reference
 from tests.test_attention import dist_world_of_one  # noqa: F401  (the fixture)
 
 
@@ -20,13 +21,13 @@ def test_backward_formula_is_the_gradient_of_swiglu():
     assert torch.equal(swiglu(y), out)
 
 
-def test_every_mlp_of_a_model_gets_the_module(dist_world_of_one):
+def test_every_mlp_of_a_model_gets_the_module(dist_world_of_one):  # noqa: F811 (the fixture)
     """Dense MLPs, routed experts and shared experts (Qwen2-MoE: both) all apply SwiGLU; with the
     config's use_te_activation_func megatron would otherwise apply plain SiLU there, ungated."""
     from megatron.core.transformer.mlp import MLP
 
-    from common.bridge import parse_hf_config
-    from common.model import build_model
+    from common.model.bridge import parse_hf_config
+    from common.model.gpt import build_model
     from tests.tiny_models import ARCH_CONFIGS, MOE_CONFIGS
 
     for arch, config in (ARCH_CONFIGS["qwen2"], MOE_CONFIGS["qwen2_moe"]):

@@ -1,4 +1,4 @@
-"""Training checkpoints (common/train_checkpoint.py, train_resume.py, checkpoint_io.py): exact
+"""Training checkpoints (common/train/save.py, train_resume.py, checkpoint_io.py): exact
 resume at the same layout and at other TP/PP/DP layouts, background saves, refusals, damaged
 checkpoints.
 
@@ -27,6 +27,7 @@ resume only match if the RNG states were restored. After a resume at another lay
 losses, grad norms and final weights match the uninterrupted run to <= 1e-5 relative (fp32,
 another summation order); the LRs exactly.
 """
+
 import json
 import os
 import re
@@ -69,8 +70,9 @@ def run_to_eof(args, timeout=300, eof_within=30):
     does; returns (exit code, output, seconds from exit to the pipe's end, or None if it did not
     end within eof_within). The pipe ends only when every process holding it has exited."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, WORKER, *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, WORKER, *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     import threading
 
     chunks = []
@@ -92,21 +94,39 @@ def reference(tmp_path_factory):
     (r["root"] / "step_000001.tmp").mkdir(parents=True)  # an interrupted save from an earlier run
     (r["root"] / "step_000001.tmp" / "__0_0.distcp").write_bytes(b"partial")
     jobs = [
-        {"name": "ref", "critic": True, "compare_model_space_at": 2, "saves": [
-            *({"step": s, "root": r["root"], "meta": True} for s in (2, 3, 4)),
-            # any-layout state of one DP rank, without megatron's gather (model_space_optimizer_state),
-            # in the background while step 3 changes everything
-            {"step": 2, "root": r["full2"]},
-            {"step": 2, "root": r["fullbg"], "background": True, "hold_until": 3},
-            {"step": 3, "root": r["full3"]},
-            {"step": 3, "root": r["dp"], "sharding": "dp_reshardable"},
-            # held (a slow disk) until step 4 has changed every parameter and Adam moment
-            # ... and its first file write fails once (as torch's serializer did on a GPU): written again
-            {"step": 3, "root": r["dpbg"], "sharding": "dp_reshardable", "background": True, "hold_until": 4,
-             "fail_first_write": True}]},
-        {"name": "ref_plain", "dist_opt": False, "exit_hard": True, "saves": [
-            {"step": 3, "root": r["nd"]},
-            {"step": 3, "root": r["ndbg"], "background": True, "hold_until": 4}]},
+        {
+            "name": "ref",
+            "critic": True,
+            "compare_model_space_at": 2,
+            "saves": [
+                *({"step": s, "root": r["root"], "meta": True} for s in (2, 3, 4)),
+                # any-layout state of one DP rank, without megatron's gather (model_space_optimizer_state),
+                # in the background while step 3 changes everything
+                {"step": 2, "root": r["full2"]},
+                {"step": 2, "root": r["fullbg"], "background": True, "hold_until": 3},
+                {"step": 3, "root": r["full3"]},
+                {"step": 3, "root": r["dp"], "sharding": "dp_reshardable"},
+                # held (a slow disk) until step 4 has changed every parameter and Adam moment
+                # ... and its first file write fails once (as torch's serializer did on a GPU): written again
+                {
+                    "step": 3,
+                    "root": r["dpbg"],
+                    "sharding": "dp_reshardable",
+                    "background": True,
+                    "hold_until": 4,
+                    "fail_first_write": True,
+                },
+            ],
+        },
+        {
+            "name": "ref_plain",
+            "dist_opt": False,
+            "exit_hard": True,
+            "saves": [
+                {"step": 3, "root": r["nd"]},
+                {"step": 3, "root": r["ndbg"], "background": True, "hold_until": 4},
+            ],
+        },
     ]
     code, output, eof_after, _ = run_to_eof(worker_args(tmp, jobs))
     assert code == 0, output[-5000:]
@@ -117,8 +137,16 @@ def reference(tmp_path_factory):
     os.remove(damaged / "step_000004" / distcp[-1])
     (damaged / "step_000009.tmp").mkdir()
     (damaged / "step_000009.tmp" / "complete").write_text("{}")
-    return dict(tmp=tmp, **r, damaged=damaged, removed=distcp[-1], eof_after=eof_after, output=output,
-                ref=load(tmp, "ref"), ref_plain=load(tmp, "ref_plain"))
+    return dict(
+        tmp=tmp,
+        **r,
+        damaged=damaged,
+        removed=distcp[-1],
+        eof_after=eof_after,
+        output=output,
+        ref=load(tmp, "ref"),
+        ref_plain=load(tmp, "ref_plain"),
+    )
 
 
 def load(tmp, name):
@@ -132,14 +160,25 @@ def resharded(reference):
     tmp, r = reference["tmp"], reference
     out = {}
     for layout, flags in (("tp2", ["--tp", 2]), ("pp2", ["--pp", 2]), ("dp2", [])):
-        jobs = [{"name": layout, "resume": r["full3"], "try_first": [r["dp"]],
-                 "saves": [{"step": 4, "root": tmp / f"{layout}_4"}]},
-                {"name": f"{layout}_plain", "dist_opt": False, "resume": r["nd"],
-                 "saves": [{"step": 4, "root": tmp / f"{layout}_plain_4"}]}]
+        jobs = [
+            {
+                "name": layout,
+                "resume": r["full3"],
+                "try_first": [r["dp"]],
+                "saves": [{"step": 4, "root": tmp / f"{layout}_4"}],
+            },
+            {
+                "name": f"{layout}_plain",
+                "dist_opt": False,
+                "resume": r["nd"],
+                "saves": [{"step": 4, "root": tmp / f"{layout}_plain_4"}],
+            },
+        ]
         if layout == "pp2":  # uneven stages: megatron's num_layers_in_first_pipeline_stage
             jobs[0]["saves"].append({"step": 4, "root": tmp / "pp2_4dp", "sharding": "dp_reshardable"})
-            jobs.append({"name": "pp2_uneven", "first_stage_layers": 3, "resume": r["full3"],
-                         "try_first": [tmp / "pp2_4dp"]})
+            jobs.append(
+                {"name": "pp2_uneven", "first_stage_layers": 3, "resume": r["full3"], "try_first": [tmp / "pp2_4dp"]}
+            )
         if layout == "dp2":
             jobs[0].update(nan_save_at=4, fail_save_at=4, compare_model_space_at=4)
             jobs[0]["saves"].append({"step": 4, "root": tmp / "dp2_4bg", "background": True, "hold_until": 5})
@@ -154,11 +193,20 @@ def one_rank(reference, resharded):
     """One process: the damaged reference root at the same layout, then every checkpoint
     written at TP=2, PP=2, DP=2."""
     tmp, r = reference["tmp"], reference
-    jobs = [{"name": "same", "critic": True, "resume": r["damaged"], "try_first": [r["nd"]],
-             "break_copy": tmp / "all_damaged"},
-            {"name": "same_plain", "dist_opt": False, "resume": r["nd"], "try_first": [r["full3"]]}]
-    jobs += [{"name": f"from_{name}", "dist_opt": "plain" not in name, "resume": tmp / f"{name}_4"}
-             for name in ("tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain")]
+    jobs = [
+        {
+            "name": "same",
+            "critic": True,
+            "resume": r["damaged"],
+            "try_first": [r["nd"]],
+            "break_copy": tmp / "all_damaged",
+        },
+        {"name": "same_plain", "dist_opt": False, "resume": r["nd"], "try_first": [r["full3"]]},
+    ]
+    jobs += [
+        {"name": f"from_{name}", "dist_opt": "plain" not in name, "resume": tmp / f"{name}_4"}
+        for name in ("tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain")
+    ]
     code, output, _, _ = run_to_eof(worker_args(tmp, jobs))
     assert code == 0, output[-5000:]
     return dict(output=output, **{job["name"]: load(tmp, job["name"]) for job in jobs})
@@ -182,8 +230,9 @@ def weights_rel_diff(tmp, name, reference_name):
     assert got.keys() == want.keys()
     for k in (k for k in want if k.endswith("k_proj.bias")):
         assert (got[k] - want[k]).abs().max() <= 1e-3, k
-    return max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item()
-               for k in want if not k.endswith("k_proj.bias"))
+    return max(
+        ((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want if not k.endswith("k_proj.bias")
+    )
 
 
 def dcp_contents(step_dir, tmp_file):
@@ -219,8 +268,14 @@ def test_save_layout_keep_last_and_tmp_cleanup(reference):
     assert (root / "latest").read_text().strip() == "step_000004"
     step_dir = root / "step_000004"
     files = json.loads((step_dir / "complete").read_text())["files"]
-    assert {"metadata.json", "train_state.json", "rl_meta.json", "rng/rank_00000.pt",
-            "critic/metadata.json", "critic/.metadata"} <= set(files)
+    assert {
+        "metadata.json",
+        "train_state.json",
+        "rl_meta.json",
+        "rng/rank_00000.pt",
+        "critic/metadata.json",
+        "critic/.metadata",
+    } <= set(files)
     assert all(os.path.getsize(step_dir / rel) == size for rel, size in files.items())
     state = json.loads((step_dir / "train_state.json").read_text())
     assert state["extra"] == {"step": 4, "samples_seen": 16}
@@ -236,9 +291,11 @@ def test_background_save_equals_synchronous_save(reference, resharded, tmp_path)
     The dp_reshardable one had a file write fail once: written again, the same files."""
     tmp = reference["tmp"]
     assert len(reference["ref"]["injected_write_failures"]) == 1  # one writer thread hit it
-    for job, sync_root, root, step in ((reference["ref"], reference["dp"], reference["dpbg"], 3),
-                                       (reference["ref_plain"], reference["nd"], reference["ndbg"], 3),
-                                       (resharded["dp2"], tmp / "dp2_4", tmp / "dp2_4bg", 4)):
+    for job, sync_root, root, step in (
+        (reference["ref"], reference["dp"], reference["dpbg"], 3),
+        (reference["ref_plain"], reference["nd"], reference["ndbg"], 3),
+        (resharded["dp2"], tmp / "dp2_4", tmp / "dp2_4bg", 4),
+    ):
         saves = job["saves"]
         assert saves[f"{root}@{step}"] == {"latest_unchanged": True, "step_dir_absent": True}
         # the poll of the step during which the writer was held published nothing, on any rank
@@ -254,9 +311,13 @@ def test_model_space_optimizer_state_equals_megatrons(reference, resharded, tmp_
     (common/training.model_space_optimizer_state): entry for entry (order, keys, metadata,
     values) what megatron's gather builds; at DP=2 megatron's own path is used. Its background
     save (held until step 3 changed every tensor) is the synchronous one, file for file."""
-    assert reference["ref"]["model_space"] == {"entries": reference["ref"]["model_space"]["entries"],
-                                               "same_keys_in_order": True, "metadata_differs": [],
-                                               "values_differ": [], "rest_equal": True}
+    assert reference["ref"]["model_space"] == {
+        "entries": reference["ref"]["model_space"]["entries"],
+        "same_keys_in_order": True,
+        "metadata_differs": [],
+        "values_differ": [],
+        "rest_equal": True,
+    }
     assert reference["ref"]["model_space"]["entries"] >= 3 * 10  # param, exp_avg, exp_avg_sq per param
     assert resharded["dp2"]["model_space"] is None
     assert (reference["fullbg"] / "latest").read_text().strip() == "step_000002"
@@ -269,7 +330,7 @@ def test_host_staging_copies_own_exactly_their_bytes(tmp_path):
     values and dtypes survive; what does not fit is copied the plain way."""
     import torch
 
-    from common.checkpoint_io import HostStaging
+    from common.train.checkpoint_io import HostStaging
 
     staging = HostStaging()
     staging.reserve(HostStaging.nbytes_for([]) + 256)
@@ -293,7 +354,7 @@ def test_host_staging_keeps_each_model_of_one_save(monkeypatch):
     bytes in its first tensors). clear(), at the next save, reuses the buffer."""
     import torch
 
-    from common.checkpoint_io import HostStaging
+    from common.train.checkpoint_io import HostStaging
 
     # CPU tensors take the GPU tensors' path (copied into the buffer), as on a GPU machine
     monkeypatch.setattr(HostStaging, "on_device", staticmethod(lambda tensor: True))
@@ -328,23 +389,32 @@ def test_background_write_failure_raised_on_every_rank(resharded):
     measured after each file 10 MB apart); nothing is published; the run went on to a good save."""
     fail = resharded["dp2"]["fail"]
     assert fail["errors_agree"]
-    assert re.match(r"writing the training checkpoint \S+dp2_fail/step_000004.tmp failed \(the checkpoint "
-                    r"before it is kept\): rank 1: OSError: \[Errno 27\] File too large "
-                    r"\(2 files; [0-9.]+ [MG]B free on its filesystem\)$", fail["error"]), fail["error"]
+    assert re.match(
+        r"writing the training checkpoint \S+dp2_fail/step_000004.tmp failed \(the checkpoint "
+        r"before it is kept\): rank 1: OSError: \[Errno 27\] File too large "
+        r"\(2 files; [0-9.]+ [MG]B free on its filesystem\)$",
+        fail["error"],
+    ), fail["error"]
     assert fail["listing"] == ["step_000004.tmp"]  # no latest, no step_000004
 
 
 def test_exit_closes_stdout(reference, tmp_path):
     """The reference run saved (synchronously and in the background) and left like
     train_grpo.py with vLLM, os._exit after CheckpointWriter.wait(): its stdout pipe ended
-    with it, and megatron started no results-queue Manager (common/checkpoint_io.py:
+    with it, and megatron started no results-queue Manager (common/train/checkpoint_io.py:
     in_process_results). Control: with megatron's own queue made first, its helper process
     holds the pipe (so the check above can fail); that process is then ended here by its pid."""
     assert reference["eof_after"] is not None and reference["eof_after"] < 5
     assert "results-queue Manager: pid None" in reference["output"]
     tmp = reference["tmp"]
-    jobs = [{"name": "control", "exit_hard": True, "megatron_queue": True,
-             "saves": [{"step": 1, "root": tmp_path / "control"}]}]
+    jobs = [
+        {
+            "name": "control",
+            "exit_hard": True,
+            "megatron_queue": True,
+            "saves": [{"step": 1, "root": tmp_path / "control"}],
+        }
+    ]
     code, output, eof_after, reader = run_to_eof(worker_args(tmp, jobs), eof_within=5)
     assert code == 0 and eof_after is None, "the control's pipe ended: the test above could not fail"
     os.kill(int(re.search(r"results-queue Manager: pid (\d+)", output).group(1)), signal.SIGTERM)
@@ -357,8 +427,10 @@ def test_resume_same_layout_after_fallback_and_all_damaged(reference, one_rank):
     """The damaged root at the saved layout: falls back to step 3; both models, optimizers and
     schedules continue bit-identically, the RNG states are the saved ones."""
     ref, result = reference["ref"], one_rank["same"]
-    assert (f"skipping damaged checkpoint {reference['damaged']}/step_000004: {reference['removed']} is missing"
-            in one_rank["output"])
+    assert (
+        f"skipping damaged checkpoint {reference['damaged']}/step_000004: {reference['removed']} is missing"
+        in one_rank["output"]
+    )
     assert result["extra"] == {"step": 3, "samples_seen": 12}  # fell back; step_000009.tmp ignored
     for key in ["losses", "grad_norms", "lrs", "critic_losses", "critic_grad_norms", "critic_lrs"]:
         assert all(result[key][s] == ref[key][s] for s in ("4", "5")), key
@@ -366,7 +438,7 @@ def test_resume_same_layout_after_fallback_and_all_damaged(reference, one_rank):
     assert weights_rel_diff(reference["tmp"], "same", "ref") == 0.0
     assert ref["critic_losses"]["5"] < ref["critic_losses"]["1"]  # the critic learns something
     # a root written without the critic: every step refused, by name
-    (error, agree), = result["try_first"]
+    ((error, agree),) = result["try_first"]
     assert "no usable training checkpoint" in error and "critic/metadata.json was never written" in error
     # every checkpoint damaged (one structurally, one only failing inside the load) -> raises
     error = result["all_damaged"]["error"]
@@ -375,7 +447,9 @@ def test_resume_same_layout_after_fallback_and_all_damaged(reference, one_rank):
     assert "step_000003: loading failed" in error
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain", "dp2_dpresh", "pp2_uneven"])
+@pytest.mark.parametrize(
+    "name", ["tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain", "dp2_dpresh", "pp2_uneven"]
+)
 def test_resume_at_another_layout(reference, resharded, name):
     """Step-3 checkpoints of one process resumed at TP=2, PP=2, DP=2 (distributed optimizer
     in fully_reshardable, or a plain optimizer; dp_reshardable only at DP=2), and at PP=2 on
@@ -410,25 +484,27 @@ def test_refusals_name_both_layouts_and_never_fall_back(reference, resharded, on
     kind, is refused with what to do -- not called damaged, no older step tried."""
     dp_dir = reference["dp"] / "step_000003"
     for layout, current in (("tp2", "TP=2 PP=1"), ("pp2", "TP=1 PP=2")):
-        (error, agree), = resharded[layout]["try_first"]
-        assert agree and error.startswith(f"{dp_dir} holds distributed-optimizer state in "
-                                          "optimizer_sharding='dp_reshardable'")
+        ((error, agree),) = resharded[layout]["try_first"]
+        assert agree and error.startswith(
+            f"{dp_dir} holds distributed-optimizer state in optimizer_sharding='dp_reshardable'"
+        )
         assert "saved at TP=1 PP=1 VPP=1 EP=1 CP=1 DP=1 (1 ranks)" in error
         assert f"this run is at {current} VPP=1 EP=1 CP=1 DP=1 (2 ranks)" in error
         assert "optimizer_sharding='fully_reshardable'" in error and "damaged" not in error
-    (error, agree), = resharded["pp2_uneven"]["try_first"]  # same PP, other layers per stage
+    ((error, agree),) = resharded["pp2_uneven"]["try_first"]  # same PP, other layers per stage
     assert agree and error.startswith(f"{reference['tmp']}/pp2_4dp/step_000004 holds distributed-optimizer state")
     assert "(2 ranks), layers per stage [2, 2]" in error and "(2 ranks), layers per stage [3, 1]" in error
-    (error, _), = one_rank["same_plain"]["try_first"]
-    assert error.startswith(f"{reference['full3']}/step_000003 was written with the distributed optimizer; "
-                            "this run uses a plain optimizer")
+    ((error, _),) = one_rank["same_plain"]["try_first"]
+    assert error.startswith(
+        f"{reference['full3']}/step_000003 was written with the distributed optimizer; this run uses a plain optimizer"
+    )
     assert one_rank["same_plain"]["extra"]["step"] == 3  # the right kind then loads
 
 
 def test_check_step_dir_andcandidates(reference, tmp_path):
     """The structural checks, without any process group."""
-    from common.checkpoint_dirs import candidates
-    from common.train_resume import check_step_dir
+    from common.train.checkpoint_dirs import candidates
+    from common.train.resume import check_step_dir
 
     root = tmp_path / "root"
     shutil.copytree(reference["root"], root)

@@ -12,6 +12,7 @@
   the losses and grad norms of fixed-size micro-batches in one process;
 - every flag of --help has a help string.
 """
+
 import os
 import shutil
 import sys
@@ -20,8 +21,18 @@ import pytest
 
 from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_scripts, run_torchrun
 
-SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
-         "--mini-batch-size", "16", "--max-new-tokens", "4"]
+SMALL = [
+    "--prompts-per-step",
+    "8",
+    "--samples-per-prompt",
+    "4",
+    "--micro-batch-size",
+    "4",
+    "--mini-batch-size",
+    "16",
+    "--max-new-tokens",
+    "4",
+]
 TRAIN_KEYS = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "reward_mean", "logprob_mismatch", "lr"]
 
 
@@ -72,10 +83,12 @@ def short_runs(tmp_path_factory):
     """Four independent one-process runs of the tests below, at once (one thread each): their
     output folders by name."""
     root = tmp_path_factory.mktemp("short_runs")
-    runs = {"none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
-            "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
-            "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2],
-            "two": [*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2]}
+    runs = {
+        "none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
+        "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
+        "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2],
+        "two": [*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2],
+    }
     run_scripts(*[("train_grpo.py", *args, "--out", root / name) for name, args in runs.items()])
     return {name: root / name for name in runs}
 
@@ -106,10 +119,22 @@ def saved_rollouts(tmp_path_factory):
 
 # The reference is padded (--no-pack) in one process; the layouts run the default, packed passes
 # (tp2_sp says so), so each compares packed at that layout with padded in one process.
-@pytest.mark.parametrize("layout", [["--tp", "2", "--sp", "--pack"], ["--pp", "2"], []], ids=["tp2_sp_pack", "pp2", "dp2"])
+@pytest.mark.parametrize(
+    "layout", [["--tp", "2", "--sp", "--pack"], ["--pp", "2"], []], ids=["tp2_sp_pack", "pp2", "dp2"]
+)
 def test_layouts_match_single_process(layout, saved_rollouts, tmp_path):
-    run_torchrun("train_grpo.py", 2, *SMALL, "--steps", 2, *layout, "--out", tmp_path,
-                 "--load-rollouts", saved_rollouts / "rollouts")
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        *SMALL,
+        "--steps",
+        2,
+        *layout,
+        "--out",
+        tmp_path,
+        "--load-rollouts",
+        saved_rollouts / "rollouts",
+    )
     reference, replayed = metrics(saved_rollouts / "reference"), metrics(tmp_path)
     assert len(replayed) == 2
     for a, b in zip(reference, replayed):
@@ -120,11 +145,17 @@ def test_layouts_match_single_process(layout, saved_rollouts, tmp_path):
 def test_logprob_micro_batching_follows_the_update_unless_given():
     from argparse import Namespace
 
-    from common.flags import logprob_micro_batching
+    from common.run.flags import logprob_micro_batching
 
     def sizes(size=None, tokens=None, update=(4, 0)):
-        return logprob_micro_batching(Namespace(micro_batch_size=update[0], micro_batch_tokens=update[1],
-                                                logprob_micro_batch_size=size, logprob_micro_batch_tokens=tokens))
+        return logprob_micro_batching(
+            Namespace(
+                micro_batch_size=update[0],
+                micro_batch_tokens=update[1],
+                logprob_micro_batch_size=size,
+                logprob_micro_batch_tokens=tokens,
+            )
+        )
 
     assert sizes() == (4, 0) and sizes(update=(4, 512)) == (4, 512)
     assert sizes(16) == (16, 0) and sizes(16, update=(4, 512)) == (16, 0)  # samples given: no token budget
@@ -136,20 +167,51 @@ def test_token_budget_matches_fixed_micro_batches(tmp_path):
 
     import torch
 
-    from common import batch as B
+    from common.rl import batch as B
 
-    geometry = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--mini-batch-size", "16",
-                "--max-new-tokens", "24", "--no-pack"]  # responses of 1 to 24 tokens: lengths vary; padded budgets
-    run(*geometry, "--micro-batch-size", "4", "--steps", 2, "--out", tmp_path / "fixed",
-        "--save-rollouts", tmp_path / "rollouts")
+    geometry = [
+        "--prompts-per-step",
+        "8",
+        "--samples-per-prompt",
+        "4",
+        "--mini-batch-size",
+        "16",
+        "--max-new-tokens",
+        "24",
+        "--no-pack",
+    ]  # responses of 1 to 24 tokens: lengths vary; padded budgets
+    run(
+        *geometry,
+        "--micro-batch-size",
+        "4",
+        "--steps",
+        2,
+        "--out",
+        tmp_path / "fixed",
+        "--save-rollouts",
+        tmp_path / "rollouts",
+    )
     # the test means something only if the budget gives the two ranks different counts
     samples = torch.load(sorted(glob.glob(str(tmp_path / "rollouts" / "*.pt")))[0], weights_only=False)["samples"]
     packed = B.pack_sequences(samples, pad_id=0)
     counts = [len(B.micro_batches(packed, torch.arange(dp * 8, dp * 8 + 8), 4, max_tokens=48)) for dp in range(2)]
     assert counts[0] != counts[1], counts
     # the forward-only (old logprob) passes of twice that budget
-    run_torchrun("train_grpo.py", 2, *geometry, "--micro-batch-tokens", "48", "--logprob-micro-batch-tokens", "96",
-                 "--steps", 2, "--out", tmp_path / "budget", "--load-rollouts", tmp_path / "rollouts")
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        *geometry,
+        "--micro-batch-tokens",
+        "48",
+        "--logprob-micro-batch-tokens",
+        "96",
+        "--steps",
+        2,
+        "--out",
+        tmp_path / "budget",
+        "--load-rollouts",
+        tmp_path / "rollouts",
+    )
     for a, b in zip(metrics(tmp_path / "fixed"), metrics(tmp_path / "budget"), strict=True):
         for key in TRAIN_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
@@ -162,8 +224,10 @@ def two_step_run(tmp_path_factory):
     steps of test_resume_is_exact's run; then a 2-step run replaying the rollouts (its
     checkpoint is what the layouts below resume; each test resumes a copy)."""
     root = tmp_path_factory.mktemp("resume")
-    run_scripts(("train_grpo.py", *SMALL, "--steps", 6, "--out", root / "straight", "--save-rollouts", root / "rollouts"),
-                ("train_grpo.py", *SMALL, "--steps", 3, "--out", root / "resumed"))
+    run_scripts(
+        ("train_grpo.py", *SMALL, "--steps", 6, "--out", root / "straight", "--save-rollouts", root / "rollouts"),
+        ("train_grpo.py", *SMALL, "--steps", 3, "--out", root / "resumed"),
+    )
     run(*SMALL, "--steps", 2, "--out", root / "moved", "--load-rollouts", root / "rollouts")
     return root
 
@@ -173,8 +237,19 @@ def test_resume_at_another_layout(layout, two_step_run, tmp_path):
     """Saved by one process after 2 steps, resumed under torchrun at TP=2 / PP=2 (replaying the
     same rollouts): steps 3-4 give the metrics of the uninterrupted one-process run."""
     shutil.copytree(two_step_run / "moved", tmp_path / "moved")
-    run_torchrun("train_grpo.py", 2, *SMALL, "--steps", 4, *layout, "--out", tmp_path / "moved", "--resume",
-                 "--load-rollouts", two_step_run / "rollouts")
+    run_torchrun(
+        "train_grpo.py",
+        2,
+        *SMALL,
+        "--steps",
+        4,
+        *layout,
+        "--out",
+        tmp_path / "moved",
+        "--resume",
+        "--load-rollouts",
+        two_step_run / "rollouts",
+    )
     straight, moved = metrics(two_step_run / "straight"), metrics(tmp_path / "moved")
     assert [m["step"] for m in moved] == [0, 1, 2, 3]
     for a, b in zip(straight[2:4], moved[2:], strict=True):

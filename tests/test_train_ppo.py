@@ -20,6 +20,7 @@
   as 1 process (rel 1e-4);
 - every flag of --help has a help string.
 """
+
 import json
 import os
 import sys
@@ -28,11 +29,37 @@ import pytest
 
 from tests.conftest import ROOT, assert_every_flag_documented, read_metrics, run_script, run_scripts, run_torchrun
 
-SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4",
-         "--mini-batch-size", "16", "--max-new-tokens", "4", "--critic-warmup-steps", "1"]
-TRAIN_KEYS = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "reward_mean", "logprob_mismatch", "lr",
-              "value_loss", "vf_clip_frac", "explained_variance", "critic_grad_norm", "value_mean", "return_mean",
-              "critic_lr"]
+SMALL = [
+    "--prompts-per-step",
+    "8",
+    "--samples-per-prompt",
+    "4",
+    "--micro-batch-size",
+    "4",
+    "--mini-batch-size",
+    "16",
+    "--max-new-tokens",
+    "4",
+    "--critic-warmup-steps",
+    "1",
+]
+TRAIN_KEYS = [
+    "policy_loss",
+    "grad_norm",
+    "entropy",
+    "kl",
+    "clip_frac",
+    "reward_mean",
+    "logprob_mismatch",
+    "lr",
+    "value_loss",
+    "vf_clip_frac",
+    "explained_variance",
+    "critic_grad_norm",
+    "value_mean",
+    "return_mean",
+    "critic_lr",
+]
 ACTOR_KEYS = ["policy_loss", "grad_norm", "entropy", "clip_frac"]  # absent during the critic warmup
 
 
@@ -58,8 +85,16 @@ def test_help_documents_every_flag():
 
     assert_every_flag_documented(build_parser())
     proc = run("--help")
-    for flag in ["--critic-lr", "--critic-model", "--critic-warmup-steps", "--vf-clip", "--gamma", "--lam",
-                 "--kl-mode", "--load-rollouts"]:
+    for flag in [
+        "--critic-lr",
+        "--critic-model",
+        "--critic-warmup-steps",
+        "--vf-clip",
+        "--gamma",
+        "--lam",
+        "--kl-mode",
+        "--load-rollouts",
+    ]:
         assert flag in proc.stdout
 
 
@@ -86,9 +121,21 @@ def reference(tmp_path_factory):
     """4 steps in one process, critic warmup 1 step, KL as a loss term, rollouts saved; beside
     it (at once, one thread each) the first 2 steps of test_resume_is_exact's run."""
     root = tmp_path_factory.mktemp("ppo")
-    run_scripts(("train_ppo.py", *SMALL, "--kl-mode", "loss", "--steps", 4, "--out", root / "reference",
-                 "--save-rollouts", root / "rollouts"),
-                ("train_ppo.py", *SMALL, "--kl-mode", "loss", "--steps", 2, "--out", root / "resumed"))
+    run_scripts(
+        (
+            "train_ppo.py",
+            *SMALL,
+            "--kl-mode",
+            "loss",
+            "--steps",
+            4,
+            "--out",
+            root / "reference",
+            "--save-rollouts",
+            root / "rollouts",
+        ),
+        ("train_ppo.py", *SMALL, "--kl-mode", "loss", "--steps", 2, "--out", root / "resumed"),
+    )
     return root
 
 
@@ -111,8 +158,9 @@ def test_replay_first_step_returns_by_hand(scored):
 
     saved = torch.load(scored / "scored" / "step_000000.pt", weights_only=False)
     lam = 0.95  # gamma 1: a token's return is lam^(response tokens after it) * reward
-    total = sum(r.item() * sum(lam**j for j in range(len(s.response_ids)))
-                for s, r in zip(saved["samples"], saved["rewards"]))
+    total = sum(
+        r.item() * sum(lam**j for j in range(len(s.response_ids))) for s, r in zip(saved["samples"], saved["rewards"])
+    )
     tokens = sum(len(s.response_ids) for s in saved["samples"])
     first = metrics(scored / "replay")[0]
     assert 0.2 < saved["rewards"].mean() < 0.8
@@ -142,10 +190,13 @@ def test_resume_is_exact(reference):
         assert a["response_len_mean"] == b["response_len_mean"] and a["reward_std"] == b["reward_std"]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2", "--sp"], ["--pp", "2"], [], ["--cp", "2"]], ids=["tp2_sp", "pp2", "dp2", "cp2"])
+@pytest.mark.parametrize(
+    "layout", [["--tp", "2", "--sp"], ["--pp", "2"], [], ["--cp", "2"]], ids=["tp2_sp", "pp2", "dp2", "cp2"]
+)
 def test_layouts_match_single_process(layout, scored, tmp_path):
-    run_torchrun("train_ppo.py", 2, *SMALL, "--steps", 3, *layout, "--out", tmp_path,
-                 "--load-rollouts", scored / "scored")
+    run_torchrun(
+        "train_ppo.py", 2, *SMALL, "--steps", 3, *layout, "--out", tmp_path, "--load-rollouts", scored / "scored"
+    )
     expected, replayed = metrics(scored / "replay"), metrics(tmp_path)
     assert len(replayed) == 3
     for a, b in zip(expected, replayed):

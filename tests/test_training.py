@@ -1,34 +1,41 @@
-"""common/training.py: setup_training's optimizer (torch's fused AdamW in megatron's wrapper)
+"""common/train/setup.py: setup_training's optimizer (torch's fused AdamW in megatron's wrapper)
 steps as Adam written out by hand from the same gradients (worker: tests/batch_worker.py adam).
 
     .venv/bin/python -m pytest -q tests/test_training.py
 """
-import json
 
-import torch
+import json
 import os
 import subprocess
 import sys
+
+import torch
 
 from tests.conftest import ROOT, run_batch_worker
 
 
 def test_train_step_is_adamw_by_hand(tmp_path):
     """Two optimizer steps of setup_training's (fused) AdamW equal the formula applied here to
-    the same gradients, and the gradient norm it reports (common/training.py's foreach norm,
+    the same gradients, and the gradient norm it reports (common/train/setup.py's foreach norm,
     not megatron's fallback) equals the one computed here; then again with the gradients
-    clipped to a total norm of 0.05 (common/training.py's foreach multiply): both steps clip.
-    With bf16 parameters, the distributed optimizer's copies from lists (common/training.py
+    clipped to a total norm of 0.05 (common/train/setup.py's foreach multiply): both steps clip.
+    With bf16 parameters, the distributed optimizer's copies from lists (common/train/setup.py
     ListedCopies) leave nothing for megatron's own copies to change: the same grad views, the
     same parameter bits."""
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
-    proc = subprocess.run([sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2"), "adam"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2"), "adam"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    listed = results.pop()  # common/training.py's listed copies against megatron's, a bf16 model
+    listed = results.pop()  # common/train/setup.py's listed copies against megatron's, a bf16 model
     print(listed)
     assert set(listed["listed"]) == {"ListedCopies"}, listed
     assert listed["shards"] >= listed["params"] and listed["changed"] == listed["params"], listed
@@ -44,12 +51,12 @@ def test_train_step_is_adamw_by_hand(tmp_path):
 
 
 def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
-    """Weight gradients accumulated inside the GEMM (common/training.py, with
-    common/cpu_compat.py's stand-in for apex's kernel) equal megatron's own path over three
+    """Weight gradients accumulated inside the GEMM (common/train/setup.py, with
+    common/model/cpu_compat.py's stand-in for apex's kernel) equal megatron's own path over three
     micro-batches: every parameter's main_grad, with untied and tied embeddings (the tied
     weight gets the LM head's gradient in the GEMM and the embedding's through DDP's hook), and
-    an MoE model's grouped experts (their gradients added per layer, common/moe_experts.py). The Qwen2
-    models' QKV bias added in the GEMM (common/linear.py) against megatron's separate add, too.
+    an MoE model's grouped experts (their gradients added per layer, common/model/moe_experts.py). The Qwen2
+    models' QKV bias added in the GEMM (common/model/linear.py) against megatron's separate add, too.
     With the distributed optimizer the MoE experts' GEMMs read their weights in place in
     megatron's buffer, and their gradients are added in place there: the same bits again."""
     names = ("qwen2", "qwen2_tied", "qwen3_moe")
@@ -60,7 +67,7 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
         assert r["float32"]["max_rel_err"] < 1e-6, r  # a doubled or a lost gradient would be >= 1
         # bf16: megatron's path rounds each micro-batch's gradient to bf16 first, the fused one does not
         assert r["bfloat16"]["max_rel_err"] < 1e-2, r
-        for dtype in ("float32", "bfloat16"):  # common/linear.py vs megatron's matmul + add
+        for dtype in ("float32", "bfloat16"):  # common/model/linear.py vs megatron's matmul + add
             assert r[dtype]["bias_in_gemm_layers"] == (4 if name.startswith("qwen2") else 0), r  # QKV of 4 layers
         assert r["float32"]["bias_in_gemm_max_rel_err"] < 1e-6, r
         # bf16: as close to the fp32 gradients as megatron's separate add, or closer
@@ -78,13 +85,13 @@ def test_fused_wgrad_accumulation_equals_megatrons(tmp_path):
 
 
 def test_qkv_bias_in_gemm_is_megatrons_linear_function():
-    """common/linear.py's autograd function: megatron's linear function with the bias in an addmm.
+    """common/model/linear.py's autograd function: megatron's linear function with the bias in an addmm.
     Output, input / weight / bias gradients equal megatron's own (fp32), and the output really
     comes from the new function (its backward node), with and without a TP group's all-reduce
     flag off (TP=1)."""
     from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Megatron
 
-    from common.linear import _LinearBiasInGemm
+    from common.model.linear import _LinearBiasInGemm
 
     gen = torch.Generator().manual_seed(0)
     x0, w0, b0 = (torch.randn(shape, generator=gen) for shape in ((6, 3, 8), (12, 8), (12,)))

@@ -1,4 +1,4 @@
-"""common/weight_replay.py: a loader's writes recorded once and replayed give the parameters
+"""common/rollout/weight_replay.py: a loader's writes recorded once and replayed give the parameters
 the loader itself gives, and what cannot be replayed is left to the loader.
 
     .venv/bin/python -m pytest -q tests/test_weight_replay.py
@@ -8,10 +8,11 @@ slice by slice with narrow + copy_, a padded vocabulary zero-filled past its end
 of a tensor for a TP rank, `param.data.copy_` for the rest); the real vLLM loaders are checked
 the same way on a GPU (tests/gpu/test_vllm_agreement.py, "replay").
 """
+
 import torch
 
-from common.weight_replay import WritePlan
-from common.weights import LocalShard
+from common.model.weights import LocalShard
+from common.rollout.weight_replay import WritePlan
 
 H, Q, KV, I, V, V_PAD = 8, 8, 4, 12, 10, 16
 
@@ -35,7 +36,7 @@ def hf_tensors(seed, flat=False):
         buffer = torch.cat([torch.zeros(3)] + [t.reshape(-1) for _, t in tensors])
         offset, views = 3, []
         for name, t in tensors:
-            views.append((name, buffer[offset:offset + t.numel()].view(t.shape)))
+            views.append((name, buffer[offset : offset + t.numel()].view(t.shape)))
             offset += t.numel()
         tensors = views
     return tensors
@@ -132,11 +133,11 @@ def test_pieces_replay_as_the_loader_where_it_reads_no_more():
         loader(model, stream)
     half = I // 2
     assert plan.reads_within("gate", 0, half, I, (I, H)) and plan.reads_within("up", 0, half, I, (I, H))
-    assert not plan.reads_within("gate", 0, 0, half, (I, H))      # rank 1 reads the other half
+    assert not plan.reads_within("gate", 0, 0, half, (I, H))  # rank 1 reads the other half
     assert not plan.reads_within("gate", 0, half, I, (2 * I, H))  # another full shape than recorded
-    assert not plan.reads_within("q", 0, 0, Q // 2, (Q, H))       # q is read whole
+    assert not plan.reads_within("q", 0, 0, Q // 2, (Q, H))  # q is read whole
     assert plan.reads_within("q", 0, 0, Q, (Q, H))
-    assert plan.reads_within("embed", 0, 0, V, (V, H))            # the copy and the padding's fill
+    assert plan.reads_within("embed", 0, 0, V, (V, H))  # the copy and the padding's fill
     new = dict(hf_tensors(1))
     for name in ("gate", "up"):
         assert plan.replay_piece(name, LocalShard(new[name][half:].clone(), 0, half, (I, H)))

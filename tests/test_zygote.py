@@ -1,6 +1,7 @@
 """The suite's launcher (tests/zygote.py through tests/conftest.py's launch): a forked launch
 behaves as `python script` or torchrun does where the tests look: exit codes, output, the
 environment of each rank, a failing rank stopping the others, timeouts."""
+
 import json
 import subprocess
 import sys
@@ -36,9 +37,12 @@ SCRIPT = textwrap.dedent("""
 def run(tmp_path, mode, nproc=None, timeout=60, **env):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc else [sys.executable]
-    return launch([*torchrun, str(script), mode], str(script), [mode], env=script_env(**env), timeout=timeout,
-                  nproc=nproc or 1)
+    torchrun = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc else [sys.executable]
+    )
+    return launch(
+        [*torchrun, str(script), mode], str(script), [mode], env=script_env(**env), timeout=timeout, nproc=nproc or 1
+    )
 
 
 def lines(proc):

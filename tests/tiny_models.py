@@ -3,54 +3,141 @@
 Norm weights and biases are perturbed away from their 1/0 init, so every tensor of the
 mapping changes the logits and a wrong mapping cannot hide.
 """
+
 import torch
 
 ARCH_CONFIGS = {
     # Qwen2: q/k/v bias, GQA (4 heads, 2 groups)
-    "qwen2": ("Qwen2ForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
-                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                         rms_norm_eps=1e-6, max_position_embeddings=256,
-                                         tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+        ),
+    ),
     # Qwen2 with tied embeddings (as Qwen2-0.5B / 1.5B)
-    "qwen2_tied": ("Qwen2ForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
-                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                              rms_norm_eps=1e-6, max_position_embeddings=256,
-                                              tie_word_embeddings=True)),
+    "qwen2_tied": (
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Llama-3.2 style: llama3 rope scaling, tied embeddings
-    "llama": ("LlamaForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
-                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                        rms_norm_eps=1e-5, max_position_embeddings=16384,
-                                        tie_word_embeddings=True,
-                                        rope_parameters={"rope_type": "llama3", "factor": 32.0,
-                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                         "original_max_position_embeddings": 8192,
-                                                         "rope_theta": 500000.0})),
+    "llama": (
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=16384,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_theta": 500000.0,
+            },
+        ),
+    ),
     # Qwen3: q/k norm, head_dim 32 != hidden/heads = 16
-    "qwen3": ("Qwen3ForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
-                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                        head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=256,
-                                        tie_word_embeddings=False)),
-    "mistral": ("MistralForCausalLM", dict(vocab_size=300, hidden_size=64, intermediate_size=96,
-                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                            rms_norm_eps=1e-5, max_position_embeddings=256,
-                                            sliding_window=None, tie_word_embeddings=False)),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral": (
+        "MistralForCausalLM",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 # Mixture-of-Experts (tests/test_moe.py): 8 experts, top-2, 4 layers with dense layers mixed in
-_MOE_COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
-                   tie_word_embeddings=False, num_experts_per_tok=2)
+_MOE_COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    num_experts_per_tok=2,
+)
 MOE_CONFIGS = {
     # Qwen3-MoE: q/k norm, renormalised top-k, layer 1 dense (mlp_only_layers)
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(_MOE_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                                               norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            _MOE_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     # Qwen2-MoE: qkv bias, shared expert + sigmoid gate, top-k not renormalised, MoE every 2nd layer
-    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(_MOE_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                                               shared_expert_intermediate_size=48, norm_topk_prob=False,
-                                               decoder_sparse_step=2)),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            _MOE_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        ),
+    ),
     # Mixtral: every layer MoE, experts named block_sparse_moe.experts.{e}.w1/w2/w3 on disk
-    "mixtral": ("MixtralForCausalLM", dict(_MOE_COMMON, intermediate_size=32, num_local_experts=8, sliding_window=None,
-                                            rope_theta=1e6)),
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(_MOE_COMMON, intermediate_size=32, num_local_experts=8, sliding_window=None, rope_theta=1e6),
+    ),
 }
 
 # DeepSeek-V3 (tests/test_deepseek.py): multi-latent attention with q LoRA and YaRN (mscale
@@ -58,20 +145,57 @@ MOE_CONFIGS = {
 # sigmoid routing with a random score-correction bias, a shared expert, layer 0 dense, an odd
 # layer count. topk_method/scoring_func: as the released config.json has them (vLLM needs them,
 # transformers 5 does not write them).
-_DEEPSEEK = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
-                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
-                 n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
-                 rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
-                 topk_method="noaux_tc", scoring_func="sigmoid",
-                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                  "rope_theta": 10000.0})
+_DEEPSEEK = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    },
+)
 MOE_CONFIGS["deepseek_v3"] = ("DeepseekV3ForCausalLM", _DEEPSEEK)
 # the small variants: no q LoRA (q_proj), plain RoPE, one expert group (Moonlight's routing)
-MOE_CONFIGS["deepseek_v3_small"] = ("DeepseekV3ForCausalLM", dict(
-    _DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=2, num_hidden_layers=2,
-    rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
+MOE_CONFIGS["deepseek_v3_small"] = (
+    "DeepseekV3ForCausalLM",
+    dict(
+        _DEEPSEEK,
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    ),
+)
 
 
 def make_tiny_hf_model(name, seed=0, layers=None):
@@ -100,7 +224,7 @@ def make_tiny_hf_model(name, seed=0, layers=None):
 def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None, layers=None):
     """A complete HF model dir: weights, config.json and the embedded byte-level tokenizer
     (259 tokens, within every tiny model's vocabulary of 300)."""
-    from common.embedded import build_tokenizer
+    from common.run.embedded import build_tokenizer
 
     model = make_tiny_hf_model(name, seed, layers)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -24,6 +24,7 @@ real process when a request's environment differs from the zygote's in a variabl
 torch, transformers or the hub read at import (tests/conftest.py IMPORT_TIME_ENV), and on a
 machine with a GPU (no zygote there).
 """
+
 import atexit
 import importlib
 import json
@@ -37,12 +38,23 @@ import traceback
 import warnings
 
 warnings.simplefilter("ignore")  # the suite's script_env has PYTHONWARNINGS=ignore, read at start-up
-# what the scripts and workers import (common/log.py's curves among them), ~13 s on a 2-core machine
-PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.auto.configuration_auto",
-           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "megatron.core",
-           "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.models.gpt",
-           "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.moe.moe_layer",
-           "matplotlib.figure", "matplotlib.backends.backend_agg")
+# what the scripts and workers import (common/run/log.py's curves among them), ~13 s on a 2-core machine
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "megatron.core",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.transformer.moe.moe_layer",
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
+)
 for name in PRELOAD:
     importlib.import_module(name)
 torch = sys.modules["torch"]
@@ -107,9 +119,18 @@ def launch(request):
     env = dict(request["env"])
     if request["torchrun"]:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with more than one process
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=str(nproc),
-                   TORCHELASTIC_RUN_ID="none", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            ROLE_RANK="0",
+            ROLE_WORLD_SIZE=str(nproc),
+            TORCHELASTIC_RUN_ID="none",
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+        )
     ranks = {}
     for rank in range(nproc):
         pid = os.fork()

@@ -3,8 +3,10 @@
     python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape [--shape 0.5b|1.5b|7b]
 
 The transformer shapes are Qwen2's; the vocabulary is the embedded byte-level tokenizer's
-(259 tokens, common/embedded.py) so that every sampled id decodes. Weights are fp32 (vLLM and the trainer cast to bf16).
+(259 tokens, common/run/embedded.py) so that every sampled id decodes. Weights are fp32 (vLLM and the
+trainer cast to bf16).
 """
+
 import argparse
 import os
 import sys
@@ -12,9 +14,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2 / Qwen2.5 configs)
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    "0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
+    "7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+    ),
 }
 
 if __name__ == "__main__":
@@ -22,8 +30,7 @@ if __name__ == "__main__":
     ap.add_argument("out", help="output HF model dir")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="Qwen2 size to mimic")
     args = ap.parse_args()
-    from common.embedded import write_embedded_model
+    from common.run.embedded import write_embedded_model
 
-    write_embedded_model(args.out, seed=0, max_position_embeddings=4096, rope_theta=1e6,
-                         **SHAPES[args.shape])
+    write_embedded_model(args.out, seed=0, max_position_embeddings=4096, rope_theta=1e6, **SHAPES[args.shape])
     print("wrote", args.out)

@@ -69,7 +69,7 @@ if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   # experts over EP) against one vLLM engine over both GPUs (experts TP-sharded there)
   run "moe EP=2, rollout TP=2"           400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2
   run "deepseek EP=2, rollout TP=2"      400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2
-  # the other token dispatcher (common/moe.py DeviceSortDispatcher; the tests' batches have equal
+  # the other token dispatcher (common/model/moe.py DeviceSortDispatcher; the tests' batches have equal
   # sizes on both ranks, which it needs: bench/train.py --ab allgather measures it)
   run "moe EP=2 allgather, rollout TP=2" 400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher allgather
   run "deepseek EP=2 allgather, rollout TP=2" 400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher allgather

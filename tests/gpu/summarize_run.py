@@ -10,6 +10,7 @@ generation nor the trainer's compute (sync, sleep, wake, offload, reload, reward
 overhead_share = overhead_s / step_s (the target is <= 0.10); generation and gathers of
 samples stay in rollout_s, the trainer's passes in old_logprob_s, ref_s and train_s.
 """
+
 import argparse
 import json
 import os
@@ -22,7 +23,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     with open(os.path.join(args.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    timed = rows[args.skip:] or rows
+    timed = rows[args.skip :] or rows
     keys = sorted({k for r in rows for k in r})
     out = {"steps": len(rows)}
     out.update({k: round(statistics.median(r[k] for r in timed if k in r), 4) for k in keys if k.endswith("_s")})
@@ -31,7 +32,10 @@ if __name__ == "__main__":
         if k in keys:
             out[k] = round(statistics.mean(r[k] for r in timed if k in r), 4)
     rewards = [r["reward_mean"] for r in rows]
-    out["reward_first5"], out["reward_last5"] = round(statistics.mean(rewards[:5]), 4), round(statistics.mean(rewards[-5:]), 4)
+    out["reward_first5"], out["reward_last5"] = (
+        round(statistics.mean(rewards[:5]), 4),
+        round(statistics.mean(rewards[-5:]), 4),
+    )
     overheads = ("sync_s", "sleep_s", "wake_s", "offload_s", "reload_s", "reward_s")
     per_step = [sum(r.get(k, 0.0) for k in overheads) for r in timed]
     out["overhead_s"] = round(statistics.median(per_step), 4)

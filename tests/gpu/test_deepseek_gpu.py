@@ -21,6 +21,7 @@ released config.json's topk_method/scoring_func. Checked:
 --ep / --rollout-tp as in tests/gpu/test_moe_gpu.py. Results go to
 $OUT/deepseek_gpu[_ep2_rankN].json when OUT is set.
 """
+
 import json
 import os
 import sys
@@ -30,15 +31,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 VOCAB = 32000
-MODEL = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=3,
-             num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
-             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-             n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
-             max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
-             eos_token_id=2, topk_method="noaux_tc", scoring_func="sigmoid",
-             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                              "rope_theta": 10000.0})
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=384,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    max_position_embeddings=16384,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    },
+)
 
 
 # std of the random inner weights: DeepseekV3Config's initializer_range (the model's own init
@@ -61,10 +92,10 @@ def deepseek_select(logits, gate):
 def packed_vs_padded(chunks, spec, samples, device):
     """Mean |logprob difference| on response tokens between the trainer's packed rows (THD:
     torch's varlen flash attention, checked to run) and its padded micro-batches, both bf16."""
-    from common import attention
-    from common import batch as B
-    from common import schedule
-    from common import rl
+    from common.model import attention
+    from common.rl import batch as B
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.train import schedule
 
     batch = B.pack_sequences(samples, pad_id=0)
     batch["row"] = torch.arange(len(samples))
@@ -77,14 +108,19 @@ def packed_vs_padded(chunks, spec, samples, device):
             store = torch.zeros(len(samples) + 1, mask.shape[1], device=device)
 
             def loss_fn(mb, logits, store=store):
-                logprobs, _ = rl.vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+                logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
                 B.scatter_tokens(store, mb, logprobs.detach().float())
                 return logprobs.sum() * 0, {}
 
             calls.clear()
             with torch.no_grad():
-                schedule.run_micro_batches(chunks, B.micro_batches(batch, rows, 4, max_tokens=4096, pack=pack), loss_fn,
-                                    forward_only=True, device=device)
+                schedule.run_micro_batches(
+                    chunks,
+                    B.micro_batches(batch, rows, 4, max_tokens=4096, pack=pack),
+                    loss_fn,
+                    forward_only=True,
+                    device=device,
+                )
             out[name] = store[:-1].cpu()[mask]
     finally:
         attention.varlen_usable = original
@@ -93,9 +129,15 @@ def packed_vs_padded(chunks, spec, samples, device):
 
 
 def run(ep=1, rollout_tp=1, dispatcher=None):
+    from tests.gpu.test_moe_gpu import (
+        capture_vllm_topk,
+        megatron_topk,
+        result_path,
+        setup,
+        topk_differences,
+        vllm_against_megatron,
+    )
     from tests.gpu.test_vllm_agreement import replay_against_loader
-    from tests.gpu.test_moe_gpu import (capture_vllm_topk, megatron_topk, result_path, setup, topk_differences,
-                                        vllm_against_megatron)
 
     info, hf_dir, spec, chunks, res = setup(ep, "deepseek_gpu_", "DeepseekV3ForCausalLM", MODEL, dispatcher)
     for c in chunks:

@@ -9,6 +9,7 @@ the background; the last one is awaited). Measured: from the last metrics.jsonl 
 end of the piped output (EOF: every process holding the pipe has exited) <= 10 s, exit 0,
 and the last checkpoint complete. Also SIGTERM during the run: the ranks save and exit 0.
 """
+
 import os
 import signal
 import subprocess
@@ -29,11 +30,24 @@ def launch(mode, out, extra=()):
     if mode == "python":
         cmd = [sys.executable, "train_grpo.py"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", mode[-1],
-               "train_grpo.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            mode[-1],
+            "train_grpo.py",
+        ]
     # stdout is a pipe, as with `| tee`; EOF comes only when no process holds it any more
-    return subprocess.Popen(cmd + [*extra, "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, WANDB_MODE="disabled"))
+    return subprocess.Popen(
+        cmd + [*extra, "--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, WANDB_MODE="disabled"),
+    )
 
 
 def modes():

@@ -1,4 +1,4 @@
-"""GPU: rl.vocab_parallel_logprobs with its torch.compile'd kernels against a float64 reference.
+"""GPU: vocab_parallel_logprobs with its torch.compile'd kernels against a float64 reference.
 
     python -m pytest -q -s tests/gpu/test_logprobs_gpu.py
 Skipped without CUDA. The CPU tests (tests/test_rl.py) check the same functions in eager mode
@@ -12,6 +12,7 @@ logits of the real size (Qwen2's 151936-entry vocabulary, 4096 tokens), with voc
   3. peak memory above the logits themselves is smaller compiled than eager, and the two
      timings are printed (bench/train.py --profile reports them for the bench shapes).
 """
+
 import os
 import sys
 import time
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import pytest
 import torch
 
-from common import fused, rl
+from common.rl import fused
+from common.rl.logprobs import vocab_parallel_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 V_LOCAL, VOCAB = 151936 + 64, 151936  # 64 padding columns
@@ -43,7 +45,7 @@ def run(mode, logits, targets, w, w2):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    lp, ent = rl.vocab_parallel_logprobs(x, targets, VOCAB, compute_entropy=True)
+    lp, ent = vocab_parallel_logprobs(x, targets, VOCAB, compute_entropy=True)
     ((lp * w).sum() + (ent * w2).sum()).backward()
     torch.cuda.synchronize()
     return lp, ent, x.grad, time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
@@ -59,10 +61,14 @@ def test_compiled_matches_float64_reference():
         ref_lp, ref_ent, ref_grad = reference(logits, targets, w, w2)
         for mode in ("eager", "compiled", "compiled"):  # the second compiled run is the timed one
             lp, ent, grad, seconds, extra = run(mode, logits, targets, w, w2)
-            results[mode] = dict(lp=(lp.double() - ref_lp).abs().max().item(),
-                                 ent=(ent.double() - ref_ent).abs().max().item(),
-                                 grad=(grad.double() - ref_grad).abs().max().item(),
-                                 pad=grad[..., VOCAB:].abs().max().item(), seconds=seconds, extra_gb=extra / 1e9)
+            results[mode] = dict(
+                lp=(lp.double() - ref_lp).abs().max().item(),
+                ent=(ent.double() - ref_ent).abs().max().item(),
+                grad=(grad.double() - ref_grad).abs().max().item(),
+                pad=grad[..., VOCAB:].abs().max().item(),
+                seconds=seconds,
+                extra_gb=extra / 1e9,
+            )
         print(tokens, results)
         for key in ("lp", "ent", "grad"):
             assert results["compiled"][key] <= 1.5 * results["eager"][key] + 1e-6, (key, results)

@@ -5,7 +5,7 @@
 
 A random Qwen3-MoE-shaped model (bf16; hidden 512, 4 layers, 32 experts of 256, top-8,
 q/k norm, renormalised top-k) is written with transformers. Checked:
-  1. common/moe_experts.py's GroupedExperts (torch._grouped_mm) against SequentialMLP's per-expert
+  1. common/model/moe_experts.py's GroupedExperts (torch._grouped_mm) against SequentialMLP's per-expert
      loop on the same weights and tokens: relative error of the logits and of all gradients
      against the loop in fp32, no more than twice the bf16 loop's own (their speed:
      bench/moe.py);
@@ -19,6 +19,7 @@ all-to-all dispatch, the sync gathering experts over EP) and vLLM runs one engin
 (--rollout-tp 1) or one over both (--rollout-tp 2); the samples of both replicas are scored.
 Results go to $OUT/moe_gpu[_ep2_rankN].json when OUT is set.
 """
+
 import json
 import os
 import sys
@@ -30,10 +31,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 VOCAB = 32000
-MODEL = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=8,
-             norm_topk_prob=True, max_position_embeddings=2048, rope_theta=1e6, rms_norm_eps=1e-6,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=2048,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # std of the random inner weights (--inner-std): the larger, the larger the residual stream and
 # bf16's own error on the logprobs (DeepSeek-V3's model: 0.040 from fp32 at 0.035, 0.019 at 0.02)
 INNER_STD = 0.035
@@ -71,14 +87,18 @@ def grouped_vs_sequential(chunks, res):
     megatron DDP as training runs it (weights read and gradients added in DDP's buffers). The
     grouped paths must be no noisier than the loop: relative error of the logits and of all
     gradients together."""
-    from common.moe_experts import GroupedExperts
+    from common.model.moe_experts import GroupedExperts
 
     model = chunks[0]
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     tokens = torch.randint(10, VOCAB, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     positions = torch.arange(256, device="cuda").expand_as(tokens)
     out = {}
-    for name, grouped, dtype in (("loop", False, torch.bfloat16), ("grouped", True, torch.bfloat16), ("fp32", False, torch.float32)):
+    for name, grouped, dtype in (
+        ("loop", False, torch.bfloat16),
+        ("grouped", True, torch.bfloat16),
+        ("fp32", False, torch.float32),
+    ):
         model.to(dtype)
         for m in experts:
             m.grouped = grouped
@@ -92,8 +112,8 @@ def grouped_vs_sequential(chunks, res):
         m.grouped = True
     # as in training: megatron DDP with the distributed optimizer, whose buffers hold the expert
     # weights and gradients evenly spaced, so the grouped GEMMs read the weights in place and add
-    # their gradients there in place (common/moe_experts.py GroupedExperts.stacks): main_grad afterwards
-    from common.training import setup_training
+    # their gradients there in place (common/model/moe_experts.py GroupedExperts.stacks): main_grad afterwards
+    from common.train.setup import setup_training
 
     for p in model.parameters():
         p.grad = None  # (DDP's hooks would add the fp32 run's gradients left here into main_grad)
@@ -126,9 +146,14 @@ def capture_vllm_topk(engine, sequences, topk, select=None):
     layer_of = {name: int(name.split(".layers.")[1].split(".")[0]) for name in gates}
     select = select or (lambda logits, gate: logits.topk(topk, -1).indices)
     captured = {}
-    hooks = [m.register_forward_hook(lambda m, inp, out, name=name: captured.setdefault(layer_of[name], []).append(
-        select((out[0] if isinstance(out, tuple) else out).float(), m).sort(-1).values.cpu()))
-        for name, m in gates.items()]
+    hooks = [
+        m.register_forward_hook(
+            lambda m, inp, out, name=name: captured.setdefault(layer_of[name], []).append(
+                select((out[0] if isinstance(out, tuple) else out).float(), m).sort(-1).values.cpu()
+            )
+        )
+        for name, m in gates.items()
+    ]
     from vllm import SamplingParams
 
     per_seq = []
@@ -136,8 +161,10 @@ def capture_vllm_topk(engine, sequences, topk, select=None):
         for seq in sequences:
             captured.clear()
             engine.llm.reset_prefix_cache()
-            engine.llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-            per_seq.append({layer: torch.cat(parts)[:len(seq)] for layer, parts in captured.items()})
+            engine.llm.generate(
+                [{"prompt_token_ids": seq}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+            )
+            per_seq.append({layer: torch.cat(parts)[: len(seq)] for layer, parts in captured.items()})
     finally:
         for h in hooks:
             h.remove()
@@ -145,11 +172,13 @@ def capture_vllm_topk(engine, sequences, topk, select=None):
 
 
 def megatron_topk(chunks, sequences):
-    from common.moe import routers
+    from common.model.moe import routers
 
     captured = {}
-    hooks = [r.register_forward_hook(lambda m, inp, out, layer=layer: captured.__setitem__(layer, out[1].cpu()))
-             for layer, r in routers(chunks)]
+    hooks = [
+        r.register_forward_hook(lambda m, inp, out, layer=layer: captured.__setitem__(layer, out[1].cpu()))
+        for layer, r in routers(chunks)
+    ]
     per_seq = []
     try:
         with torch.no_grad():
@@ -157,7 +186,9 @@ def megatron_topk(chunks, sequences):
                 ids = torch.tensor([seq], device="cuda")
                 chunks[0](ids, torch.arange(len(seq), device="cuda")[None], None)
                 # routing_map (tokens, E) bool -> sorted expert indices (tokens, topk)
-                per_seq.append({layer: m.nonzero()[:, 1].view(m.shape[0], -1).sort(-1).values for layer, m in captured.items()})
+                per_seq.append(
+                    {layer: m.nonzero()[:, 1].view(m.shape[0], -1).sort(-1).values for layer, m in captured.items()}
+                )
     finally:
         for h in hooks:
             h.remove()
@@ -183,17 +214,20 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res, rollout_tp=1):
     transformers, in res. Returns (engine, samples)."""
     from transformers import AutoModelForCausalLM
 
-    from common.rollout_vllm import VLLMEngine
+    from common.rollout.vllm_engine import VLLMEngine
     from tests.gpu.test_vllm_agreement import gather_all, hf_logprobs, megatron_logprobs, sync
 
     t = time.perf_counter()
-    engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=0.3, max_model_len=512, seed=0,
-                        enforce_eager=True)
+    engine = VLLMEngine(
+        hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True
+    )
     res["engine_start_s"] = round(time.perf_counter() - t, 1)
     timings = res["timings"] = {}
     sync(engine, chunks, spec, timings, tag)
     g = torch.Generator().manual_seed(100 + engine.replica)  # different prompts per vLLM replica
-    prompts = [torch.randint(10, vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
+    prompts = [
+        torch.randint(10, vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)
+    ]
     # every rank scores every replica's samples (expert-parallel ranks run each forward together)
     samples = gather_all(engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seed=1))
     vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
@@ -201,8 +235,12 @@ def vllm_against_megatron(hf_dir, chunks, spec, vocab, tag, res, rollout_tp=1):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
     exact = torch.cat(hf_logprobs(hf, samples, 1.0))
     del hf
-    res.update(tokens=len(vllm_lp), mean_abs_diff=(vllm_lp - ours).abs().mean().item(),
-               vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(), megatron_vs_fp32=(ours - exact).abs().mean().item())
+    res.update(
+        tokens=len(vllm_lp),
+        mean_abs_diff=(vllm_lp - ours).abs().mean().item(),
+        vllm_vs_fp32=(vllm_lp - exact).abs().mean().item(),
+        megatron_vs_fp32=(ours - exact).abs().mean().item(),
+    )
     return engine, samples
 
 
@@ -214,9 +252,9 @@ def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL, dispatcher=None)
     Returns (DistInfo, hf_dir, spec, chunks, res with the layout)."""
     import torch.distributed as dist
 
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.run.dist import init_distributed
 
     info = init_distributed(ep=ep)
     hf_dir = [tempfile.mkdtemp(prefix=prefix) if info.rank == 0 else None]
@@ -229,10 +267,16 @@ def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL, dispatcher=None)
     overrides = {"moe_token_dispatcher_type": dispatcher} if dispatcher else {}
     chunks = build_model(spec, ep=ep, dtype=torch.bfloat16, **overrides)
     load_hf_weights(chunks, spec, hf_dir)
-    kinds = sorted({type(m.token_dispatcher).__name__ for c in chunks for m in c.modules()
-                    if hasattr(m, "token_dispatcher")})
-    return info, hf_dir, spec, chunks, {"rank": info.rank, "world": info.world_size, "ep": ep, "dispatchers": kinds,
-                                        "inner_std": INNER_STD}
+    kinds = sorted(
+        {type(m.token_dispatcher).__name__ for c in chunks for m in c.modules() if hasattr(m, "token_dispatcher")}
+    )
+    return (
+        info,
+        hf_dir,
+        spec,
+        chunks,
+        {"rank": info.rank, "world": info.world_size, "ep": ep, "dispatchers": kinds, "inner_std": INNER_STD},
+    )
 
 
 def result_path(name, info, ep):
@@ -274,10 +318,18 @@ def main(run, inner_std=INNER_STD):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1, help="megatron's expert parallel size (one process per GPU)")
     ap.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor parallel size")
-    ap.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
-                    help="megatron's token dispatcher at --ep > 1 (default: the scripts', alltoall)")
-    ap.add_argument("--inner-std", type=float, default=inner_std,
-                    help="std of the random model's inner weights (bf16's own error grows with it)")
+    ap.add_argument(
+        "--moe-dispatcher",
+        choices=["alltoall", "allgather"],
+        default=None,
+        help="megatron's token dispatcher at --ep > 1 (default: the scripts', alltoall)",
+    )
+    ap.add_argument(
+        "--inner-std",
+        type=float,
+        default=inner_std,
+        help="std of the random model's inner weights (bf16's own error grows with it)",
+    )
     args = ap.parse_args()
     INNER_STD = args.inner_std
     run_then_exit(run, args.ep, args.rollout_tp, args.moe_dispatcher)

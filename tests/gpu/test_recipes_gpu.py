@@ -12,6 +12,7 @@ and sane. The PPO run packs its trainer passes (--pack: varlen attention, actor 
 and runs its forward-only ones (old logprobs, values) at 4x the update's token budget
 (--logprob-micro-batch-tokens).
 """
+
 import json
 import os
 import subprocess
@@ -23,16 +24,33 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-COMMON = ["--steps", "4", "--prompts-per-step", "32", "--samples-per-prompt", "4", "--eval-every", "2",
-          "--eval-samples", "2", "--eval-temperature", "1.0", "--log-samples-every", "2",
-          "--rule-reward-weight", "0.5", "--reward-model-weight", "1"]
+COMMON = [
+    "--steps",
+    "4",
+    "--prompts-per-step",
+    "32",
+    "--samples-per-prompt",
+    "4",
+    "--eval-every",
+    "2",
+    "--eval-samples",
+    "2",
+    "--eval-temperature",
+    "1.0",
+    "--log-samples-every",
+    "2",
+    "--rule-reward-weight",
+    "0.5",
+    "--reward-model-weight",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
     import transformers
 
-    from common.embedded import write_embedded_model
+    from common.run.embedded import write_embedded_model
 
     root = tmp_path_factory.mktemp("rm")
     src = write_embedded_model(str(root / "src"))
@@ -46,8 +64,9 @@ def rm_dir(tmp_path_factory):
 
 def train(script, out, *extra):
     cmd = [sys.executable, script, *COMMON, *extra, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env=dict(os.environ, WANDB_MODE="disabled"))
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, WANDB_MODE="disabled")
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return rows, proc.stdout + proc.stderr
@@ -66,14 +85,25 @@ def check_common(rows, out, output, min_extra=-1e-4):
         assert min_extra <= r["reward_mean"] - r["rm_score_mean"] <= 0.5 + 1e-4
         assert r["gen_tokens_per_s"] > 0 and 0 < r["train_mfu"] < 1
     assert "response" in output or (out / "samples.jsonl").exists()
-    print(f"{out.name}: eval {[(r['step'], r['eval_accuracy']) for r in rows if 'eval_accuracy' in r]}, "
-          f"mfu {[round(r['train_mfu'], 4) for r in steps]}")
+    print(
+        f"{out.name}: eval {[(r['step'], r['eval_accuracy']) for r in rows if 'eval_accuracy' in r]}, "
+        f"mfu {[round(r['train_mfu'], 4) for r in steps]}"
+    )
 
 
 def test_grpo_dapo_reward_model_eval(rm_dir, tmp_path):
     # (--dynamic-sampling is refused with --reward-model: it decides while the engine is awake)
-    rows, output = train("train_grpo.py", tmp_path, "--reward-model", rm_dir, "--max-new-tokens", "16",
-                         "--overlong-buffer", "8", "--mask-truncated")
+    rows, output = train(
+        "train_grpo.py",
+        tmp_path,
+        "--reward-model",
+        rm_dir,
+        "--max-new-tokens",
+        "16",
+        "--overlong-buffer",
+        "8",
+        "--mask-truncated",
+    )
     check_common(rows, tmp_path, output, min_extra=-1.0 - 1e-4)
     steps = [r for r in rows if "reward_mean" in r]
     mismatch = [r["logprob_mismatch"] for r in steps if "logprob_mismatch" in r]
@@ -82,6 +112,15 @@ def test_grpo_dapo_reward_model_eval(rm_dir, tmp_path):
 
 
 def test_ppo_reward_model_eval(rm_dir, tmp_path):
-    rows, output = train("train_ppo.py", tmp_path, "--reward-model", rm_dir, "--pack",  # + packed passes,
-                         "--micro-batch-tokens", "1024", "--logprob-micro-batch-tokens", "4096")  # larger forward-only
+    rows, output = train(
+        "train_ppo.py",
+        tmp_path,
+        "--reward-model",
+        rm_dir,
+        "--pack",  # + packed passes,
+        "--micro-batch-tokens",
+        "1024",
+        "--logprob-micro-batch-tokens",
+        "4096",
+    )  # larger forward-only
     check_common(rows, tmp_path, output)

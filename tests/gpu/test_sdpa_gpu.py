@@ -1,4 +1,4 @@
-"""GPU: SDPAttention (common/attention.py) vs megatron's local DotProductAttention in bf16.
+"""GPU: SDPAttention (common/model/attention.py) vs megatron's local DotProductAttention in bf16.
 
     python -m pytest -q -s tests/gpu/test_sdpa_gpu.py                     # 1 GPU
     torchrun --nproc_per_node 2 tests/gpu/test_sdpa_gpu.py --tp 2         # 2 GPUs, TP=2
@@ -14,6 +14,7 @@ Skipped without CUDA. CPU equivalence (fp32, <= 1e-5, TP 1/2) is tests/test_atte
      SDPA must be faster and use less memory.
 Results go to $OUT/sdpa_gpu_tp*_rank*.json when OUT is set.
 """
+
 import json
 import os
 import sys
@@ -24,9 +25,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import pytest
 import torch
 
-SHAPE = dict(architectures=["Qwen2ForCausalLM"], vocab_size=32000, hidden_size=1536, intermediate_size=8960,
-             num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SHAPE = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=32000,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=4,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def core_attention_check(tp, seq=4096, heads=16, groups=4, head_dim=128):
@@ -35,13 +46,22 @@ def core_attention_check(tp, seq=4096, heads=16, groups=4, head_dim=128):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from common.attention import SDPAttention
+    from common.model.attention import SDPAttention
 
     def modules(bf16):
-        config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                                   num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0,
-                                   hidden_dropout=0.0, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                   tensor_model_parallel_size=tp, masked_softmax_fusion=False)
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=heads * head_dim,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=head_dim,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            tensor_model_parallel_size=tp,
+            masked_softmax_fusion=False,
+        )
         kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
         return DotProductAttention(**kwargs), SDPAttention(**kwargs)
 
@@ -63,7 +83,7 @@ def core_attention_check(tp, seq=4096, heads=16, groups=4, head_dim=128):
         got = run(module, torch.bfloat16)
         # relative error norms of out, dq, dk, dv (stabler than a max over 8M elements)
         res[f"{name}_err"] = [((a - b).norm() / b.norm()).item() for a, b in zip(got, reference)]
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):    # raises if flash cannot take this call
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot take this call
         run(sdpa, torch.bfloat16)
     res["flash_ok"] = True
     return res
@@ -76,12 +96,13 @@ def build_pair(tp):
     scaled_masked_softmax_cuda extension, which our GPU stack does not ship (it would raise
     ModuleNotFoundError for bf16 inputs with 16 < T <= 4096); SDPAttention never uses it.
     """
-    from common.bridge import parse_hf_config
-    from common.model import build_model
+    from common.model.bridge import parse_hf_config
+    from common.model.gpt import build_model
 
     spec = parse_hf_config(SHAPE)
-    reference = build_model(spec, tp=tp, dtype=torch.float32, attention="local", init_weights=True,
-                            masked_softmax_fusion=False)[0]
+    reference = build_model(
+        spec, tp=tp, dtype=torch.float32, attention="local", init_weights=True, masked_softmax_fusion=False
+    )[0]
     models = {}
     for attention in ("local", "sdpa"):
         model = build_model(spec, tp=tp, dtype=torch.bfloat16, attention=attention, masked_softmax_fusion=False)[0]
@@ -113,7 +134,7 @@ def model_checks(tp, seq=4096, steps=5):
         def step():
             model(ids, positions, None, labels=labels).float().mean().backward()
 
-        step()                                                   # warm-up
+        step()  # warm-up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
@@ -129,16 +150,19 @@ def model_checks(tp, seq=4096, steps=5):
 
 
 def run_sdpa(tp=1):
-    from common.dist import init_distributed
+    from common.run.dist import init_distributed
 
     info = init_distributed(tp=tp)
     res = {"rank": info.rank, "tp": tp, "device": torch.cuda.get_device_name()}
     res.update(core_attention_check(tp))
     res.update(model_checks(tp))
     print("RESULT", json.dumps(res), flush=True)
-    print(f"SDPA vs local, fwd+bwd Qwen2-1.5B shape x4 layers, T=4096, tp={tp}: "
-          f"{res['sdpa_tok_per_s']} vs {res['local_tok_per_s']} tok/s (x{res['speedup']}), "
-          f"peak {res['sdpa_peak_GiB']} vs {res['local_peak_GiB']} GiB", flush=True)
+    print(
+        f"SDPA vs local, fwd+bwd Qwen2-1.5B shape x4 layers, T=4096, tp={tp}: "
+        f"{res['sdpa_tok_per_s']} vs {res['local_tok_per_s']} tok/s (x{res['speedup']}), "
+        f"peak {res['sdpa_peak_GiB']} vs {res['local_peak_GiB']} GiB",
+        flush=True,
+    )
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"sdpa_gpu_tp{tp}_rank{info.rank}.json"), "w") as f:
             json.dump(res, f, indent=1)
@@ -147,7 +171,7 @@ def run_sdpa(tp=1):
 
 
 def check(res):
-    for local_err, sdpa_err in zip(res["local_err"], res["sdpa_err"]):   # output, dq, dk, dv
+    for local_err, sdpa_err in zip(res["local_err"], res["sdpa_err"]):  # output, dq, dk, dv
         assert sdpa_err <= 1.5 * local_err + 1e-3, res
     assert res["flash_ok"]
     assert res["sdpa_logits_err"]["mean"] <= 1.5 * res["local_logits_err"]["mean"] + 1e-3, res

@@ -1,4 +1,4 @@
-"""GPU: common/swiglu.py's Triton backward against megatron's compiled SwiGLU and a float64 reference.
+"""GPU: common/model/swiglu.py's Triton backward against megatron's compiled SwiGLU and a float64 reference.
 
     python -m pytest -q -s tests/gpu/test_swiglu_gpu.py
 Skipped without CUDA. The CPU tests (tests/test_swiglu.py) check the kernel's formula in torch
@@ -10,6 +10,7 @@ input, as megatron's MLP passes it:
   2. the module's forward is megatron's `bias_swiglu_impl` value, bit for bit;
   3. the two backward kernels are timed (printed; bench/train.py --ab swiglu-kernel times steps).
 """
+
 import os
 import sys
 
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import pytest
 import torch
 
-from common import swiglu
+from common.model import swiglu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -44,16 +45,20 @@ def test_triton_backward_matches_megatron(shape):
     ours, theirs = swiglu.swiglu_backward(grad, y), swiglu_back(grad, y)
     exact = swiglu.swiglu_backward_reference(grad.double(), y.double())
     ours_err, theirs_err = ((g.double() - exact).abs().max().item() for g in (ours, theirs))
-    print(f"\n{shape}: max |ours - megatron| {(ours.float() - theirs.float()).abs().max().item():.3g}, "
-          f"vs float64: ours {ours_err:.3g}, megatron {theirs_err:.3g}")
+    print(
+        f"\n{shape}: max |ours - megatron| {(ours.float() - theirs.float()).abs().max().item():.3g}, "
+        f"vs float64: ours {ours_err:.3g}, megatron {theirs_err:.3g}"
+    )
     assert ours.dtype == torch.bfloat16 and ours.shape == y.shape
     assert ours_err <= theirs_err * 1.01 + 1e-6
     # one rounding each: equal but where fp32 evaluation order flips a last bit
-    assert (ours.float() - theirs.float()).abs().max().item() <= exact.abs().max().item() * 2 ** -7
+    assert (ours.float() - theirs.float()).abs().max().item() <= exact.abs().max().item() * 2**-7
     assert torch.equal(swiglu.swiglu(y), bias_swiglu_impl(y, None))
     if shape[0] == 16384:
-        print(f"backward: ours {milliseconds(lambda: swiglu.swiglu_backward(grad, y)):.3f} ms, "
-              f"megatron {milliseconds(lambda: swiglu_back(grad, y)):.3f} ms")
+        print(
+            f"backward: ours {milliseconds(lambda: swiglu.swiglu_backward(grad, y)):.3f} ms, "
+            f"megatron {milliseconds(lambda: swiglu_back(grad, y)):.3f} ms"
+        )
 
 
 def test_module_gradient_through_autograd():

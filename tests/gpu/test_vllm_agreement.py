@@ -1,4 +1,4 @@
-"""GPU: VLLMEngine (common/rollout_vllm.py) colocated with Megatron-Core agrees with both.
+"""GPU: VLLMEngine (common/rollout/vllm_engine.py) colocated with Megatron-Core agrees with both.
 
     python -m pytest -q -s tests/gpu/test_vllm_agreement.py                      # 1 GPU
     torchrun --nproc_per_node 2 tests/gpu/test_vllm_agreement.py --train-tp 2 --rollout-tp 2
@@ -30,6 +30,7 @@ bf16 forward picks another argmax than fp32 at ~2-4% of positions (measured on a
 transformers), so 16-token sequences diverge now and then without anything being wrong.
 Timings (engine start, sleep, wake, sync) go to $OUT/vllm_agreement_*.json when OUT is set.
 """
+
 import json
 import math
 import os
@@ -48,13 +49,24 @@ import torch.distributed as dist
 # |logprob diff| 0.021, max greedy gap 0.13 over 384 positions, argmax agreement 97.7%;
 # megatron bf16 vs fp32 0.019-0.038 (T=1, 0.7). A wrong weight (layer 3's k and v swapped)
 # moves sampled-token logprobs by 0.72 on average.
-GREEDY_GAP = 0.25         # max (top-1 logprob - logprob of vLLM's greedy token) under fp32
-GREEDY_ARGMAX = 0.9       # fraction of vLLM greedy tokens that are exactly fp32's argmax
+GREEDY_GAP = 0.25  # max (top-1 logprob - logprob of vLLM's greedy token) under fp32
+GREEDY_ARGMAX = 0.9  # fraction of vLLM greedy tokens that are exactly fp32's argmax
 LOGPROB_TOLERANCE = 0.02  # mean |vLLM - megatron| logprob of sampled tokens, bf16 both
 VOCAB, EOS = 32000, 2
-MODEL = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS)
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=EOS,
+)
 
 
 def write_model(out_dir):
@@ -88,7 +100,7 @@ def perturb(chunks):
     """Change every megatron weight. Noise seeded by the parameter's name: replicated tensors
     (norms; everything across DP) change identically on every rank, as they must; TP shards
     of one tensor get the same noise pattern, which is as good as any."""
-    from common.model import named_global_parameters
+    from common.model.chunks import named_global_parameters
 
     with torch.no_grad():
         for chunk in chunks:
@@ -99,7 +111,7 @@ def perturb(chunks):
 
 def exported_state(chunks, spec):
     """Every HF tensor, as vLLM receives it (bf16), copied to fp32 CPU: the reference weights."""
-    from common.weights import export_hf_weights
+    from common.model.weights import export_hf_weights
 
     return {name: t.float().cpu().clone() for name, t in export_hf_weights(chunks, spec, dtype=torch.bfloat16)}
 
@@ -119,17 +131,22 @@ def greedy_checks(hf, samples):
     gaps, lp_err, exact, argmax = [], [], 0, 0
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-        logprobs = torch.log_softmax(hf(ids).logits[0, len(s.prompt_ids) - 1:-1].float(), -1)   # (R, V)
+        logprobs = torch.log_softmax(hf(ids).logits[0, len(s.prompt_ids) - 1 : -1].float(), -1)  # (R, V)
         chosen = logprobs.gather(-1, torch.tensor(s.response_ids, device="cuda")[:, None])[:, 0]
         gaps += (logprobs.max(-1).values - chosen).tolist()
         argmax += int((logprobs.argmax(-1).cpu() == torch.tensor(s.response_ids)).sum())
         lp_err += (chosen.cpu() - torch.tensor(s.response_logprobs)).abs().tolist()
-        seq = list(s.prompt_ids)                      # transformers' own greedy continuation
+        seq = list(s.prompt_ids)  # transformers' own greedy continuation
         for _ in range(len(s.response_ids)):
             seq.append(int(hf(torch.tensor([seq], device="cuda")).logits[0, -1].argmax()))
-        exact += seq[len(s.prompt_ids):] == s.response_ids
-    return dict(max_gap=max(gaps), argmax_fraction=argmax / len(gaps), exact_sequences=exact, rows=len(samples),
-                greedy_logprob_err=sum(lp_err) / len(lp_err))
+        exact += seq[len(s.prompt_ids) :] == s.response_ids
+    return dict(
+        max_gap=max(gaps),
+        argmax_fraction=argmax / len(gaps),
+        exact_sequences=exact,
+        rows=len(samples),
+        greedy_logprob_err=sum(lp_err) / len(lp_err),
+    )
 
 
 def right_padded(samples):
@@ -137,14 +154,16 @@ def right_padded(samples):
     length = -(-max(len(s.prompt_ids) + len(s.response_ids) for s in samples) // 8) * 8
     tokens = torch.zeros(len(samples), length, dtype=torch.long)
     for i, s in enumerate(samples):
-        tokens[i, :len(s.prompt_ids) + len(s.response_ids)] = torch.tensor(s.prompt_ids + s.response_ids)
+        tokens[i, : len(s.prompt_ids) + len(s.response_ids)] = torch.tensor(s.prompt_ids + s.response_ids)
     return tokens.cuda()
 
 
 def response_slices(logprobs, samples):
     """(B, L) per-position logprobs of the next token -> one (R,) tensor per sample."""
-    return [logprobs[i, len(s.prompt_ids) - 1:len(s.prompt_ids) + len(s.response_ids) - 1].cpu()
-            for i, s in enumerate(samples)]
+    return [
+        logprobs[i, len(s.prompt_ids) - 1 : len(s.prompt_ids) + len(s.response_ids) - 1].cpu()
+        for i, s in enumerate(samples)
+    ]
 
 
 @torch.no_grad()
@@ -161,13 +180,14 @@ def megatron_logprobs(chunks, spec, samples, temperature):
     (vocab-parallel over the train TP group). All TP ranks pass the same samples."""
     from megatron.core import parallel_state as mpu
 
-    from common.rl import vocab_parallel_logprobs
+    from common.rl.logprobs import vocab_parallel_logprobs
 
     tokens = right_padded(samples)
     positions = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
-    logits = chunks[0](tokens, positions, None)                           # (B, L, V_padded/tp)
-    logprobs, _ = vocab_parallel_logprobs(logits.float(), torch.roll(tokens, -1, 1), spec.vocab_size,
-                                          mpu.get_tensor_model_parallel_group(), temperature)
+    logits = chunks[0](tokens, positions, None)  # (B, L, V_padded/tp)
+    logprobs, _ = vocab_parallel_logprobs(
+        logits.float(), torch.roll(tokens, -1, 1), spec.vocab_size, mpu.get_tensor_model_parallel_group(), temperature
+    )
     return response_slices(logprobs, samples)
 
 
@@ -185,8 +205,11 @@ def logprob_checks(engine, chunks, spec, hf, prompts, temperature, seed, exact=T
     samples = gather_all(engine.generate(prompts, n=4, temperature=temperature, top_p=1.0, max_tokens=32, seed=seed))
     vllm_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
     ours = torch.cat(megatron_logprobs(chunks, spec, samples, temperature))
-    row = {"tokens": len(vllm_lp), "mean_abs_diff": (vllm_lp - ours).abs().mean().item(),
-           "max_abs_diff": (vllm_lp - ours).abs().max().item()}
+    row = {
+        "tokens": len(vllm_lp),
+        "mean_abs_diff": (vllm_lp - ours).abs().mean().item(),
+        "max_abs_diff": (vllm_lp - ours).abs().max().item(),
+    }
     if not exact:
         return row
     exact = torch.cat(hf_logprobs(hf, samples, temperature))
@@ -207,40 +230,54 @@ def prefill_check(engine, chunks, spec, samples):
 def checked_samples(engine, prompts, seed):
     """Every replica's samples as the loop draws them under --rollout-logprobs prefill; the
     first of each replica carries its prefill score (what the loop's metric averages)."""
-    from common.rollout import generate_checked
+    from common.rollout.engine import generate_checked
 
-    samples = gather_all(generate_checked(engine, prompts, "prefill", n=2, temperature=1.0, top_p=1.0,
-                                          max_tokens=32, seed=seed))
+    samples = gather_all(
+        generate_checked(engine, prompts, "prefill", n=2, temperature=1.0, top_p=1.0, max_tokens=32, seed=seed)
+    )
     return samples, [s for s in samples if not math.isnan(s.response_logprobs[0])]
 
 
 def sync(engine, chunks, spec, timings, tag):
     """The training loop's step: sleep, (train), wake weights, sync, wake KV cache; timed."""
-    from common.weights import export_hf_weights
+    from common.model.weights import export_hf_weights
 
     def timed(key, fn):
-        torch.cuda.synchronize(); dist.barrier()
-        t = time.perf_counter(); fn(); torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
         timings[f"{tag}_{key}"] = round(time.perf_counter() - t, 4)
 
     timed("sleep_s", engine.sleep)
     timings[f"{tag}_free_GiB_asleep"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     timed("wake_weights_s", engine.wake_weights)
-    timed("sync_s", lambda: engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64,
-                                                                    expert_blocks=engine.expert_blocks,
-                                                                    local_reads=engine.local_reads)))
+    timed(
+        "sync_s",
+        lambda: engine.update_weights(
+            export_hf_weights(
+                chunks,
+                spec,
+                dtype=torch.bfloat16,
+                bucket_mb=64,
+                expert_blocks=engine.expert_blocks,
+                local_reads=engine.local_reads,
+            )
+        ),
+    )
     timed("wake_kv_s", engine.wake_kv_cache)
 
 
 def replay_against_loader(engine, chunks, spec):
-    """The replayed sync (common/weight_replay.py) against vLLM's own loader, both from the
+    """The replayed sync (common/rollout/weight_replay.py) against vLLM's own loader, both from the
     same export: vLLM's parameters after a replayed sync are kept, overwritten with noise,
     then written by load_weights (+ the engine's direct expert copies, one expert tensor at a
     time, as before experts were stacked); every parameter must come out bit-equal. So the
     stacked expert copies (ExpertBlock, three per layer) are checked against per-expert ones,
     and at Megatron TP = vLLM TP the replay from each rank's own TP pieces (LocalShard,
     nothing gathered) against the loader's reads of the gathered tensors."""
-    from common.weights import LocalShard, export_hf_weights
+    from common.model.weights import LocalShard, export_hf_weights
 
     plan = engine._write_plan
     assert plan is not None, "no sync recorded yet"
@@ -252,32 +289,43 @@ def replay_against_loader(engine, chunks, spec):
                 pieces.append(name)
             yield name, t
 
-    engine.update_weights(counted(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64, expert_blocks=True,
-                                                    local_reads=engine.local_reads)))  # replayed, experts stacked
+    engine.update_weights(
+        counted(
+            export_hf_weights(
+                chunks, spec, dtype=torch.bfloat16, bucket_mb=64, expert_blocks=True, local_reads=engine.local_reads
+            )
+        )
+    )  # replayed, experts stacked
     params = dict(engine.model.named_parameters())
     replayed = {name: p.detach().clone() for name, p in params.items()}
     for p in params.values():
         p.data.normal_()  # what the loader does not write stays noise and shows below
-    engine.model.load_weights(engine._copy_experts(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64),
-                                                   set()))
+    engine.model.load_weights(
+        engine._copy_experts(export_hf_weights(chunks, spec, dtype=torch.bfloat16, bucket_mb=64), set())
+    )
     differ = sorted(name for name, p in params.items() if not torch.equal(p, replayed[name]))
-    return {"replayed_tensors": sum(1 for name in plan.steps if name not in plan.unreplayable),
-            "not_replayed": sorted(plan.unreplayable), "broken": plan.broken, "params": len(params),
-            "tp_pieces": len(pieces),
-            "params_differ": differ[:5], "params_differ_count": len(differ)}
+    return {
+        "replayed_tensors": sum(1 for name in plan.steps if name not in plan.unreplayable),
+        "not_replayed": sorted(plan.unreplayable),
+        "broken": plan.broken,
+        "params": len(params),
+        "tp_pieces": len(pieces),
+        "params_differ": differ[:5],
+        "params_differ_count": len(differ),
+    }
 
 
 def run_agreement(train_tp=1, rollout_tp=1):
     """Everything above on this process's ranks; returns this rank's results (asserts inside)."""
-    from common.dist import init_distributed
-    from common.model import build_model, load_hf_spec
-    from common.weights import load_hf_weights
-    from common.rollout_vllm import VLLMEngine
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.rollout.vllm_engine import VLLMEngine
+    from common.run.dist import init_distributed
 
     info = init_distributed(tp=train_tp)
     res = {"rank": info.rank, "world": info.world_size, "train_tp": train_tp, "rollout_tp": rollout_tp}
     hf_dir = [tempfile.mkdtemp(prefix="vllm_agree_") if info.rank == 0 else None]
-    dist.broadcast_object_list(hf_dir)                      # one node: a shared /tmp
+    dist.broadcast_object_list(hf_dir)  # one node: a shared /tmp
     hf_dir = hf_dir[0]
     if info.rank == 0:
         res["params"] = write_model(hf_dir)
@@ -289,30 +337,40 @@ def run_agreement(train_tp=1, rollout_tp=1):
         c.eval()
 
     t = time.perf_counter()
-    engine = VLLMEngine(hf_dir, rollout_tp=rollout_tp, gpu_memory_utilization=0.25, max_model_len=512, seed=0,
-                        enforce_eager=os.environ.get("TEST_VLLM_EAGER") == "1")
+    engine = VLLMEngine(
+        hf_dir,
+        rollout_tp=rollout_tp,
+        gpu_memory_utilization=0.25,
+        max_model_len=512,
+        seed=0,
+        enforce_eager=os.environ.get("TEST_VLLM_EAGER") == "1",
+    )
     res["engine_start_s"] = round(time.perf_counter() - t, 1)
     # different prompts per replica, the same on the ranks of one replica
     g = torch.Generator().manual_seed(100 + engine.replica)
-    prompts = [torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
+    prompts = [
+        torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)
+    ]
 
     # 1. the dummy weights are refused
     with pytest.raises(AssertionError, match="update_weights first"):
         engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=4, seed=0)
 
     timings = res["timings"] = {}
+    checked = None  # the initial phase's checked samples, scored again after the perturbation
     for phase in ("initial", "perturbed"):
         if phase == "perturbed":
             perturb(chunks)
             # 7. a sync that did not happen: the engine still holds the initial weights
             res["stale_prefill_mismatch"] = prefill_check(engine, chunks, spec, checked)
-            res["stale_sampled_mismatch"] = logprob_checks(engine, chunks, spec, None, prompts, 1.0, seed=5,
-                                                           exact=False)["mean_abs_diff"]
+            res["stale_sampled_mismatch"] = logprob_checks(
+                engine, chunks, spec, None, prompts, 1.0, seed=5, exact=False
+            )["mean_abs_diff"]
         # 2. the loop's memory choreography
         sync(engine, chunks, spec, timings, phase)
         # 3. greedy against transformers with the same (bf16) weights
         state = exported_state(chunks, spec)
-        res["sync_GB"] = round(sum(t.numel() for t in state.values()) * 2 / 2**30, 3)   # bf16
+        res["sync_GB"] = round(sum(t.numel() for t in state.values()) * 2 / 2**30, 3)  # bf16
         hf = hf_reference(hf_dir, state)
         greedy = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=16, seed=0)
         res[f"{phase}_greedy"] = greedy_checks(hf, greedy)
@@ -321,10 +379,14 @@ def run_agreement(train_tp=1, rollout_tp=1):
         res[f"{phase}_logprobs_T0.7"] = logprob_checks(engine, chunks, spec, hf, prompts, 0.7, seed=2)
         # 7. the prefill check, as the loop logs it, and over every sample
         checked, first = checked_samples(engine, prompts, seed=4)
-        loop = (torch.cat([torch.tensor(s.response_logprobs) for s in first])
-                - torch.cat(megatron_logprobs(chunks, spec, first, 1.0)))
-        res[f"{phase}_prefill"] = {"first_samples": len(first), "loop_mismatch": loop.abs().mean().item(),
-                                   "all_samples_mismatch": prefill_check(engine, chunks, spec, checked)}
+        loop = torch.cat([torch.tensor(s.response_logprobs) for s in first]) - torch.cat(
+            megatron_logprobs(chunks, spec, first, 1.0)
+        )
+        res[f"{phase}_prefill"] = {
+            "first_samples": len(first),
+            "loop_mismatch": loop.abs().mean().item(),
+            "all_samples_mismatch": prefill_check(engine, chunks, spec, checked),
+        }
         del hf
         res[f"{phase}_tokens"] = [s.response_ids for s in greedy]
         if phase == "initial":
@@ -341,7 +403,9 @@ def run_agreement(train_tp=1, rollout_tp=1):
     res["gen_tok_per_s"] = round(sum(len(s.response_ids) for s in out) / (time.perf_counter() - t))
 
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], f"vllm_agreement_train{train_tp}_rollout{rollout_tp}_rank{info.rank}.json")
+        path = os.path.join(
+            os.environ["OUT"], f"vllm_agreement_train{train_tp}_rollout{rollout_tp}_rank{info.rank}.json"
+        )
         with open(path, "w") as f:
             json.dump({k: v for k, v in res.items() if not k.endswith("_tokens")}, f, indent=1)
     print("RESULT", json.dumps({k: v for k, v in res.items() if not k.endswith("_tokens")}), flush=True)
@@ -368,7 +432,9 @@ def check(res):
         assert prefill["first_samples"] == res["world"] and prefill["all_samples_mismatch"] <= bound, (phase, prefill)
         assert prefill["loop_mismatch"] <= bound, (phase, prefill)
     # ... and shows a sync that did not happen
-    assert res["stale_prefill_mismatch"] > 5 * max(LOGPROB_TOLERANCE, res["initial_prefill"]["all_samples_mismatch"]), res
+    assert res["stale_prefill_mismatch"] > 5 * max(LOGPROB_TOLERANCE, res["initial_prefill"]["all_samples_mismatch"]), (
+        res
+    )
     assert res["same_after_sleep_wake"]
     assert not res["replay"]["broken"] and res["replay"]["replayed_tensors"] > 0, res["replay"]
     assert res["replay"]["params_differ_count"] == 0, res["replay"]

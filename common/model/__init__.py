@@ -1,0 +1,17 @@
+"""The model: HF config and weights <-> Megatron-Core GPTModel, and the kernels it runs on.
+
+    bridge.py           the one table of supported architectures; config -> TransformerConfig; tensor mapping
+    bridge_moe.py, bridge_mla.py, bridge_layout.py   the rules of MoE, multi-latent attention, pipeline layouts
+    unsupported.py      UnsupportedModelError
+    gpt.py              build_model: layer specs and the GPTModel chunks
+    chunks.py           unwrap a chunk; its tensors under global names
+    weights.py          HF weights in (sharded reads) and out (bucketed export for the sync and merge)
+    critic.py           the GPTModel body with a value head (PPO's critic, reward models)
+    attention.py, attention_cp.py   core attention: SDPA, packed (varlen), context parallel
+    moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
+    swiglu.py, linear.py   the MLPs' activation kernel, the QKV bias in the GEMM
+    flops.py            model FLOPs per token (MFU)
+    cpu_compat.py       the adapter that lets megatron-core run on a CPU (applied only without a GPU)
+
+May import common.rl (not common.train, common.rollout or common.run).
+"""

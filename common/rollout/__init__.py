@@ -1,0 +1,11 @@
+"""Sampling responses from the current policy, with per-token logprobs, and evaluation.
+
+    engine.py         the engine interface (RolloutEngine, Sample) and the logprob checks of a rollout
+    hf_engine.py      the CPU engine: transformers with a batched sampling loop
+    vllm_engine.py    vLLM colocated in the torchrun processes (GPUs); in-place weight updates
+    engines.py        make_engine: which engine a run gets
+    weight_replay.py  a weight loader's writes recorded once and replayed each sync
+    evaluate.py       validation: greedy or sampled answers on held-out prompts, scored
+
+May import common.model and common.rl (not common.train or common.run).
+"""

@@ -1,0 +1,134 @@
+"""Rollout engines: sample responses from the current policy, with per-token logprobs.
+
+Every engine has the same small interface (`RolloutEngine`), so the training scripts read
+the same on a laptop and on a GPU cluster:
+
+    engine.wake()                                   # GPU: bring weights (+ KV cache) back
+    engine.update_weights(export_hf_weights(...))   # stream (hf_name, full tensor) pairs in
+    samples = engine.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=256, seed=step)
+    engine.sleep()                                  # GPU: free memory for the update
+
+`HFEngine` (common/rollout/hf_engine.py) is the CPU fallback: a transformers AutoModelForCausalLM with our own batched
+sampling loop over a KV cache. It serves the embedded tiny default (`python train_grpo.py`)
+and the tests; it is not meant for real models.
+`VLLMEngine` (GPU: vLLM colocated in the torchrun processes) lives in common/rollout/vllm_engine.py;
+`make_engine` (common/rollout/engines.py) picks one, and importing this module never imports vLLM.
+
+Logprob semantics (the trainer must recompute the same quantity, see rl.py):
+  response_logprobs[t] = log_softmax(logits_t / temperature)[token_t], over the FULL vocab.
+  - With top_p < 1 the token is drawn from the nucleus (renormalised), but the logprob we
+    return is still the one above, i.e. BEFORE the top-p filter and renormalisation. It is
+    what a trainer recomputes from its own logits; the difference to the true sampling
+    probability is log(nucleus mass) <= 0. (vLLM's "processed_logprobs" mode would instead
+    return the renormalised nucleus logprob, so pick the matching mode there.)
+  - temperature == 0 means greedy (argmax); the logprob is then log_softmax(logits) (T = 1).
+"""
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]  # ends with (and includes) eos when finish_reason == "stop"
+    response_logprobs: list[float]  # one per response token, see the module docstring
+    finish_reason: str  # "stop" (eos sampled) | "length" (max_tokens reached)
+
+
+# --rollout-logprobs: which samples bring the engine's own logprobs (generate's logprob_samples)
+ROLLOUT_LOGPROBS = {"prefill": 0, "one-per-prompt": 1, "all": None, "none": 0}
+# prompt + response tokens the prefill check scores at most: for prompt logprobs vLLM
+# materialises each prefill chunk's (tokens, vocabulary) logits in fp32 and their log-softmax,
+# outside its memory budget (4096 x 152k x 4 B = 2.5 GB each), and a long prefill costs time
+PREFILL_CHECK_TOKENS = 4096
+
+
+def rollout_logprobs_mode(requested, temperature, tis_cap):
+    """The --rollout-logprobs mode of a run (ValueError: what to change). Default: all with
+    --tis-cap (its weights need every sample's), else prefill at temperature 1 (the check
+    costs no decode time), else one-per-prompt (vLLM's prompt logprobs ignore temperature)."""
+    if requested is None:
+        return "all" if tis_cap > 0 else "prefill" if temperature == 1.0 else "one-per-prompt"
+    if tis_cap > 0 and requested != "all":
+        raise ValueError("--tis-cap needs the rollout logprobs of every sample: --rollout-logprobs all")
+    if requested == "prefill" and temperature != 1.0:
+        raise ValueError(
+            f"--rollout-logprobs prefill scores a sample with the engine's prompt logprobs, which "
+            f"vLLM computes at temperature 1, not --temperature {temperature}: use one-per-prompt"
+        )
+    return requested
+
+
+def generate_checked(engine, prompts, mode, **kwargs):
+    """engine.generate(prompts, **kwargs) with --rollout-logprobs `mode`: the samples that carry
+    the engine's logprobs (the others NaN) for logprob_mismatch and --tis-cap.
+    prefill: sampling asks for none (vLLM computes the batch's log-softmax at every decode step
+    once any request asks: 3% of the 7B rollout, docs/benchmarks.md); afterwards one sample,
+    the first that ended on EOS (else the first: --mask-truncated leaves cut-off ones out of
+    the trainer's passes), is scored in one prefill pass (engine.score; its first
+    PREFILL_CHECK_TOKENS tokens, the rest NaN like the other samples), which sees the synced
+    weights as the sampler does, so a sync that did not happen still shows
+    (tests/gpu/test_vllm_agreement.py)."""
+    samples = engine.generate(prompts, logprob_samples=ROLLOUT_LOGPROBS[mode], **kwargs)
+    if mode == "prefill" and samples:
+        pick = next((i for i, s in enumerate(samples) if s.finish_reason == "stop"), 0)
+        chosen = samples[pick]  # its first PREFILL_CHECK_TOKENS tokens (prompt included) are scored
+        keep = max(0, min(len(chosen.response_ids), PREFILL_CHECK_TOKENS - len(chosen.prompt_ids)))
+        part = Sample(chosen.prompt_ids, chosen.response_ids[:keep], [], chosen.finish_reason)
+        scored = engine.score([part])[0] if keep else []
+        for s in samples:
+            s.response_logprobs = [math.nan] * len(s.response_ids)
+        chosen.response_logprobs = scored + [math.nan] * (len(chosen.response_ids) - keep)
+    return samples
+
+
+class RolloutEngine:
+    """The interface every rollout engine implements (HFEngine here; VLLMEngine on GPUs)."""
+
+    expert_blocks = False  # True: update_weights takes routed experts as (module, common.weights.ExpertBlock)
+    local_reads = None  # else export_hf_weights(local_reads=): update_weights takes TP pieces (LocalShard)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int,
+        logprob_samples: int | None = None,
+    ) -> list[Sample]:
+        """Sample n responses per prompt (token ids). Returns len(prompts) * n Samples in
+        prompt-major order: samples[i * n + j] is the j-th sample of prompt i.
+        Deterministic for a given seed (on one engine, batch and software stack).
+        logprob_samples: only the first logprob_samples samples of each prompt must carry
+        response_logprobs (None: all); an engine may return NaNs for the others when
+        logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/benchmarks.md)."""
+        raise NotImplementedError
+
+    def score(self, samples: list[Sample]) -> list[list[float]]:
+        """log_softmax(logits)[token] of every response token of each sample at temperature 1
+        over the full vocabulary, from one forward pass over prompt + response (no sampling):
+        the trainer's logprobs at T=1. Positions the engine cannot hold are NaN."""
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, full tensor) pairs into the engine's model. Consumes the whole
+        iterator even on error (the producer may run collectives on every rank), then raises."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights + KV cache) for the training phase."""
+
+    def wake_weights(self) -> None:
+        """Take the weight memory back before a weight sync (vLLM: wake_up(tags=["weights"]))."""
+
+    def wake_kv_cache(self) -> None:
+        """Take the KV-cache memory back after the sync, before generation."""
+
+    def wake(self) -> None:
+        """Take the accelerator memory back before a weight sync / generation."""

@@ -1,0 +1,33 @@
+"""Which rollout engine a run gets: vLLM colocated on GPUs, the HF engine on CPUs.
+
+engine, rollout_tp = make_engine(use_vllm, hf_dir, rollout_tp=..., gpu_memory_utilization=...)
+vllm_available()   whether vLLM can be imported here, without importing it
+"""
+
+import torch
+
+
+def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, max_model_len=4096, seed=0, device=None):
+    """(engine, rollout TP size): a VLLMEngine (one per vLLM TP group of `rollout_tp` ranks;
+    max_model_len is capped at the model's positions there) or, on CPUs, an HFEngine in fp32
+    (each rank its own replica: rollout TP 1)."""
+    if use_vllm:
+        from common.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            hf_dir,
+            rollout_tp=rollout_tp,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            seed=seed,
+        ), rollout_tp
+    from common.rollout.hf_engine import HFEngine
+
+    return HFEngine(hf_dir, dtype=torch.float32, device=device), 1
+
+
+def vllm_available():
+    """Whether vllm can be imported here (without importing it: it is slow and GPU-only)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None

@@ -1,0 +1,436 @@
+"""VLLMEngine: the GPU rollout engine, a vLLM 0.26 LLM living inside the torchrun processes.
+
+Kept apart from common/rollout/engine.py so that `import common.rollout.engine` never imports vLLM (it
+exists on GPU machines only); the training script imports this module when --engine vllm.
+
+Colocation (see shared/device/README.md, where each call below was measured on H200s):
+  - every rank builds one engine with distributed_executor_backend="external_launcher":
+    vLLM reuses the torch.distributed default group the script already initialised and runs
+    in-process (no engine subprocess). Its TP groups are runs of rollout_tp consecutive
+    ranks; each group is one rollout replica. All ranks construct the engine together
+    (vLLM creates its groups and agrees on the KV-cache size with collectives).
+  - within a replica every rank must call generate() with the same prompts and seed (each
+    rank schedules independently and deterministically); replicas get different prompts:
+    rollout_replica() / replica_share() below say which.
+  - memory: sleep() = sleep(level=2) discards weights and KV cache (level 1 would copy the
+    weights to CPU: 9.8 s at 7B, wasted since the next sync overwrites them). The step is
+        engine.wake_weights(); engine.update_weights(export_hf_weights(...)); engine.wake_kv_cache()
+        samples = engine.generate(...); engine.sleep(); <train>
+    After a level-2 sleep the weights are garbage until the next update_weights, so
+    generate() refuses to run before a sync (likewise with load_format="dummy").
+
+Logprobs (must equal common/rollout/engine.py's HFEngine semantics, log_softmax(logits / T)[token]):
+  vLLM's logprobs_mode="processed_logprobs" returns log_softmax of the logits after the
+  sampling transforms: temperature, then top-k/top-p (v1/sample/sampler.py and the V2 runner's
+  v1/worker/gpu/sample/sampler.py of 0.26.0). "raw_logprobs" (the default) ignores the
+  temperature, so it is wrong for every T != 1.
+  - top_p == 1: exactly HFEngine's quantity (and greedy, T = 0: log_softmax(logits)).
+  - top_p < 1: vLLM renormalises over the nucleus, so the value is HFEngine's plus
+    -log(nucleus mass) >= 0, the true log-probability of the sampling distribution. The
+    trainer must then recompute with the same top-p filter or not compare against it
+    (a warning is printed once).
+"""
+
+import json
+import math
+import os
+import random
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from common.model.bridge_moe import EXPERT_HALF, EXPERT_NAME
+from common.rollout.engine import RolloutEngine, Sample
+from common.rollout.weight_replay import WritePlan
+
+
+def rollout_replica(rank, rollout_tp, world_size=None):
+    """(replica index, number of replicas) of this rank: vLLM's TP groups are runs of
+    rollout_tp consecutive ranks (vllm/distributed/parallel_state.py), one replica each."""
+    world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size % rollout_tp:
+        raise ValueError(f"--rollout-tp {rollout_tp} must divide the world size {world_size}")
+    return rank // rollout_tp, world_size // rollout_tp
+
+
+def replica_share(items, replica, num_replicas):
+    """This replica's contiguous share of items (sizes differ by at most one), so the
+    replicas' results concatenated in replica order are in the original order."""
+    base, extra = divmod(len(items), num_replicas)
+    start = replica * base + min(replica, extra)
+    return items[start : start + base + (replica < extra)]
+
+
+def eos_token_ids_of(hf_dir):
+    """The ids generation stops at: generation_config.json's eos_token_id (instruct models add
+    e.g. <|im_end|> there), else config.json's, as HFEngine does through transformers."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM colocated with the trainer on the same GPUs. All ranks construct it together,
+    after common.run.dist.init_distributed (torch.distributed must exist)."""
+
+    expert_blocks = True  # routed experts arrive stacked per layer (export_hf_weights(expert_blocks=True))
+
+    def __init__(
+        self,
+        hf_dir,
+        rollout_tp=1,
+        gpu_memory_utilization=0.5,
+        max_model_len=4096,
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=False,
+        enable_sleep=True,
+        load_format="dummy",
+        eos_token_ids=None,
+        **llm_kwargs,
+    ):
+        """hf_dir: config.json (+ generation_config.json); with load_format="dummy" (default)
+        no weights are read, the first update_weights provides them. "auto" loads hf_dir's
+        safetensors. gpu_memory_utilization: the fraction of the GPU's total memory vLLM takes
+        (weights + activations + KV cache); that much must be free when the engine starts,
+        or vLLM raises (v1/worker/utils.py:request_memory), so start it before the optimizer
+        state exists or size the fraction to what the trainer leaves.
+        max_model_len: prompt + response tokens per request, capped at config.json's
+        max_position_embeddings (vLLM refuses a longer context; a request that reaches the cap
+        ends with finish_reason "length").
+        eos_token_ids: the ids generation stops at (None: eos_token_ids_of(hf_dir)); [] stops
+        at none, every sample gets max_tokens tokens (the benchmarks on random weights, where
+        EOS comes by chance: generate then also sets vLLM's ignore_eos, without which vLLM adds
+        the model's generation-config eos to the stop tokens).
+        llm_kwargs reach vllm.LLM unchanged (e.g. max_num_seqs, enable_prefix_caching)."""
+        # flashinfer is not shipped with our GPU stack, and vLLM's sampler probes for it
+        # unless told not to (shared/device/README.md). Must be set before vllm is imported.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        assert dist.is_initialized(), "call common.run.dist.init_distributed before VLLMEngine"
+        # external_launcher reads RANK / LOCAL_RANK (env://); a plain single `python` process
+        # (world of one, e.g. pytest) has none of torchrun's variables.
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        from vllm import LLM
+
+        self.rank = dist.get_rank()
+        self.replica, self.num_replicas = rollout_replica(self.rank, rollout_tp)
+        self.eos_token_ids = eos_token_ids_of(hf_dir) if eos_token_ids is None else list(eos_token_ids)
+        self.enable_sleep = enable_sleep
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            max_positions = json.load(f).get("max_position_embeddings")
+        if max_positions and max_model_len > max_positions:
+            if self.rank == 0:
+                print(
+                    f"[vllm] max_model_len {max_model_len} capped at the model's max_position_embeddings "
+                    f"{max_positions}",
+                    flush=True,
+                )
+            max_model_len = max_positions
+        self.max_model_len = max_model_len
+        self.llm = LLM(
+            model=hf_dir,
+            tensor_parallel_size=rollout_tp,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=enable_sleep,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,  # the same on every rank of a replica
+            enforce_eager=enforce_eager,  # False: torch.compile + CUDA graphs (slower start)
+            load_format=load_format,
+            skip_tokenizer_init=True,  # we pass token ids and decode ourselves
+            logprobs_mode="processed_logprobs",  # see the module docstring
+            **llm_kwargs,
+        )
+        self._asleep = set()  # tags asleep: "weights", "kv_cache"
+        self._fused_cache = {}  # _fused_experts: vLLM MoE module name -> its w13/w2
+        self._write_plan = None  # update_weights: the first sync's writes (WritePlan)
+        self._weights_valid = load_format != "dummy"
+        self._prefix_cache_stale = False
+        self._warned_top_p = False
+
+    @property
+    def local_reads(self):
+        """For export_hf_weights(local_reads=...): the first sync's recorded writes
+        (WritePlan.reads_within), so that later syncs at Megatron TP = vLLM TP take each rank's
+        own TP pieces instead of gathered tensors; None until then."""
+        return self._write_plan
+
+    @property
+    def model(self):
+        """The vLLM nn.Module in this process (its TP shard). Path checked on vLLM 0.26.0."""
+        core = self.llm.llm_engine.engine_core
+        core = getattr(core, "engine_core", core)  # InprocClient -> EngineCore
+        worker = core.model_executor.driver_worker
+        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+        return worker.model_runner.get_model()
+
+    # ---- memory --------------------------------------------------------------------------
+    def sleep(self):
+        """Free the weights and the KV cache (level 2): the next update_weights rewrites the
+        weights anyway. Prefix cache is cleared by vLLM as it pauses the scheduler."""
+        if self.enable_sleep and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = {"weights", "kv_cache"}
+            self._weights_valid = False
+
+    def wake_weights(self):
+        """Re-allocate the weight memory only (contents undefined until update_weights)."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+
+    def wake_kv_cache(self):
+        """Re-allocate the KV cache; vLLM resumes scheduling once nothing is asleep."""
+        if "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+        if self._prefix_cache_stale:
+            self.llm.reset_prefix_cache()
+            self._prefix_cache_stale = False
+
+    def wake(self):
+        self.wake_weights()
+        self.wake_kv_cache()
+
+    # ---- weights -------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors):
+        """Stream (HF name, full tensor) pairs into vLLM's model.load_weights, which maps HF
+        names to its fused layout (qkv_proj, gate_up_proj) and cuts its own TP shard.
+
+        One lazy pass: load_weights copies each tensor before pulling the next, so nothing
+        is held beyond the producer's current bucket (export_hf_weights(bucket_mb=
+        --sync-bucket-mb) gathers in buckets and may reuse them). The iterator is always
+        consumed to the end (the producer runs collectives on every rank), then errors raise.
+        The first sync records where load_weights writes each tensor; later ones repeat those
+        writes directly (common/rollout/weight_replay.py) and hand load_weights only the tensors the
+        recording could not cover.
+        """
+        assert "weights" not in self._asleep, "wake_weights() before update_weights()"
+        source = iter(named_tensors)
+        model = self.model
+        written = set()
+        try:
+            if self._write_plan is None:  # first sync: vLLM's loader, its writes recorded
+                plan = WritePlan(model)
+                with plan.record(source) as stream:
+                    loaded = model.load_weights(self._copy_experts(stream, written))
+                self._write_plan = plan
+            else:  # later syncs: the recorded writes, the loader only for what they do not cover
+                loaded = model.load_weights(self._copy_experts(self._replayed(source, written), written))
+        finally:
+            leftover = sum(1 for _ in source)  # drain: keep every rank's collectives matched
+        if leftover:
+            raise RuntimeError(f"vLLM load_weights stopped early, {leftover} tensors unread")
+        loaded = None if loaded is None else set(loaded) | written
+        # With sleep level 2 a parameter the sync missed would be garbage memory: check.
+        if loaded is not None:
+            # vLLM 0.26 reports a MoE layer's fused experts as `experts.w13_weight` while the
+            # parameter lives at `experts.routed_experts.w13_weight`: compare without that level
+            plain = lambda name: name.replace(".routed_experts.", ".")  # noqa: E731
+            params = dict(model.named_parameters())
+            written = {plain(name) for name in loaded}
+            # MLA's absorbed W_UK_T / W_UV are views of kv_b_proj.weight: written with it
+            storages = {p.untyped_storage().data_ptr() for name, p in params.items() if plain(name) in written}
+            missing = sorted(
+                plain(name)
+                for name, p in params.items()
+                if plain(name) not in written and p.untyped_storage().data_ptr() not in storages
+            )
+            if missing:
+                raise RuntimeError(f"update_weights: {len(missing)} vLLM parameters not written, e.g. {missing[:5]}")
+        self._weights_valid = True
+        # Cached KV blocks were computed by the old weights.
+        self._prefix_cache_stale = True
+        if "kv_cache" not in self._asleep:
+            self.wake_kv_cache()  # awake: just resets the prefix cache
+
+    def _replayed(self, named_tensors, written):
+        """named_tensors minus those written by replaying the first sync's writes
+        (common/rollout/weight_replay.py: ~90 us of vLLM's Python per tensor saved, 7B's sync 39 ->
+        14 ms on one H200), TP pieces (LocalShard) included; names of the parameters written
+        go into `written`."""
+        from common.model.weights import LocalShard
+
+        plan = self._write_plan
+        for name, tensor in named_tensors:
+            if isinstance(tensor, LocalShard):  # export_hf_weights(local_reads=plan) chose it: no fallback
+                if not plan.replay_piece(name, tensor):
+                    raise RuntimeError(
+                        f"update_weights: {name}: this rank's piece [{tensor.start}:{tensor.stop}] "
+                        f"along dim {tensor.dim} was not recorded as all that vLLM reads"
+                    )
+                written.update(plan.written.get(name, ()))
+            elif plan.replay(name, tensor):
+                written.update(plan.written.get(name, ()))
+            else:
+                yield name, tensor
+
+    def _copy_experts(self, named_tensors, written):
+        """Pass (name, tensor) pairs on to load_weights, except routed experts' projections
+        (checkpoint names, common/rollout/engine.py's EXPERT_NAME), which are copied straight into
+        their slice of the layer's fused vLLM parameters: w13_weight (E, 2 I/tp, H) holds
+        [gate; up] of each expert, w2_weight (E, H, I/tp) its down projection, each vLLM TP
+        rank its slice of I. vLLM's loader takes ~90 us per expert tensor in Python (0.43 s
+        for Moonlight-16B-A3B's 4,992); a slice copy is one kernel. Names of the parameters
+        written go into `written`. A layer whose fused parameters are not found in that form
+        (another MoE backend, vLLM's own expert parallelism) goes through load_weights."""
+        from common.model.weights import ExpertBlock
+
+        def expanded():  # blocks this method cannot copy as a whole go on as per-expert tensors
+            for name, tensor in named_tensors:
+                if isinstance(tensor, ExpertBlock) and not self._copy_block(tensor, written):
+                    yield from tensor.hf()
+                elif not isinstance(tensor, ExpertBlock):
+                    yield name, tensor
+
+        for name, tensor in expanded():
+            match = EXPERT_NAME.fullmatch(name)
+            fused = self._fused_experts(name[: name.index(".experts.") + len(".experts")]) if match else None
+            if fused is None or match[3] not in EXPERT_HALF:
+                yield name, tensor
+                continue
+            (w13_name, w13), (w2_name, w2) = fused
+            expert, half = int(match[2]), EXPERT_HALF[match[3]]
+            rows, cols = w13.shape[1] // 2, w2.shape[2]  # this rank's share of I
+            expected = (
+                (w2.shape[1], cols * self._vllm_tp_size) if half is None else (rows * self._vllm_tp_size, w13.shape[2])
+            )
+            if expert >= w13.shape[0] or tuple(tensor.shape) != expected:  # not the layout assumed here
+                yield name, tensor
+                continue
+            if half is None:  # down projection (H, I): this rank's columns
+                w2[expert].copy_(tensor[:, self._vllm_tp_rank * cols : (self._vllm_tp_rank + 1) * cols])
+                written.add(w2_name)
+            else:  # gate (half 0) or up (1), (I, H): this rank's rows into its half of w13
+                w13[expert, half * rows : (half + 1) * rows].copy_(
+                    tensor[self._vllm_tp_rank * rows : (self._vllm_tp_rank + 1) * rows]
+                )
+                written.add(w13_name)
+
+    def _copy_block(self, block, written):
+        """Copy an ExpertBlock (experts first .. first + n - 1 of one layer, stacked) into this
+        vLLM TP rank's slices of the layer's w13 / w2 in three copies; False (nothing written)
+        where the fused parameters are not found in the layout _copy_experts assumes."""
+        fused = self._fused_experts(block.prefix)
+        if fused is None:
+            return False
+        (w13_name, w13), (w2_name, w2) = fused
+        n, rows, cols, r = block.fc1.shape[0], w13.shape[1] // 2, w2.shape[2], self._vllm_tp_rank
+        inter = block.fc1.shape[1] // 2
+        if (
+            inter != rows * self._vllm_tp_size
+            or tuple(block.fc2.shape[1:]) != (w2.shape[1], cols * self._vllm_tp_size)
+            or block.fc1.shape[2] != w13.shape[2]
+            or block.first + n > w13.shape[0]
+        ):
+            return False
+        experts = slice(block.first, block.first + n)
+        w13[experts, :rows].copy_(block.fc1[:, r * rows : (r + 1) * rows])  # gate
+        w13[experts, rows:].copy_(block.fc1[:, inter + r * rows : inter + (r + 1) * rows])  # up
+        w2[experts].copy_(block.fc2[:, :, r * cols : (r + 1) * cols])  # down
+        written.update((w13_name, w2_name))
+        return True
+
+    def _fused_experts(self, module_name):
+        """((name, w13_weight), (name, w2_weight)) of vLLM's fused MoE module `module_name`
+        (e.g. model.layers.3.mlp.experts), or None when it has no such single pair; cached."""
+        if not self._fused_cache:  # first call: the model's modules and this rank's vLLM TP coordinates
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            self._vllm_tp_rank, self._vllm_tp_size = (
+                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_world_size(),
+            )
+            self._modules = dict(self.model.named_modules())
+        if module_name not in self._fused_cache:
+            module = self._modules.get(module_name)
+            params = [] if module is None else list(module.named_parameters())
+            w13 = [(f"{module_name}.{n}", p) for n, p in params if n.endswith("w13_weight") and p.dim() == 3]
+            w2 = [(f"{module_name}.{n}", p) for n, p in params if n.endswith("w2_weight") and p.dim() == 3]
+            self._fused_cache[module_name] = (w13[0], w2[0]) if len(w13) == len(w2) == 1 else None
+        return self._fused_cache[module_name]
+
+    # ---- sampling ------------------------------------------------------------------------
+    def score(self, samples):
+        """RolloutEngine.score through vLLM's prompt logprobs: prompt + response as one prompt
+        of a one-token request (prefill only; such requests bypass the prefix cache). vLLM
+        computes prompt logprobs from the raw logits (temperature 1, full vocabulary), whatever
+        logprobs_mode says. A sample of max_model_len tokens loses its last token's score."""
+        from vllm import SamplingParams
+
+        assert not self._asleep and self._weights_valid, "score() needs the engine awake with synced weights"
+        rows = [(list(s.prompt_ids) + list(s.response_ids))[: self.max_model_len - 1] for s in samples]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        scores = []
+        for s, row, out in zip(samples, rows, outputs):  # prompt_logprobs[j]: token j given those before it
+            got = [out.prompt_logprobs[j][row[j]].logprob for j in range(len(s.prompt_ids), len(row))]
+            scores.append(got + [math.nan] * (len(s.response_ids) - len(got)))
+        return scores
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
+        """Sample n responses per prompt; prompt-major, as RolloutEngine.generate says.
+
+        Every (prompt, sample) is its own request with n=1 and its own seed (vLLM rejects
+        n > 1 when greedy, and one seed per request keeps samples independent: vLLM's
+        Gumbel noise is a function of (seed, position)). The seeds derive from (seed, this
+        replica), so replicas draw differently and the ranks of one replica identically.
+        Only the first logprob_samples samples of each prompt (None: all) ask vLLM for the
+        sampled token's logprob; the others get NaNs (measured on an H200, Qwen2-1.5B: asking
+        for logprobs costs 19% of the generation throughput, per-request seeds nothing).
+        """
+        from vllm import SamplingParams
+
+        assert not self._asleep, "generate() while asleep: wake_weights, update_weights, wake_kv_cache"
+        assert self._weights_valid, (
+            "no weights since start-up (load_format='dummy') or the last sleep: update_weights first"
+        )
+        if 0 < temperature and top_p < 1.0 and not self._warned_top_p:
+            warnings.warn(
+                "VLLMEngine: with top_p < 1 the returned logprobs are renormalised over the "
+                "nucleus (common/rollout/vllm_engine.py docstring), not HFEngine's full-vocab ones"
+            )
+            self._warned_top_p = True
+        rows = [list(map(int, p)) for p in prompts for _ in range(n)]  # prompt-major
+        if not rows:
+            return []
+        base = random.Random(f"{seed}/{self.replica}").getrandbits(48)
+        with_logprobs = [logprob_samples is None or i % n < logprob_samples for i in range(len(rows))]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                seed=base + i,
+                logprobs=0 if with_lp else None,
+                flat_logprobs=True,
+                detokenize=False,
+                stop_token_ids=self.eos_token_ids,
+                ignore_eos=not self.eos_token_ids,
+            )  # no eos ids: stop at none (__init__)
+            for i, with_lp in enumerate(with_logprobs)
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        samples = []
+        for row, out, with_lp in zip(rows, outputs, with_logprobs):  # vLLM keeps the input order
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            if not with_lp:
+                samples.append(Sample(row, tokens, [math.nan] * len(tokens), completion.finish_reason))
+                continue
+            flat = completion.logprobs  # FlatLogprobs: the sampled token comes first
+            starts = flat.start_indices
+            assert [flat.token_ids[s] for s in starts] == tokens, "logprobs do not follow the tokens"
+            samples.append(Sample(row, tokens, [flat.logprobs[s] for s in starts], completion.finish_reason))
+        return samples

@@ -1,0 +1,15 @@
+"""The run around the loop: command-line flags and their checks, inputs, outputs, processes.
+
+    flags.py        the flag groups both training scripts share, and derived settings
+    preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
+    cli.py          what all four scripts share: the parser, output directories, error messages
+    data.py         prompts: datasets, chat formatting, a resumable sampler
+    hub.py          HF hub ids resolved through the HF cache
+    embedded.py     the embedded tiny model and task of `python train_grpo.py`
+    log.py          metrics.jsonl, wandb, the plot, the console
+    dist.py         torchrun / Slurm -> torch.distributed and megatron's parallel groups
+    host_memory.py  pinned host memory of a node's ranks against what the node has
+    convert_io.py   the disk side of convert_hf_to_mcore.py
+
+May import common.train, common.rollout, common.model and common.rl.
+"""

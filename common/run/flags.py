@@ -1,0 +1,441 @@
+"""The command-line flags train_grpo.py and train_ppo.py share, in groups (what --help shows
+under each title). Each script adds its own algorithm and optimisation flags between them,
+so what an experiment edits stays in the script; everything here means the same in both.
+Each function returns its group, for a script's own flags of that kind."""
+
+import argparse
+
+from common.model.bridge import RECOMPUTE_MODULES
+from common.rollout.engine import ROLLOUT_LOGPROBS
+
+
+def model_flags(p):
+    """--model, --embedded-model: where the model comes from (the script adds --mcore-ckpt)."""
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        default=None,
+        help=(
+            "HF model dir (config.json + safetensors + tokenizer) or hub id ORG/NAME (downloaded to the HF cache on "
+            "first use; HF_HUB_OFFLINE=1: the cache only); default: the embedded tiny model"
+        ),
+    )
+    g.add_argument(
+        "--embedded-model",
+        choices=["dense", "moe", "deepseek"],
+        default="dense",
+        help=(
+            "without --model: the tiny dense Qwen2, the same body with a Qwen3-MoE MLP (8 experts, top-2) in every "
+            "layer, or a tiny DeepSeek-V3 (multi-latent attention, a dense layer then 8 sigmoid-routed experts in 4 "
+            "groups + a shared expert)"
+        ),
+    )
+    return g
+
+
+def data_flags(p):
+    """Prompts, their format, and held-out validation."""
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        default=None,
+        help=(
+            "prompts with prompt+answer fields: .jsonl / .parquet, a datasets dir, or a hub dataset ORG/NAME (e.g. "
+            "openai/gsm8k --data-config main); default: the synthetic arithmetic task"
+        ),
+    )
+    g.add_argument(
+        "--data-config",
+        default=None,
+        help="config of a --data dataset repository that has several (gsm8k: main or socratic)",
+    )
+    g.add_argument("--data-split", default="train", help="split of --data to train on")
+    g.add_argument(
+        "--eval-data",
+        default=None,
+        help=(
+            "held-out prompts for validation, as --data (its --data-config); default: the embedded task's prompts "
+            "without --data, else none"
+        ),
+    )
+    g.add_argument("--eval-split", default="test", help="split of --eval-data")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help=(
+            "validate at step 0 (before any update), every N steps and at the last step, on the rollout engine (0: off)"
+        ),
+    )
+    g.add_argument(
+        "--eval-samples", type=int, default=1, help="responses per held-out prompt: k of eval_pass@k and eval_maj@k"
+    )
+    g.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of validation (0: greedy, with --eval-samples 1)",
+    )
+    g.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
+    g.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
+    g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
+    g.add_argument(
+        "--raw-prompts",
+        action="store_true",
+        help="tokenize prompts as they are, without the chat template (always so for the synthetic task)",
+    )
+    g.add_argument("--max-prompt-len", type=int, default=1024, help="prompts longer than this (in tokens) are dropped")
+    return g
+
+
+def parallel_flags(p):
+    """Megatron's parallel layout (data parallelism is what is left: world / (tp * pp * cp)), dtype, MoE routing."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    g.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    g.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
+    g.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers on the first pipeline stage; the "
+        "middle stages share the rest equally (default: even when the layers divide by pp*vpp, else automatic)",
+    )
+    g.add_argument(
+        "--last-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers on the last pipeline stage, "
+        "which also runs the output layer and the loss (default: automatic, no more than the other stages)",
+    )
+    g.add_argument(
+        "--sp", action="store_true", help="sequence parallelism (with --tp > 1; MoE models with --tp > 1 need it)"
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help=(
+            "expert parallel size (MoE models): each pipeline stage's ranks split the experts over ep ranks, tokens "
+            "go to them by all-to-all"
+        ),
+    )
+    g.add_argument(
+        "--etp",
+        type=int,
+        default=1,
+        help="expert tensor parallel size (MoE models): each expert's weights split over etp ranks",
+    )
+    g.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context parallel size: every sequence of the trainer's passes split over cp ranks "
+        "(2*cp chunks, balanced for causal attention; keys/values all-gathered; with --pack every sample of a "
+        "pass is cut so, "
+        "padded to a multiple of 2*cp), for sequences that do not fit one GPU",
+    )
+    g.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shard optimizer state over data-parallel ranks",
+    )
+    g.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)"
+    )
+    g.add_argument(
+        "--moe-aux-loss-coef",
+        type=float,
+        default=None,
+        help=(
+            "MoE load-balancing loss coefficient (megatron's aux loss per MoE layer, added to the loss; 0: off); "
+            "default: the model config's router_aux_loss_coef"
+        ),
+    )
+    g.add_argument(
+        "--moe-dispatcher",
+        choices=["alltoall", "allgather"],
+        default=None,
+        help=(
+            "how tokens reach their experts (default: allgather with every expert on each rank, alltoall at "
+            "--ep/--etp > 1): megatron's all-to-all, which waits on the host for the split sizes every layer, or "
+            "allgather: every EP rank gathers all tokens of its EP group and picks its experts' share on the device "
+            "(common/model/moe.py). At --ep > 1 allgather needs the same token count in each pass on every EP rank, "
+            "so the trainer pads each pass to the largest of its EP peers' (empty rows or a longer packed tail); "
+            "measured 1.2x faster than alltoall at EP=2 and equal at EP=4 on fixed-length batches "
+            "(docs/benchmarks.md)"
+        ),
+    )
+    g.add_argument(
+        "--moe-router-bias-update-rate",
+        type=float,
+        default=0.0,
+        help=(
+            "DeepSeek-V3 models: after every optimizer step move each router's score-correction bias by this amount "
+            "towards balanced expert load (megatron's aux-loss-free balancing; DeepSeek-V3's pretraining used "
+            "0.001); 0: the loaded bias stays frozen"
+        ),
+    )
+    return g
+
+
+def rollout_flags(p, group_help, models):
+    """The rollout engine, sampling, weight sync and what idles in host memory meanwhile."""
+    g = p.add_argument_group("rollout")
+    g.add_argument(
+        "--rollout",
+        choices=["auto", "vllm", "cpu"],
+        default="auto",
+        help="rollout engine; auto = vllm when a GPU and vllm are present, else the CPU engine",
+    )
+    g.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=1,
+        help="vLLM tensor parallel size (independent of --tp); world/rollout-tp replicas get different prompts",
+    )
+    g.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step, global")
+    g.add_argument("--samples-per-prompt", type=int, default=8, help=group_help)
+    g.add_argument("--max-new-tokens", type=int, default=1024, help="response length budget")
+    g.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)"
+    )
+    g.add_argument(
+        "--rollout-logprobs",
+        choices=list(ROLLOUT_LOGPROBS),
+        default=None,
+        help=(
+            "which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and "
+            "--tis-cap: prefill scores one sample per replica after sampling in a prefill pass (T=1 only; costs no "
+            "decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of vLLM's time at 7B), "
+            "all for every sample, none (no logprob_mismatch) (default: all with --tis-cap, else prefill at "
+            "--temperature 1, else one-per-prompt)"
+        ),
+    )
+    g.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
+    g.add_argument(
+        "--offload-params",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"move Megatron's params ({models}) to host memory while they idle (default: on with vLLM)",
+    )
+    g.add_argument(
+        "--offload-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "move the optimizer state (Adam moments, fp32 main params) to host memory and free the grad buffers "
+            "between updates (default: on with vLLM)"
+        ),
+    )
+    return g
+
+
+def reward_flags(p):
+    """A reward model next to (or instead of) the rule-based reward."""
+    g = p.add_argument_group("reward")
+    g.add_argument(
+        "--reward-model",
+        default=None,
+        help=(
+            "HF *ForSequenceClassification reward model dir or hub id (frozen, sharded like the policy, its own "
+            "tokenizer and chat template): reward = --rule-reward-weight x rule + --reward-model-weight x score"
+        ),
+    )
+    g.add_argument(
+        "--reward-model-weight", type=float, default=1.0, help="weight of the reward model's score in the reward"
+    )
+    g.add_argument(
+        "--rule-reward-weight",
+        type=float,
+        default=1.0,
+        help="weight of the rule-based reward (0: the reward model alone)",
+    )
+    return g
+
+
+def batch_flags(p):
+    """Mini-batches (optimizer steps), micro-batches (forward passes), packing, recompute."""
+    g = p.add_argument_group("batches")
+    g.add_argument(
+        "--mini-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step, global (default: the whole rollout batch)",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=8,
+        help="samples per forward pass per rank (packed passes, the default: a budget of this many times "
+        "the step's longest sample, filled with as many whole samples as fit)",
+    )
+    g.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="instead of --micro-batch-size, fill each forward pass with samples up to this many tokens per "
+        "rank (packed: the row's tokens; with --no-pack: length-sorted samples x padded length; 0 = off): "
+        "fewer, fuller passes (docs/benchmarks.md)",
+    )
+    g.add_argument(
+        "--logprob-micro-batch-size",
+        type=int,
+        default=None,
+        help="samples per forward-only pass per rank (old and reference logprobs; PPO's critic values), "
+        "as --micro-batch-size: these passes keep no activations, so larger ones fit (default: "
+        "--micro-batch-size; given alone, it sizes these passes by samples even where "
+        "--micro-batch-tokens sizes the update's by tokens)",
+    )
+    g.add_argument(
+        "--logprob-micro-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward-only pass per rank, as --micro-batch-tokens (default: --micro-batch-tokens, "
+        "unless --logprob-micro-batch-size is given)",
+    )
+    g.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="activation recompute (less memory, more compute): selective = the --recompute-modules of "
+        "every layer, full = whole layers, --recompute-layers at a time",
+    )
+    g.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        choices=list(RECOMPUTE_MODULES),
+        default=["core_attn"],
+        help="with --recompute selective: megatron's recompute_modules (mlp, moe, moe_act, "
+        "shared_experts: MLP / MoE activations; core_attn: the attention kernel)",
+    )
+    g.add_argument(
+        "--recompute-layers",
+        type=int,
+        default=1,
+        help="with --recompute full: layers per recomputed chunk (megatron's recompute_num_layers)",
+    )
+    g.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sequence packing (default on; --no-pack: length-sorted padded micro-batches): each forward "
+        "pass is one row of whole samples back to back, no padding, attention confined to each "
+        "sample; up to --micro-batch-tokens tokens per pass (0: --micro-batch-size rows of the "
+        "step's longest sample). Measured faster than padding in every setting tried: 1.05-1.24x "
+        "on GPUs, ~3x on a CPU (README, docs/benchmarks.md)",
+    )
+    return g
+
+
+def optim_flags(p, title, lr_help, scope=""):
+    """The learning rate, its schedule and AdamW's weight decay (scope: which models they apply
+    to, said in the help); the script adds its clipping (and PPO its critic's learning rate)."""
+    g = p.add_argument_group(title)
+    g.add_argument("--lr", type=float, default=1e-6, help=lr_help)
+    g.add_argument("--min-lr", type=float, default=0.0, help=f"final learning rate of the decay{scope}")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, help=f"linear warmup, in optimizer steps{scope}")
+    g.add_argument(
+        "--lr-decay",
+        choices=["constant", "linear", "cosine"],
+        default="constant",
+        help="decay after warmup, to --min-lr at the last step",
+    )
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    return g
+
+
+def run_flags(p, out):
+    """Steps, seeds, output, checkpoints, logging."""
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=int, default=200, help="training steps (rollout batches)")
+    g.add_argument("--seed", type=int, default=1234, help="seed of everything")
+    g.add_argument("--out", default=out, help="output dir: metrics.jsonl, curves.png, checkpoints/")
+    g.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="also checkpoint every N steps (0: by time only); the last step and a stop signal always save",
+    )
+    g.add_argument(
+        "--save-every-minutes",
+        type=float,
+        default=30.0,
+        help="checkpoint when this many minutes passed since the last save (0: off)",
+    )
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
+    g.add_argument(
+        "--save-any-layout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "write the distributed optimizer's state per parameter, so that the checkpoint resumes at any TP/PP/DP "
+            "layout; --no-save-any-layout writes each DP rank's shard as it is: less blocking time and host memory, "
+            "resumable at the same TP/PP only (any DP)"
+        ),
+    )
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const="yes",
+        choices=["yes", "auto"],
+        default=None,
+        help=(
+            "continue the run in --out from its latest checkpoint (refused when there is none); --resume auto: "
+            "continue if there is a checkpoint, else start over (launch/slurm.sh's requeue)"
+        ),
+    )
+    g.add_argument(
+        "--start-over",
+        action="store_true",
+        help="start a new run in a non-empty --out: its old contents are moved to <out>.old-<time>",
+    )
+    g.add_argument(
+        "--log-samples-every",
+        type=int,
+        default=10,
+        help=(
+            "every N steps print 3 decoded (prompt, response, reward) samples, append them to --out/samples.jsonl "
+            "and wandb (0: off)"
+        ),
+    )
+    g.add_argument(
+        "--wandb",
+        choices=["online", "offline", "disabled"],
+        default=None,
+        help="default: online if a wandb key is set, else disabled",
+    )
+    g.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
+    g.add_argument("--run-name", default=None, help="wandb run name")
+    g.add_argument("--save-rollouts", default=None, help="write each step's samples and rewards to this dir")
+    g.add_argument(
+        "--load-rollouts",
+        default=None,
+        help="train on samples saved by --save-rollouts instead of generating (no engine)",
+    )
+    return g
+
+
+def moe_overrides(args):
+    """The TransformerConfig fields the MoE flags change from the model's (build_model's
+    config overrides): the router bias update, the token dispatcher."""
+    overrides = {}
+    if args.moe_router_bias_update_rate:
+        overrides["moe_router_bias_update_rate"] = args.moe_router_bias_update_rate
+    if args.moe_dispatcher:
+        overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
+    return overrides
+
+
+def logprob_micro_batching(args):
+    """(samples, tokens) per forward-only pass per rank, B.micro_batches' micro_batch_size and
+    max_tokens: the --logprob-micro-batch-* flags, else the update's --micro-batch-* ones."""
+    size = args.logprob_micro_batch_size or args.micro_batch_size
+    if args.logprob_micro_batch_tokens is not None:
+        return size, args.logprob_micro_batch_tokens
+    return size, 0 if args.logprob_micro_batch_size else args.micro_batch_tokens

@@ -1,0 +1,473 @@
+"""Logging of training metrics: metrics.jsonl (the source of truth), wandb, and a PNG of curves;
+the run record (config.json); and the one place where known-harmless third-party warnings are
+silenced.
+
+    quiet_known_warnings()      # first thing in main(), before the heavy imports
+    ...
+    logger = MetricsLogger(out_dir, run_record(vars(args), layout), wandb_mode=args.wandb_mode,
+                           project="mcore-rl", run_name=args.run_name, enabled=master_process)
+    logger.log(step, {"reward_mean": r, "kl": kl, "rollout_s": t_rollout, ...})
+    logger.close()
+
+Only global rank 0 writes (the caller passes enabled=master_process); on the other ranks every
+method is a no-op. `print0` lives in common/run/dist.py and is re-exported here for convenience.
+
+Files in out_dir: metrics.jsonl (one line per step), metrics.replaced.jsonl (the lines a resume
+replaced, kept), config.json (run_record), curves.png, wandb_run_id.
+
+Naming convention the plot relies on: keys ending in `_s` are seconds spent in one phase of the
+step (rollout_s, sync_s, train_s, ...) and are stacked; `step_s` is the whole step, drawn as a
+line over the stack; name throughputs `*_per_sec`, not `*_s`.
+"""
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from datetime import datetime
+
+from common.run.dist import print0  # noqa: F401  (re-export: `from common.log import print0`)
+
+# Curves drawn in curves.png, one panel each, when present in the logged metrics.
+MAIN_CURVES = [
+    "reward_mean",
+    "kl",
+    "entropy",
+    "policy_loss",
+    "grad_norm",
+    "response_len_mean",
+    "value_loss",
+    "explained_variance",  # these two: train_ppo.py
+    "eval_accuracy",
+]  # validation (common/rollout/evaluate.py): only at its steps
+TOTAL_TIME_KEY = "step_s"  # the whole step: a line over the stacked phases, never stacked itself
+REPLACED_FILE = "metrics.replaced.jsonl"
+
+
+# ---- run record (config.json) ------------------------------------------------------------
+
+# Distributions whose versions explain a difference between two runs. Read from package
+# metadata, not by importing: importing vllm takes seconds and initialises CUDA state.
+VERSIONED_PACKAGES = ("torch", "megatron-core", "transformers", "vllm", "numpy", "wandb")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def git_state(repo_dir=REPO_ROOT):
+    """{"commit": sha, "dirty": bool} of the checkout the code runs from, or None when it is not
+    a git checkout or git is missing (a pip-installed copy, a container without git).
+    dirty = tracked files differ from the commit; untracked files (runs/, data) do not count."""
+
+    def git(*cmd):
+        return subprocess.run(
+            ["git", "-C", repo_dir, *cmd], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):  # no git binary, not a repo, git too slow
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def package_versions(names=VERSIONED_PACKAGES):
+    """{"python": ..., name: version or None when not installed} from importlib.metadata."""
+    versions = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def run_record(args: dict, layout: dict) -> dict:
+    """What config.json holds, enough to reproduce or explain a run: the resolved arguments
+    (vars(args) after parse_args filled the defaults), the code's git commit, the library
+    versions, the host, the start time and the parallel layout (world size, tp, pp, dp, ...).
+
+    Plain JSON types only (values json cannot hold become strings), so the record reads back
+    equal to what was written."""
+    record = {
+        "args": args,
+        "git": git_state(),
+        "versions": package_versions(),
+        "hostname": socket.gethostname(),
+        "start_time": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "layout": layout,
+    }
+    return json.loads(json.dumps(record, default=str))
+
+
+def _move_aside(path):
+    """Rename path to path.old-<timestamp> (a free name) and return the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = f"{path}.old-{stamp}", 1
+    while os.path.exists(target):  # two moves in the same second
+        target, n = f"{path}.old-{stamp}-{n}", n + 1
+    os.replace(path, target)
+    return target
+
+
+# ---- curves.png ------------------------------------------------------------------------
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def time_stack(history):
+    """What the "seconds per step" panel draws: (steps, phases, total).
+
+    steps: every logged step that timed anything; phases: {key: [seconds at each step]} for
+    every `*_s` key but step_s, a phase a step did not log counted 0 there (save_s exists only
+    on checkpoint steps, and must not hide the other steps); total: step_s at each step (nan
+    where absent), drawn as a line, so the gap above the stack is the step's untimed work."""
+    phase_keys = sorted(
+        {k for r in history for k, v in r.items() if k.endswith("_s") and k != TOTAL_TIME_KEY and _is_number(v)}
+    )
+    rows = [r for r in history if any(_is_number(r.get(k)) for k in (*phase_keys, TOTAL_TIME_KEY))]
+    steps = [r["step"] for r in rows]
+    phases = {k: [r[k] if _is_number(r.get(k)) else 0.0 for r in rows] for k in phase_keys}
+    total = [r[TOTAL_TIME_KEY] if _is_number(r.get(TOTAL_TIME_KEY)) else math.nan for r in rows]
+    return steps, phases, total
+
+
+# ---- known-harmless third-party warnings ---------------------------------------------------
+
+# (message regex, category, module regex, on_gpu_too): warnings a new user sees on every run
+# (train_grpo.py / train_ppo.py, 1 process and torchrun) that say nothing about their run.
+# Each is matched by its own message AND the module it is attributed to, so the same words
+# from elsewhere, and every other warning, still print. Seen with megatron-core 0.16.1,
+# torch 2.13 (CPU); recheck after an upgrade by running without quiet_known_warnings().
+KNOWN_HARMLESS_WARNINGS = [
+    # megatron-core's import-time notices (optimizer/, clip_grads, megatron_fsdp): this repo runs
+    # without TransformerEngine/apex by design (requirements-gpu.txt: TE optional); the fallbacks
+    # are the torch paths common/rl/fused.py and common/train/setup.py are written for.
+    (r"Transformer Engine and Apex are not installed\. Falling back", UserWarning, r"megatron\.", True),
+    # megatron-core's local layer spec (models/backends.py, gpt_layer_specs.py): same reason; the
+    # norms are RMSNorm in torch (common/model/gpt.py:layer_spec).
+    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\.", True),
+    # megatron-core 0.16.1's own TransformerConfig default cuda_graph_scope="full" warns on every
+    # config it builds; the default is then converted to the new spelling, and no CUDA graphs are
+    # captured here.
+    (
+        r"full scope is deprecated\. Use empty cuda_graph_scope",
+        UserWarning,
+        r"megatron\.core\.transformer\.transformer_config",
+        True,
+    ),
+    # torch renamed these collectives; the old names still work. Callers: megatron-core 0.16.1
+    # (distributed optimizer, TP gathers) and common/model/weights.py's weight export. Attributed to
+    # torch's deprecation wrapper (torch/distributed/c10d_logger.py).
+    (
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        FutureWarning,
+        r"torch\.distributed\.",
+        True,
+    ),
+    # megatron's DistributedOptimizer.zero_grad reads .grad of its fp32 shard views, which are not
+    # leaves (megatron's source says so: "throws grad-access warning"); nothing is lost, the
+    # optimizer's real grads are the main_grad buffers. On a CPU the read goes through
+    # common/model/cpu_compat.py's TorchFunctionMode, so the warning is attributed there.
+    (
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        UserWarning,
+        r"(megatron\.core\.optimizer|common\.cpu_compat)\b",
+        True,
+    ),
+    # TP > 1: a GPU stream-ordering hint (megatron/core/tensor_parallel/layers.py). Meaningless on
+    # a CPU (no CUDA streams), so filtered only there; on a GPU it is real tuning advice and shows.
+    (
+        r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
+        r"environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        UserWarning,
+        r"megatron\.core\.tensor_parallel",
+        False,
+    ),
+]
+
+
+def quiet_known_warnings(rank: int | None = None, on_gpu: bool | None = None):
+    """Silence KNOWN_HARMLESS_WARNINGS, and every warning on ranks != 0. Call it first thing in
+    main(), before the imports of megatron / transformers (several warnings fire at import).
+
+    rank: this process's global rank; default: the launcher's (torchrun RANK / srun
+    SLURM_PROCID, common.run.dist.launcher_rank), so it works before init_distributed.
+    Ranks != 0: all warnings are ignored. Every rank runs the same program (SPMD), so rank 0
+    prints each one once instead of world-size times; and Hugging Face progress bars (the
+    per-rank "Loading weights" bar) are turned off there too.
+    on_gpu: default torch.cuda.is_available(); decides the CPU-only entries.
+    A user who passes -W or sets PYTHONWARNINGS gets exactly those filters: this does nothing.
+    """
+    if sys.warnoptions:
+        return
+    if rank is None:
+        from common.run.dist import launcher_rank
+
+        rank = launcher_rank()
+    if rank != 0:
+        warnings.simplefilter("ignore")
+        # Read by huggingface_hub when transformers is first imported; an explicit setting wins.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "transformers.utils.logging" in sys.modules:  # already imported: switch off directly
+            sys.modules["transformers.utils.logging"].disable_progress_bar()
+        return
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    for message, category, module, on_gpu_too in KNOWN_HARMLESS_WARNINGS:
+        if on_gpu_too or not on_gpu:
+            warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def default_wandb_mode():
+    """ "online" when wandb credentials exist (WANDB_API_KEY or a ~/.netrc entry), else "disabled".
+
+    An explicit WANDB_MODE environment variable (online/offline/disabled) wins.
+    """
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("online", "offline", "disabled"):
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        with open(netrc) as f:
+            if "api.wandb.ai" in f.read():  # written by `wandb login`
+                return "online"
+    except OSError:
+        pass
+    return "disabled"
+
+
+def progress_bar(iterable, desc, enabled=True):
+    """tqdm over the training steps, on the master process only (the others pass enabled=False)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+def _to_number(value):
+    """One-element tensors / numpy scalars -> python numbers (json can't serialise them)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return float(value)
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        out_dir,
+        config: dict,
+        wandb_mode: str = "disabled",
+        project: str = "mcore-rl",
+        run_name: str | None = None,
+        enabled: bool = True,
+        plot_every: int = 10,
+        resume: bool = False,
+        overwrite: bool = False,
+    ):
+        """config: what config.json holds (run_record(...)); it also goes to wandb.
+
+        resume=True appends to out_dir's metrics.jsonl (and continues its wandb run); then call
+        truncate_after(resume_step) to set aside the steps that will be redone.
+        resume=False starts a new run and never destroys an earlier one: a non-empty
+        metrics.jsonl raises FileExistsError, unless overwrite=True, which renames it (and the
+        old config.json) to *.old-<timestamp> first. The scripts refuse a used --out before
+        this; this is the last line of defence.
+
+        A resumed run's previous config.json is kept as config.json.old-<timestamp>."""
+        assert wandb_mode in ("online", "offline", "disabled"), wandb_mode
+        self.enabled, self.plot_every = enabled, plot_every
+        self.out_dir = str(out_dir)
+        self.path = os.path.join(self.out_dir, "metrics.jsonl")
+        self.history = []  # list of {"step": ..., **metrics}: what the plot is drawn from
+        self.wandb_run = None
+        if not enabled:
+            return
+        config_path = os.path.join(self.out_dir, "config.json")
+        has_metrics = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        if has_metrics and not resume:
+            if not overwrite:
+                raise FileExistsError(
+                    f"{self.path} already holds the metrics of an earlier run; refusing to start a "
+                    "new run over it. Resume that run (resume=True, --resume), choose another output "
+                    "directory, or pass overwrite=True to move the old file aside."
+                )
+            _move_aside(self.path)
+        if os.path.exists(config_path) and (resume or has_metrics):
+            _move_aside(config_path)  # the earlier start's record, kept next to the new one
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, default=str)
+        # A resumed run appends to the existing file; keep its lines so the plot covers them.
+        if resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                self.history = [json.loads(line) for line in f if line.strip()]
+        # "a" in both cases: a fresh run's file is absent or empty here (checked above)
+        self.file = open(self.path, "a")
+        if wandb_mode != "disabled":
+            import wandb  # lazy: a disabled run never imports it (slow import, spawns a service)
+
+            # Reuse the run id across resumes so the curves continue in the same wandb run.
+            id_path = os.path.join(self.out_dir, "wandb_run_id")
+            run_id = open(id_path).read().strip() if resume and os.path.exists(id_path) else None
+            self.wandb_run = wandb.init(
+                project=project,
+                name=run_name,
+                config=config,
+                mode=wandb_mode,
+                dir=self.out_dir,
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
+            with open(id_path, "w") as f:
+                f.write(self.wandb_run.id)
+
+    def log(self, step: int, metrics: dict):
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _to_number(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # a crash or a preempted job keeps every step logged so far
+        self.history.append(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
+        if self.plot_every and (step + 1) % self.plot_every == 0:
+            self.plot()
+
+    def truncate_after(self, step: int):
+        """Keep in metrics.jsonl only lines with step < `step` (call on resume from checkpoint
+        `step`: the steps from there on are redone and logged again).
+
+        Nothing logged is lost: the lines removed are appended to metrics.replaced.jsonl in
+        out_dir, each as {"replaced_by_resume_at": step, **original line}, in their original
+        order. (They differ from the redone steps when the run was not bit-exact, or when it
+        ran past its last checkpoint before it stopped.)"""
+        if not self.enabled:
+            return
+        dropped = [r for r in self.history if r["step"] >= step]
+        if not dropped:
+            return
+        # The side file first: a crash between the two writes duplicates lines, never loses them.
+        with open(os.path.join(self.out_dir, REPLACED_FILE), "a") as f:
+            f.writelines(json.dumps({"replaced_by_resume_at": int(step), **r}) + "\n" for r in dropped)
+            f.flush()
+            os.fsync(f.fileno())
+        self.history = [r for r in self.history if r["step"] < step]
+        self.file.close()
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        os.replace(tmp, self.path)  # readers see the old or the new file, never half of one
+        self.file = open(self.path, "a")
+
+    def plot(self):
+        """Redraw out_dir/curves.png: one panel per MAIN_CURVES key present, plus the per-phase
+        seconds (`*_s` keys) stacked in one panel with step_s as a line (time_stack).
+        Returns the matplotlib Figure (None when there is nothing to draw)."""
+        if not self.enabled or not self.history:
+            return None
+        # Figure + Agg canvas directly, not pyplot: no global backend switch, no GUI, no leaks.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        def series(key):
+            points = [(r["step"], r[key]) for r in self.history if _is_number(r.get(key))]
+            return [p[0] for p in points], [p[1] for p in points]
+
+        keys = [k for k in MAIN_CURVES if any(k in r for r in self.history)]
+        steps, phases, total = time_stack(self.history)
+        # The time panel takes two cells: the stack, and its legend in the cell after it, so
+        # the legend never covers data (phase names are long, and a run logs about 10 of them).
+        panels = len(keys) + (2 if steps else 0)
+        if panels == 0:
+            return None
+        cols = min(3, panels)
+        rows = math.ceil(panels / cols)
+        fig = Figure(figsize=(4.5 * cols, 3.2 * rows))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(rows, cols, squeeze=False).ravel()
+        for ax, key in zip(axes, keys):
+            ax.plot(*series(key))
+            ax.set_title(key)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        if steps:
+            ax, legend_ax = axes[len(keys)], axes[len(keys) + 1]
+            if phases:
+                from matplotlib import colormaps  # tab10 repeats its colours past 10 phases
+
+                cmap = colormaps["tab10" if len(phases) <= 10 else "tab20"]
+                ax.stackplot(steps, *phases.values(), labels=list(phases), colors=[cmap(i) for i in range(len(phases))])
+            if any(not math.isnan(t) for t in total):
+                ax.plot(steps, total, color="black", linewidth=1.2, label=f"{TOTAL_TIME_KEY} (total)")
+            ax.set_title("seconds per step")
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            handles, labels = ax.get_legend_handles_labels()
+            legend_ax.axis("off")
+            legend_ax.legend(
+                handles[::-1], labels[::-1], loc="upper left", fontsize="small", title="seconds per step"
+            )  # reversed: top of the list = top of the stack
+        for ax in axes[panels:]:
+            ax.set_visible(False)
+        # Fixed margins (in inches / figure height): constrained layout costs ~2x the drawing time.
+        height = 3.2 * rows
+        fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.3 / height, wspace=0.25, hspace=0.45)
+        # Write then rename: a reader (or an image viewer) never sees a half-written PNG.
+        tmp = os.path.join(self.out_dir, ".curves.png.tmp")
+        fig.savefig(tmp, format="png", dpi=80)
+        os.replace(tmp, os.path.join(self.out_dir, "curves.png"))
+        return fig
+
+    def log_samples(self, step, tokenizer, samples, rewards, *, every, stride, count=3, width=300):
+        """Every `every` steps (0: never): `count` samples, one per prompt group (`stride` apart),
+        decoded: printed (rank 0, above the progress bar, prompt and response cut to `width`
+        characters), appended whole to samples.jsonl, and to wandb as a table."""
+        if not self.enabled or not every or step % every:
+            return
+        from tqdm import tqdm
+
+        rows = []
+        for i in range(0, len(samples), stride)[:count]:
+            prompt = tokenizer.decode(samples[i].prompt_ids)
+            response = tokenizer.decode(samples[i].response_ids, skip_special_tokens=True)
+            rows.append({"step": int(step), "prompt": prompt, "response": response, "reward": float(rewards[i])})
+
+        def cut(text, tail=False):  # one line; the end of a prompt (the question), the start of a response
+            text = text.replace("\n", " | ")
+            return text if len(text) <= width else ("..." + text[-width:] if tail else text[:width] + "...")
+
+        for row in rows:
+            tqdm.write(
+                f"[step {step}] reward {row['reward']:.3f} | prompt: {cut(row['prompt'], tail=True)}\n"
+                f"    response: {cut(row['response'])}"
+            )
+        with open(os.path.join(self.out_dir, "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        if self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.log(
+                {"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=int(step)
+            )
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.plot()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

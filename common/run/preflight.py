@@ -1,0 +1,477 @@
+"""Checks of a training run's arguments and inputs, before anything heavy is built.
+
+    args = parser.parse_args(argv)
+    check_training_run(parser, args, min_group=2, critic_model=None)   # exits 2 on a mistake
+
+A mistake a user can make on the command line ends the run here, in a second, with one line
+that says what is wrong and how to fix it (rank 0 prints it; exit code 2, as argparse),
+instead of a per-rank traceback after the models and the engine were built. Every rank runs
+the same checks on the same files, so every rank exits alike: no collective, no hang.
+
+Also here: the output directory's rules, so that no run ever loses a user's file:
+  - --out may not be, be inside, or contain --model, --mcore-ckpt, --data, --critic-model
+    or --load-rollouts;
+  - a non-empty --out is refused unless --resume (continue it) or --start-over (it is moved
+    aside to <out>.old-<time>, nothing is deleted);
+  - --resume needs a checkpoint in --out/checkpoints (it never silently starts over);
+    --resume auto (for requeued jobs) resumes when there is one, else acts as --start-over.
+"""
+
+import json
+import math
+import os
+import time
+
+from common.model.bridge import check_parallel_layout, parse_hf_config
+from common.model.unsupported import UnsupportedModelError
+from common.run.dist import launcher_rank, launcher_world_size
+from common.run.flags import logprob_micro_batching
+from common.train.guard import UsageError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# What a run writes into --out before its first step: a re-run over such a directory loses nothing.
+RUN_START_FILES = {"embedded_model", "config.json", "metrics.jsonl"}
+
+
+def check_training_run(parser, args, *, min_group=1, critic_model=None):
+    """Validate train_grpo.py / train_ppo.py arguments and inputs; parser.error() (one line on
+    rank 0, exit 2) on the first problem. With args.start_over, rank 0 moves a non-empty
+    --out aside (after every check passed)."""
+    try:
+        _check_numbers(args, min_group)
+        critic_model = _resolve_hub_names(args, critic_model)
+        spec, critic = _check_model(args, critic_model)
+        _check_layout(args, spec, critic)
+        _check_inputs(args)
+        _check_out(args, critic_model)
+    except UsageError as e:
+        parser.error(str(e))
+    if args.start_over and _has_run(args.out) and launcher_rank() == 0:
+        aside = base = f"{os.path.abspath(args.out)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in range(2, 1000):  # two starts over within a second
+            if not os.path.exists(aside):
+                break
+            aside = f"{base}-{n}"
+        os.rename(args.out, aside)
+        print(f"--start-over: the previous contents of {args.out} are now in {aside}", flush=True)
+    return spec
+
+
+def _check_numbers(args, min_group):
+    a = vars(args)
+    positive = [
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "etp",
+        "rollout_tp",
+        "prompts_per_step",
+        "samples_per_prompt",
+        "max_new_tokens",
+        "steps",
+        "micro_batch_size",
+        "ppo_epochs",
+        "keep_checkpoints",
+        "sync_bucket_mb",
+        "max_prompt_len",
+        "recompute_layers",
+    ]
+    for name in positive:
+        if a[name] < 1:
+            raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
+    for name in ("vpp", "first_stage_layers", "last_stage_layers", "mini_batch_size", "logprob_micro_batch_size"):
+        if a[name] is not None and a[name] < 1:
+            raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
+    non_negative = [
+        "save_every",
+        "save_every_minutes",
+        "log_samples_every",
+        "eval_every",
+        "eval_temperature",
+        "max_sampling_rounds",
+        "overlong_buffer",
+        "overlong_penalty_factor",
+        "micro_batch_tokens",
+        "logprob_micro_batch_tokens",
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "kl_coef",
+        "entropy_coef",
+        "tis_cap",
+        "dual_clip",
+        "lr_warmup_steps",
+        "clip_low",
+        "clip_high",
+        "clip_grad",
+        "critic_lr",
+        "critic_warmup_steps",
+        "vf_clip",
+    ]
+    for name in non_negative:
+        if name in a and a[name] is not None and not (a[name] >= 0 and math.isfinite(a[name])):
+            raise UsageError(f"--{_flag(name)} must be a finite number >= 0, not {a[name]}")
+    if args.dual_clip and not args.dual_clip > 1:
+        raise UsageError(f"--dual-clip must be > 1 (verl uses 3) or 0 (off), not {args.dual_clip}")
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise UsageError(
+            f"--temperature must be > 0, not {args.temperature}: the policy gradient needs a "
+            "sampling distribution (logprobs are of logits / temperature; greedy decoding has none)"
+        )
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], not {args.gpu_memory_utilization}")
+    if args.samples_per_prompt < min_group:
+        raise UsageError(
+            f"--samples-per-prompt must be >= {min_group}, not {args.samples_per_prompt}: group-"
+            "normalised advantages of a group of one are all zero (nothing would be learned)"
+        )
+    if a.get("overlong_buffer", 0) >= args.max_new_tokens:
+        raise UsageError(
+            f"--overlong-buffer {args.overlong_buffer} must be below --max-new-tokens {args.max_new_tokens} "
+            "(the penalty grows over the last N tokens before the limit; DAPO: 4096 of 20480)"
+        )
+    if a.get("reward_model") and (args.load_rollouts or a.get("dynamic_sampling")):
+        raise UsageError(
+            "--reward-model scores fresh samples once the engine sleeps: not with --load-rollouts (their saved "
+            "rewards already hold the scores) nor --dynamic-sampling (which decides while the engine is awake)"
+        )
+    if a.get("dynamic_sampling") and args.load_rollouts:
+        raise UsageError(
+            "--dynamic-sampling samples more prompts on the rollout engine, which --load-rollouts does without"
+        )
+    if args.eval_samples < 1:
+        raise UsageError(f"--eval-samples must be >= 1, not {args.eval_samples}")
+    if args.eval_temperature == 0 and args.eval_samples > 1:
+        raise UsageError(
+            f"--eval-temperature 0 is greedy decoding: every sample is the same; pass --eval-samples 1 "
+            f"(not {args.eval_samples}) or a temperature > 0 for pass@k / maj@k"
+        )
+    if args.eval_data is not None and args.load_rollouts:
+        raise UsageError("--eval-data needs the rollout engine, which --load-rollouts does without")
+    if args.resume and args.start_over:
+        raise UsageError("--resume continues the run in --out, --start-over begins a new one there: pass one")
+
+
+def _resolve_hub_names(args, critic_model):
+    """--model / --critic-model / --data given as hub ids (ORG/NAME) -> their local snapshot
+    directories in the HuggingFace cache, downloaded on first use (common/run/hub.py); args now
+    hold the local paths (config.json records them). Returns the critic model's path."""
+    from common.run import hub
+
+    given = (args.model, args.data, critic_model)
+    args.model = hub.resolve(args.model, "--model")
+    args.data = hub.resolve(args.data, "--data", repo_type="dataset")
+    args.eval_data = hub.resolve(args.eval_data, "--eval-data", repo_type="dataset")
+    if getattr(args, "reward_model", None):
+        args.reward_model = hub.resolve(args.reward_model, "--reward-model")
+        _check_reward_model(args.reward_model)
+    if critic_model is not None:
+        critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model")
+    if launcher_rank() == 0:
+        for flag, name, path in zip(
+            ("--model", "--data", "--critic-model"), given, (args.model, args.data, critic_model)
+        ):
+            if name != path:
+                print(f"{flag} {name}: {path}", flush=True)
+    return critic_model
+
+
+def _check_reward_model(path):
+    from common.train.reward_model import reward_model_spec
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--reward-model {path} has no config.json: pass a HuggingFace reward model directory")
+    try:
+        reward_model_spec(path)
+    except (UnsupportedModelError, ValueError, KeyError) as e:
+        raise UsageError(f"--reward-model {path}: {e}") from None
+    if not set(os.listdir(path)) & set(TOKENIZER_FILES):
+        raise UsageError(f"--reward-model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def _check_model(args, critic_model):
+    """The HFModelSpecs of --model (the embedded model's without it) and of --critic-model
+    (None without it), after checking the dirs."""
+    if args.model is None:
+        from common.run.embedded import DEFAULT_CONFIG, EMBEDDED_MODELS, hf_config
+
+        spec = parse_hf_config(hf_config({**DEFAULT_CONFIG, **EMBEDDED_MODELS[args.embedded_model]}))
+    else:
+        if args.embedded_model != "dense":
+            raise UsageError("--embedded-model chooses the model used without --model: give one or the other")
+        spec = _check_model_dir(args.model, "--model", need_weights=args.mcore_ckpt is None, need_tokenizer=True)
+    critic = None
+    if critic_model is not None:
+        critic = _check_model_dir(critic_model, "--critic-model", need_weights=True, need_tokenizer=False)
+        if critic.vocab_size < spec.vocab_size:  # the critic reads the policy's token ids
+            raise UsageError(
+                f"--critic-model {critic_model}: vocabulary {critic.vocab_size} < the policy's "
+                f"{spec.vocab_size}; the critic must read every token id of the policy"
+            )
+    if args.mcore_ckpt is not None:
+        _check_mcore_ckpt(args.mcore_ckpt, spec)
+    return spec, critic
+
+
+def _check_model_dir(path, flag, need_weights, need_tokenizer):
+    if not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: no such directory (pass a local HuggingFace model directory)")
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise UsageError(f"{flag} {path} has no config.json: pass a HuggingFace model directory")
+    try:
+        with open(config) as f:
+            spec = parse_hf_config(json.load(f))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{config} is not valid JSON ({e})") from None
+    except KeyError as e:
+        raise UsageError(f"{config} lacks the field {e}, which the bridge needs") from None
+    except UnsupportedModelError as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
+    files = set(os.listdir(path))
+    if need_tokenizer and not files & set(TOKENIZER_FILES):
+        raise UsageError(
+            f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+            "tokenizer files of the model into it"
+        )
+    if need_weights and not any(name.endswith(".safetensors") for name in files):
+        bins = any(name.endswith(".bin") for name in files)
+        raise UsageError(
+            f"{flag} {path} has no *.safetensors weights"
+            + (" (only .bin files: re-save it with save_pretrained(..., safe_serialization=True))" if bins else "")
+            + "; or pass --mcore-ckpt"
+        )
+    return spec
+
+
+def _check_mcore_ckpt(path, spec):
+    """--mcore-ckpt: a model checkpoint of this architecture and size (by its hf/config.json)."""
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        hint = (
+            f" (it holds training checkpoints: pass one step directory, e.g. {os.path.join(path, 'step_000100')})"
+            if os.path.isfile(os.path.join(path, "latest"))
+            else ""
+        )
+        raise UsageError(f"--mcore-ckpt {path} is not a megatron checkpoint (no metadata.json){hint}")
+    config = os.path.join(path, "hf", "config.json")
+    if not os.path.isfile(config):
+        return  # written elsewhere: megatron's loader still checks every tensor's shape
+    with open(config) as f:
+        saved = parse_hf_config(json.load(f))
+    fields = (
+        "architecture",
+        "vocab_size",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "qkv_bias",
+        "qk_norm",
+        "tie_word_embeddings",
+    )
+    differ = [
+        f"{name} {getattr(saved, name)} vs {getattr(spec, name)}"
+        for name in fields
+        if getattr(saved, name) != getattr(spec, name)
+    ]
+    if differ:
+        raise UsageError(
+            f"--mcore-ckpt {path} is of another model than --model: {'; '.join(differ)} (checkpoint vs model)"
+        )
+
+
+def _check_layout(args, spec, critic=None):
+    """The parallel layout against the world size and the shapes of the model (and of
+    --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
+    world = launcher_world_size()
+    model_parallel = args.tp * args.pp * args.cp
+    if world % model_parallel:
+        raise UsageError(
+            f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} x --cp {args.cp} = "
+            f"{model_parallel}: start a multiple of tp*pp*cp processes"
+        )
+    if args.vpp is not None and args.pp == 1:
+        raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
+    ep, etp = args.ep, args.etp
+    if (world // args.pp) % (ep * etp):  # MoE layers fold each stage's ranks into etp x ep x expert-dp
+        raise UsageError(
+            f"world size {world} / --pp {args.pp} is not divisible by --ep {ep} x --etp {etp}: "
+            "each pipeline stage's ranks must split into expert-parallel groups"
+        )
+    if spec.moe is not None and args.tp > 1 and not args.sp:
+        raise UsageError(f"Mixture-of-Experts layers with --tp {args.tp} need sequence parallelism: add --sp")
+    rate = getattr(args, "moe_router_bias_update_rate", 0.0)
+    if rate < 0 or (rate and not (spec.moe is not None and spec.moe.expert_bias)):
+        raise UsageError(
+            f"--moe-router-bias-update-rate {rate}: needs a rate >= 0 and a model whose router has a "
+            f"score-correction bias (DeepSeek-V3); {spec.architecture} has none"
+        )
+    if getattr(args, "moe_dispatcher", None) and spec.moe is None:
+        raise UsageError(
+            f"--moe-dispatcher {args.moe_dispatcher}: {spec.architecture} has no experts to dispatch "
+            "tokens to; drop the flag"
+        )
+    layout = dict(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        ep=ep,
+        etp=etp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+    )
+    for prefix, model in (("", spec), ("--critic-model: ", critic)):
+        if model is None:
+            continue
+        try:
+            check_parallel_layout(model, **layout)
+        except ValueError as e:
+            raise UsageError(prefix + str(e)) from None
+    dp = world // model_parallel
+    rollout_batch = args.prompts_per_step * args.samples_per_prompt
+    mini_batch = args.mini_batch_size or rollout_batch
+    if rollout_batch % mini_batch:
+        raise UsageError(
+            f"the rollout batch ({args.prompts_per_step} prompts x {args.samples_per_prompt} samples = "
+            f"{rollout_batch}) must be a multiple of --mini-batch-size {mini_batch}"
+        )
+    if mini_batch % dp:
+        raise UsageError(
+            f"--mini-batch-size {mini_batch} must be a multiple of the data-parallel size {dp} "
+            f"(world {world} / (tp {args.tp} x pp {args.pp}))"
+        )
+    for flag, (size, tokens) in (
+        ("--micro-batch-size", (args.micro_batch_size, args.micro_batch_tokens)),
+        ("--logprob-micro-batch-size", logprob_micro_batching(args)),
+    ):
+        if not tokens and (mini_batch // dp) % size:
+            raise UsageError(
+                f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple "
+                f"of {flag} {size}"
+            )
+    rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
+    if world % rollout_tp:
+        raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")
+    replicas = world // rollout_tp
+    if args.load_rollouts is None and args.prompts_per_step % replicas:
+        raise UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {replicas} rollout "
+            f"replicas (world {world} / rollout tp {rollout_tp})"
+        )
+    if args.max_new_tokens >= spec.max_position_embeddings:
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the model's "
+            f"{spec.max_position_embeddings} positions (max_position_embeddings)"
+        )
+
+
+def _uses_vllm(args):
+    """The scripts' choice of rollout engine (use_vllm in train_grpo.py), made before start-up."""
+    if args.rollout != "auto":
+        return args.rollout == "vllm"
+    import torch
+
+    from common.rollout.engines import vllm_available
+
+    return torch.cuda.is_available() and vllm_available()
+
+
+def _check_inputs(args):
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{flag} {path}: no such file or directory")
+    if args.load_rollouts is not None:
+        last = os.path.join(args.load_rollouts, f"step_{args.steps - 1:06d}.pt")
+        if not os.path.isfile(last):
+            have = (
+                len([n for n in os.listdir(args.load_rollouts) if n.startswith("step_")])
+                if os.path.isdir(args.load_rollouts)
+                else 0
+            )
+            raise UsageError(
+                f"--load-rollouts {args.load_rollouts} has {have} saved steps, not the {args.steps} "
+                f"--steps asks for (no {os.path.basename(last)})"
+            )
+
+
+def _check_out(args, critic_model):
+    out = os.path.abspath(args.out)
+    for flag, path in (
+        ("--model", args.model),
+        ("--mcore-ckpt", args.mcore_ckpt),
+        ("--data", args.data),
+        ("--eval-data", args.eval_data),
+        ("--critic-model", critic_model),
+        ("--load-rollouts", args.load_rollouts),
+        ("--reward-model", getattr(args, "reward_model", None)),
+    ):
+        if path is None:
+            continue
+        path = os.path.abspath(path)
+        if path == out or path.startswith(out + os.sep) or out.startswith(path + os.sep):
+            raise UsageError(
+                f"--out {args.out} overlaps {flag} {path}: a run writes into --out; choose a "
+                "directory outside your inputs"
+            )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    ckpt_root = os.path.join(out, "checkpoints")
+    if args.resume == "auto":  # a requeued job: continue if the first attempt saved, else begin
+        args.resume, args.start_over = ("yes", False) if _has_checkpoint(ckpt_root) else (None, True)
+    if args.resume:
+        if not _has_checkpoint(ckpt_root):
+            raise UsageError(
+                f"--resume: there is no checkpoint in {ckpt_root} (none was saved yet), so there "
+                "is nothing to continue; nothing was changed. Run without --resume and with "
+                "--start-over to begin again"
+            )
+    elif _has_run(out) and not args.start_over:
+        raise UsageError(
+            f"--out {args.out} already holds a run ({', '.join(sorted(os.listdir(out))[:4])}); nothing "
+            "was changed. Pass --resume to continue it, --start-over to begin a new run there (the old "
+            "one is moved to <out>.old-<time>), or choose another --out"
+        )
+
+
+def _has_checkpoint(ckpt_root):
+    return os.path.isdir(ckpt_root) and any(
+        name == "latest" or name.startswith("step_") and not name.endswith(".tmp") for name in os.listdir(ckpt_root)
+    )
+
+
+def _has_run(out):
+    """Whether --out holds anything a new run would overwrite: anything but what a run writes
+    before its first step (the embedded model, its config.json run record, an empty
+    metrics.jsonl)."""
+    try:
+        names = os.listdir(out)
+    except (FileNotFoundError, NotADirectoryError):  # (also: rank 0 just moved it aside, --start-over)
+        return False
+    for name in names:
+        path = os.path.join(out, name)
+        if (
+            name not in RUN_START_FILES
+            or (name == "metrics.jsonl" and os.path.getsize(path) > 0)
+            or (name == "config.json" and not _is_run_record(path))
+        ):
+            return True
+    return False
+
+
+def _is_run_record(path):
+    """config.json as a training run writes it (common/run/log.py), not, say, a model's."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and ("args" in record or "out" in record) and "architectures" not in record
+
+
+def _flag(name):
+    return name.replace("_", "-")
