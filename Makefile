@@ -1,17 +1,20 @@
 # make demo  : set up .venv (once) and run the embedded default on the CPU
 # make test  : set up .venv (once) and run the test suite
+# make lint  : ruff's format check and lint
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# torch's CPU wheels: PyPI's torch wheel for Linux is the CUDA build (~0.5 GB, plus ~20 CUDA packages)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 venv: $(STAMP)
 
 # Reinstall only when requirements.txt changes (the stamp is newer otherwise).
 $(STAMP): requirements.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --extra-index-url $(TORCH_CPU_INDEX) -r requirements.txt
 	touch $(STAMP)
 
 # --start-over: a second `make demo` moves the first one's runs/grpo aside (runs/grpo.old-<time>)
@@ -25,6 +28,11 @@ test: $(STAMP)
 # once per worker; TESTS_REAL_PROCESSES=1 for real processes). The slowest 15 listed: the suite
 # must stay under 20 min on 2 cores.
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+
+# ruff: the formatter's check and the linter (pyproject.toml); `.venv/bin/ruff format .` applies the format
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV)
