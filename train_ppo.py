@@ -167,7 +167,7 @@ def parse_args(argv=None):
 
 
 # As train_grpo.py's, plus the critic's learning rate and micro-batches of 32 (the same math;
-# per-micro-batch overheads dominate a model this small: 2.5x faster steps). See the README.
+# per-micro-batch overheads dominate a model this small: 2.5x faster steps; docs/algorithms.md).
 EMBEDDED_DEFAULTS = dict(
     lr=3e-3, critic_lr=3e-3, entropy_coef=0.02, mini_batch_size=64, micro_batch_size=32, max_new_tokens=1, steps=100
 )

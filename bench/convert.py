@@ -12,7 +12,7 @@ in memory), then measures in fresh processes, on the same files, in the same run
   convert -> tmpfs    the same into /dev/shm: the converter's own speed, no disk in the way
   raw write      the same number of bytes written and fsync'd (the disk's floor)
 Throughput is HF bytes / seconds of work (imports and start-up excluded; the converter reports
-its own time). Peak RSS is each process's high-water mark (ru_maxrss). Goals (issue 3):
+its own time). Peak RSS is each process's high-water mark (ru_maxrss). Goals:
 convert >= 0.5x raw read; convert peak RSS < 2 GB + 2x the largest tensor.
 Files are deleted at the end unless --keep.
 """

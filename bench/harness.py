@@ -198,7 +198,7 @@ def timed(fn, device):
 
 
 # ---------------------------------------------------------------------------------------
-# Comparing two things (issue 21): interleaved pairs, the median of the per-pair ratios.
+# Comparing two things: interleaved pairs, the median of the per-pair ratios.
 # Reporting the best round of each side separately let one lucky round decide: on one H200,
 # plain vLLM 28.3k, 29.2k, 42.3k, 29.1k tokens/s against ours 23.2k, 31.9k, 28.7k, 32.0k gave
 # a best-of ratio of 0.756x although ours was faster in two of the four rounds.

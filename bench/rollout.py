@@ -24,7 +24,7 @@ Each rollout replica (world / rollout TP) takes its share of the prompts, as in 
              three timed on its own).
 tokens/s counts generated tokens (all replicas) over the slowest replica's seconds.
 
-Identical work on both sides (issue 21): the same prompts, the pair's index as both sides'
+Identical work on both sides: the same prompts, the pair's index as both sides'
 seed, and no EOS, which random weights sample by chance (one H200 run: 129,758 tokens vs
 131,072): the baseline sets vLLM's ignore_eos, and the engine is built with eos_token_ids=[]
 (VLLMEngine then stops at no token and sets ignore_eos too), so every sample has
@@ -32,17 +32,15 @@ seed, and no EOS, which random weights sample by chance (one H200 run: 129,758 t
 reported (null in BENCH_JSON, exit status 1). Each side starts from an empty prefix cache.
 Statistics (harness.run_pairs / paired_ratios): one warm-up pair, then --reps timed pairs,
 which side goes first alternating. Reported: the per-pair tokens/s ratios ours / baseline and
-ours+cycle / baseline, their median with min and max, and each side's median tokens/s. (Until
-issue 21: the best round of each side, so one lucky round decided the ratio.)
+ours+cycle / baseline, their median with min and max, and each side's median tokens/s.
 --ablate: plain llm.generate with one of ours' differences at a time, each variant in its own
 paired rounds against the baseline. On a CPU (tests/test_bench.py) ours is HFEngine
 (common/rollout/engine.py) and the baseline transformers' generate with min_new_tokens =
 max_new_tokens (EOS masked): a smoke run of the code, not a measurement.
 Default geometry: a GRPO batch, 32 prompts x 8 samples x 128 -> 512 tokens, T=1 (256
-sequences). Target (issue 7): ours >= 0.95x baseline. Reference points from the issue
+sequences). Target: ours >= 0.95x baseline. Reference points
 (standalone vLLM, H200, 256 prompts x 1 x 128 -> 512 tokens, T=1): 44.8k tok/s at 1.5B,
 23.3k tok/s at 7B (--num-prompts 256 --samples-per-prompt 1 --rollout-logprobs all).
-(Until session 12 the flag was --logprob-samples N: 1 = one-per-prompt, 0 = none.)
 """
 
 import argparse

@@ -23,8 +23,8 @@ Baseline, in the same run: a device-to-device copy of the bytes vLLM holds per G
 buffers exist only while it runs (the memory goes back before vLLM's next wake).
 Repetitions and copies run in interleaved pairs (harness.run_pairs: one warm-up pair, then
 --reps pairs, which goes first alternating); sync / copy is the median of the per-pair ratios
-with their min and max (harness.paired_ratios; until issue 21 the ratio of the two medians).
-Targets (issue 7): 7B sync <= 0.1 s on one GPU, <= 0.2 s at Megatron TP=2 on two;
+with their min and max (harness.paired_ratios).
+Targets: 7B sync <= 0.1 s on one GPU, <= 0.2 s at Megatron TP=2 on two;
 sleep + wake <= 0.5 s per step at 7B.
 
 Output: a table on rank 0 and one `BENCH_JSON {...}` line (medians over --reps after one
@@ -76,7 +76,7 @@ def build_parser():
     p.add_argument(
         "--gather-all",
         action="store_true",
-        help="gather every TP-split tensor, as before session 19 "
+        help="gather every TP-split tensor "
         "(default: at Megatron TP = vLLM TP each rank writes its own TP pieces; export_hf_weights(local_reads=))",
     )
     return p

@@ -1,4 +1,4 @@
-"""End-to-end tests of convert_hf_to_mcore.py and merge_to_hf.py (issue 3).
+"""End-to-end tests of convert_hf_to_mcore.py and merge_to_hf.py.
 
     .venv/bin/python -m pytest -q tests/test_convert.py
 

@@ -1,4 +1,4 @@
-"""Long sequences (issue 17): sequence packing, activation recompute, context parallelism.
+"""Long sequences: sequence packing, activation recompute, context parallelism.
 
     .venv/bin/python -m pytest -q tests/test_long_sequences.py
 

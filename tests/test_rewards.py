@@ -88,7 +88,7 @@ def test_math_reward(response, answer, expected):
     assert math_reward(response, answer) == expected
 
 
-# Answer forms of issue 18 (hand labels). `mv` is math-verify alone on the same pair
+# Answer forms seen in real model outputs (hand labels). `mv` is math-verify alone on the same pair
 # (verify(parse(r"\boxed{" + reference + "}"), parse(response)), math-verify 0.9.0, measured
 # 2026-11-23): the reward must be right on every row, including the ones math-verify misses.
 ANSWER_FORMS = [  # response, reference, right, mv

@@ -1,4 +1,4 @@
-"""Run safety of the training scripts on the CPU (issue 16): a run does what was asked or
+"""Run safety of the training scripts on the CPU: a run does what was asked or
 stops with one line saying what to fix, and never loses a file.
 
     .venv/bin/python -m pytest -q tests/test_run_safety.py

@@ -99,7 +99,7 @@ def test_help_documents_every_flag():
 
 
 def test_embedded_default_learns(tmp_path):
-    """The README's claim on fewer steps than the default 100 (see the README, train_ppo.py section)."""
+    """The README's claim on fewer steps than the default 100 (docs/algorithms.md, PPO)."""
     run("--steps", 60, "--out", tmp_path)
     records = metrics(tmp_path)
     rewards = [m["reward_mean"] for m in records]

@@ -77,7 +77,7 @@ def apply_rope(t, freqs):
 def apply_rope_qk(query, key, freqs):
     """apply_rope of the queries and of the keys in one compiled call: one graph to guard and
     launch, one autograd node, instead of two per layer and pass (the 1.5B forward passes are
-    partly bound by the host's launching, docs/benchmarks.md section 3)."""
+    partly bound by the host's launching, docs/performance.md section 3)."""
     return apply_rope.eager(query, freqs), apply_rope.eager(key, freqs)
 
 

@@ -30,7 +30,7 @@ two agree (DeepSeek-V3: 8 / 4) or n_group is 1 (Moonlight). No aux loss by defau
 balances the load (aux-loss-free), as in transformers.
 Aux loss: megatron adds coef * E * sum_i f_i P_i per MoE layer (f_i counted per micro-batch
 and averaged over micro-batches and DP ranks); transformers pools all layers into one term,
-so the same coefficient weighs the loss differently beyond one layer (documented in the README).
+so the same coefficient weighs the loss differently beyond one layer (docs/models.md).
 """
 
 import re
@@ -81,7 +81,7 @@ def default_dispatcher(ep, etp):
     local (DeviceSortDispatcher then sorts the tokens on the device), else all-to-all, which
     moves only the tokens each EP rank's experts need. All-gather at EP > 1 (--moe-dispatcher
     allgather) was measured faster at EP=2 (1.2x on two H200s, fixed-length batches) and
-    equal at EP=4 (docs/benchmarks.md); it needs the same number of tokens per pass on every
+    equal at EP=4 (docs/performance.md); it needs the same number of tokens per pass on every
     EP rank, which the scripts' micro-batches then pad to (batch.micro_batches same_tokens)."""
     return "allgather" if ep * etp == 1 else "alltoall"
 

@@ -191,7 +191,7 @@ def wgrad_accumulation_without_apex():
     fused_weight_gradient_mlp_cuda, which layers.py imports at its top (:44-48) and, without
     apex, never has. Otherwise every weight gradient is a bf16 tensor that megatron's DDP hook
     then adds into the fp32 buffer (distributed_data_parallel.py:438): at Qwen2-1.5B 792
-    separate adds per step, 28 ms on an H100 (docs/benchmarks.md). Give layers.py a
+    separate adds per step, 28 ms on an H100 (docs/performance.md). Give layers.py a
     torch stand-in for that extension (no-op where apex provides it); common/train/setup.py
     switches the fusion on for the layers of the models it wraps for training."""
     from megatron.core.tensor_parallel import layers

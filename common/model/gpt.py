@@ -170,7 +170,7 @@ def _gpt_model_class():
     Given no labels, megatron-core 0.16.1's GPTModel._postprocess returns
     logits.transpose(0, 1).contiguous(): a copy of the step's largest tensor, and one more of
     its gradient in the backward (52 ms of a 1.0 s Qwen2-1.5B training step at micro-batch 4 on
-    an H200, docs/benchmarks.md). Given labels it returns compute_language_model_loss(labels,
+    an H200, docs/performance.md). Given labels it returns compute_language_model_loss(labels,
     logits) instead, with the (T, B, V/tp) logits: this class passes a marker as labels and
     returns the transposed view there. rl.vocab_parallel_logprobs computes in that memory
     order. With B = 1 the two are the same tensor layout. Real labels work as in megatron.

@@ -6,7 +6,7 @@ Why: without TransformerEngine, megatron-core 0.16.1's linear function computes
 model with a QKV bias (Qwen2, Qwen2-MoE) that add reads and writes the whole (tokens, q+k+v)
 output once more per layer and forward: on an H200, for 4 x 4096 tokens at Qwen2-1.5B's shape,
 the GEMM takes 136 us and the add 85 us, while `torch.addmm(bias, x, w.t())` (cuBLASLt's bias
-epilogue) takes 137 us for both (docs/benchmarks.md, section 3). The epilogue adds the bias to
+epilogue) takes 137 us for both (docs/performance.md, section 3). The epilogue adds the bias to
 the fp32 accumulator before the one rounding to bf16, so the output is also closer to exact.
 
 `BiasInGemmColumnParallelLinear` is selected by a ModuleSpec swap in common/model/gpt.py:layer_spec

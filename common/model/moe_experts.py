@@ -70,7 +70,7 @@ class _StackedWeights(torch.autograd.Function):
     Without it each expert weight's gradient goes through its own autograd accumulation and
     DDP's per-parameter hook (which adds it into main_grad): 2 x E_local per MoE layer and
     micro-batch, 8,192 per step of a 4-layer Qwen3-30B-A3B shape, the largest host cost of that
-    step (docs/benchmarks.md). The sums are the same: the bf16 gradient, cast exactly to fp32,
+    step (docs/performance.md). The sums are the same: the bf16 gradient, cast exactly to fp32,
     then added. Valid when DDP reduces its whole buffer after the backward (no
     overlap_grad_reduce, which would wait for the per-parameter hooks): fuse_wgrad is set only
     then, by common/train/setup.py's fuse_wgrad_accumulation.

@@ -7,7 +7,7 @@ whose backward (`swiglu_back`, torch.compile'd) builds the gradient as a `cat` o
 halves: every output element reloads its inputs, so the kernel reads the fc1 output about twice.
 On an H200 at Qwen2-1.5B's micro-batch (16384 x 2 x 8960 bf16) it took 0.52 ms, this module's
 Triton kernel, which loads a, b and the gradient once and writes both halves, 0.36 ms: ~9 ms of a
-0.89-s training step, 56 calls (docs/benchmarks.md, section 3, session 31). The forward is the
+0.89-s training step, 56 calls (docs/performance.md). The forward is the
 same compiled expression as megatron's (at bandwidth already). Both round once from fp32, as
 megatron's compiled kernels do: the same values (tests/gpu/test_swiglu_gpu.py).
 

@@ -284,7 +284,7 @@ def export_hf_weights(
     rank, reads no more of that HF tensor than full[start:stop] along dim. Where it says so for
     every piece of a parameter on every rank, the parameter is not gathered: the pairs are
     (hf_name, LocalShard) of this rank's own pieces (replicated ones: the full tensor itself).
-    At Megatron TP = vLLM TP the ranks hold the very shards vLLM's ranks read (issue 21: the
+    At Megatron TP = vLLM TP the ranks hold the very shards vLLM's ranks read (the
     all-gather was 88% of the 7B sync at TP=2).
 
     expert_blocks (without expert TP): routed experts come as (HF experts module,
@@ -376,7 +376,7 @@ def export_hf_weights(
         copies, width, shard_group = layout(expert)
         kind_dtype = torch.float32 if fp32 else dtype
         if copies == width == pp_size == 1:  # nothing to gather or send: the parameters themselves
-            # (no flat bucket: at 7B on one GPU its concatenation was 2/3 of the sync, issue 21)
+            # (no flat bucket: at 7B on one GPU its concatenation was 2/3 of the sync)
             def own(i):
                 tensor = local[bucket[i][1]].detach()
                 return tensor if tensor.dtype == kind_dtype else tensor.to(kind_dtype)

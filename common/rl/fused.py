@@ -6,7 +6,7 @@
 Why: without TransformerEngine or apex, megatron-core's local spec runs RoPE as ~10 separate
 kernels per tensor, and a vocabulary log-softmax in eager torch writes (tokens, vocab) fp32
 copies; inductor fuses each such function into one or two Triton kernels that read the input
-once (numbers: docs/benchmarks.md). Eager mode runs the very same function, so the CPU tests
+once (numbers: docs/performance.md). Eager mode runs the very same function, so the CPU tests
 check its math, and tests/gpu/ compares the compiled kernels with eager/float64 references.
 
 COMPILE = False turns compilation off everywhere (bench/train.py --kernels eager); a function
@@ -28,7 +28,7 @@ def compile_fn(fn):
     kernel. The vocabulary, head count and head size stay constants, so the kernels index with
     constant divisors: with every dimension symbolic (dynamic=True) the vocabulary logprobs of
     4 x 4096 tokens took 17.3 ms forward + backward on an H200, 10.0 ms this way
-    (docs/benchmarks.md, section 3)."""
+    (docs/performance.md, section 3)."""
     return torch.compile(fn, dynamic=None, fullgraph=True)
 
 

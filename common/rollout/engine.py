@@ -67,7 +67,7 @@ def generate_checked(engine, prompts, mode, **kwargs):
     """engine.generate(prompts, **kwargs) with --rollout-logprobs `mode`: the samples that carry
     the engine's logprobs (the others NaN) for logprob_mismatch and --tis-cap.
     prefill: sampling asks for none (vLLM computes the batch's log-softmax at every decode step
-    once any request asks: 3% of the 7B rollout, docs/benchmarks.md); afterwards one sample,
+    once any request asks: 3% of the 7B rollout, docs/performance.md); afterwards one sample,
     the first that ended on EOS (else the first: --mask-truncated leaves cut-off ones out of
     the trainer's passes), is scored in one prefill pass (engine.score; its first
     PREFILL_CHECK_TOKENS tokens, the rest NaN like the other samples), which sees the synced
@@ -107,7 +107,7 @@ class RolloutEngine:
         Deterministic for a given seed (on one engine, batch and software stack).
         logprob_samples: only the first logprob_samples samples of each prompt must carry
         response_logprobs (None: all); an engine may return NaNs for the others when
-        logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/benchmarks.md)."""
+        logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/performance.md)."""
         raise NotImplementedError
 
     def score(self, samples: list[Sample]) -> list[list[float]]:

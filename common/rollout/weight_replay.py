@@ -1,7 +1,7 @@
 """Learn once how a weight loader writes HF tensors into a model's parameters, then repeat
 those writes directly (the weight sync into vLLM, common/rollout/vllm_engine.py).
 
-Why (issue 21): vLLM's `model.load_weights` spends ~90 us of Python per tensor (name
+Why: vLLM's `model.load_weights` spends ~90 us of Python per tensor (name
 mapping, its fused-layout and TP-shard arithmetic, a loader per parameter class). For
 Qwen2-7B's 339 tensors that is ~30 ms of host time per sync, 4x the 8 ms a device copy of the
 15 GB takes. The layout arithmetic gives the same answer at every sync, so:

@@ -113,7 +113,7 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
             # than one: a plain `python` launch would take every core, and the threads of its
             # small host ops (batch indexing, ...) then stalled the main thread that launches the
             # kernels. Qwen2-1.5B's training step on one H200: 1.00 s with 16 threads, 0.89 s
-            # with one (docs/benchmarks.md, section 3, session 31). OMP_NUM_THREADS=N overrides.
+            # with one (docs/performance.md). OMP_NUM_THREADS=N overrides.
             torch.set_num_threads(1)
     else:
         from common.model import cpu_compat

@@ -164,7 +164,7 @@ def parallel_flags(p):
             "(common/model/moe.py). At --ep > 1 allgather needs the same token count in each pass on every EP rank, "
             "so the trainer pads each pass to the largest of its EP peers' (empty rows or a longer packed tail); "
             "measured 1.2x faster than alltoall at EP=2 and equal at EP=4 on fixed-length batches "
-            "(docs/benchmarks.md)"
+            "(docs/performance.md)"
         ),
     )
     g.add_argument(
@@ -281,7 +281,7 @@ def batch_flags(p):
         default=0,
         help="instead of --micro-batch-size, fill each forward pass with samples up to this many tokens per "
         "rank (packed: the row's tokens; with --no-pack: length-sorted samples x padded length; 0 = off): "
-        "fewer, fuller passes (docs/benchmarks.md)",
+        "fewer, fuller passes (docs/performance.md)",
     )
     g.add_argument(
         "--logprob-micro-batch-size",
@@ -328,7 +328,7 @@ def batch_flags(p):
         "pass is one row of whole samples back to back, no padding, attention confined to each "
         "sample; up to --micro-batch-tokens tokens per pass (0: --micro-batch-size rows of the "
         "step's longest sample). Measured faster than padding in every setting tried: 1.05-1.24x "
-        "on GPUs, ~3x on a CPU (README, docs/benchmarks.md)",
+        "on GPUs, ~3x on a CPU (README, docs/performance.md)",
     )
     return g
 

@@ -6,7 +6,7 @@ On GPUs a training script pins host memory for the offload of its training state
 rollout (common/train/offload.py) and for background checkpoint saves (common/train/checkpoint_io.py
 HostStaging), ~114 GB per GPU at 7B with TP=2. Pinned memory cannot be swapped out, and a
 node that runs out of it ends the job with SIGKILL and no message: two such 7B jobs on one
-4-GPU host with 503 GB did (docs/gpu.md, session 18). So the ranks of each node add up what
+4-GPU host with 503 GB did (SIGKILL, nothing in the logs). So the ranks of each node add up what
 they are about to pin and compare it with what the node has available, and a run that does
 not fit stops with a message instead (preflight.UsageError: exit code 2, every rank alike).
 """

@@ -84,7 +84,7 @@ def setup_training(
     )
     # Without TE/apex megatron falls back to torch.optim.AdamW in its default multi-tensor
     # (foreach) mode: ~10 passes over the fp32 params and moments per step. torch's fused
-    # kernel makes one (docs/benchmarks.md). Set before the first step, which creates the
+    # kernel makes one (docs/performance.md). Set before the first step, which creates the
     # step counters (on the device for fused).
     for adam in torch_adams(optimizer):
         for group in adam.param_groups:
@@ -158,7 +158,7 @@ def _foreach_norm_optimizer_class():
     Without TE/apex megatron-core computes the norm for clipping with a fallback that copies
     each parameter's norm to the host in turn (utils.py local_multi_tensor_l2_norm: one host
     wait per gradient tensor, 198 per step at Qwen2-1.5B, 1,581 in a 6-layer Qwen3-30B-A3B
-    with 128 experts, each draining the GPU's queue; docs/benchmarks.md). The same norm from
+    with 128 experts, each draining the GPU's queue; docs/performance.md). The same norm from
     torch's foreach kernels waits once. Optimizers whose gradient statistics use different
     process groups keep megatron's way. The clipping's fallback (local_multi_tensor_scale)
     multiplies into a new tensor and copies it back, tensor by tensor: 3,850 launches per step
@@ -230,7 +230,7 @@ def _listed_copies_class():
     of DDP's gradient buffer, and after Adam copies each main shard into its slice of the bf16
     parameter buffer, parameter by parameter, looking up the slice's ranges in dicts each time:
     11-14 us of host time per tensor each way on a CPU, 1,925 tensors per step in a 14-layer
-    Qwen3-30B-A3B at EP=2, while the GPU waits (docs/benchmarks.md). The slices are views of
+    Qwen3-30B-A3B at EP=2, while the GPU waits (docs/performance.md). The slices are views of
     buffers that live as long as the model (offload shrinks and regrows their storages in
     place: views stay valid), so they are made once; each step then assigns the grads from a
     list and copies (and casts) all shards with one torch._foreach_copy_. Same tensors, same

@@ -7,7 +7,7 @@
 # One process per test (vLLM allows one engine per process);
 # with >= 2 GPUs the torchrun variants follow. `quick` skips the slower 2-GPU layouts;
 # `1gpu` runs the one-GPU tests but the exit test, `exit` only that one (~8 min: "exit", its three launch modes,
-# then "signals", the SIGTERM case, 143 s alone on one H200 in session 24), `2gpu` only
+# then "signals", the SIGTERM case, 143 s alone on one H200), `2gpu` only
 # the torchrun variants (to split a run across device calls of at most 10 minutes).
 # ONLY=REGEX runs only the tests whose name below matches (bash =~), e.g. a 10-minute call
 # each: ONLY='offload|sdpa|logprobs|packing|agreement' bash tests/gpu/run_all.sh 1gpu, then
@@ -54,7 +54,7 @@ run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider test
 fi
 if [ "$MODE" = all ] || [ "$MODE" = quick ] || [ "$MODE" = exit ]; then
 # exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU); then
-# SIGTERM during a run (its own entry: together they took 492 s of one 540-s limit in session 25)
+# SIGTERM during a run (its own entry: together they took 492 s of one 540-s limit on an H200)
 run "exit"                   480 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_exit_gpu.py -k "not sigterm"
 run "signals"                300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_exit_gpu.py -k sigterm
 fi

@@ -5,7 +5,7 @@
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group but one test, in two lanes of two GPUs (~8 min)
 #   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases
 #                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
-# Session 17 ran these lanes on nvidia-h200-x4. Each lane's log goes to $OUT/lane_*.log when OUT
+# Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,9 +19,9 @@ case ${1:-} in
   2gpu)
     lane a 0,1 2gpu 'sdpa TP=2|train TP=2, rollout TP=2|moe EP=2|deepseek EP=2 allgather' & A=$!
     lane b 2,3 2gpu 'checkpoints|deepseek EP=2, rollout|TP=1 x2' & B=$! ;;
-  1gpu)  # ~6.5-7 min per lane (session 26's times): the SIGTERM case after lane b's tests on GPU 1,
-         # and the DP=2 agreement test after the exit cases on GPUs 2,3 (in session 26 the 2gpu
-         # call's lane a ran out of its 560 s in that test, its last)
+  1gpu)  # ~6.5-7 min per lane on H200s: the SIGTERM case after lane b's tests on GPU 1,
+         # and the DP=2 agreement test after the exit cases on GPUs 2,3 (with it, the 2gpu
+         # call's lane a ran out of its 560 s)
     lane a 0 1gpu 'offload|packing|recipes' & A=$!
     ( lane b 1 1gpu 'sdpa|logprobs|swiglu|agreement|moe|deepseek'; failed=$?
       lane signals 1 exit '^signals$'; exit $((failed + $?)) ) & B=$!

@@ -5,7 +5,7 @@
 Prints one JSON line: the median of every *_s metric over the steps after --skip (the first
 step pays for start-up: CUDA graphs, allocator, NCCL communicators), the max of every mem_*
 metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
-Plus issue 21's split of a step: overhead_s, the median over steps of what is neither
+Plus the split of a step: overhead_s, the median over steps of what is neither
 generation nor the trainer's compute (sync, sleep, wake, offload, reload, reward), and
 overhead_share = overhead_s / step_s (the target is <= 0.10); generation and gathers of
 samples stay in rollout_s, the trainer's passes in old_logprob_s, ref_s and train_s.

@@ -14,7 +14,7 @@ released config.json's topk_method/scoring_func. Checked:
      q/k and v head sizes evened by zero padding — against the padded one: mean |logprob
      difference| on response tokens;
   2. vLLM (dummy weights, every tensor from export_hf_weights, the bias in fp32) vs megatron:
-     mean |logprob difference| of sampled tokens <= 0.02 (issue 20; with a larger --inner-std,
+     mean |logprob difference| of sampled tokens <= 0.02 (with a larger --inner-std,
      2.5x megatron's own bf16 error against fp32 transformers, which then exceeds 0.02 by
      itself), the share of (token, layer) pairs whose top-k experts differ,
      and the weight sync's time.
@@ -74,7 +74,7 @@ MODEL = dict(
 
 # std of the random inner weights: DeepseekV3Config's initializer_range (the model's own init
 # scale). At 0.035 (test_moe_gpu.py's default) bf16 alone moves this model's logprobs by 0.040
-# from fp32, and megatron and vLLM differ by 0.050; at 0.02 by 0.020 and 0.014 (docs/benchmarks.md)
+# from fp32, and megatron and vLLM differ by 0.050; at 0.02 by 0.020 and 0.014 (docs/performance.md)
 INNER_STD = 0.02
 
 
@@ -155,8 +155,8 @@ def run(ep=1, rollout_tp=1, dispatcher=None):
     if os.environ.get("OUT"):
         with open(result_path("deepseek_gpu", info, ep), "w") as f:
             json.dump(res, f, indent=1)
-    # issue 20's bound at the config's own init scale; with larger weights bf16 alone moves this
-    # model's logprobs by more than 0.02 (docs/benchmarks.md), so there the bound is relative
+    # the bound at the config's own init scale; with larger weights bf16 alone moves this
+    # model's logprobs by more than 0.02 (docs/performance.md), so there the bound is relative
     bound = 0.02 if res["inner_std"] <= INNER_STD else max(0.02, 2.5 * res["megatron_vs_fp32"])
     assert res["mean_abs_diff"] <= bound, res
     assert res["megatron_vs_fp32"] <= 0.05, res

@@ -1,5 +1,5 @@
 """Every launch mode of train_grpo.py on a GPU exits soon after its last step, with its
-output going through a pipe (issue 16: a process started by megatron's checkpoint machinery
+output going through a pipe (a process started by megatron's checkpoint machinery
 outlived the run and held stdout open, so `python train_grpo.py | tee log` never ended).
 
     python -m pytest -q -s tests/gpu/test_exit_gpu.py     (GPU machine, stack of shared/device)

@@ -1,4 +1,4 @@
-"""The recipe features on a GPU with the colocated vLLM engine (issues 18 and 22): validation
+"""The recipe features on a GPU with the colocated vLLM engine: validation
 on the rollout engine, DAPO's dynamic sampling and overlong shaping, a reward model offloaded
 beside the policy, samples and throughput metrics, in both scripts.
 
