@@ -26,13 +26,13 @@ steps: the candidate (--attention, --recompute, ...) and a baseline, megatron-co
 as it comes (attention="local", no activation recompute), with the same batch geometry. The
 candidate/baseline ratios of tokens/s and peak memory are printed. A configuration that runs
 out of GPU memory is reported as OOM and the run goes on.
-Not in interleaved pairs (bench/moe.py and bench/packing.py pair theirs): each configuration is
-a model build with its own optimizer state and peak memory (Qwen2-7B, TP=2, micro-batch 1,
-H200s: 80 GiB the candidate, 118 GiB the baseline per GPU), which do not fit on the GPUs
-together at the shapes this bench is for, and a rebuild per pair would add a build and a warm-up to every pair. So the two run sequentially; each
-reports the median of its per-step times with min and max beside the mean (one slow step
-shows as a max far from the median), and the ratios compare the two configurations' means
-(tokens/s) and medians (s/step), measured minutes apart in one process.
+Not in interleaved pairs (bench/moe.py and bench/packing.py pair theirs): each configuration is a
+model build with its own optimizer state and peak memory (Qwen2-7B, TP=2, micro-batch 1, H200s: 80
+GiB the candidate, 118 GiB the baseline per GPU), which do not fit on the GPUs together at the
+shapes this bench is for, and a rebuild per pair would add a build and a warm-up to every pair. So
+the two run sequentially; each reports the median of its per-step times with min and max beside the
+mean (one slow step shows as a max far from the median), and the ratios compare the two
+configurations' means (tokens/s) and medians (s/step), measured minutes apart in one process.
 
 The numbers:
   tokens/s      num_seqs * seq_len * steps / wall seconds of the timed steps (all GPUs together)
