@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from common.model.bridge import recompute_config
 from common.rollout.engine import generate_checked, rollout_logprobs_mode
+from common.rollout.lengths import draw_lengths, parse_lengths
 from common.run import flags as F
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.run.preflight import check_training_run
@@ -135,6 +136,7 @@ def build_parser():
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
     F.run_flags(p, out="runs/grpo")
+    F.bench_flags(p)
     return p
 
 
@@ -144,6 +146,10 @@ def parse_args(argv=None):
     args = parse_with_defaults(p, argv, lambda known: EMBEDDED_DEFAULTS if known.model is None else None)
     try:
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
+        if args.bench_response_lengths:  # checked now, drawn every step
+            parse_lengths(args.bench_response_lengths, max_tokens=args.max_new_tokens)
+            if args.load_rollouts:
+                raise ValueError("--bench-response-lengths sets what the engine samples: not with --load-rollouts")
     except ValueError as e:
         p.error(str(e))
     check_training_run(p, args, min_group=2)  # every mistake found here, before anything is built
@@ -400,7 +406,11 @@ def main():
     colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
-    control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
+    control = RunControl(
+        save_every=args.save_every,
+        save_every_minutes=args.save_every_minutes,
+        steps=None if args.bench_response_lengths else args.steps,  # a benchmark saves no last checkpoint
+    )
     writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     for step in progress:
@@ -411,6 +421,12 @@ def main():
         # of the prompts; the ranks of one vLLM TP group hold the same samples (the first contributes),
         # then all have all
         def sample_round(prompts_idx, round_):
+            exact = None  # --bench-response-lengths: sample j of prompt i gets exactly lengths[i][j] tokens
+            if args.bench_response_lengths:
+                lengths = draw_lengths(
+                    args.bench_response_lengths, len(prompts_idx), group, seed=args.seed, step=step, round_=round_
+                )
+                exact = [n for row in lengths[replica::num_replicas] for n in row]  # this replica's prompts
             with timer("rollout"):
                 mine = prompts_idx[replica::num_replicas]
                 local = generate_checked(
@@ -422,6 +438,7 @@ def main():
                     top_p=args.top_p,
                     max_tokens=args.max_new_tokens,
                     seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_,
+                    response_lengths=exact,
                 )
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
             answers = [

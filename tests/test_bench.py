@@ -16,13 +16,17 @@
   another sequence length, MFU null without --peak-tflops on a CPU, and the first step's mean
   logprob and gradient norm equal at both layouts (CP's attention over the other rank's keys);
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
-- every flag of --help has a help string (train.py, sync.py, rollout.py);
+- every flag of --help has a help string (train.py, sync.py, rollout.py, e2e.py);
 - bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
   sync / copy is the median of one ratio per timed pair;
 - bench/moe.py: one ratio per timed pair, the speed-up is their median (not a ratio of medians);
 - bench/rollout.py with the CPU engine: both sides generate exactly prompts x n x max tokens
   in every pair, the ratios are the median / min / max of one per pair; if one side generates
-  a token less, no ratio is reported and the exit status is 1.
+  a token less, no ratio is reported and the exit status is 1;
+- bench/e2e.py (whole train_grpo.py steps with drawn response lengths) with the CPU engine, fixed:12
+  in one process and a lognormal over two processes (two rollout replicas): every response has
+  exactly its drawn length, the token counts are those of the saved samples, tokens/s/GPU and
+  the phases' seconds those of metrics.jsonl, the length statistics those of the responses.
 """
 
 import importlib.util
@@ -374,7 +378,7 @@ def test_baseline_oom_is_reported():
 
 
 def test_help_documents_every_flag():
-    for script in (SCRIPT, os.path.join("bench", "sync.py"), os.path.join("bench", "rollout.py")):
+    for script in (SCRIPT, *(os.path.join("bench", name) for name in ("sync.py", "rollout.py", "e2e.py"))):
         spec = importlib.util.spec_from_file_location("bench_module", os.path.join(ROOT, script))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -502,3 +506,92 @@ def test_rollout_bench_refuses_unequal_work():
     assert r["ratio"] is None and r["ratio_min"] is None and r["ratio_per_pair"] is None
     assert r["ratio_with_cycle"] is None
     assert "no ratio: the token counts differ" in proc.stdout
+
+
+def run_e2e(tmp_path, spec, *, nproc, warmup, steps, prompts, group):
+    """bench/e2e.py on the embedded tiny model, 8-character prompts (8 tokens: a byte per token),
+    every step's samples saved by train_grpo.py (--save-rollouts after `--`). Returns (BENCH_JSON,
+    the timed steps' metrics.jsonl rows, their saved samples, the run dir)."""
+    out, saved = tmp_path / "run", tmp_path / "rollouts"
+    cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--nproc", nproc, "--response-lengths", spec]
+    cmd += ["--prompt-len", 8, "--warmup", warmup, "--steps", steps, "--out", out, "--"]
+    cmd += ["--prompts-per-step", prompts, "--samples-per-prompt", group, "--micro-batch-size", 2]
+    cmd += ["--mini-batch-size", prompts * group // 2, "--save-rollouts", saved]  # two optimizer steps
+    env = script_env(TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    r = bench_json(proc.stdout)
+    with open(out / "e2e.json") as f:
+        assert json.load(f) == r
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["step"] for row in rows] == list(range(warmup + steps))
+    timed = rows[warmup:]
+    samples = [torch.load(saved / f"step_{row['step']:06d}.pt", weights_only=False)["samples"] for row in timed]
+    return r, timed, samples, out
+
+
+def check_e2e(r, timed, samples, *, nproc, warmup, steps, prompts, group):
+    """The report against the run's own files: token counts from the saved samples, seconds from
+    metrics.jsonl, the length statistics from the responses' real lengths."""
+    assert (r["device"], r["world_size"], r["warmup_steps"], r["steps"]) == ("cpu", nproc, warmup, steps)
+    assert (r["prompts_per_step"], r["samples_per_prompt"], r["samples_per_step"]) == (prompts, group, prompts * group)
+    assert r["mini_batch_size"] == prompts * group // 2 and r["lengths_exact"] is True
+    assert "train_grpo.py --bench-response-lengths " + r["response_lengths"] in r["command"]
+    assert r["command"].startswith(sys.executable + (" train_grpo.py" if nproc == 1 else " -m torch.distributed.run"))
+    lengths = [[len(s.response_ids) for s in step] for step in samples]
+    assert all(len(s.prompt_ids) == 8 for step in samples for s in step)
+    tokens = [prompts * group * 8 + sum(step) for step in lengths]
+    assert r["tokens_per_step"] == tokens and [row["tokens"] for row in timed] == tokens
+    assert r["response_tokens_per_step"] == [sum(step) for step in lengths]
+    assert r["prompt_tokens_per_sample"] == 8
+    step_s = [row["step_s"] for row in timed]
+    assert r["step_s_per_step"] == step_s and r["step_s_mean"] == pytest.approx(sum(step_s) / steps, rel=1e-12)
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(sum(tokens) / sum(step_s) / nproc, rel=1e-12)
+    assert r["tokens_per_s_per_gpu_per_step"] == pytest.approx([t / s / nproc for t, s in zip(tokens, step_s)])
+    phases = r["phases"]
+    for name in ("rollout_s", "reward_s", "old_logprob_s", "ref_s", "train_s", "sync_s"):
+        seconds = sum(row[name] for row in timed)
+        assert phases[name]["s"] == pytest.approx(seconds / steps, rel=1e-12)
+        assert phases[name]["tokens_per_s_per_gpu"] == pytest.approx(sum(tokens) / seconds / nproc, rel=1e-12)
+    assert "gen_tokens_per_s" not in phases and "save_s" not in phases  # a rate; no checkpoint in a benchmark
+    assert sum(p["s"] for p in phases.values()) == pytest.approx(sum(step_s) / steps, rel=1e-9)  # other_s: the rest
+    assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0, rel=1e-9)
+    flat = sorted(n for step in lengths for n in step)
+    n = len(flat)
+    assert r["lengths"]["count"] == n == steps * prompts * group
+    assert (r["lengths"]["min"], r["lengths"]["max"]) == (flat[0], flat[-1])
+    assert r["lengths"]["mean"] == pytest.approx(sum(flat) / n, rel=1e-12)
+    assert r["lengths"]["p50"] == flat[(n + 1) // 2 - 1] and r["lengths"]["p90"] == flat[-(-9 * n // 10) - 1]
+    return lengths
+
+
+def test_e2e_fixed_lengths(tmp_path):
+    """bench/e2e.py, one process, fixed:12 for one timed step after one warm-up step: every response
+    exactly 12 tokens (EOS ignored; the embedded model stops on one of its 3 EOS ids at random
+    otherwise), 16 x (8 + 12) tokens in the step, tokens/s/GPU and the phases from metrics.jsonl,
+    no checkpoint written."""
+    shape = dict(nproc=1, warmup=1, steps=1, prompts=4, group=4)
+    r, timed, samples, out = run_e2e(tmp_path, "fixed:12", **shape)
+    lengths = check_e2e(r, timed, samples, **shape)
+    assert lengths == [[12] * 16] and r["tokens_per_step"] == [16 * (8 + 12)]
+    assert {s.finish_reason for s in samples[0]} == {"length"}
+    assert (r["lengths"]["std"], r["lengths"]["p99"]) == (0.0, 12)
+    assert not os.path.exists(out / "checkpoints")
+
+
+def test_e2e_lognormal_lengths_two_replicas(tmp_path):
+    """bench/e2e.py, two processes (two CPU rollout replicas, each half of the prompts), a lognormal
+    spec, two timed steps: sample j of prompt i has exactly the length drawn for it (the report's
+    draws), in the gathered order (replica 0's prompts 0, 2, then replica 1's 1, 3), within [min, max]."""
+    from common.rollout.lengths import draw_lengths
+
+    spec = "lognormal:mean=20,sigma=0.6,min=4,max=48"
+    shape = dict(nproc=2, warmup=0, steps=2, prompts=4, group=4)
+    r, timed, samples, _ = run_e2e(tmp_path, spec, **shape)
+    lengths = check_e2e(r, timed, samples, **shape)
+    for step, got in enumerate(lengths):
+        drawn = draw_lengths(spec, 4, 4, seed=1234, step=step)
+        assert got == drawn[0] + drawn[2] + drawn[1] + drawn[3]
+    flat = [n for step in lengths for n in step]
+    assert 4 <= min(flat) and max(flat) <= 48 and len(set(flat)) > 5

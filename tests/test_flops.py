@@ -50,16 +50,23 @@ def test_step_throughput_by_hand(monkeypatch):
         types.SimpleNamespace(prompt_ids=[1] * 6, response_ids=[2] * 4),  # 10 tokens, 4 generated
         types.SimpleNamespace(prompt_ids=[1] * 2, response_ids=[2] * 8),
     ]  # 10 tokens, 8 generated
-    times = {"rollout_s": 0.5, "old_logprob_s": 0.25, "ref_s": 0.25, "train_s": 1.5, "save_s": 9.0}
+    times = {"rollout_s": 0.5, "old_logprob_s": 0.25, "ref_s": 0.25, "train_s": 1.5, "save_s": 9.0, "step_s": 12.5}
     cpu = step_throughput(tiny_spec(), samples, times, forward_passes=5, world_size=2, device=torch.device("cpu"))
-    assert cpu == {"gen_tokens_per_s": 12 / 0.5, "train_tokens_per_s_per_gpu": 20 / 2.0 / 2}  # no MFU on a CPU
+    assert cpu == {  # no MFU on a CPU
+        "tokens": 20,
+        "response_tokens": 12,
+        "step_tokens_per_s_per_gpu": 20 / 12.5 / 2,  # the whole step's seconds
+        "gen_tokens_per_s": 12 / 0.5,
+        "train_tokens_per_s_per_gpu": 20 / 2.0 / 2,  # the trainer's passes only
+    }
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     gpu = step_throughput(
         tiny_spec(), samples, times, forward_passes=5, world_size=2, device=types.SimpleNamespace(type="cuda")
     )
     flops = 5 * 20 * (43264 + 1280)  # 5 passes over 20 tokens of 10-token sequences
     assert gpu["train_mfu"] == pytest.approx(flops / 2.0 / (2 * 989e12), rel=1e-12)
-    assert step_throughput(tiny_spec(), samples, {}, forward_passes=5, world_size=1, device=torch.device("cpu")) == {}
+    untimed = step_throughput(tiny_spec(), samples, {}, forward_passes=5, world_size=1, device=torch.device("cpu"))
+    assert untimed == {"tokens": 20, "response_tokens": 12}  # no rates without seconds
 
 
 def test_peak_tflops_names():

@@ -2,7 +2,8 @@
 training scripts' metrics.jsonl and bench/train.py.
 
     forward_flops_per_token(spec, seq_len)         model FLOPs of one forward pass, per token
-    step_throughput(spec, samples, times, ...)     gen_tokens_per_s, train_tokens_per_s_per_gpu, train_mfu
+    step_throughput(spec, samples, times, ...)     tokens, step_tokens_per_s_per_gpu, gen_tokens_per_s,
+                                                   train_tokens_per_s_per_gpu, train_mfu
 """
 
 import torch
@@ -58,6 +59,9 @@ def peak_tflops(device_name):
 def step_throughput(spec, samples, times, *, forward_passes, world_size, device):
     """Throughput of one RL step for metrics.jsonl (samples: every sample of the step, all ranks').
 
+    tokens, response_tokens     prompt + response tokens of the step's samples; their responses' alone
+    step_tokens_per_s_per_gpu   tokens / step seconds / world size: the whole step, sync to checkpoint
+                                (NeMo-RL's "Tokens / sec / GPU"; bench/e2e.py)
     gen_tokens_per_s            response tokens generated / rollout seconds (all replicas together)
     train_tokens_per_s_per_gpu  prompt + response tokens of the step / trainer seconds (old/ref
                                 logprobs, critic values, updates: TRAINER_PHASES) / world size
@@ -67,9 +71,12 @@ def step_throughput(spec, samples, times, *, forward_passes, world_size, device)
     reference model and one PPO epoch: 1 old + 1 ref + 3 update = 5). Padding and recompute are
     not counted (model FLOPs, as bench/train.py)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    metrics = {}
+    response_tokens = sum(len(s.response_ids) for s in samples)
+    metrics = dict(tokens=sum(lengths), response_tokens=response_tokens)
+    if times.get("step_s"):
+        metrics["step_tokens_per_s_per_gpu"] = sum(lengths) / times["step_s"] / world_size
     if times.get("rollout_s"):
-        metrics["gen_tokens_per_s"] = sum(len(s.response_ids) for s in samples) / times["rollout_s"]
+        metrics["gen_tokens_per_s"] = response_tokens / times["rollout_s"]
     trainer_s = sum(times.get(key, 0.0) for key in TRAINER_PHASES)
     if trainer_s > 0:
         metrics["train_tokens_per_s_per_gpu"] = sum(lengths) / trainer_s / world_size

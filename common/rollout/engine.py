@@ -101,13 +101,17 @@ class RolloutEngine:
         max_tokens: int,
         seed: int,
         logprob_samples: int | None = None,
+        response_lengths: list[int] | None = None,
     ) -> list[Sample]:
         """Sample n responses per prompt (token ids). Returns len(prompts) * n Samples in
         prompt-major order: samples[i * n + j] is the j-th sample of prompt i.
         Deterministic for a given seed (on one engine, batch and software stack).
         logprob_samples: only the first logprob_samples samples of each prompt must carry
         response_logprobs (None: all); an engine may return NaNs for the others when
-        logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/performance.md)."""
+        logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/performance.md).
+        response_lengths: a benchmark's lengths (common/rollout/lengths.py), one per sample in
+        the same prompt-major order: sample k gets exactly response_lengths[k] tokens, EOS
+        ignored, max_tokens unused; finish_reason "length"."""
         raise NotImplementedError
 
     def score(self, samples: list[Sample]) -> list[list[float]]:

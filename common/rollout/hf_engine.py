@@ -63,7 +63,7 @@ class HFEngine(RolloutEngine):
         self.pad_id = self.eos_token_ids[0] if self.eos_token_ids else 0
 
     @torch.inference_mode()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, response_lengths=None):
         # logprob_samples is ignored: the logprobs are a by-product of the sampling here
         from transformers import DynamicCache
 
@@ -71,6 +71,10 @@ class HFEngine(RolloutEngine):
         if not rows:
             return []
         assert all(len(r) > 0 for r in rows), "empty prompt"
+        exact = response_lengths is not None  # a benchmark's lengths: row k ends after exactly lengths[k] tokens
+        if exact:
+            assert len(response_lengths) == len(rows) and min(response_lengths) >= 1, "one length >= 1 per sample"
+            max_tokens = max(response_lengths)
         B, L = len(rows), max(len(r) for r in rows)
         dev = self.device
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)
@@ -84,6 +88,7 @@ class HFEngine(RolloutEngine):
 
         generator = torch.Generator(device=dev).manual_seed(seed)
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
+        lengths = torch.tensor(response_lengths if exact else [max_tokens] * B, device=dev)  # (B,)
         cache = DynamicCache(config=self.model.config)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         out_tokens, out_logprobs = [], []  # max_tokens x (B,)
@@ -104,7 +109,7 @@ class HFEngine(RolloutEngine):
             new = torch.where(done, self.pad_id, new)
             out_tokens.append(new)
             out_logprobs.append(logprobs)
-            done = done | torch.isin(new, eos)
+            done = done | ((step + 1 >= lengths) if exact else torch.isin(new, eos))
             if bool(done.all()) or step == max_tokens - 1:
                 break
             # Feed the new token: one more mask column, position = previous length.
@@ -115,8 +120,9 @@ class HFEngine(RolloutEngine):
         samples = []
         all_tokens = torch.stack(out_tokens, 1).tolist() if out_tokens else [[] for _ in rows]
         all_logprobs = torch.stack(out_logprobs, 1).tolist() if out_logprobs else [[] for _ in rows]
-        eos_set = set(self.eos_token_ids)
-        for r, toks, lps in zip(rows, all_tokens, all_logprobs):
+        eos_set = set() if exact else set(self.eos_token_ids)
+        for r, toks, lps, length in zip(rows, all_tokens, all_logprobs, lengths.tolist()):
+            toks, lps = toks[:length], lps[:length]
             stop = next((t for t, tok in enumerate(toks) if tok in eos_set), None)
             if stop is not None:
                 samples.append(Sample(r, toks[: stop + 1], lps[: stop + 1], "stop"))

@@ -378,7 +378,7 @@ class VLLMEngine(RolloutEngine):
             scores.append(got + [math.nan] * (len(s.response_ids) - len(got)))
         return scores
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, response_lengths=None):
         """Sample n responses per prompt; prompt-major, as RolloutEngine.generate says.
 
         Every (prompt, sample) is its own request with n=1 and its own seed (vLLM rejects
@@ -388,6 +388,10 @@ class VLLMEngine(RolloutEngine):
         Only the first logprob_samples samples of each prompt (None: all) ask vLLM for the
         sampled token's logprob; the others get NaNs (measured on an H200, Qwen2-1.5B: asking
         for logprobs costs 19% of the generation throughput, per-request seeds nothing).
+        response_lengths (a benchmark's): request k has max_tokens=response_lengths[k], no stop
+        tokens and ignore_eos (without it vLLM adds the generation config's EOS to the stops), so
+        it ends after exactly that many tokens, unless prompt + length passes max_model_len:
+        refused here, as vLLM would cut it short.
         """
         from vllm import SamplingParams
 
@@ -406,18 +410,27 @@ class VLLMEngine(RolloutEngine):
             return []
         base = random.Random(f"{seed}/{self.replica}").getrandbits(48)
         with_logprobs = [logprob_samples is None or i % n < logprob_samples for i in range(len(rows))]
+        exact = response_lengths is not None
+        if exact:
+            assert len(response_lengths) == len(rows), "one response length per sample"
+            over = [(len(r), k) for r, k in zip(rows, response_lengths) if len(r) + k > self.max_model_len]
+            if over:
+                raise ValueError(
+                    f"response_lengths: {len(over)} samples would pass max_model_len {self.max_model_len}, e.g. a "
+                    f"prompt of {over[0][0]} + {over[0][1]} tokens: shorten the lengths or the prompts"
+                )
         params = [
             SamplingParams(
                 n=1,
                 temperature=temperature,
                 top_p=top_p,
-                max_tokens=max_tokens,
+                max_tokens=response_lengths[i] if exact else max_tokens,
                 seed=base + i,
                 logprobs=0 if with_lp else None,
                 flat_logprobs=True,
                 detokenize=False,
-                stop_token_ids=self.eos_token_ids,
-                ignore_eos=not self.eos_token_ids,
+                stop_token_ids=[] if exact else self.eos_token_ids,
+                ignore_eos=exact or not self.eos_token_ids,
             )  # no eos ids: stop at none (__init__)
             for i, with_lp in enumerate(with_logprobs)
         ]

@@ -421,6 +421,23 @@ def run_flags(p, out):
     return g
 
 
+def bench_flags(p):
+    """Benchmark modes of the script (bench/e2e.py runs them)."""
+    g = p.add_argument_group("benchmark")
+    g.add_argument(
+        "--bench-response-lengths",
+        default=None,
+        metavar="SPEC",
+        help=(
+            "throughput benchmark (bench/e2e.py): every sample gets exactly the number of tokens drawn for it from "
+            "SPEC, EOS ignored (the same draws on every rank, by --seed and step): fixed:L, uniform:min=A,max=B or "
+            "lognormal:mean=M,sigma=S,max=B[,min=A] (M the mean before clipping to [A, B]; "
+            "common/rollout/lengths.py); B must be <= --max-new-tokens. No checkpoint is written at the last step"
+        ),
+    )
+    return g
+
+
 def moe_overrides(args):
     """The TransformerConfig fields the MoE flags change from the model's (build_model's
     config overrides): the router bias update, the token dispatcher."""

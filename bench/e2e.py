@@ -1,0 +1,313 @@
+"""End-to-end GRPO throughput: whole train_grpo.py steps with response lengths drawn from a distribution.
+
+    python tests/gpu/make_random_model.py /models/rand-7b --shape 7b --full-vocab
+    python bench/e2e.py --model /models/rand-7b --nproc 4 -- --tp 2 --rollout-tp 2 \\
+        --prompts-per-step 16 --samples-per-prompt 32 --mini-batch-size 128            # 4 GPUs
+    python bench/e2e.py --response-lengths fixed:16 --prompt-len 8 --warmup 1 --steps 2 -- \\
+        --prompts-per-step 4 --samples-per-prompt 4 --mini-batch-size 16              # CPU smoke run
+
+Runs train_grpo.py's own loop (weight sync, rollout, reward, old/reference logprob passes, PPO
+update, with offload/reload around the engine) for --warmup + --steps steps, through torchrun
+with --nproc > 1, else plain python, on --model (random weights: tests/gpu/make_random_model.py;
+default: the embedded tiny model). Flags after `--` go to train_grpo.py as they are (layout,
+batch, micro-batches, ...). What this driver sets:
+  --bench-response-lengths SPEC  every sample gets exactly its drawn number of tokens, EOS ignored
+                                 (common/rollout/lengths.py; the same draws on every rank and run);
+                                 --max-new-tokens = SPEC's max unless given after `--`
+  prompts                        random letters, --prompt-len characters each (one token each with
+                                 the random models' byte-level tokenizer), as --data --raw-prompts
+  no validation, sample printing, wandb or checkpoints; --out moved aside if it holds a run
+The reward is the math reward of the random text: irrelevant to the throughput.
+
+Reported over the timed steps (the warm-up steps pay for compilation, CUDA graphs, allocator):
+  tokens_per_s_per_gpu   prompt + response tokens of all samples / step seconds / world size,
+                         the steps summed (NeMo-RL's "Tokens / sec / GPU"); also per step
+  phases                 every *_s metric of the scripts (sync, wake, offload, rollout, reward,
+                         old_logprob, ref, reload, train, ...; other_s: the rest of step_s): mean
+                         seconds, share of the step, tokens / phase seconds / world size
+  lengths                the response lengths drawn (count, mean, std, min, p50, p90, p99, max);
+                         lengths_exact: each step's response tokens equal the sum of its draws
+  device, world size, layout, the command
+Output: a table, one `BENCH_JSON {...}` line and --out/e2e.json. Step seconds are rank 0's (the
+step ends with a collective: every rank is within a metric reduction of it).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import string
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common.rollout.lengths import draw_lengths, parse_lengths  # noqa: E402
+
+# NeMo-RL's Llama-3.1-8B GRPO recipe has ~1k-token responses (1,019 mean) within 4,096 tokens of
+# prompt + response: a lognormal of mean 1,000 capped so that 128-token prompts fit 4,096 positions
+DEFAULT_LENGTHS = "lognormal:mean=1000,sigma=0.6,min=16,max=3968"
+# train_grpo.py flags this driver sets or whose use breaks its accounting of the draws
+OWN_FLAGS = (
+    "--bench-response-lengths",
+    "--data",
+    "--steps",
+    "--seed",
+    "--out",
+    "--dynamic-sampling",
+    "--resume",
+    "--load-rollouts",
+)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [options] [-- train_grpo.py flags]",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir (random weights: tests/gpu/make_random_model.py); default: the embedded tiny model",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="processes, one per GPU (default: every visible GPU, else 1)"
+    )
+    p.add_argument(
+        "--response-lengths",
+        default=DEFAULT_LENGTHS,
+        metavar="SPEC",
+        help="response length distribution: fixed:L, uniform:min=A,max=B, lognormal:mean=M,sigma=S,max=B[,min=A]",
+    )
+    p.add_argument("--prompt-len", type=int, default=128, help="characters per prompt (tokens with a byte tokenizer)")
+    p.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the numbers")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--seed", type=int, default=1234, help="train_grpo.py's --seed: the prompts, the draws, sampling")
+    p.add_argument("--out", default="runs/bench_e2e", help="train_grpo.py's --out; e2e.json is written there")
+    return p
+
+
+def split_argv(argv):
+    """(this driver's flags, train_grpo.py's flags after `--`)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def write_prompts(path, count, length, seed):
+    """count rows {"prompt": `length` random letters and spaces, "answer": "0"} as JSON lines."""
+    rng = random.Random(f"e2e-prompts/{seed}")
+    alphabet = string.ascii_letters + "      "  # words of ~9 letters
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"prompt": "".join(rng.choice(alphabet) for _ in range(length)), "answer": "0"}) + "\n")
+
+
+def max_positions(model):
+    """The model's max_position_embeddings (the embedded model's without --model)."""
+    if model is None:
+        from common.run.embedded import DEFAULT_CONFIG
+
+        return DEFAULT_CONFIG["max_position_embeddings"]
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f).get("max_position_embeddings") or math.inf
+
+
+def length_stats(lengths):
+    """count, mean, std (population), min, nearest-rank p50 / p90 / p99, max of a list of lengths."""
+    ordered, n = sorted(lengths), len(lengths)
+    mean = sum(ordered) / n
+
+    def rank(q):
+        return ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]
+
+    return dict(
+        count=n,
+        mean=mean,
+        std=math.sqrt(sum((x - mean) ** 2 for x in ordered) / n),
+        min=ordered[0],
+        p50=rank(0.5),
+        p90=rank(0.9),
+        p99=rank(0.99),
+        max=ordered[-1],
+    )
+
+
+def summarize(rows, run_args, layout, spec_text, warmup):
+    """The report (module docstring) of metrics.jsonl rows of steps >= warmup; run_args and
+    layout: the run's config.json."""
+    world = layout["world_size"]
+    prompts, group = run_args["prompts_per_step"], run_args["samples_per_prompt"]
+    timed = [r for r in rows if r["step"] >= warmup]
+    drawn = {
+        r["step"]: [
+            n for row in draw_lengths(spec_text, prompts, group, seed=run_args["seed"], step=r["step"]) for n in row
+        ]
+        for r in timed
+    }
+    tokens, step_s = sum(r["tokens"] for r in timed), sum(r["step_s"] for r in timed)
+    response_tokens = sum(r["response_tokens"] for r in timed)
+    # seconds per phase: *_s but step_s (gen_tokens_per_s is a rate)
+    phase_keys = sorted({k for r in timed for k in r if k.endswith("_s") and k != "step_s" and "_per_" not in k})
+    phase_s = {k: sum(r.get(k, 0.0) for r in timed) for k in phase_keys}
+    phase_s["other_s"] = step_s - sum(phase_s.values())  # advantages, packing, metric reduction, ...
+    rollout_s = phase_s.get("rollout_s", 0.0)
+    return dict(
+        tokens_per_s_per_gpu=tokens / step_s / world,
+        tokens_per_s_per_gpu_per_step=[r["tokens"] / r["step_s"] / world for r in timed],
+        step_s_mean=step_s / len(timed),
+        step_s_per_step=[r["step_s"] for r in timed],
+        tokens_per_step=[r["tokens"] for r in timed],
+        response_tokens_per_step=[r["response_tokens"] for r in timed],
+        prompt_tokens_per_sample=(tokens - response_tokens) / (len(timed) * prompts * group),
+        gen_tokens_per_s_per_gpu=response_tokens / rollout_s / world if rollout_s else None,
+        phases={
+            k: dict(s=v / len(timed), share=v / step_s, tokens_per_s_per_gpu=tokens / v / world if v > 0 else None)
+            for k, v in phase_s.items()
+        },
+        lengths=length_stats([n for step in drawn.values() for n in step]),
+        lengths_exact=all(sum(drawn[r["step"]]) == r["response_tokens"] for r in timed),
+        memory_gb={
+            k: max(r[k] for r in timed if k in r) for k in sorted({k for r in timed for k in r}) if k.startswith("mem_")
+        },
+        world_size=world,
+        layout=layout,
+        prompts_per_step=prompts,
+        samples_per_prompt=group,
+        samples_per_step=prompts * group,
+        mini_batch_size=run_args["mini_batch_size"] or prompts * group,
+        response_lengths=spec_text,
+        warmup_steps=warmup,
+        steps=len(timed),
+    )
+
+
+def device_name(layout, nproc):
+    if not layout["device"].startswith("cuda"):
+        return layout["device"]
+    import torch
+
+    return f"{nproc} x {torch.cuda.get_device_name(0)}"
+
+
+def print_table(r):
+    lengths = r["lengths"]
+    print(
+        f"\ne2e GRPO on {r['device']}: {r['samples_per_step']} samples/step ({r['prompts_per_step']} prompts x "
+        f"{r['samples_per_prompt']}), mini-batch {r['mini_batch_size']}, {r['steps']} timed steps after "
+        f"{r['warmup_steps']}"
+    )
+    print(
+        f"response lengths {r['response_lengths']}: drawn mean {lengths['mean']:.0f}, p50 {lengths['p50']}, p90 "
+        f"{lengths['p90']}, p99 {lengths['p99']}, max {lengths['max']}"
+        + ("" if r["lengths_exact"] else "  (NOT EXACT: the responses' token counts differ from the draws)")
+        + f"; prompts {r['prompt_tokens_per_sample']:.0f} tokens"
+    )
+    print(f"tokens/s/GPU over the whole step: {r['tokens_per_s_per_gpu']:.1f}, step {r['step_s_mean']:.2f} s")
+    print(f"  {'phase':16s} {'s':>9s} {'share':>7s} {'tokens/s/GPU':>14s}")
+    for name, p in sorted(r["phases"].items(), key=lambda kv: -kv[1]["s"]):
+        rate = f"{p['tokens_per_s_per_gpu']:14.1f}" if p["tokens_per_s_per_gpu"] else f"{'-':>14s}"
+        print(f"  {name:16s} {p['s']:9.3f} {100 * p['share']:6.1f}% {rate}")
+
+
+def main(argv=None):
+    p = build_parser()
+    own, passthrough = split_argv(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(own)
+    try:
+        spec = parse_lengths(args.response_lengths)
+    except ValueError as e:
+        p.error(str(e).replace("--bench-response-lengths", "--response-lengths"))
+    given = [a for a in passthrough if a.split("=")[0] in OWN_FLAGS]
+    if given:
+        p.error(f"{given[0]} after `--`: this driver sets it (use its own flags, see --help)")
+    positions = max_positions(args.model)
+    if args.prompt_len + spec.high > positions:
+        p.error(
+            f"--prompt-len {args.prompt_len} + the longest response {spec.high} > the model's {positions} positions: "
+            "lower one of them"
+        )
+    if args.nproc is None:
+        import torch
+
+        args.nproc = max(1, torch.cuda.device_count())
+    args.out = os.path.abspath(args.out)  # train_grpo.py runs in the repository's root
+    args.model = args.model and os.path.abspath(args.model)
+
+    prompts_dir = tempfile.mkdtemp(prefix="e2e_prompts_")
+    data = os.path.join(prompts_dir, "prompts.jsonl")
+    write_prompts(data, 1024, args.prompt_len, args.seed)
+    train = [
+        "train_grpo.py",
+        *(["--model", args.model] if args.model else []),
+        "--bench-response-lengths",
+        args.response_lengths,
+        "--max-new-tokens",
+        str(spec.high),
+        "--data",
+        data,
+        "--raw-prompts",
+        "--max-prompt-len",
+        str(args.prompt_len),
+        "--steps",
+        str(args.warmup + args.steps),
+        "--seed",
+        str(args.seed),
+        "--eval-every",
+        "0",
+        "--log-samples-every",
+        "0",
+        "--save-every-minutes",
+        "0",
+        "--wandb",
+        "disabled",
+        "--out",
+        args.out,
+        "--start-over",
+        *passthrough,
+    ]
+    launcher = (
+        [sys.executable]
+        if args.nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    )
+    command = launcher + train
+    print("running: " + shlex.join(command), flush=True)
+    try:
+        rc = subprocess.run(command, cwd=ROOT).returncode
+    finally:
+        shutil.rmtree(prompts_dir, ignore_errors=True)
+    if rc != 0:
+        print(f"train_grpo.py exited with status {rc}: no numbers", file=sys.stderr)
+        return rc
+
+    out = args.out
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    if sum(r["step"] >= args.warmup for r in rows) < args.steps:
+        print(
+            f"{out}/metrics.jsonl holds {len(rows)} steps, not {args.warmup + args.steps}: no numbers", file=sys.stderr
+        )
+        return 1
+    result = summarize(rows, config["args"], config["layout"], args.response_lengths, args.warmup)
+    result.update(
+        device=device_name(config["layout"], args.nproc), command=shlex.join(command), prompt_len=args.prompt_len
+    )
+    print_table(result)
+    with open(os.path.join(out, "e2e.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("BENCH_JSON " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
