@@ -508,6 +508,42 @@ def test_the_lock_goes_with_its_process(tmp_path, capsys, monkeypatch):
     assert train_grpo.parse_args(["--out", str(out)]).out == str(out)  # the dead holder's file is no lock
 
 
+def test_a_lock_outliving_its_run_says_who_holds_it(tmp_path, capsys, monkeypatch):
+    """A process the run started (a rollout engine's worker) inherits the lock and may outlive
+    the run: the refusal says the run's pid has ended and how to find the holder."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "run"
+    code = (
+        "import os, sys, time\n"
+        "from common.run.preflight import lock_out\n"
+        f"lock_out({str(out)!r})\n"
+        "if os.fork() == 0:\n"
+        "    sys.stdin.readline(); os._exit(0)\n"  # the child keeps the lock until told to go
+        "print(os.getpid(), flush=True)\n"
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(run.stdout.readline())
+        run.wait(timeout=60)  # the run is gone, its child is not
+        err = parse_error(capsys, train_grpo.parse_args, ["--out", str(out)])
+        assert f"(pid {pid} on host " in err and "that pid has ended" in err and "fuser" in err, err
+    finally:
+        run.stdin.close()  # the child reads the end of its input and exits
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            train_grpo.parse_args(["--out", str(out)])
+            break
+        except SystemExit:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the lock was not released when its last holder exited")
+    capsys.readouterr()
+
+
 def _without_file_permission_bypass():
     """A command prefix under which root is refused what file permissions refuse (CAP_DAC_OVERRIDE
     dropped), so that a read-only directory is one for the test too."""

@@ -119,7 +119,9 @@ def lock_out(out):
     except BlockingIOError:
         with open(fd, closefd=True) as f:
             holder = f.read().strip() or "its pid unknown"
-        raise UsageError(f"--out {out} is in use by another run ({holder}); wait for it or choose another --out")
+        raise UsageError(
+            f"--out {out} is in use by another run ({holder}{_gone(holder)}); wait for it or choose another --out"
+        )
     except OSError as e:  # a filesystem without locks (ENOLCK, ENOSYS, EOPNOTSUPP): run unguarded
         os.close(fd)
         if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
@@ -130,6 +132,21 @@ def lock_out(out):
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode())
     _held_locks[path] = fd
+
+
+def _gone(holder):
+    """A note when the run named in a held lock file is gone from this host: a process it started
+    (a rollout engine's worker, say) holds the lock still."""
+    words = holder.split()
+    if len(words) < 5 or words[0] != "pid" or words[4] != socket.gethostname() + ",":
+        return ""
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return f"; that pid has ended, a process it started still holds {LOCK_FILE}: `fuser -v` on it names it"
+    except (ValueError, PermissionError):
+        pass
+    return ""
 
 
 def _check_numbers(args, min_group):
