@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from common.model.bridge import expected_hf_names, expected_hf_shape, param_rule, shard_from_hf
+from common.model.bridge import expected_hf_shape, param_rule, shard_from_hf
 from common.run.cli import (
     DTYPES,
     HF_DTYPE_NAMES,
@@ -53,30 +53,11 @@ from common.run.cli import (
     run_cli,
     temporary_output,
 )
-from common.run.convert_io import Chunk, SafetensorsDir, lazy_dcp_save, write_megatron_files
+from common.run.convert_io import Chunk, SafetensorsDir, check_hf_weights, lazy_dcp_save, write_megatron_files
 from common.run.dist import print0
 from common.run.preflight import TOKENIZER_FILES
 
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def check_hf_weights(files: SafetensorsDir, spec, hf_dir):
-    """Every tensor config.json implies is present with the implied shape (headers only)."""
-    for name in expected_hf_names(spec):
-        if name not in files.tensors:
-            raise ConversionError(
-                f"tensor {name!r} is missing from the weights in {hf_dir}, but config.json "
-                f"({spec.architecture}, {spec.num_layers} layers, tie_word_embeddings="
-                f"{spec.tie_word_embeddings}) requires it: config.json does not match the weights."
-            )
-        shape, expected = files.tensors[name].shape, expected_hf_shape(name, spec)
-        if shape != expected:
-            raise ConversionError(
-                f"tensor {name!r} in {files.tensors[name].path} has shape {list(shape)} but config.json "
-                f"implies {list(expected)}: config.json does not match the weights. Use the config.json "
-                "that came with these weights."
-            )
-    return sorted(set(files.tensors) - set(expected_hf_names(spec)))  # ignored extras
 
 
 # ---------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def main():
     from common.train.checkpoint import load_model_checkpoint
     from common.train.guard import RunControl, check_finite
     from common.train.offload import Colocation, PhaseMemory, Timer
-    from common.train.resume import load_training_checkpoint
+    from common.train.resume import changed_flags, load_training_checkpoint
     from common.train.reward_model import RewardModel
     from common.train.save import CheckpointWriter
     from common.train.setup import setup_training
@@ -359,8 +359,10 @@ def main():
     if args.resume:  # common/run/preflight.py made sure there is a checkpoint
         extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler)
         start_step = extra["step"]
-        sampler.load_state_dict(extra["sampler"])
+        sampler.load_state_dict(extra["sampler"])  # (refused if the data or --seed changed)
         print0(f"resumed from step {start_step}")
+        for line in changed_flags(extra.get("flags", {}), F.schedule_flags(args), start_step):
+            print0(line)  # the schedule follows this run's flags, from the resumed step on
     logger = MetricsLogger(
         args.out,
         run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
@@ -672,7 +674,7 @@ def main():
                 model,
                 optimizer,
                 scheduler,
-                extra={"step": step + 1, "sampler": sampler.state_dict()},
+                extra={"step": step + 1, "sampler": sampler.state_dict(), "flags": F.schedule_flags(args)},
                 keep_last=args.keep_checkpoints,
                 hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
                 meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},

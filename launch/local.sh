@@ -42,6 +42,23 @@ if [ "$NPROC" -eq 1 ]; then
     exec "$PY" "$@"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Stopping (Ctrl-C, SIGTERM, the terminal closing): the ranks finish their step and save a
+# checkpoint, minutes for a large model, but torchrun SIGKILLs them 30 s after it forwards a signal
+# (fixed before torch 2.12). So torchrun runs in a process group of its own, which the terminal's
+# Ctrl-C does not reach, and this script hands the signal to the ranks itself: they save and exit 0,
+# and so does torchrun. A second Ctrl-C aborts. Should torchrun itself be signalled, torch >= 2.12
+# gives the ranks STOP_GRACE_S seconds.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-900}
 # torchrun through the same python (not the first `torchrun` on PATH, which may belong to
 # another environment). --standalone: single-node rendezvous on a free local port.
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"
+set -m  # job control: the background job gets its own process group
+"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@" &
+TORCHRUN=$!
+set +m
+to_ranks() { pkill "-$1" -P "$TORCHRUN" || kill "-$1" "$TORCHRUN" 2>/dev/null || true; }
+trap 'to_ranks INT' INT
+trap 'to_ranks TERM' TERM HUP
+set +e
+wait "$TORCHRUN"; RC=$?
+while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN"; RC=$?; done  # a trapped signal interrupts wait
+exit "$RC"

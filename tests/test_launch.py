@@ -220,3 +220,42 @@ def test_plain_python_binds_no_port_it_picked_earlier():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "world 1 1" in proc.stdout
+
+
+def test_local_stop_saves_the_step_in_progress_and_exits_0(tmp_path):
+    """`NPROC=2 bash launch/local.sh train_grpo.py` (real torchrun, gloo) receiving SIGTERM mid-run:
+    the signal reaches the ranks, not torchrun (which would kill them after its grace period and
+    exit 1): they finish the step in progress, publish its checkpoint, and the launch exits 0."""
+    import json
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    small = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--micro-batch-size", "4"]
+    small += ["--mini-batch-size", "16", "--max-new-tokens", "4"]
+    env = dict(os.environ, NPROC="2", PYTHONWARNINGS="ignore", WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        ["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", *small, "--steps", "40", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped by SIGTERM" in output and "Traceback" not in output, output[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert 2 <= len(steps) < 40 and steps == list(range(len(steps)))
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{len(steps):06d}" and (out / "checkpoints" / latest / "complete").is_file()

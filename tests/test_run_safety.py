@@ -201,14 +201,14 @@ def test_out_never_overlaps_inputs_or_an_earlier_run(inputs, tmp_path, capsys, m
     train_grpo.parse_args(["--out", str(fresh)])
     # --start-over: the old run is moved aside, nothing deleted
     train_grpo.parse_args(["--out", str(run), "--start-over"])
-    assert not run.exists()
+    assert os.listdir(run) == [".run.lock"]  # a new --out, locked for the new run
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert (aside / "notes.txt").read_text() == "precious" and (aside / "metrics.jsonl").read_text() == '{"step": 0}\n'
     # --resume auto (a requeued job): no checkpoint -> a fresh start, with the old files moved aside
-    (run / "metrics.jsonl").parent.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     args = train_grpo.parse_args(["--out", str(run), "--resume", "auto"])
-    assert args.resume is None and args.start_over and not run.exists()
+    assert args.resume is None and args.start_over and os.listdir(run) == [".run.lock"]
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]) == 2
 
 
 def test_flags_the_user_gave_are_kept(tmp_path, monkeypatch):
@@ -456,3 +456,261 @@ def test_non_finite_gradient_is_named_and_no_update_happens():
     check_finite("old logprobs", logprobs, mask)  # the NaN is outside the mask
     with pytest.raises(NonFiniteError, match="old logprobs: 1 of 2 values"):
         check_finite("old logprobs", logprobs)
+
+
+# ---- everyday mistakes that lose work ----------------------------------------------------------
+def test_a_second_run_into_the_same_out_is_refused_and_a_dead_ones_lock_is_not(tmp_path):
+    """Run A trains in --out; run B into the same --out (even with --start-over, which would move
+    A's files aside under it) is refused with one line naming A's pid and host, and A finishes
+    untouched. Once A has ended, its lock is gone with it: the same B command starts over."""
+    out = tmp_path / "run"
+    first = Background("train_grpo.py", *SMALL, "--steps", "40", "--save-every", "100", "--out", out)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.1)
+        second = run_script("train_grpo.py", *SMALL, "--steps", "2", "--out", out, "--start-over", check=False)
+        err = second.stderr.strip()
+        assert second.returncode == 2, (second.stdout + err)[-3000:]
+        assert len(err.splitlines()) == 1 and f"--out {out} is in use by another run (pid " in err, err
+        assert "wait for it or choose another --out" in err and not list(tmp_path.glob("run.old-*"))
+    finally:
+        first.wait()
+    assert [m["step"] for m in read_metrics(out)] == list(range(40))
+    run_script("train_grpo.py", *SMALL, "--steps", "2", "--out", out, "--start-over")
+    (aside,) = tmp_path.glob("run.old-*")
+    assert len(read_metrics(aside)) == 40 and len(read_metrics(out)) == 2
+
+
+def test_the_lock_goes_with_its_process(tmp_path, capsys, monkeypatch):
+    """flock: a run killed with SIGKILL leaves a lock file that no longer locks anything."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from common.run.preflight import lock_out; lock_out({str(out)!r}); print(1, flush=True); input()",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        err = parse_error(capsys, train_grpo.parse_args, ["--out", str(out)])
+        assert f"is in use by another run (pid {holder.pid} on host " in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train_grpo.parse_args(["--out", str(out)]).out == str(out)  # the dead holder's file is no lock
+
+
+def test_a_lock_outliving_its_run_says_who_holds_it(tmp_path, capsys, monkeypatch):
+    """A process the run started (a rollout engine's worker) inherits the lock and may outlive
+    the run: the refusal says the run's pid has ended and how to find the holder."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "run"
+    code = (
+        "import os, sys, time\n"
+        "from common.run.preflight import lock_out\n"
+        f"lock_out({str(out)!r})\n"
+        "if os.fork() == 0:\n"
+        "    sys.stdin.readline(); os._exit(0)\n"  # the child keeps the lock until told to go
+        "print(os.getpid(), flush=True)\n"
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(run.stdout.readline())
+        run.wait(timeout=60)  # the run is gone, its child is not
+        err = parse_error(capsys, train_grpo.parse_args, ["--out", str(out)])
+        assert f"(pid {pid} on host " in err and "that pid has ended" in err and "fuser" in err, err
+    finally:
+        run.stdin.close()  # the child reads the end of its input and exits
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            train_grpo.parse_args(["--out", str(out)])
+            break
+        except SystemExit:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the lock was not released when its last holder exited")
+    capsys.readouterr()
+
+
+def _without_file_permission_bypass():
+    """A command prefix under which root is refused what file permissions refuse (CAP_DAC_OVERRIDE
+    dropped), so that a read-only directory is one for the test too."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a read-only directory cannot be made")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+def test_read_only_out_is_one_line_before_start_up(tmp_path):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        proc = subprocess.run(
+            [*_without_file_permission_bypass(), sys.executable, "train_grpo.py", "--out", str(read_only / "run")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=script_env(),
+        )
+    finally:
+        read_only.chmod(0o755)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    assert f"--out {read_only / 'run'} cannot be written (Permission denied" in err, err
+    assert "world 1" not in proc.stdout  # refused before start-up
+
+
+def test_services_asked_for_but_missing_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = ["--out", str(tmp_path / "run")]
+    from common.rollout.engines import vllm_available
+
+    if not vllm_available():
+        err = parse_error(capsys, train_grpo.parse_args, ["--rollout", "vllm"] + out)
+        assert "--rollout vllm: vLLM is not installed" in err and "--rollout cpu" in err, err
+    # --wandb online and no key anywhere wandb looks (checked without a network call)
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    err = parse_error(capsys, train_ppo.parse_args, ["--wandb", "online"] + out)
+    assert "--wandb online: no wandb API key found" in err and "--wandb offline" in err, err
+    assert train_grpo.parse_args(["--wandb", "offline"] + out).wandb == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert train_grpo.parse_args(["--wandb", "online"] + out).wandb == "online"
+
+
+def test_a_failed_start_does_not_block_the_same_command(tmp_path):
+    """A run that stops before its first step completes (here: NaN at step 1, after step 0's
+    validation wrote eval/) leaves only what a start writes: the same command runs again (and
+    stops the same way) instead of being refused as a non-empty --out."""
+    cmd = ["train_grpo.py", *SMALL, "--lr", "1e30", "--steps", "2", "--out", tmp_path / "run"]
+    first = run_script(*cmd, check=False)
+    assert first.returncode == 3, first.stderr[-3000:]
+    assert (tmp_path / "run" / "eval").is_dir()  # what made it a "used" --out before
+    again = run_script(*cmd, check=False)
+    assert again.returncode == 3 and "step 1: " in again.stderr.strip().splitlines()[-1], again.stderr[-3000:]
+
+
+def test_weights_that_make_the_sampler_overflow_stop_with_exit_3(tmp_path):
+    """One update per step at a huge learning rate: the weights stay finite but the CPU engine's
+    logits overflow at the next rollout. Its sampler does not crash (multinomial refuses NaN
+    probabilities): the run stops in the non-finite guard, exit 3, one line."""
+    proc = run_script(
+        "train_grpo.py",
+        "--lr",
+        "1e38",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "16",
+        "--mini-batch-size",
+        "128",
+        "--out",
+        tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_grpo.py: stopped: step 2: ") and "NaN/Inf" in last, last
+    assert "Traceback" not in proc.stderr
+
+
+def test_sampler_survives_non_finite_logits():
+    import torch
+
+    from common.rollout.hf_engine import sample_tokens
+
+    logits = torch.tensor([[0.0, 50.0, 0.0], [float("nan"), 1.0, 2.0], [float("inf"), 0.0, 0.0]])
+    for top_p in (1.0, 0.9):
+        tokens, logprobs = sample_tokens(logits, 1.0, top_p, torch.Generator().manual_seed(0))
+        assert tokens[0] == 1 and logprobs[0] == pytest.approx(0.0, abs=1e-6)  # a finite row samples as before
+        assert torch.isnan(logprobs[1:]).all() and ((0 <= tokens) & (tokens < 3)).all()
+
+
+def test_broken_weights_are_refused_as_convert_refuses_them(inputs, tmp_path, capsys, monkeypatch):
+    """What convert_hf_to_mcore.py refuses, the trainers refuse too, before start-up: a truncated,
+    damaged or missing shard, a tensor whose shape config.json contradicts."""
+    import safetensors.torch
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tensors = safetensors.torch.load_file(str(inputs / "model" / "model.safetensors"))
+
+    def broken(name, change):
+        path = tmp_path / name
+        shutil.copytree(inputs / "model", path)
+        change(path)
+        return ["--model", str(path), "--max-new-tokens", "4", "--out", str(tmp_path / f"{name}_run")]
+
+    def truncate(path):
+        with open(path / "model.safetensors", "r+b") as f:
+            f.truncate(os.path.getsize(path / "model.safetensors") - 100)
+
+    def shard(path):  # two shards and an index, the second shard missing
+        names = sorted(tensors)
+        parts = {"model-1.safetensors": names[:5], "model-2.safetensors": names[5:]}
+        for file, part in parts.items():
+            safetensors.torch.save_file({n: tensors[n] for n in part}, str(path / file), metadata={"format": "pt"})
+        index = {"weight_map": {n: file for file, part in parts.items() for n in part}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        os.remove(path / "model.safetensors")
+        os.remove(path / "model-2.safetensors")
+
+    def vocab(path):  # config.json says more tokens than the embedding has rows
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 64)))
+
+    def garbage(path):
+        (path / "model.safetensors").write_bytes(b"\xff" * 64)
+
+    for name, change, says in (
+        ("truncated", truncate, "is truncated: its header describes"),
+        ("missing", shard, "model-2.safetensors is missing"),
+        ("vocab", vocab, "'model.embed_tokens.weight'"),
+        ("garbage", garbage, "is damaged"),
+    ):
+        err = parse_error(capsys, train_grpo.parse_args, broken(name, change))
+        assert f"--model {tmp_path / name}: " in err and says in err, (name, err)
+
+
+def test_nan_weights_are_named_and_refused_with_exit_2(inputs, tmp_path):
+    """NaN weights are found while each rank reads its shard (a full read: no extra pass), and
+    every rank stops with one line naming the tensor and its file."""
+    import safetensors.torch
+
+    model = tmp_path / "model"
+    shutil.copytree(inputs / "model", model)
+    tensors = safetensors.torch.load_file(str(model / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    safetensors.torch.save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_torchrun_unchecked(
+        "train_grpo.py", 2, "--model", model, "--tp", "2", *SMALL, "--steps", "1", "--out", tmp_path / "run"
+    )
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert err[-1].startswith("train_grpo.py: error: the weights in "), err[-3:]
+    assert f"'model.layers.1.mlp.up_proj.weight' in {model / 'model.safetensors'} holds NaN/Inf" in err[-1], err[-1]
+    assert "Traceback" not in proc.stderr
+
+
+def run_torchrun_unchecked(script, nproc, *args):
+    from tests.conftest import launch
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", script]
+    return launch(cmd + [str(a) for a in args], script, args, nproc=nproc, env=script_env(), timeout=600)

@@ -87,11 +87,19 @@ class HFCheckpointReader:
             ) from e
 
 
+class WeightsError(ValueError):
+    """Weights that cannot be trained from (NaN/Inf values): the user's files to fix, not a bug."""
+
+
 def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=None, skip_prefixes=()):
     """Copy this rank's shard of every parameter from the HF checkpoint. Reads only
     owned slices, so host memory per rank ~ its shard. Returns the number of tensors set.
     Parameters whose (global) name starts with one of skip_prefixes are left as they are
-    (the critic's value head, "output_layer.", has no HF counterpart in a causal LM)."""
+    (the critic's value head, "output_layer.", has no HF counterpart in a causal LM).
+
+    Every loaded parameter is checked for NaN/Inf (on its device, one host sync at the end):
+    a WeightsError names the HF tensor and its file, raised on every rank alike when the
+    process group is up (all ranks call this: one all_reduce)."""
     from megatron.core import parallel_state as mpu
 
     tp_rank = mpu.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
@@ -99,7 +107,7 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
     # routed experts are split over the expert-TP group (of size etp), not the TP group
     etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
     reader = HFCheckpointReader(hf_dir, spec)
-    count = 0
+    count, finite, loaded = 0, [], []  # finite[i]: a 0-dim bool on the device, of loaded[i] = (name, hf_names)
     for chunk in chunks:
         for name, param in named_global_tensors(chunk):  # this rank's experts only
             if name.startswith(tuple(skip_prefixes)):
@@ -113,8 +121,39 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
                 raise RuntimeError(f"{name}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(shard)
+                finite.append(torch.isfinite(param).all())
+            loaded.append((name, hf_names))
             count += 1
+    _check_loaded_finite(finite, loaded, reader)
     return count
+
+
+def _check_loaded_finite(finite, loaded, reader):
+    """WeightsError on every rank if any rank loaded a NaN/Inf, naming the first such HF tensor."""
+    bad = [i for i, ok in enumerate(torch.stack(finite).tolist() if finite else []) if not ok]
+    problem = None
+    if bad:
+        name, hf_names = loaded[bad[0]]
+        culprit = next((n for n in hf_names if not torch.isfinite(reader.read(n)).all()), None)
+        if culprit is not None:
+            path = os.path.join(reader.hf_dir, reader.weight_map[culprit])
+            problem = f"tensor {culprit!r} in {path} holds NaN/Inf values"
+        else:  # finite in the file, not after the cast to the training dtype
+            path = os.path.join(reader.hf_dir, reader.weight_map[hf_names[0]])
+            problem = f"tensor {hf_names[0]!r} in {path} holds values beyond the range of the training dtype"
+        problem += f" ({len(bad)} of this rank's {len(loaded)} parameters are affected)"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([float(problem is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():  # only on failure: which rank found what
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, problem)
+            problem = next(p for p in every if p is not None)
+    if problem is not None:
+        raise WeightsError(
+            f"the weights in {reader.hf_dir} cannot be trained from: {problem}. Copy or download them again"
+        )
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,6 +33,11 @@ def sample_tokens(logits, temperature, top_p, generator):
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    # Weights an update made non-finite (or finite but huge: the logits overflow) give NaN rows,
+    # which multinomial refuses: such a row draws any token and keeps its NaN logprob, so the
+    # trainer's non-finite guard (common/train/guard.py) stops the run, naming the step.
+    broken = ~torch.isfinite(probs).all(dim=-1, keepdim=True)  # (B, 1)
+    probs = torch.where(broken, 1.0, probs)
     # multinomial renormalises the (filtered) probabilities; one generator draw per row.
     tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (B,)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

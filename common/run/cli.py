@@ -235,11 +235,12 @@ def run_cli(run, args):
 
 def run_training(main):
     """Run a training script's main(). A mistake found after start-up (common.preflight's
-    UsageError: all prompts too long, ...), a non-finite loss, gradient or logprob
-    (common.guard's NonFiniteError) or a checkpoint that could not be written (a full disk:
-    common.checkpoint_io's CheckpointWriteError) ends the run with one message from rank 0 and
-    exit code 2, 3 or 4; every rank raises these alike, so every rank leaves. Bugs keep their
-    traceback."""
+    UsageError: all prompts too long, ...; NaN weights: common.model.weights' WeightsError), a
+    non-finite loss, gradient or logprob (common.guard's NonFiniteError) or a checkpoint that
+    could not be written (a full disk: common.checkpoint_io's CheckpointWriteError) ends the run
+    with one message from rank 0 and exit code 2, 3 or 4; every rank raises these alike, so
+    every rank leaves. Bugs keep their traceback."""
+    from common.model.weights import WeightsError
     from common.train.checkpoint_io import CheckpointWriteError
     from common.train.guard import NonFiniteError, UsageError
 
@@ -247,7 +248,7 @@ def run_training(main):
     try:
         main()
         return
-    except UsageError as e:
+    except (UsageError, WeightsError) as e:  # (NaN weights: found while loading them)
         code, message = 2, f"{prog}: error: {e}"
     except NonFiniteError as e:
         code, message = 3, f"{prog}: stopped: {e}"

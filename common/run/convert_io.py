@@ -2,6 +2,7 @@
 Megatron-Core torch_dist checkpoint written through PyTorch DCP one tensor at a time.
 
   SafetensorsDir(hf_dir)        every tensor header of a checkpoint dir, validated; .read(name, ...)
+  check_hf_weights(files, spec, hf_dir)   every tensor config.json implies, with its shape (headers only)
   Chunk                         one tensor chunk of the megatron checkpoint (key, offset, shape)
   lazy_dcp_save(dir, chunks, objects, make_tensor)   the save, asking make_tensor(chunk) per chunk
   write_megatron_files(dir)     metadata.json and common.pt, as megatron's save writes them
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model.bridge import expected_hf_names, expected_hf_shape
 from common.run.cli import ConversionError
 
 # ---------------------------------------------------------------------------------------
@@ -131,6 +133,29 @@ class SafetensorsDir:
         if col_slice is not None and range(out.shape[1])[col_slice] != range(out.shape[1]):
             out = out[:, col_slice].contiguous()  # never at TP=1, kept for completeness
         return out
+
+
+def check_hf_weights(files: SafetensorsDir, spec, hf_dir, skip=()):
+    """Every tensor config.json implies is present with the implied shape (headers only); names
+    starting with one of `skip` need not be there. Returns the names present but not used."""
+    expected = expected_hf_names(spec)
+    for name in expected:
+        if name.startswith(tuple(skip)) and name not in files.tensors:
+            continue
+        if name not in files.tensors:
+            raise ConversionError(
+                f"tensor {name!r} is missing from the weights in {hf_dir}, but config.json "
+                f"({spec.architecture}, {spec.num_layers} layers, tie_word_embeddings="
+                f"{spec.tie_word_embeddings}) requires it: config.json does not match the weights."
+            )
+        shape, implied = files.tensors[name].shape, expected_hf_shape(name, spec)
+        if shape != implied:
+            raise ConversionError(
+                f"tensor {name!r} in {files.tensors[name].path} has shape {list(shape)} but config.json "
+                f"implies {list(implied)}: config.json does not match the weights. Use the config.json "
+                "that came with these weights."
+            )
+    return sorted(set(files.tensors) - set(expected))  # ignored extras
 
 
 # ---------------------------------------------------------------------------------------

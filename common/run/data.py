@@ -259,10 +259,13 @@ class PromptSampler:
 
     def load_state_dict(self, state):
         if state["num_items"] != self.num_items or state["seed"] != self.seed:
-            raise ValueError(
-                f"sampler state is for {state['num_items']} items / seed {state['seed']}, "
-                f"this sampler has {self.num_items} / seed {self.seed}: the dataset "
-                "or --seed changed since the checkpoint"
+            from common.train.guard import UsageError
+
+            raise UsageError(
+                f"--resume: the checkpoint's place in the data is for {state['num_items']} prompts with --seed "
+                f"{state['seed']}, this run has {self.num_items} prompts with --seed {self.seed}: the dataset (or "
+                "what --max-prompt-len keeps of it) or --seed changed since. Resume with the data and --seed the "
+                "run started with, or begin a new run on this data with --start-over (or another --out)"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)

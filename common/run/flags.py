@@ -438,6 +438,25 @@ def bench_flags(p):
     return g
 
 
+# What shapes the learning-rate schedules (common/train/setup.py): saved with each checkpoint, so
+# that --resume names the ones given another value (common/train/resume.py changed_flags).
+SCHEDULE_FLAGS = (
+    "lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay",
+    "weight_decay",
+    "steps",
+    "critic_lr",
+    "critic_warmup_steps",
+)
+
+
+def schedule_flags(args):
+    """{"--lr": value, ...} of the SCHEDULE_FLAGS this script has."""
+    return {f"--{name.replace('_', '-')}": getattr(args, name) for name in SCHEDULE_FLAGS if hasattr(args, name)}
+
+
 def moe_overrides(args):
     """The TransformerConfig fields the MoE flags change from the model's (build_model's
     config overrides): the router bias update, the token dispatcher."""

@@ -229,23 +229,44 @@ def quiet_known_warnings(rank: int | None = None, on_gpu: bool | None = None):
 
 
 def default_wandb_mode():
-    """ "online" when wandb credentials exist (WANDB_API_KEY or a ~/.netrc entry), else "disabled".
+    """ "online" when wandb credentials exist (wandb_credentials), else "disabled".
 
     An explicit WANDB_MODE environment variable (online/offline/disabled) wins.
     """
     mode = os.environ.get("WANDB_MODE", "").lower()
     if mode in ("online", "offline", "disabled"):
         return mode
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
+    return "online" if wandb_credentials() else "disabled"
+
+
+def wandb_credentials():
+    """Where wandb would find an API key for its server, as wandb 0.31 looks (environment, a netrc
+    entry for the host of WANDB_BASE_URL, the api_key of its settings file), or None. Reads files
+    only: no network call, no wandb import."""
+    import configparser
+    import netrc
+    from urllib.parse import urlsplit
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(name):
+            return name
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc
+    home = os.path.expanduser("~")
+    netrc_path = os.environ.get("NETRC") or next(
+        (p for p in (os.path.join(home, ".netrc"), os.path.join(home, "_netrc")) if os.path.isfile(p)), None
+    )
     try:
-        with open(netrc) as f:
-            if "api.wandb.ai" in f.read():  # written by `wandb login`
-                return "online"
-    except OSError:
+        if netrc_path and host and (netrc.netrc(netrc_path).authenticators(host) or (None,) * 3)[2]:
+            return netrc_path  # written by `wandb login`
+    except (OSError, netrc.NetrcParseError):
         pass
-    return "disabled"
+    settings = os.path.join(os.environ.get("WANDB_CONFIG_DIR") or os.path.join(home, ".config", "wandb"), "settings")
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(settings)
+    except configparser.Error:
+        return None
+    return settings if parser.get("default", "api_key", fallback=None) else None
 
 
 def progress_bar(iterable, desc, enabled=True):

@@ -14,12 +14,19 @@ Also here: the output directory's rules, so that no run ever loses a user's file
   - a non-empty --out is refused unless --resume (continue it) or --start-over (it is moved
     aside to <out>.old-<time>, nothing is deleted);
   - --resume needs a checkpoint in --out/checkpoints (it never silently starts over);
-    --resume auto (for requeued jobs) resumes when there is one, else acts as --start-over.
+    --resume auto (for requeued jobs) resumes when there is one, else acts as --start-over;
+    a requeued Slurm job (SLURM_RESTART_COUNT > 0) started with --start-over resumes the run
+    its first attempt began (as --resume auto) instead of moving it aside;
+  - one run at a time in an --out: rank 0 holds an exclusive lock on --out/.run.lock for the
+    run's life (flock: it goes with the process, so a crashed or killed run leaves none).
 """
 
+import errno
+import fcntl
 import json
 import math
 import os
+import socket
 import time
 
 from common.model.bridge import check_parallel_layout, parse_hf_config
@@ -29,21 +36,38 @@ from common.run.flags import logprob_micro_batching
 from common.train.guard import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# What a run writes into --out before its first step: a re-run over such a directory loses nothing.
-RUN_START_FILES = {"embedded_model", "config.json", "metrics.jsonl"}
+LOCK_FILE = ".run.lock"  # (the holder's pid, host and start time inside, for the refusal's message)
+# What a run writes into --out before its first step completes (a failed or killed start leaves
+# them): a re-run over such a directory loses nothing. The embedded model, the run record, an
+# empty metrics.jsonl, the lock, step 0's validation (eval/), wandb's files, an interrupted
+# first save (checkpoints/ without a checkpoint).
+RUN_START_FILES = {
+    "embedded_model",
+    "config.json",
+    "metrics.jsonl",
+    LOCK_FILE,
+    "eval",
+    "samples.jsonl",
+    "wandb",
+    "wandb_run_id",
+    "checkpoints",
+}
+_held_locks = {}  # --out (absolute) -> the fd of its lock file, held by this process
 
 
 def check_training_run(parser, args, *, min_group=1, critic_model=None):
     """Validate train_grpo.py / train_ppo.py arguments and inputs; parser.error() (one line on
-    rank 0, exit 2) on the first problem. With args.start_over, rank 0 moves a non-empty
-    --out aside (after every check passed)."""
+    rank 0, exit 2) on the first problem. Rank 0 locks --out for the run; with args.start_over
+    it moves a non-empty --out aside (after every check passed)."""
     try:
+        _requeued_start_over(args)
         _check_numbers(args, min_group)
+        _check_services(args)
         critic_model = _resolve_hub_names(args, critic_model)
         spec, critic = _check_model(args, critic_model)
         _check_layout(args, spec, critic)
         _check_inputs(args)
-        _check_out(args, critic_model)
+        _check_out(args, critic_model, spec)
     except UsageError as e:
         parser.error(str(e))
     if args.start_over and _has_run(args.out) and launcher_rank() == 0:
@@ -52,9 +76,77 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
             if not os.path.exists(aside):
                 break
             aside = f"{base}-{n}"
-        os.rename(args.out, aside)
+        os.rename(args.out, aside)  # (with the lock file, still held: the new --out gets its own)
+        _held_locks.pop(os.path.abspath(args.out), None)
+        try:
+            lock_out(args.out)
+        except UsageError as e:
+            parser.error(str(e))
         print(f"--start-over: the previous contents of {args.out} are now in {aside}", flush=True)
     return spec
+
+
+def _requeued_start_over(args):
+    """A requeued Slurm job runs its command again: its --start-over meant the first attempt.
+    The later ones continue the run it began (--resume auto: from its checkpoint, else anew)."""
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if args.start_over and attempt > 0:
+        args.start_over, args.resume = False, "auto"
+        if launcher_rank() == 0:
+            print(
+                f"--start-over: this is attempt {attempt + 1} of a requeued Slurm job: continuing the run its "
+                "first attempt started (as --resume auto)",
+                flush=True,
+            )
+
+
+def lock_out(out):
+    """Rank 0: hold an exclusive lock on out/.run.lock for this process's life (created with out),
+    or UsageError naming the run that holds it. The lock is flock(2): the kernel releases it
+    when the process ends, however it ends, so a dead run never blocks the next."""
+    path = os.path.abspath(out)
+    if path in _held_locks:  # (parse_args again in the same process: tests)
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UsageError(
+            f"--out {out} cannot be written ({e.strerror}: {e.filename}): choose a directory you can write to"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        with open(fd, closefd=True) as f:
+            holder = f.read().strip() or "its pid unknown"
+        raise UsageError(
+            f"--out {out} is in use by another run ({holder}{_gone(holder)}); wait for it or choose another --out"
+        )
+    except OSError as e:  # a filesystem without locks (ENOLCK, ENOSYS, EOPNOTSUPP): run unguarded
+        os.close(fd)
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        print(f"warning: --out {out} cannot be locked ({e.strerror}): nothing stops a second run there", flush=True)
+        return
+    os.ftruncate(fd, 0)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode())
+    _held_locks[path] = fd
+
+
+def _gone(holder):
+    """A note when the run named in a held lock file is gone from this host: a process it started
+    (a rollout engine's worker, say) holds the lock still."""
+    words = holder.split()
+    if len(words) < 5 or words[0] != "pid" or words[4] != socket.gethostname() + ",":
+        return ""
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return f"; that pid has ended, a process it started still holds {LOCK_FILE}: `fuser -v` on it names it"
+    except (ValueError, PermissionError):
+        pass
+    return ""
 
 
 def _check_numbers(args, min_group):
@@ -155,6 +247,30 @@ def _check_numbers(args, min_group):
         raise UsageError("--resume continues the run in --out, --start-over begins a new one there: pass one")
 
 
+def _check_services(args):
+    """What the run will use besides the model: the rollout engine it was asked for, wandb."""
+    from common.rollout.engines import vllm_available
+    from common.run.log import default_wandb_mode, wandb_credentials
+
+    if args.rollout == "vllm" and not args.load_rollouts and not vllm_available():
+        raise UsageError(
+            "--rollout vllm: vLLM is not installed in this environment (GPU installs: pip install -r "
+            "requirements-gpu.txt); or pass --rollout cpu (the CPU engine: tiny models only)"
+        )
+    mode = args.wandb or default_wandb_mode()
+    if mode == "disabled":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UsageError(f"--wandb {mode}: wandb is not installed (pip install wandb), or pass --wandb disabled")
+    if mode == "online" and not wandb_credentials():
+        raise UsageError(
+            "--wandb online: no wandb API key found (WANDB_API_KEY, a ~/.netrc entry, wandb's settings): run "
+            "`wandb login` or set WANDB_API_KEY; or pass --wandb offline (upload later: wandb sync) or --wandb disabled"
+        )
+
+
 def _resolve_hub_names(args, critic_model):
     """--model / --critic-model / --data given as hub ids (ORG/NAME) -> their local snapshot
     directories in the HuggingFace cache, downloaded on first use (common/run/hub.py); args now
@@ -244,7 +360,23 @@ def _check_model_dir(path, flag, need_weights, need_tokenizer):
             + (" (only .bin files: re-save it with save_pretrained(..., safe_serialization=True))" if bins else "")
             + "; or pass --mcore-ckpt"
         )
+    if need_weights:
+        _check_weights(path, flag, spec, skip=() if need_tokenizer else ("lm_head.",))
     return spec
+
+
+def _check_weights(path, flag, spec, skip=()):
+    """The safetensors headers of every shard against the files (missing, truncated, damaged)
+    and config.json (every tensor it implies, with its shape), as convert_hf_to_mcore.py
+    checks them: headers only, a few KB per shard. (NaN weights: found while loading,
+    common/model/weights.py.) The critic's lm_head (skip) is not used."""
+    from common.run.cli import ConversionError
+    from common.run.convert_io import SafetensorsDir, check_hf_weights
+
+    try:
+        check_hf_weights(SafetensorsDir(path), spec, path, skip=skip)
+    except ConversionError as e:
+        raise UsageError(f"{flag} {path}: {str(e).rstrip('.')}") from None
 
 
 def _check_mcore_ckpt(path, spec):
@@ -259,8 +391,21 @@ def _check_mcore_ckpt(path, spec):
     config = os.path.join(path, "hf", "config.json")
     if not os.path.isfile(config):
         return  # written elsewhere: megatron's loader still checks every tensor's shape
-    with open(config) as f:
-        saved = parse_hf_config(json.load(f))
+    differ = _model_differences(config, spec)
+    if differ:
+        raise UsageError(
+            f"--mcore-ckpt {path} is of another model than --model: {'; '.join(differ)} (checkpoint vs model)"
+        )
+
+
+def _model_differences(config_path, spec):
+    """What differs between the model of config_path (an HF config.json) and spec: ["field A vs
+    B", ...], empty when they are the same model shape."""
+    try:
+        with open(config_path) as f:
+            saved = parse_hf_config(json.load(f))
+    except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
+        return [f"unreadable {config_path} ({e})"]
     fields = (
         "architecture",
         "vocab_size",
@@ -273,16 +418,15 @@ def _check_mcore_ckpt(path, spec):
         "qkv_bias",
         "qk_norm",
         "tie_word_embeddings",
+        "moe",
+        "mla",
     )
-    differ = [
-        f"{name} {getattr(saved, name)} vs {getattr(spec, name)}"
+    show = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__  # noqa: E731
+    return [
+        f"{name} {show(getattr(saved, name, None))} vs {show(getattr(spec, name, None))}"
         for name in fields
-        if getattr(saved, name) != getattr(spec, name)
+        if getattr(saved, name, None) != getattr(spec, name, None)
     ]
-    if differ:
-        raise UsageError(
-            f"--mcore-ckpt {path} is of another model than --model: {'; '.join(differ)} (checkpoint vs model)"
-        )
 
 
 def _check_layout(args, spec, critic=None):
@@ -399,7 +543,7 @@ def _check_inputs(args):
             )
 
 
-def _check_out(args, critic_model):
+def _check_out(args, critic_model, spec):
     out = os.path.abspath(args.out)
     for flag, path in (
         ("--model", args.model),
@@ -420,6 +564,8 @@ def _check_out(args, critic_model):
             )
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {args.out} exists and is not a directory")
+    if launcher_rank() == 0:  # before anything in --out is looked at: another run may be changing it
+        lock_out(args.out)
     ckpt_root = os.path.join(out, "checkpoints")
     if args.resume == "auto":  # a requeued job: continue if the first attempt saved, else begin
         args.resume, args.start_over = ("yes", False) if _has_checkpoint(ckpt_root) else (None, True)
@@ -430,12 +576,47 @@ def _check_out(args, critic_model):
                 "is nothing to continue; nothing was changed. Run without --resume and with "
                 "--start-over to begin again"
             )
+        _check_resumed_model(args, ckpt_root, spec)
     elif _has_run(out) and not args.start_over:
+        held = sorted(set(os.listdir(out)) - {LOCK_FILE})
         raise UsageError(
-            f"--out {args.out} already holds a run ({', '.join(sorted(os.listdir(out))[:4])}); nothing "
+            f"--out {args.out} already holds a run ({', '.join(held[:4])}); nothing "
             "was changed. Pass --resume to continue it, --start-over to begin a new run there (the old "
             "one is moved to <out>.old-<time>), or choose another --out"
         )
+
+
+def _check_resumed_model(args, ckpt_root, spec):
+    """--resume: the newest checkpoint was written for this model (its hf/config.json, which the
+    scripts save with every checkpoint), else say which model it was written for."""
+    from common.train.checkpoint_dirs import candidates
+
+    names = candidates(ckpt_root)
+    config = os.path.join(ckpt_root, names[0], "hf", "config.json") if names else None
+    if config is None or not os.path.isfile(config):
+        return  # (none readable: the loader reports the checkpoints it cannot use)
+    differ = _model_differences(config, spec)
+    if not differ:
+        return
+    try:  # the run record of the run that wrote it: its --model
+        with open(os.path.join(os.path.dirname(ckpt_root), "config.json")) as f:
+            model = _model_name(json.load(f)["args"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        model = "another model"
+    this = _model_name(vars(args))
+    raise UsageError(
+        f"--resume: the checkpoint {os.path.join(ckpt_root, names[0])} was written for {model}, not {this} "
+        f"(their config.json differs: {'; '.join(differ)}; checkpoint vs now). Resume with the model it was "
+        "written for, or train this one from the start with --start-over or another --out"
+    )
+
+
+def _model_name(args):
+    """The model a run's arguments (vars(args), or a run record's "args") name, for messages."""
+    if args.get("model"):
+        return f"--model {args['model']}"
+    embedded = args.get("embedded_model") or "dense"
+    return "the embedded tiny model" + (f" (--embedded-model {embedded})" if embedded != "dense" else "")
 
 
 def _has_checkpoint(ckpt_root):
@@ -446,8 +627,8 @@ def _has_checkpoint(ckpt_root):
 
 def _has_run(out):
     """Whether --out holds anything a new run would overwrite: anything but what a run writes
-    before its first step (the embedded model, its config.json run record, an empty
-    metrics.jsonl)."""
+    before its first step completes (RUN_START_FILES, with an empty metrics.jsonl, a config.json
+    that is a run record, no checkpoint)."""
     try:
         names = os.listdir(out)
     except (FileNotFoundError, NotADirectoryError):  # (also: rank 0 just moved it aside, --start-over)
@@ -458,6 +639,7 @@ def _has_run(out):
             name not in RUN_START_FILES
             or (name == "metrics.jsonl" and os.path.getsize(path) > 0)
             or (name == "config.json" and not _is_run_record(path))
+            or (name == "checkpoints" and _has_checkpoint(path))
         ):
             return True
     return False

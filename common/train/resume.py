@@ -4,7 +4,12 @@ at any layout the optimizer state allows, falling back past damaged checkpoints,
 one that is good but of another layout (a clear refusal instead).
 
   extra = load_training_checkpoint(ckpt_root, ddp_chunks, optimizer, scheduler)   # --resume
+  changed_flags(extra["flags"], flags_now, step)    one line per schedule flag given a new value
   check_step_dir(step_dir)                          None, or why step_dir is not complete
+
+The learning-rate schedule takes only its position (the optimizer steps taken) from the
+checkpoint: its shape (peak and final LR, warmup, decay style and length, weight decay) is
+this run's flags, so a --lr or --steps given at --resume applies from the resumed step on.
 """
 
 import json
@@ -150,8 +155,12 @@ def check_step_dir(step_dir, extra_models=()):
 
 
 def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_sharding):
-    """Inverse of train_checkpoint._start_model_save, into the live objects. Collective."""
+    """Inverse of train_checkpoint._start_model_save, into the live objects. Collective. The
+    param groups keep this run's peak and final LR (megatron's max_lr/min_lr, which the
+    scheduler reads from them), not the checkpoint's."""
     from megatron.core import dist_checkpointing
+
+    schedule = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
 
     # A fresh torch Adam has no state until its first step; megatron's DistributedOptimizer
     # reads it while building the sharded state dict for loading, so create zeros to load into.
@@ -166,12 +175,38 @@ def _load_model_and_optimizer(ckpt_dir, ddp_chunks, optimizer, optimizer_shardin
     load_into_chunks(ddp_chunks, loaded["model"])
     # Also sets the fp32 main params (the exact master weights of a bf16 model) and Adam moments.
     load_optimizer_state(optimizer, loaded["optimizer"])
+    for group, values in zip(optimizer.param_groups, schedule, strict=True):
+        group.update(values)
 
 
 def _load_scheduler(scheduler, state):
+    """The saved position of the schedule into the live scheduler, which keeps this run's values
+    (megatron's override_opt_param_scheduler: otherwise its load_state_dict takes the
+    checkpoint's LR, warmup, decay length and style over the ones the run was started with)."""
     if scheduler is not None and state is not None:
         scheduler.num_steps = 0  # load_state_dict *adds* the saved steps to num_steps
-        scheduler.load_state_dict(state)
+        override = scheduler.override_opt_param_scheduler
+        scheduler.override_opt_param_scheduler = True
+        try:
+            scheduler.load_state_dict(state)  # (also sets every param group's lr for the new position)
+        finally:
+            scheduler.override_opt_param_scheduler = override
+
+
+def changed_flags(saved, now, step):
+    """One line per flag of `now` ({"--lr": 1e-6, ...}) whose value differs from `saved` (the same
+    dict as the checkpoint recorded it; flags it lacks are not compared), resuming after `step`."""
+    lines = []
+    for flag, value in now.items():
+        if flag not in saved or saved[flag] == value:
+            continue
+        if flag == "--steps" and value <= step:
+            lines.append(
+                f"{flag} {value} (checkpoint: {saved[flag]}): the checkpoint is at step {step}, nothing to train"
+            )
+        else:
+            lines.append(f"{flag} {value} (checkpoint: {saved[flag]}): the new value applies from step {step + 1}")
+    return lines
 
 
 # --- RNG ------------------------------------------------------------------------------------
