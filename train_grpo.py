@@ -45,7 +45,8 @@ def build_parser():
     p = Parser(
         description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
-        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()),
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items())
+        + " (batch sizes: the largest up to these that divide the run's batches)",
     )
     m = F.model_flags(p)
     m.add_argument(
