@@ -17,9 +17,10 @@ $(STAMP): requirements.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --extra-index-url $(TORCH_CPU_INDEX) -r requirements.txt
 	touch $(STAMP)
 
-# --start-over: a second `make demo` moves the first one's runs/grpo aside (runs/grpo.old-<time>)
+# Its own --out, runs/demo, so that `python train_grpo.py ...` afterwards starts afresh in its default
+# --out; --start-over: a second `make demo` moves the first one's runs/demo aside (runs/demo.old-<time>)
 demo: $(STAMP)
-	$(VENV)/bin/python train_grpo.py --start-over
+	$(VENV)/bin/python train_grpo.py --out runs/demo --start-over
 
 test: $(STAMP)
 # Two pytest workers (pytest-xdist), each taking whole files (module fixtures shared, e.g. the

@@ -302,10 +302,12 @@ def run(args, created):
         # transformers 5 writes "dtype", 4.x "torch_dtype"; vLLM reads either through transformers
         config = dict(spec.hf_config)
         if config.get("num_nextn_predict_layers"):  # DeepSeek-V3's multi-token-prediction layers
+            mtp = range(spec.num_layers, spec.num_layers + config["num_nextn_predict_layers"])  # after the decoder's
             print0(
-                f"note: the {config['num_nextn_predict_layers']} multi-token-prediction layer(s) of the source "
-                "(model.layers.{num_hidden_layers}.*) are not part of the trained model and are not written; "
-                "config.json says num_nextn_predict_layers: 0 (for speculative decoding copy them from the source)"
+                f"note: the {len(mtp)} multi-token-prediction layer(s) of the source "
+                f"({', '.join(f'model.layers.{i}.*' for i in mtp)}) are not part of the trained model and are not "
+                "written; config.json says num_nextn_predict_layers: 0 (for speculative decoding copy them from the "
+                "source)"
             )
             config["num_nextn_predict_layers"] = 0
         for key in ("dtype", "torch_dtype"):
@@ -328,6 +330,9 @@ def run(args, created):
 
 
 def main(argv=None):
+    from common.run.log import quiet_known_warnings
+
+    quiet_known_warnings()  # before megatron is imported: its import-time notices (common/run/log.py says why)
     return run_cli(run, parse_args(argv))
 
 

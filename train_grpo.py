@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge import recompute_config
-from common.rollout.engine import generate_checked, rollout_logprobs_mode
+from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.rollout.lengths import draw_lengths, parse_lengths
 from common.run import flags as F
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
@@ -46,7 +46,8 @@ def build_parser():
     p = Parser(
         description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
-        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()),
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items())
+        + " (batch sizes: the largest up to these that divide the run's batches)",
     )
     m = F.model_flags(p)
     m.add_argument(
@@ -135,7 +136,7 @@ def build_parser():
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
-    F.run_flags(p, out="runs/grpo")
+    F.run_flags(p, out_prefix=OUT_PREFIX)
     F.bench_flags(p)
     return p
 
@@ -143,7 +144,10 @@ def build_parser():
 def parse_args(argv=None):
     p = build_parser()
     # without --model, the flags the user did not give take the embedded task's values
-    args = parse_with_defaults(p, argv, lambda known: EMBEDDED_DEFAULTS if known.model is None else None)
+    args = parse_with_defaults(
+        p, argv, lambda known: F.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
+    )
+    F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
         if args.bench_response_lengths:  # checked now, drawn every step
@@ -155,6 +159,8 @@ def parse_args(argv=None):
     check_training_run(p, args, min_group=2)  # every mistake found here, before anything is built
     return args
 
+
+OUT_PREFIX = "runs/grpo"  # the default --out: runs/grpo-<model name>
 
 # The embedded tiny model starts from random weights: it needs a large step size, an
 # entropy bonus against early collapse onto one digit, several optimizer steps per rollout
@@ -226,6 +232,12 @@ def main():
         max_positions=spec.max_position_embeddings,
     )
     items, prompt_ids = task_prompts(tokenizer, args.data, data_split=args.data_split, seed=args.seed, **prompt_format)
+    # held-out prompts for validation (common/rollout/evaluate.py): --eval-data, or the embedded task's own
+    eval_items, eval_prompt_ids = (
+        task_prompts(tokenizer, args.eval_data, flag="--eval-data", data_split=args.eval_split, **prompt_format)
+        if args.eval_data or not args.data
+        else ([], [])
+    )
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
     # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches
@@ -288,20 +300,18 @@ def main():
             hf_dir,
             rollout_tp=args.rollout_tp,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_prompt_len + args.max_new_tokens,
+            # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
+            max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
             seed=args.seed,
             device=info.device,
         )
     )
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
-    # validation on held-out prompts (common/rollout/evaluate.py): --eval-data, or the embedded task's own prompts
+    # validation on the held-out prompts
     evaluator = Evaluator(
         tokenizer,
-        *(
-            task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
-            if args.eval_data or not args.data
-            else ([], [])
-        ),
+        eval_items,
+        eval_prompt_ids,
         samples=args.eval_samples,
         temperature=args.eval_temperature,
         max_tokens=args.max_new_tokens,
@@ -365,7 +375,19 @@ def main():
             print0(line)  # the schedule follows this run's flags, from the resumed step on
     logger = MetricsLogger(
         args.out,
-        run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
+        # the arguments as resolved (what ran: dtype, engine, offloads, wandb), + the command line as given
+        run_record(
+            dict(
+                vars(args),
+                dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+                rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
+                rollout_tp=rollout_tp,
+                offload_params=offload_params,
+                offload_optimizer=colo.optimizer_state,
+                wandb=args.wandb or default_wandb_mode(),
+            ),
+            dict(info.layout(), dtype=str(dtype)),
+        ),
         wandb_mode=args.wandb or default_wandb_mode(),
         project=args.wandb_project,
         run_name=args.run_name,
@@ -415,6 +437,7 @@ def main():
     )
     writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
+    warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
         times, t0, side_metrics = {}, time.time(), {}  # side: validation, dynamic sampling
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
@@ -500,6 +523,10 @@ def main():
                 )  # (saved with --save-rollouts: replayed as they are)
                 side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         check_finite("rewards", rewards, step=step)
+        empty = None if warned_empty else empty_responses_warning(samples, step)
+        if empty:  # nothing to reward, nothing to learn: what to check
+            print0(empty)
+            warned_empty = True
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)
             torch.save(
@@ -565,7 +592,7 @@ def main():
         # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
         colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
         tick = time.time()
-        train_metrics, grad_norms = [], []
+        train_metrics, grad_norms, lrs = [], [], []  # lrs: what each optimizer step used
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
             for m in range(rollout_batch // mini_batch):
@@ -624,6 +651,7 @@ def main():
                         metrics.update(logprob_mismatch=masked_sum(mismatch, has_lp), logprob_mismatch__n=has_lp.sum())
                     return loss * scale, metrics
 
+                lrs.append(optimizer.param_groups[0]["lr"])  # the scheduler moves it after the step
                 mb_metrics, grad_norm = schedule.train_step(
                     model,
                     optimizer,
@@ -657,7 +685,7 @@ def main():
             reward_mean=rewards.mean().item(),
             reward_std=rewards.std().item(),
             grad_norm=sum(grad_norms) / len(grad_norms),
-            lr=optimizer.param_groups[0]["lr"],
+            lr=sum(lrs) / len(lrs),  # this step's (the optimizer holds the next step's by now)
             response_len_mean=batch["response_len"].mean().item(),
             truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
         )

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge import recompute_config
-from common.rollout.engine import generate_checked, rollout_logprobs_mode
+from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.run import flags as F
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.run.preflight import check_training_run
@@ -45,7 +45,8 @@ def build_parser():
     p = Parser(
         description=__doc__.split("\n\n")[0],
         epilog="Without --model (the embedded tiny model) these defaults change, unless set: "
-        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items()),
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items())
+        + " (batch sizes: the largest up to these that divide the run's batches)",
     )
     m = F.model_flags(p)
     m.add_argument(
@@ -148,14 +149,17 @@ def build_parser():
     )
     o.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
-    F.run_flags(p, out="runs/ppo")
+    F.run_flags(p, out_prefix=OUT_PREFIX)
     return p
 
 
 def parse_args(argv=None):
     p = build_parser()
     # without --model, the flags the user did not give take the embedded task's values
-    args = parse_with_defaults(p, argv, lambda known: EMBEDDED_DEFAULTS if known.model is None else None)
+    args = parse_with_defaults(
+        p, argv, lambda known: F.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
+    )
+    F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
     except ValueError as e:
@@ -165,6 +169,8 @@ def parse_args(argv=None):
         args.kl_estimator = {"reward": "k1", "loss": "k3"}[args.kl_mode]
     return args
 
+
+OUT_PREFIX = "runs/ppo"  # the default --out: runs/ppo-<model name>
 
 # As train_grpo.py's, plus the critic's learning rate and micro-batches of 32 (the same math;
 # per-micro-batch overheads dominate a model this small: 2.5x faster steps; docs/algorithms.md).
@@ -248,6 +254,12 @@ def main():
         max_positions=spec.max_position_embeddings,
     )
     items, prompt_ids = task_prompts(tokenizer, args.data, data_split=args.data_split, seed=args.seed, **prompt_format)
+    # held-out prompts for validation (common/rollout/evaluate.py): --eval-data, or the embedded task's own
+    eval_items, eval_prompt_ids = (
+        task_prompts(tokenizer, args.eval_data, flag="--eval-data", data_split=args.eval_split, **prompt_format)
+        if args.eval_data or not args.data
+        else ([], [])
+    )
     reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
@@ -320,20 +332,18 @@ def main():
             hf_dir,
             rollout_tp=args.rollout_tp,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_prompt_len + args.max_new_tokens,
+            # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
+            max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
             seed=args.seed,
             device=info.device,
         )
     )
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
-    # validation on held-out prompts (common/rollout/evaluate.py): --eval-data, or the embedded task's own prompts
+    # validation on the held-out prompts
     evaluator = Evaluator(
         tokenizer,
-        *(
-            task_prompts(tokenizer, args.eval_data, data_split=args.eval_split, **prompt_format)
-            if args.eval_data or not args.data
-            else ([], [])
-        ),
+        eval_items,
+        eval_prompt_ids,
         samples=args.eval_samples,
         temperature=args.eval_temperature,
         max_tokens=args.max_new_tokens,
@@ -399,7 +409,19 @@ def main():
             print0(line)  # the schedule follows this run's flags, from the resumed step on
     logger = MetricsLogger(
         args.out,
-        run_record(vars(args), dict(info.layout(), dtype=str(dtype))),
+        # the arguments as resolved (what ran: dtype, engine, offloads, wandb), + the command line as given
+        run_record(
+            dict(
+                vars(args),
+                dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+                rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
+                rollout_tp=rollout_tp,
+                offload_params=offload_params,
+                offload_optimizer=colo.optimizer_state,
+                wandb=args.wandb or default_wandb_mode(),
+            ),
+            dict(info.layout(), dtype=str(dtype)),
+        ),
         wandb_mode=args.wandb or default_wandb_mode(),
         project=args.wandb_project,
         run_name=args.run_name,
@@ -451,6 +473,7 @@ def main():
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
     writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
+    warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
         times, t0, eval_metrics = {}, time.time(), {}  # eval_metrics: validation, reward model scores
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
@@ -495,6 +518,10 @@ def main():
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
         check_finite("rewards", rewards, step=step)
+        empty = None if warned_empty else empty_responses_warning(samples, step)
+        if empty:  # nothing to reward, nothing to learn: what to check
+            print0(empty)
+            warned_empty = True
         if args.save_rollouts and info.master_process:
             os.makedirs(args.save_rollouts, exist_ok=True)
             torch.save(
@@ -574,6 +601,7 @@ def main():
         tick = time.time()
         train_actor = step >= args.critic_warmup_steps  # critic warmup: the actor is left as it is
         train_metrics, grad_norms, critic_grad_norms = [], [], []
+        lrs, critic_lrs = [], []  # what each optimizer step used (the scheduler moves it after the step)
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
             for m in range(rollout_batch // mini_batch):
@@ -636,6 +664,7 @@ def main():
                     }
 
                 if train_actor:
+                    lrs.append(optimizer.param_groups[0]["lr"])
                     mb_metrics, grad_norm = schedule.train_step(
                         model,
                         optimizer,
@@ -648,6 +677,7 @@ def main():
                     )
                     train_metrics += mb_metrics
                     grad_norms.append(grad_norm)
+                critic_lrs.append(critic_optimizer.param_groups[0]["lr"])
                 mb_metrics, grad_norm = schedule.train_step(
                     critic,
                     critic_optimizer,
@@ -673,8 +703,8 @@ def main():
             reward_mean=rewards.mean().item(),
             reward_std=rewards.std().item(),
             critic_grad_norm=sum(critic_grad_norms) / len(critic_grad_norms),
-            critic_lr=critic_optimizer.param_groups[0]["lr"],
-            lr=optimizer.param_groups[0]["lr"],
+            critic_lr=sum(critic_lrs) / len(critic_lrs),  # this step's (the optimizers hold the next step's)
+            lr=sum(lrs) / len(lrs) if lrs else optimizer.param_groups[0]["lr"],  # (critic warmup: the actor's next)
             value_mean=masked_mean(batch["old_values"], mask).item(),
             return_mean=masked_mean(batch["returns"], mask).item(),
             response_len_mean=batch["response_len"].mean().item(),

@@ -22,12 +22,26 @@
 # the repository's .venv/bin/python when it exists, else python3 from PATH.
 set -euo pipefail
 
-if [ "$#" -eq 0 ]; then
-    echo "usage: [NPROC=N] bash launch/local.sh SCRIPT.py [flags...]" >&2
+# A mistake in how this file is called: one line that says what to do instead, exit 2 (as the
+# scripts' own argument errors), before python or torchrun start.
+fail() {
+    echo "launch/local.sh: error: $*" >&2
     exit 2
+}
+USAGE="[NPROC=N] bash launch/local.sh SCRIPT.py [flags...], e.g. NPROC=2 bash launch/local.sh train_grpo.py --tp 2"
+if [ "$#" -eq 0 ]; then
+    fail "no script given: $USAGE"
 fi
-
+case "$1" in
+    -*) fail "the first argument is the script to run, not the flag $1: $USAGE" ;;
+esac
+if [ ! -f "$1" ]; then
+    fail "no such script: $1 (from $PWD; run from the repository root, or give its path): $USAGE"
+fi
 NPROC=${NPROC:-1}
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    fail "NPROC must be a number of ranks >= 1, not '$NPROC': $USAGE"
+fi
 # The repo's own environment first: a `python` on PATH may be another one without megatron-core
 # (or none at all: Debian/Ubuntu ship only python3).
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,6 +51,9 @@ elif [ -x "$ROOT/.venv/bin/python" ]; then
     PY=$ROOT/.venv/bin/python
 else
     PY=python3
+fi
+if ! command -v "$PY" >/dev/null 2>&1; then
+    fail "no python '$PY': set PYTHON=/path/to/python, or create the repository's .venv (make venv)"
 fi
 if [ "$NPROC" -eq 1 ]; then
     exec "$PY" "$@"

@@ -35,9 +35,30 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-if [ "$#" -eq 0 ]; then
-    echo "usage: sbatch launch/slurm.sh SCRIPT.py [flags...]" >&2
+# A mistake in how this file is called: one line that says what to do instead, exit 2 (as the
+# scripts' own argument errors), before srun starts anything.
+fail() {
+    echo "launch/slurm.sh: error: $*" >&2
     exit 2
+}
+USAGE="sbatch [--nodes N ...] launch/slurm.sh SCRIPT.py [flags...], e.g. sbatch launch/slurm.sh train_grpo.py --tp 4"
+if [ "$#" -eq 0 ]; then
+    fail "no script given: $USAGE"
+fi
+case "$1" in
+    -*) fail "the first argument is the script to run, not $1 (sbatch's options go before launch/slurm.sh): $USAGE" ;;
+esac
+if [ -z "${SLURM_JOB_NODELIST:-}" ] || [ -z "${SLURM_JOB_ID:-}" ] || [ -z "${SLURM_NNODES:-}" ]; then
+    fail "not inside a Slurm job (no SLURM_JOB_NODELIST): submit it, $USAGE; here: bash launch/local.sh $1 ..."
+fi
+if [ ! -f "$1" ]; then
+    fail "no such script: $1 (from $PWD, where the job runs: submit from the repository root): $USAGE"
+fi
+if [ -n "${GPUS_PER_NODE:-}" ] && ! [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+    fail "GPUS_PER_NODE must be a number of ranks per node >= 1, not '$GPUS_PER_NODE'"
+fi
+if [ -n "${VENV:-}" ] && [ ! -f "$VENV/bin/activate" ]; then
+    fail "VENV=$VENV has no bin/activate: point VENV at a virtualenv directory (e.g. VENV=\$PWD/.venv)"
 fi
 
 # Rendezvous on the first node of the allocation (torchrun's c10d store runs there).

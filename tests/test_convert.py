@@ -327,3 +327,62 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
         text=True,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(src / shards[0]) in proc.stdout
+
+
+def test_ctrl_c_exits_130_with_one_line(tiny_models_dir, tmp_path, capsys, monkeypatch):
+    """A SIGINT delivered as a write of the converter returns (Ctrl-C mid-file): exit 130, the
+    one line, the partial output removed, as merge_to_hf.py. The interrupt lands inside
+    torch.save's zip writer, which turns it into a RuntimeError ("unexpected pos") as the file
+    closes: without the recorded signal this was a traceback and exit 1."""
+    import io
+    import signal
+
+    from common.run import convert_io
+
+    class InterruptedFile(io.FileIO):
+        def write(self, data):
+            written = super().write(data)
+            if self.tell() > 2000:
+                os.kill(os.getpid(), signal.SIGINT)  # its handler runs as this write returns
+            return written
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".distcp"):
+            return io.BufferedWriter(InterruptedFile(path, "w"))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(convert_io, "open", fake_open, raising=False)
+    handler = signal.getsignal(signal.SIGINT)
+    assert convert("--hf", tiny_models_dir / "qwen2", "--out", tmp_path / "o") == 130
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"error: interrupted; the partial output {tmp_path / 'o'}.incomplete was removed."
+    )
+    assert os.listdir(tmp_path) == [] and signal.getsignal(signal.SIGINT) is handler  # handler restored
+
+
+def test_no_known_warnings_printed(tiny_models_dir, tmp_path):
+    """convert then merge in a fresh process (megatron's notices fire at its import and as a
+    checkpoint loads), without the test suite's PYTHONWARNINGS=ignore: the only warning printed
+    is one of this test's own, so the known harmless ones (common/run/log.py) are silenced and
+    any other warning still shows."""
+    code = (
+        "import sys, warnings\n"
+        "import convert_hf_to_mcore, merge_to_hf\n"
+        "hf, ckpt, out = sys.argv[1:]\n"
+        "assert convert_hf_to_mcore.main(['--hf', hf, '--out', ckpt]) == 0\n"
+        "assert merge_to_hf.main(['--ckpt', ckpt, '--out', out]) == 0\n"
+        "warnings.warn('a warning of its own')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_models_dir / "qwen2"), str(tmp_path / "ckpt"), str(tmp_path / "hf")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = [line for line in proc.stderr.splitlines() if "Warning: " in line]
+    assert printed and all("a warning of its own" in line for line in printed), printed

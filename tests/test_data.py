@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from common.run.data import PromptSampler, SyntheticArithmetic, apply_chat_template, load_prompts, synthetic_prompts
+from common.run.data import (
+    PromptSampler,
+    SyntheticArithmetic,
+    apply_chat_template,
+    chat_format_warning,
+    load_prompts,
+    synthetic_prompts,
+    task_prompts,
+)
 
 GSM8K_ROWS = [
     {
@@ -144,6 +152,43 @@ def test_apply_chat_template_without_template(tokenizer):
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     tokenizer.chat_template = None
     assert apply_chat_template(tokenizer, "3+4=") == list(b"3+4=")
+
+
+def test_chat_format_warning(tokenizer):
+    """Chat prompts meeting a tokenizer without a chat template: a chat model's (it has chat
+    tokens) is warned of with the fixes; a base model's only with a --system-prompt, which then
+    becomes plain text."""
+    from types import SimpleNamespace
+
+    assert chat_format_warning(tokenizer) is None and chat_format_warning(tokenizer, "Be brief.") is None
+    no_template = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    no_template.chat_template = None
+    warning = chat_format_warning(no_template)
+    assert "chat tokens (<|im_start|>) but no chat template" in warning and "--raw-prompts" in warning
+    base = SimpleNamespace(chat_template=None, get_vocab=lambda: {"a": 0, "<|endoftext|>": 1})
+    assert chat_format_warning(base) is None
+    assert "--system-prompt is put before each prompt as plain text" in chat_format_warning(base, "Be brief.")
+
+
+def test_task_prompts_name_the_flag_given(tokenizer, tmp_path):
+    """The messages about --eval-data's dataset name --eval-data and --eval-split (its split
+    defaults to test), not --data's flags."""
+    import datasets
+
+    from common.train.guard import UsageError
+
+    rows = [{"question": "1+1", "answer": "2"}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
+    common = dict(max_prompt_len=64, max_positions=256)
+    with pytest.raises(UsageError, match=r"^--eval-data .*dict: .*no split 'test' \(--eval-split; splits"):
+        task_prompts(tokenizer, str(tmp_path / "dict"), flag="--eval-data", **common)
+    items, _ = task_prompts(tokenizer, str(tmp_path / "dict"), flag="--eval-data", data_split="train", **common)
+    assert items == [dict(prompt="1+1", answer="2")]
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"text": "1+1", "label": "2"}])
+    with pytest.raises(UsageError, match=r"^--eval-data .*odd\.jsonl: no prompt field"):
+        task_prompts(tokenizer, odd, flag="--eval-data", **common)
+    with pytest.raises(UsageError, match=r"^--data .*dict: .*no split 'validation' \(--data-split"):
+        task_prompts(tokenizer, str(tmp_path / "dict"), data_split="validation", **common)
 
 
 # -----------------------------------------------------------------------------

@@ -100,12 +100,22 @@ def test_tensor_parallel_must_divide_the_latent_projections():
 
 def test_bf16_export_keeps_the_router_bias_in_fp32(tiny_moe_models_dir, tmp_path):
     """merge_to_hf.py --dtype bf16: every weight in bf16, the score-correction bias fp32 and
-    bit-equal (rounded to bf16 it would change which experts are chosen)."""
+    bit-equal (rounded to bf16 it would change which experts are chosen). The config says one
+    multi-token-prediction layer, as DeepSeek-V3's: the note names it (layer 3 after the 3 decoder
+    layers) and the output's config.json has none."""
+    import json
+    import shutil
+
     from tests.test_convert import hf_tensors
 
-    hf_dir = tiny_moe_models_dir / "deepseek_v3"
+    hf_dir = tmp_path / "deepseek_v3"
+    shutil.copytree(tiny_moe_models_dir / "deepseek_v3", hf_dir)
+    config = json.load(open(hf_dir / "config.json"))
+    json.dump(dict(config, num_nextn_predict_layers=1), open(hf_dir / "config.json", "w"))
     run_script("convert_hf_to_mcore.py", "--hf", hf_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32")
-    run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "bf16")
+    proc = run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "bf16")
+    assert "note: the 1 multi-token-prediction layer(s) of the source (model.layers.3.*) are not" in proc.stdout
+    assert json.load(open(tmp_path / "hf" / "config.json"))["num_nextn_predict_layers"] == 0
     original, merged = hf_tensors(hf_dir), hf_tensors(tmp_path / "hf")
     assert sorted(original) == sorted(merged)
     for name, tensor in merged.items():

@@ -37,6 +37,7 @@ def test_slurm_forwards_args(tmp_path):
         SLURM_JOB_ID="4242",
         SLURM_GPUS_ON_NODE="8",
     )
+    (tmp_path / "train_grpo.py").touch()  # the job runs where it was submitted from
     args = ["train_grpo.py", "--model", "/models/Qwen 2", "--tp", "4"]
     proc = subprocess.run(
         ["bash", os.path.join(ROOT, "launch/slurm.sh"), *args],
@@ -88,6 +89,7 @@ def test_local_forwards_args(tmp_path):
     out = subprocess.run(
         ["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "1"],
         env=env,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
@@ -97,6 +99,7 @@ def test_local_forwards_args(tmp_path):
     out = subprocess.run(
         ["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--tp", "4"],
         env=env,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
@@ -125,6 +128,7 @@ def test_local_picks_repo_venv_then_python3(tmp_path):
     stub(bin_dir / "python3", 'printf "PY3<%s>\\n" "$@"\n')
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NPROC")}
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    (tmp_path / "train_grpo.py").touch()
 
     def launch(**extra_env):
         return subprocess.run(
@@ -183,6 +187,7 @@ def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):
         SLURM_GPUS_ON_NODE="8",
         SLURM_RESTART_COUNT="1",
     )
+    (tmp_path / "train_grpo.py").touch()
     proc = subprocess.Popen(
         ["bash", os.path.join(ROOT, "launch/slurm.sh"), "train_grpo.py", "--out", "runs/x"],
         env=env,
@@ -201,6 +206,40 @@ def test_slurm_passes_the_time_limit_signal_on_and_requeues(tmp_path):
     assert "GOT_USR1" in lines and "REQUEUE 77" in lines, (lines, out)
     args = [line[4:-1] for line in lines if line.startswith("ARG<")]
     assert args[-5:] == ["train_grpo.py", "--out", "runs/x", "--resume", "auto"]
+
+
+def test_launch_mistakes_are_one_line_and_exit_2(tmp_path):
+    """A missing or misplaced script, a bad NPROC / GPUS_PER_NODE / VENV, slurm.sh outside a Slurm
+    job: one line saying what to do instead, exit 2, and nothing started (python, srun)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "srun", "scontrol"):  # anything started leaves a trace
+        stub(bin_dir / name, f"echo STARTED >> {tmp_path / 'started'}\n")
+    (tmp_path / "train_grpo.py").touch()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GPUS_PER", "VENV", "NPROC"))}
+    base.update(PATH=f"{bin_dir}:{base['PATH']}", PYTHON=str(bin_dir / "python"))
+    slurm = dict(base, SLURM_JOB_NODELIST="gpu-01", SLURM_NNODES="1", SLURM_JOB_ID="7", SLURM_GPUS_ON_NODE="8")
+    cases = [
+        ("local.sh", [], base, "no script given"),
+        ("local.sh", ["--model", "x"], base, "the first argument is the script to run, not the flag --model"),
+        ("local.sh", ["train_grpo_.py"], base, "no such script: train_grpo_.py"),
+        ("local.sh", ["train_grpo.py"], dict(base, NPROC="two"), "NPROC must be a number of ranks >= 1, not 'two'"),
+        ("local.sh", ["train_grpo.py"], dict(base, PYTHON="/nonexistent/python"), "set PYTHON="),
+        ("slurm.sh", [], slurm, "no script given"),
+        ("slurm.sh", ["--nodes", "2"], slurm, "sbatch's options go before launch/slurm.sh"),
+        ("slurm.sh", ["train_grpo.py"], base, "not inside a Slurm job"),
+        ("slurm.sh", ["train_grpo_.py"], slurm, "no such script: train_grpo_.py"),
+        ("slurm.sh", ["train_grpo.py"], dict(slurm, GPUS_PER_NODE="eight"), "GPUS_PER_NODE must be a number"),
+        ("slurm.sh", ["train_grpo.py"], dict(slurm, VENV=str(tmp_path)), "has no bin/activate"),
+    ]
+    for script, args, env, says in cases:
+        proc = subprocess.run(
+            ["bash", os.path.join(ROOT, "launch", script), *args], env=env, cwd=tmp_path, capture_output=True, text=True
+        )
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], (script, args, proc.stderr)
+        assert lines[0].startswith(f"launch/{script}: error: ") and proc.stdout == ""
+    assert not (tmp_path / "started").exists()
 
 
 def test_plain_python_binds_no_port_it_picked_earlier():

@@ -363,6 +363,27 @@ def test_quiet_known_warnings_filters_only_known(monkeypatch):
     assert len(caught) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS" in str(caught[0].message)
 
 
+def test_quiet_known_warnings_of_loading_a_checkpoint(monkeypatch):
+    """--resume and merge_to_hf.py load a megatron checkpoint: megatron-core's torch_dist loader
+    calls torch's deprecated load_state_dict and builds ShardedTensors (both FutureWarnings,
+    the second attributed to the frame of the torch call: megatron's, or on a CPU the adapter
+    common/model/cpu_compat.py, which also passes on megatron's non-leaf .grad read). Silenced;
+    the same words from another module still show."""
+    monkeypatch.setattr(sys, "warnoptions", [])
+    load = "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead."
+    sharded = "Please use DTensor instead and we are deprecating ShardedTensor."
+    grad = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad attribute ..."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(rank=0, on_gpu=False)
+        _known_warning(load, FutureWarning, "megatron.core.dist_checkpointing.strategies.torch")
+        _known_warning(sharded, FutureWarning, "megatron.core.dist_checkpointing.strategies.torch")
+        _known_warning(sharded, FutureWarning, "common.model.cpu_compat")
+        _known_warning(grad, UserWarning, "common.model.cpu_compat")
+        _known_warning(sharded, FutureWarning, "mylib.checkpoints")
+    assert [str(w.message) for w in caught] == [sharded]
+
+
 def test_quiet_known_warnings_other_ranks_silent(monkeypatch):
     monkeypatch.setattr(sys, "warnoptions", [])
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)

@@ -217,6 +217,28 @@ def test_update_weights_errors_consume_iterator(tiny_models_dir):
         engine.update_weights(stream([(params[0][0], torch.zeros(2, 2))] + params[1:]))
 
 
+def test_max_model_len_ends_responses_at_the_models_positions(tiny_models_dir, capsys):
+    """As vLLM: max_model_len beyond max_position_embeddings (256 here) is capped, with the same
+    message; each response ends where its prompt + response reach the cap ("length"), a prompt
+    that leaves no room is refused. Greedy, no EOS: the tokens are those of an uncapped run."""
+    hf_dir = str(tiny_models_dir / "qwen2")
+    engine = HFEngine(hf_dir, eos_token_ids=[], max_model_len=1024 + 300)
+    assert engine.max_model_len == 256
+    assert (
+        "max_model_len 1324 (the longest prompt + --max-new-tokens) capped at the model's " in capsys.readouterr().out
+    )
+    long_prompts = [[3] * 250, [4] * 253, [5, 6]]
+    samples = engine.generate(long_prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=12, seed=0)
+    assert [len(s.response_ids) for s in samples] == [6, 3, 12]
+    assert [s.finish_reason for s in samples] == ["length"] * 3
+    assert all(len(s.response_logprobs) == len(s.response_ids) for s in samples)
+    uncapped = HFEngine(hf_dir, eos_token_ids=[], max_model_len=100)  # within the positions: kept, no message
+    assert uncapped.max_model_len == 100 and "capped" not in capsys.readouterr().out
+    assert samples[2].response_ids == uncapped.generate([[5, 6]], 1, 0.0, 1.0, 12, 0)[0].response_ids
+    with pytest.raises(ValueError, match="no room for a response within max_model_len 256"):
+        engine.generate([[3] * 256], n=1, temperature=0.0, top_p=1.0, max_tokens=4, seed=0)
+
+
 def test_variable_length_batch_equals_alone(tiny_models_dir):
     engine = HFEngine(str(tiny_models_dir / "llama"))
     kwargs = dict(n=1, temperature=0.0, top_p=1.0, max_tokens=10, seed=0)

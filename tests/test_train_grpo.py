@@ -10,10 +10,15 @@
   give steps 3-4 of the uninterrupted run;
 - --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
   the losses and grad norms of fixed-size micro-batches in one process;
-- every flag of --help has a help string.
+- every flag of --help has a help string;
+- everyday mistakes: a small run runs (derived batch sizes), a model with few positions ends
+  responses there, config.json records what ran, this step's learning rate is logged and
+  printed, README commands after `make demo` are not refused, empty responses and a missing
+  chat template are warned of, flags that would be ignored are refused.
 """
 
 import os
+import re
 import shutil
 import sys
 
@@ -36,8 +41,8 @@ SMALL = [
 TRAIN_KEYS = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "reward_mean", "logprob_mismatch", "lr"]
 
 
-def run(*args, timeout=900):
-    return run_script("train_grpo.py", *args, timeout=timeout)
+def run(*args, timeout=900, check=True):
+    return run_script("train_grpo.py", *args, timeout=timeout, check=check)
 
 
 metrics = read_metrics
@@ -269,3 +274,138 @@ def test_on_policy_skips_the_old_logprob_pass_and_passes_agree(short_runs):
         assert "old_logprob_s" in m
         assert m["first_update_logprob_err"] <= 1e-6, m["first_update_logprob_err"]
         assert m["ppo_kl"] != 0.0  # the second epoch's updates move away from the old policy
+
+
+def test_readme_commands_after_make_demo(tiny_models_dir, tmp_path, monkeypatch, capsys):
+    """`make demo` writes into its own --out (its command taken from the Makefile, run with a
+    stand-in python), the default --out is one directory per model: after the demo, `python
+    train_grpo.py` starts; a re-run into the same default --out is refused with the line naming
+    --resume / --start-over; another model gets its own directory. A small run of the embedded
+    model gets batch sizes that fit it instead of a refusal."""
+    import json
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path / "demo_args"}\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".installed").touch()  # newer than requirements.txt: make installs nothing
+    subprocess.run(["make", "-s", "-C", ROOT, "demo", f"VENV={venv}"], check=True, capture_output=True)
+    script, *demo = (tmp_path / "demo_args").read_text().splitlines()
+    assert script == "train_grpo.py"
+
+    sys.path.insert(0, ROOT)
+    from train_grpo import parse_args
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def has_run(out):  # what a run leaves: its metrics
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 0, "reward_mean": 0.5}) + "\n")
+
+    has_run(parse_args(demo).out)
+    capsys.readouterr()
+    assert parse_args([]).out == "runs/grpo-embedded"  # `python train_grpo.py`
+    assert "--out runs/grpo-embedded (the default for this model)" in capsys.readouterr().out
+    has_run("runs/grpo-embedded")
+    with pytest.raises(SystemExit) as refused:  # `python train_grpo.py --steps 5`: the same default --out
+        parse_args(["--steps", "5"])
+    error = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(error.splitlines()) == 1
+    assert "runs/grpo-embedded already holds a run" in error and "--resume" in error and "--start-over" in error
+    assert parse_args(["--model", str(tiny_models_dir / "llama")]).out == "runs/grpo-llama"
+    small = parse_args(["--prompts-per-step", "2", "--samples-per-prompt", "2", "--out", "small"])
+    assert (small.mini_batch_size, small.micro_batch_size) == (4, 4)
+    assert "--mini-batch-size 4 (the embedded default 64 does not divide the rollout batch of 4" in (
+        capsys.readouterr().out
+    )
+
+
+def test_small_run_of_a_model_with_few_positions(tmp_path):
+    """--prompts-per-step 2 --samples-per-prompt 2 on a model of 16 positions with
+    --max-new-tokens 15: the run is not refused (--micro-batch-size is derived: 4, said once),
+    the CPU engine ends each response where prompt + response reach 16 tokens (as vLLM), each
+    step logs the learning rate its optimizer step used (warmup: 0, then 1e-6; the optimizer
+    holds the next step's), the closing summary prints it as 1.0e-06, and config.json records
+    the resolved values (dtype, engine, batch sizes) and the command line."""
+    import json
+
+    import torch
+
+    from common.run.embedded import write_embedded_model
+
+    model = write_embedded_model(str(tmp_path / "short"), max_position_embeddings=16)
+    proc = run(
+        *("--model", model, "--prompts-per-step", 2, "--samples-per-prompt", 2, "--max-new-tokens", 15),
+        *("--steps", 2, "--lr", "1e-6", "--lr-warmup-steps", 1, "--eval-every", 0),
+        *("--out", tmp_path / "out", "--save-rollouts", tmp_path / "rollouts"),
+    )
+    assert proc.stdout.count("--micro-batch-size 4: each data-parallel rank gets 4 samples of a mini-batch") == 1
+    assert "max_model_len 17 (the longest prompt + --max-new-tokens) capped at the model's" in proc.stdout
+    lengths = [
+        len(s.prompt_ids) + len(s.response_ids)
+        for step in range(2)
+        for s in torch.load(tmp_path / "rollouts" / f"step_{step:06d}.pt", weights_only=False)["samples"]
+    ]
+    assert max(lengths) <= 16 and len(lengths) == 8, lengths
+    assert [m["lr"] for m in metrics(tmp_path / "out")] == [0.0, pytest.approx(1e-6)]
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("{") and '"lr"' in line)
+    assert re.search(r'"lr": 1\.0e-06[,}]', summary) and json.loads(summary)["lr"] == pytest.approx(1e-6)
+    record = json.load(open(tmp_path / "out" / "config.json"))
+    resolved = {k: record["args"][k] for k in ("dtype", "rollout", "micro_batch_size", "mini_batch_size", "wandb")}
+    assert resolved == dict(dtype="fp32", rollout="cpu", micro_batch_size=4, mini_batch_size=4, wandb="disabled")
+    assert record["argv"][1:5] == ["--model", model, "--prompts-per-step", "2"]
+
+
+def test_empty_responses_and_a_missing_chat_template_are_warned_of(tmp_path):
+    """A chat model's directory without its chat template, whose generation_config stops at
+    every token: the prompts of --data would go in as plain text (a warning names the chat
+    tokens and the fixes) and every response is its first token alone (a warning, once, at the
+    first such step, says what to check)."""
+    import json
+
+    from common.run.embedded import write_embedded_model
+
+    model = tmp_path / "chat"
+    write_embedded_model(str(model))
+    os.remove(model / "chat_template.jinja")
+    config = json.load(open(model / "tokenizer_config.json"))
+    config.pop("chat_template", None)
+    json.dump(config, open(model / "tokenizer_config.json", "w"))
+    generation = json.load(open(model / "generation_config.json"))
+    json.dump(dict(generation, eos_token_id=list(range(259))), open(model / "generation_config.json", "w"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    proc = run(
+        *("--model", model, "--data", data, "--prompts-per-step", 2, "--samples-per-prompt", 2),
+        *("--max-new-tokens", 4, "--steps", 2, "--out", tmp_path / "out"),
+    )
+    assert proc.stdout.count("warning: the tokenizer has chat tokens (<|im_start|>) but no chat template") == 1
+    assert "--raw-prompts" in proc.stdout
+    assert proc.stdout.count("responses are empty") == 1
+    assert "warning: step 0: all 4 responses are empty (each stopped at its first token)" in proc.stdout
+    assert "generation_config.json" in proc.stdout
+
+
+def test_flags_that_would_be_ignored_are_refused(tmp_path):
+    """A file has no splits, raw prompts take no system prompt, the synthetic task is no chat:
+    exit 2 with one line naming the flag, before anything is built; so is an --eval-data that
+    cannot be read, named as such (not as --data)."""
+    data, odd = tmp_path / "data.jsonl", tmp_path / "odd.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    odd.write_text('{"text": "1+1", "label": "2"}\n')
+    for args, says in (
+        (["--data", data, "--data-split", "test"], "--data-split test: --data"),
+        (["--data", data, "--system-prompt", "Think.", "--raw-prompts"], "--system-prompt goes into the chat"),
+        (["--system-prompt", "Think."], "--system-prompt applies to --data's prompts"),
+        (["--data", data, "--eval-data", odd], f"--eval-data {odd}: no prompt field found"),
+    ):
+        proc = run(*args, "--out", tmp_path / "out", check=False)
+        assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (
+            args,
+            proc.stderr,
+        )
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

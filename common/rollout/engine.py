@@ -86,6 +86,36 @@ def generate_checked(engine, prompts, mode, **kwargs):
     return samples
 
 
+def empty_responses_warning(samples, step):
+    """The warning for a step whose every response is empty or the stop token alone (the engine
+    ended each at once: nothing to reward, nothing learned), saying what to check; else None.
+    The scripts print it once per run."""
+    if not samples or any(len(s.response_ids) > 1 or s.finish_reason != "stop" for s in samples if s.response_ids):
+        return None
+    return (
+        f"warning: step {step}: all {len(samples)} responses are empty (each stopped at its first token). Check "
+        "the prompt format (a chat model needs its chat template, so no --raw-prompts; a base model may need "
+        "--raw-prompts), the end-of-sequence ids in the model's generation_config.json (eos_token_id), and "
+        "--temperature / --max-new-tokens"
+    )
+
+
+def cap_max_model_len(max_model_len, max_positions, rank=0):
+    """max_model_len (prompt + response tokens per request) capped at the model's
+    max_position_embeddings, as vLLM requires; said on rank 0 when it is. Both engines use it, so
+    a run ends its samples at the same length on a CPU and on a GPU (finish_reason "length")."""
+    if max_positions and max_model_len > max_positions:
+        if rank == 0:
+            print(
+                f"rollout: max_model_len {max_model_len} (the longest prompt + --max-new-tokens) capped at the "
+                f"model's max_position_embeddings {max_positions}: a response ends where prompt + response reach "
+                f"{max_positions} tokens",
+                flush=True,
+            )
+        return max_positions
+    return max_model_len
+
+
 class RolloutEngine:
     """The interface every rollout engine implements (HFEngine here; VLLMEngine on GPUs)."""
 

@@ -8,9 +8,9 @@ import torch
 
 
 def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, max_model_len=4096, seed=0, device=None):
-    """(engine, rollout TP size): a VLLMEngine (one per vLLM TP group of `rollout_tp` ranks;
-    max_model_len is capped at the model's positions there) or, on CPUs, an HFEngine in fp32
-    (each rank its own replica: rollout TP 1)."""
+    """(engine, rollout TP size): a VLLMEngine (one per vLLM TP group of `rollout_tp` ranks)
+    or, on CPUs, an HFEngine in fp32 (each rank its own replica: rollout TP 1). Both cap
+    max_model_len at the model's positions and end a response that reaches it."""
     if use_vllm:
         from common.rollout.vllm_engine import VLLMEngine
 
@@ -23,7 +23,7 @@ def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, m
         ), rollout_tp
     from common.rollout.hf_engine import HFEngine
 
-    return HFEngine(hf_dir, dtype=torch.float32, device=device), 1
+    return HFEngine(hf_dir, dtype=torch.float32, device=device, max_model_len=max_model_len), 1
 
 
 def vllm_available():

@@ -1,6 +1,6 @@
 """The CPU rollout engine: a transformers AutoModelForCausalLM with a batched sampling loop over a KV cache.
 
-    engine = HFEngine(hf_dir, dtype=torch.float32)
+    engine = HFEngine(hf_dir, dtype=torch.float32, max_model_len=1024)
     engine.update_weights(export_hf_weights(...)); samples = engine.generate(prompts, n=8, ...)
 
 It serves the embedded tiny default (`python train_grpo.py`) and the tests; it is not meant for
@@ -12,7 +12,7 @@ import re
 import torch
 
 from common.model.bridge_moe import EXPERT_BLOCKS, EXPERT_HALF, EXPERT_NAME
-from common.rollout.engine import RolloutEngine, Sample
+from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
 
 
 def sample_tokens(logits, temperature, top_p, generator):
@@ -51,13 +51,20 @@ class HFEngine(RolloutEngine):
     position ids count only real tokens (a padded row gets the same positions as alone).
     Rows that finished keep decoding a filler token (their outputs are ignored) until every row
     is done or max_tokens is reached: simple, and cheap for the tiny models this is meant for.
+    max_model_len: prompt + response tokens per request, as VLLMEngine's: capped at the
+    model's max_position_embeddings (None: that), a response that reaches it ends with
+    finish_reason "length", a prompt that fills it is refused.
     """
 
-    def __init__(self, hf_dir, dtype=torch.float32, eos_token_ids=None, device="cpu"):
+    def __init__(self, hf_dir, dtype=torch.float32, eos_token_ids=None, device="cpu", max_model_len=None):
+        import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
         self.device = torch.device(device)
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.max_model_len = cap_max_model_len(max_model_len or max_positions, max_positions, rank)
         if eos_token_ids is None:
             # generation_config may override config (e.g. instruct models stop on <|im_end|>).
             eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -79,8 +86,14 @@ class HFEngine(RolloutEngine):
         exact = response_lengths is not None  # a benchmark's lengths: row k ends after exactly lengths[k] tokens
         if exact:
             assert len(response_lengths) == len(rows) and min(response_lengths) >= 1, "one length >= 1 per sample"
-            max_tokens = max(response_lengths)
         B, L = len(rows), max(len(r) for r in rows)
+        # each row's response budget: its drawn length or max_tokens, within what max_model_len leaves after its prompt
+        wanted = response_lengths if exact else [max_tokens] * B
+        budgets = [min(w, self.max_model_len - len(r)) if self.max_model_len else w for r, w in zip(rows, wanted)]
+        if min(budgets) < 1:
+            raise ValueError(
+                f"a prompt of {L} tokens leaves no room for a response within max_model_len {self.max_model_len}"
+            )
         dev = self.device
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)
         attn_mask = torch.zeros((B, L), dtype=torch.long, device=dev)
@@ -93,12 +106,12 @@ class HFEngine(RolloutEngine):
 
         generator = torch.Generator(device=dev).manual_seed(seed)
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
-        lengths = torch.tensor(response_lengths if exact else [max_tokens] * B, device=dev)  # (B,)
         cache = DynamicCache(config=self.model.config)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        out_tokens, out_logprobs = [], []  # max_tokens x (B,)
+        budget_left = torch.tensor(budgets, device=dev)  # (B,) tokens each row may still sample
+        out_tokens, out_logprobs = [], []  # steps x (B,)
         tokens = input_ids
-        for step in range(max_tokens):
+        for step in range(max(budgets)):
             logits = (
                 self.model(
                     input_ids=tokens,
@@ -114,8 +127,9 @@ class HFEngine(RolloutEngine):
             new = torch.where(done, self.pad_id, new)
             out_tokens.append(new)
             out_logprobs.append(logprobs)
-            done = done | ((step + 1 >= lengths) if exact else torch.isin(new, eos))
-            if bool(done.all()) or step == max_tokens - 1:
+            budget_left -= 1
+            done = done | (budget_left == 0) | (torch.isin(new, eos) & (not exact))  # a benchmark ignores EOS
+            if bool(done.all()):
                 break
             # Feed the new token: one more mask column, position = previous length.
             tokens, position_ids = new[:, None], next_pos
@@ -126,8 +140,8 @@ class HFEngine(RolloutEngine):
         all_tokens = torch.stack(out_tokens, 1).tolist() if out_tokens else [[] for _ in rows]
         all_logprobs = torch.stack(out_logprobs, 1).tolist() if out_logprobs else [[] for _ in rows]
         eos_set = set() if exact else set(self.eos_token_ids)
-        for r, toks, lps, length in zip(rows, all_tokens, all_logprobs, lengths.tolist()):
-            toks, lps = toks[:length], lps[:length]
+        for r, budget, toks, lps in zip(rows, budgets, all_tokens, all_logprobs):
+            toks, lps = toks[:budget], lps[:budget]
             stop = next((t for t, tok in enumerate(toks) if tok in eos_set), None)
             if stop is not None:
                 samples.append(Sample(r, toks[: stop + 1], lps[: stop + 1], "stop"))

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge_moe import EXPERT_HALF, EXPERT_NAME
-from common.rollout.engine import RolloutEngine, Sample
+from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
 from common.rollout.weight_replay import WritePlan
 
 
@@ -126,15 +126,7 @@ class VLLMEngine(RolloutEngine):
         self.enable_sleep = enable_sleep
         with open(os.path.join(hf_dir, "config.json")) as f:
             max_positions = json.load(f).get("max_position_embeddings")
-        if max_positions and max_model_len > max_positions:
-            if self.rank == 0:
-                print(
-                    f"[vllm] max_model_len {max_model_len} capped at the model's max_position_embeddings "
-                    f"{max_positions}",
-                    flush=True,
-                )
-            max_model_len = max_positions
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = cap_max_model_len(max_model_len, max_positions, self.rank)
         self.llm = LLM(
             model=hf_dir,
             tensor_parallel_size=rollout_tp,

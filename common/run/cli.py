@@ -15,7 +15,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 
 import torch
 
@@ -132,11 +134,14 @@ def root_cause(exc):
     return exc
 
 
+INTERRUPTED = "interrupted; the partial output {out}.incomplete was removed."
+
+
 def error_message(exc, out):
     """(exit code, one-paragraph message) for the failures a user can fix; None for bugs."""
     exc = root_cause(exc)
     if isinstance(exc, KeyboardInterrupt):
-        return 130, f"interrupted; the partial output {out}.incomplete was removed."
+        return 130, INTERRUPTED.format(out=out)
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return 2, (
             f"disk full while writing {out} ({exc.filename or 'output file'}): the partial output "
@@ -213,23 +218,39 @@ def check_tool_layout(
 def run_cli(run, args):
     """Run `run(args, created)` as a command-line tool: on failure remove the outputs it
     created (rank 0), turn the failures a user can fix into (exit code, one paragraph, no
-    traceback), re-raise bugs. Returns the exit code."""
-    out, created = os.path.abspath(args.out), []
+    traceback), re-raise bugs. Returns the exit code.
+
+    Ctrl-C (SIGINT) is exit code 130 and one line, whatever it interrupted: it is recorded as it
+    arrives, because the KeyboardInterrupt may not survive the code it lands in (inside
+    torch.save's zip writer it becomes a RuntimeError "unexpected pos" as the file is closed)."""
+    out, created, sigints = os.path.abspath(args.out), [], []
     owns_process_group = not torch.distributed.is_initialized()  # (main() may run inside a test)
+
+    def on_sigint(signum, frame):
+        sigints.append(signum)
+        raise KeyboardInterrupt
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers live there)
+    previous = signal.signal(signal.SIGINT, on_sigint) if in_main_thread else None
     try:
         code = run(args, created)
     except BaseException as e:  # KeyboardInterrupt and DCP's CheckpointException (a BaseException) too
         if int(os.environ.get("RANK", "0")) == 0:
             for path in created:
                 shutil.rmtree(path, ignore_errors=True)
-        known = error_message(e, out)
+        known = (130, INTERRUPTED.format(out=out)) if sigints else error_message(e, out)
         if known is None:
             raise
         code, message = known
         print0(f"error: {message}")
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
         if owns_process_group and torch.distributed.is_initialized():
-            destroy_distributed()
+            try:
+                destroy_distributed()
+            except KeyboardInterrupt:  # the work is over (written and renamed, or removed): nothing to stop
+                pass
     return code
 
 
@@ -260,6 +281,17 @@ def run_training(main):
     os._exit(code)  # not sys.exit: an in-process vLLM engine can block interpreter exit
 
 
+def summary_number(value):
+    """A metric as the closing summary prints it (a JSON number): 4 decimals, or 2 significant
+    digits in exponent notation below 1e-3 (a learning rate of 1e-06 is `1.0e-06`, not 0.0)."""
+    value = value.item() if hasattr(value, "item") else value  # (a tensor or numpy scalar)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return json.dumps(value)
+    if value != 0 and abs(value) < 1e-3:
+        return f"{value:.1e}"
+    return json.dumps(round(value, 4))
+
+
 def finish_training(writer, logger, *, summary, exit_hard):
     """The end of a training script, all ranks: wait for the last checkpoint save and publish
     it (CheckpointWriter.wait), close the metrics,
@@ -272,7 +304,7 @@ def finish_training(writer, logger, *, summary, exit_hard):
     writer.wait()
     logger.close()
     if summary is not None:
-        print0(json.dumps({k: round(v, 4) for k, v in summary.items()}))
+        print0("{" + ", ".join(f"{json.dumps(k)}: {summary_number(v)}" for k, v in summary.items()) + "}")
     if exit_hard:
         dist.barrier()
         sys.stdout.flush(), sys.stderr.flush()

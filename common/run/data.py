@@ -5,6 +5,7 @@
   apply_chat_template(tokenizer, prompt, system_prompt=None) -> prompt token ids
   task_prompts(tokenizer, data, ...) -> (items, prompt token ids): what the training scripts
                         sample from (--data, or the synthetic task), too-long prompts dropped
+  chat_format_warning(tokenizer, system_prompt) -> what is likely wrong with a chat format, or None
   PromptSampler         deterministic epoch-wise shuffling with state_dict() for resume
   SyntheticArithmetic   "3+4=" -> "7" with difficulty knobs: the task of the embedded default
 
@@ -27,10 +28,11 @@ ANSWER_KEYS = ("answer", "solution", "ground_truth", "reward_model.ground_truth"
 SAVE_TO_DISK_FILES = ("dataset_dict.json", "state.json")  # what datasets' save_to_disk writes
 
 
-def _read_rows(path, config=None, split="train"):
+def _read_rows(path, config=None, split="train", flags=("--data-config", "--data-split")):
     """All rows of a dataset file or directory as a list of dicts. A directory is a `datasets`
     save_to_disk directory, or a dataset repository's files (a hub snapshot, common/run/hub.py),
-    read by datasets.load_dataset with its config (the repository's README names them) and split."""
+    read by datasets.load_dataset with its config (the repository's README names them) and split.
+    flags: the command-line flags of config and split, for the messages."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt dataset {path!r} does not exist")
     if os.path.isdir(path):
@@ -45,11 +47,11 @@ def _read_rows(path, config=None, split="train"):
                 message = " ".join(str(e).split())[:300]
                 raise ValueError(
                     f"cannot read it with datasets.load_dataset (config {config!r} "
-                    f"(--data-config), split {split!r} (--data-split)): {message}"
+                    f"({flags[0]}), split {split!r} ({flags[1]})): {message}"
                 ) from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ValueError(f"{path!r} has no split {split!r} (--data-split; splits: {sorted(ds)})")
+                raise ValueError(f"{path!r} has no split {split!r} ({flags[1]}; splits: {sorted(ds)})")
             ds = ds[split]
         return ds.to_list()
     ext = os.path.splitext(path)[1].lower()
@@ -110,9 +112,9 @@ def _pick_key(row, key, candidates, what, flag):
     )
 
 
-def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="train"):
+def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="train", flags=None):
     """Rows of a prompt dataset as [dict(prompt=..., answer=str)] (config, split: of a dataset
-    directory, see _read_rows).
+    directory, see _read_rows; flags: their command-line flags, for the messages).
 
     The prompt is a string, or a list of chat messages ({"role", "content"}) kept as is for
     apply_chat_template. The answer is the raw reference (a GSM8K solution with '#### 42'
@@ -120,7 +122,7 @@ def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="tra
     fields, e.g. answer_key='reward_model.ground_truth'; without them the first field found
     of PROMPT_KEYS / ANSWER_KEYS is used.
     """
-    rows = _read_rows(path, config, split)
+    rows = _read_rows(path, config, split, *([flags] if flags else []))
     if not rows:
         raise ValueError(f"prompt dataset {path!r} is empty")
     if not isinstance(rows[0], dict):
@@ -172,50 +174,99 @@ def task_prompts(
     tokenizer,
     data,
     *,
+    flag="--data",
     prompt_key=None,
     answer_key=None,
     data_config=None,
-    data_split="train",
+    data_split=None,
     raw_prompts=False,
     system_prompt=None,
     max_prompt_len,
     max_positions,
     seed=0,
 ):
-    """(items, prompt token ids) of a training run: --data's rows (chat-formatted unless
-    raw_prompts), or without data the embedded task (repeat the digit: "7=" -> "7"; not a
-    chat). Prompts longer than max_prompt_len, or leaving no room for one new token within
-    the model's max_positions, are dropped; a dataset with none left is a UsageError."""
+    """(items, prompt token ids) of a training run: the rows of data, the dataset of `flag`
+    (--data, or --eval-data: the messages name it and its split flag; data_split None: train,
+    or test for --eval-data), chat-formatted unless raw_prompts, or without data the embedded
+    task (repeat the digit: "7=" -> "7"; not a chat). Prompts longer than max_prompt_len, or
+    leaving no room for one new token within the model's max_positions, are dropped; a
+    dataset with none left is a UsageError. A chat format that is likely not what was meant
+    is printed once (chat_format_warning)."""
     from common.run.dist import print0
     from common.train.guard import UsageError
 
     if data:
+        split_flag, default_split = ("--data-split", "train") if flag == "--data" else ("--eval-split", "test")
         try:
-            items = load_prompts(data, prompt_key, answer_key, config=data_config, split=data_split)
+            items = load_prompts(
+                data,
+                prompt_key,
+                answer_key,
+                config=data_config,
+                split=data_split or default_split,
+                flags=("--data-config", split_flag),
+            )
         except ValueError as e:
-            raise UsageError(f"--data {data}: {e}") from None
+            raise UsageError(f"{flag} {data}: {e}") from None
     else:
         items = synthetic_prompts(num_items=1000, seed=seed, num_terms=1)
     if raw_prompts or not data:
         prompt_ids = [tokenizer.encode(it["prompt"], add_special_tokens=False) for it in items]
     else:
+        warning = chat_format_warning(tokenizer, system_prompt)
+        if warning and warning not in _WARNINGS_PRINTED:  # (the prompts of --data and --eval-data: once)
+            _WARNINGS_PRINTED.add(warning)
+            print0(f"warning: {warning}")
         prompt_ids = [apply_chat_template(tokenizer, it["prompt"], system_prompt) for it in items]
     if any(len(ids) == 0 for ids in prompt_ids):
         empty = next(i for i, ids in enumerate(prompt_ids) if not ids)
-        raise UsageError(f"--data {data}: a prompt encodes to no tokens (row {empty})")
+        raise UsageError(f"{flag} {data}: a prompt encodes to no tokens (row {empty})")
     limit = min(max_prompt_len, max_positions - 1)
     keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= limit]
     if not keep:
         raise UsageError(
-            f"every prompt of {data or 'the task'} is longer than {limit} tokens (--max-prompt-len "
-            f"{max_prompt_len}, model positions {max_positions}); the shortest has "
+            f"every prompt of {f'{flag} {data}' if data else 'the task'} is longer than {limit} tokens "
+            f"(--max-prompt-len {max_prompt_len}, model positions {max_positions}); the shortest has "
             f"{min(map(len, prompt_ids))}: raise --max-prompt-len"
         )
     if len(keep) < len(items):
         print0(
-            f"dropped {len(items) - len(keep)} of {len(items)} prompts longer than {limit} tokens (--max-prompt-len)"
+            f"dropped {len(items) - len(keep)} of {len(items)} prompts of {f'{flag} {data}' if data else 'the task'} "
+            f"longer than {limit} tokens (--max-prompt-len)"
         )
     return [items[i] for i in keep], [prompt_ids[i] for i in keep]
+
+
+# Tokens that only chat formats use (ChatML: Qwen and others; Llama 3; Mistral; Gemma; Phi-3 and
+# Zephyr; DeepSeek-V3): a tokenizer that has one most likely belongs to a chat model (Llama 3's base
+# models have its tokens too: --raw-prompts there says plain text is meant).
+CHAT_TOKENS = ("<|im_start|>", "<|start_header_id|>", "[INST]", "<start_of_turn>", "<|user|>", "<｜User｜>")
+_WARNINGS_PRINTED = set()
+
+
+def chat_format_warning(tokenizer, system_prompt=None):
+    """What is likely wrong when chat-formatted prompts (no --raw-prompts) meet a tokenizer
+    without a chat template, where apply_chat_template falls back to plain text; None when
+    nothing is. A tokenizer with chat tokens belongs to a chat model whose template is missing
+    from the model directory; without them (a base model) only a --system-prompt is worth a
+    word: it becomes plain text before each prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        return None
+    vocab = tokenizer.get_vocab()
+    chat_tokens = [token for token in CHAT_TOKENS if token in vocab]
+    if chat_tokens:
+        return (
+            f"the tokenizer has chat tokens ({', '.join(chat_tokens)}) but no chat template, so the prompts go "
+            "in as plain text, which a chat model answers poorly. Add the model's chat template to its "
+            "directory (chat_template.jinja, or chat_template in tokenizer_config.json), or pass --raw-prompts "
+            "if plain text is meant"
+        )
+    if system_prompt is not None:
+        return (
+            "the tokenizer has no chat template (a base model?): --system-prompt is put before each prompt as "
+            "plain text, followed by a blank line"
+        )
+    return None
 
 
 # -----------------------------------------------------------------------------

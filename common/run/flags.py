@@ -4,9 +4,14 @@ so what an experiment edits stays in the script; everything here means the same 
 Each function returns its group, for a script's own flags of that kind."""
 
 import argparse
+import os
 
 from common.model.bridge import RECOMPUTE_MODULES
 from common.rollout.engine import ROLLOUT_LOGPROBS
+
+# --micro-batch-size when not given: the largest size up to this that divides each data-parallel
+# rank's share of a mini-batch (common/run/preflight.py derives it)
+MICRO_BATCH_SIZE = 8
 
 
 def model_flags(p):
@@ -49,7 +54,11 @@ def data_flags(p):
         default=None,
         help="config of a --data dataset repository that has several (gsm8k: main or socratic)",
     )
-    g.add_argument("--data-split", default="train", help="split of --data to train on")
+    g.add_argument(
+        "--data-split",
+        default=None,
+        help="split of a --data dataset directory or hub dataset to train on (default: train; a file has none)",
+    )
     g.add_argument(
         "--eval-data",
         default=None,
@@ -58,7 +67,11 @@ def data_flags(p):
             "without --data, else none"
         ),
     )
-    g.add_argument("--eval-split", default="test", help="split of --eval-data")
+    g.add_argument(
+        "--eval-split",
+        default=None,
+        help="split of an --eval-data dataset directory or hub dataset (default: test; a file has none)",
+    )
     g.add_argument(
         "--eval-every",
         type=int,
@@ -271,9 +284,10 @@ def batch_flags(p):
     g.add_argument(
         "--micro-batch-size",
         type=int,
-        default=8,
+        default=None,
         help="samples per forward pass per rank (packed passes, the default: a budget of this many times "
-        "the step's longest sample, filled with as many whole samples as fit)",
+        "the step's longest sample, filled with as many whole samples as fit); default: the largest size up "
+        f"to {MICRO_BATCH_SIZE} that divides the samples each data-parallel rank gets of a mini-batch",
     )
     g.add_argument(
         "--micro-batch-tokens",
@@ -350,12 +364,18 @@ def optim_flags(p, title, lr_help, scope=""):
     return g
 
 
-def run_flags(p, out):
-    """Steps, seeds, output, checkpoints, logging."""
+def run_flags(p, out_prefix):
+    """Steps, seeds, output, checkpoints, logging. out_prefix: the default --out without the model's
+    name (resolve_out)."""
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, default=200, help="training steps (rollout batches)")
     g.add_argument("--seed", type=int, default=1234, help="seed of everything")
-    g.add_argument("--out", default=out, help="output dir: metrics.jsonl, curves.png, checkpoints/")
+    g.add_argument(
+        "--out",
+        default=None,
+        help=f"output dir: metrics.jsonl, curves.png, checkpoints/ (default: {out_prefix}-<model name>, e.g. "
+        f"{out_prefix}-Qwen2-7B for --model /models/Qwen2-7B, {out_prefix}-embedded without --model)",
+    )
     g.add_argument(
         "--save-every",
         type=int,
@@ -475,3 +495,61 @@ def logprob_micro_batching(args):
     if args.logprob_micro_batch_tokens is not None:
         return size, args.logprob_micro_batch_tokens
     return size, 0 if args.logprob_micro_batch_size else args.micro_batch_tokens
+
+
+def resolve_out(args, out_prefix):
+    """--out when not given (said on rank 0): one directory per model, so that a run of another
+    model never lands in a directory an earlier run holds: <out_prefix>-Qwen2-7B for --model
+    /models/Qwen2-7B or Qwen/Qwen2-7B (the name as given, before a hub id is resolved),
+    <out_prefix>-embedded (-moe, -deepseek) without --model. Call it before the hub ids are
+    resolved (common/run/preflight.py)."""
+    from common.run.dist import launcher_rank
+
+    if args.out is not None:
+        return
+    if args.model is None:
+        name = "embedded" + ("" if args.embedded_model == "dense" else f"-{args.embedded_model}")
+    else:
+        name = os.path.basename(os.path.abspath(args.model))  # (a hub id's NAME; `--model .`: the directory's)
+    args.out = f"{out_prefix}-{name}"
+    if launcher_rank() == 0:
+        print(f"--out {args.out} (the default for this model)", flush=True)
+
+
+def fitting_size(total, cap):
+    """The largest size <= cap that divides total (1 at worst): a batch size that splits `total`
+    samples into equal parts."""
+    return next(size for size in range(min(cap, total), 0, -1) if total % size == 0)
+
+
+def embedded_defaults(defaults, known):
+    """A script's defaults of the embedded model, with its batch sizes taken as caps and fitted
+    to the run (known: the arguments as parsed with the usual defaults): --mini-batch-size to
+    the largest that divides the rollout batch, --micro-batch-size to the largest that divides
+    each data-parallel rank's share of a mini-batch. So `python train_grpo.py --prompts-per-step
+    2 --samples-per-prompt 2` runs instead of being refused for a mini-batch of 64. A size
+    given on the command line is kept as given (and checked)."""
+    from common.run.dist import launcher_rank, launcher_world_size
+
+    fitted, notes = dict(defaults), []
+    rollout_batch = known.prompts_per_step * known.samples_per_prompt
+    if "mini_batch_size" in defaults and known.mini_batch_size is None and rollout_batch > 0:
+        fitted["mini_batch_size"] = fitting_size(rollout_batch, defaults["mini_batch_size"])
+        if fitted["mini_batch_size"] != defaults["mini_batch_size"]:
+            notes.append(
+                f"--mini-batch-size {fitted['mini_batch_size']} (the embedded default {defaults['mini_batch_size']} "
+                f"does not divide the rollout batch of {rollout_batch} samples)"
+            )
+    mini_batch = known.mini_batch_size or fitted.get("mini_batch_size") or rollout_batch
+    dp = launcher_world_size() // max(1, known.tp * known.pp * known.cp)
+    if "micro_batch_size" in defaults and known.micro_batch_size is None and 0 < dp <= mini_batch:
+        fitted["micro_batch_size"] = fitting_size(mini_batch // dp, defaults["micro_batch_size"])
+        if fitted["micro_batch_size"] != defaults["micro_batch_size"] and not known.micro_batch_tokens:
+            notes.append(
+                f"--micro-batch-size {fitted['micro_batch_size']} (the embedded default "
+                f"{defaults['micro_batch_size']} does not divide the {mini_batch // dp} samples each data-parallel "
+                "rank gets of a mini-batch)"
+            )
+    if notes and launcher_rank() == 0:
+        print("; ".join(notes), flush=True)
+    return fitted

@@ -89,13 +89,15 @@ def package_versions(names=VERSIONED_PACKAGES):
 
 def run_record(args: dict, layout: dict) -> dict:
     """What config.json holds, enough to reproduce or explain a run: the resolved arguments
-    (vars(args) after parse_args filled the defaults), the code's git commit, the library
-    versions, the host, the start time and the parallel layout (world size, tp, pp, dp, ...).
+    (vars(args) after parse_args filled the defaults, with what the scripts resolve later: the
+    dtype and engine used, ...), the command line as given (argv), the code's git commit, the
+    library versions, the host, the start time and the parallel layout (world size, tp, pp, dp, ...).
 
     Plain JSON types only (values json cannot hold become strings), so the record reads back
     equal to what was written."""
     record = {
         "args": args,
+        "argv": sys.argv,  # the command line as given (args: as resolved)
         "git": git_state(),
         "versions": package_versions(),
         "hostname": socket.gethostname(),
@@ -179,7 +181,25 @@ KNOWN_HARMLESS_WARNINGS = [
     (
         r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
         UserWarning,
-        r"(megatron\.core\.optimizer|common\.cpu_compat)\b",
+        r"(megatron\.core\.optimizer|common\.model\.cpu_compat)\b",
+        True,
+    ),
+    # Loading a megatron checkpoint (--resume, --mcore-ckpt, merge_to_hf.py): megatron-core 0.16.1's
+    # torch_dist loader (dist_checkpointing/strategies/torch.py) calls torch's deprecated
+    # checkpoint.load_state_dict and builds ShardedTensors, which torch 2.13 plans to retire. Both
+    # still load exactly (the round trips in tests/test_convert.py are bit-exact). The ShardedTensor
+    # notice comes from its __torch_function__ and is attributed to the Python frame of the torch call
+    # (megatron's or torch's checkpoint code; on a CPU common/model/cpu_compat.py's TorchFunctionMode).
+    (
+        r"`load_state_dict` is deprecated and will be removed in future versions\. Please use `load` instead",
+        FutureWarning,
+        r"megatron\.core\.dist_checkpointing\.",
+        True,
+    ),
+    (
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        FutureWarning,
+        r"(megatron\.core\.dist_checkpointing\.|torch\.distributed\.checkpoint\.|common\.model\.cpu_compat\b)",
         True,
     ),
     # TP > 1: a GPU stream-ordering hint (megatron/core/tensor_parallel/layers.py). Meaningless on

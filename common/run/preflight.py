@@ -32,7 +32,7 @@ import time
 from common.model.bridge import check_parallel_layout, parse_hf_config
 from common.model.unsupported import UnsupportedModelError
 from common.run.dist import launcher_rank, launcher_world_size
-from common.run.flags import logprob_micro_batching
+from common.run.flags import MICRO_BATCH_SIZE, fitting_size, logprob_micro_batching
 from common.train.guard import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -162,7 +162,6 @@ def _check_numbers(args, min_group):
         "samples_per_prompt",
         "max_new_tokens",
         "steps",
-        "micro_batch_size",
         "ppo_epochs",
         "keep_checkpoints",
         "sync_bucket_mb",
@@ -172,7 +171,15 @@ def _check_numbers(args, min_group):
     for name in positive:
         if a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
-    for name in ("vpp", "first_stage_layers", "last_stage_layers", "mini_batch_size", "logprob_micro_batch_size"):
+    optional = (
+        "vpp",
+        "first_stage_layers",
+        "last_stage_layers",
+        "mini_batch_size",
+        "micro_batch_size",
+        "logprob_micro_batch_size",
+    )
+    for name in optional:
         if a[name] is not None and a[name] < 1:
             raise UsageError(f"--{_flag(name)} must be >= 1, not {a[name]}")
     non_negative = [
@@ -478,7 +485,7 @@ def _check_layout(args, spec, critic=None):
             raise UsageError(prefix + str(e)) from None
     dp = world // model_parallel
     rollout_batch = args.prompts_per_step * args.samples_per_prompt
-    mini_batch = args.mini_batch_size or rollout_batch
+    mini_batch = args.mini_batch_size = args.mini_batch_size or rollout_batch  # (config.json records it)
     if rollout_batch % mini_batch:
         raise UsageError(
             f"the rollout batch ({args.prompts_per_step} prompts x {args.samples_per_prompt} samples = "
@@ -489,6 +496,14 @@ def _check_layout(args, spec, critic=None):
             f"--mini-batch-size {mini_batch} must be a multiple of the data-parallel size {dp} "
             f"(world {world} / (tp {args.tp} x pp {args.pp}))"
         )
+    if args.micro_batch_size is None:  # the largest up to MICRO_BATCH_SIZE that divides a rank's share
+        args.micro_batch_size = fitting_size(mini_batch // dp, MICRO_BATCH_SIZE)
+        if args.micro_batch_size != MICRO_BATCH_SIZE and not args.micro_batch_tokens and launcher_rank() == 0:
+            print(
+                f"--micro-batch-size {args.micro_batch_size}: each data-parallel rank gets {mini_batch // dp} "
+                f"samples of a mini-batch (the default, the largest size up to {MICRO_BATCH_SIZE} that divides them)",
+                flush=True,
+            )
     for flag, (size, tokens) in (
         ("--micro-batch-size", (args.micro_batch_size, args.micro_batch_tokens)),
         ("--logprob-micro-batch-size", logprob_micro_batching(args)),
@@ -529,6 +544,30 @@ def _check_inputs(args):
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{flag} {path}: no such file or directory")
+    # flags that would be silently ignored: a file has no splits or configs, the synthetic task no chat
+    for flag, value, datasets, what in (
+        ("--data-split", args.data_split, [("--data", args.data)], "splits"),
+        ("--eval-split", args.eval_split, [("--eval-data", args.eval_data)], "splits"),
+        ("--data-config", args.data_config, [("--data", args.data), ("--eval-data", args.eval_data)], "configs"),
+    ):
+        given = [(data_flag, path) for data_flag, path in datasets if path is not None]
+        if value is None or any(not os.path.isfile(path) for _, path in given):
+            continue
+        if not given:
+            raise UsageError(f"{flag} {value} chooses part of a {datasets[0][0]} dataset, and there is none: drop it")
+        raise UsageError(
+            f"{flag} {value}: {' and '.join(f'{f} {p}' for f, p in given)} "
+            f"{'is a file, which has' if len(given) == 1 else 'are files, which have'} no {what}: "
+            f"drop {flag} (it applies to a dataset directory or a hub dataset)"
+        )
+    if args.system_prompt is not None and args.raw_prompts:
+        raise UsageError(
+            "--system-prompt goes into the chat template, which --raw-prompts skips: pass one or the other"
+        )
+    if args.system_prompt is not None and args.data is None and args.eval_data is None:
+        raise UsageError(
+            "--system-prompt applies to --data's prompts; the synthetic task (no --data) is not a chat: drop it"
+        )
     if args.load_rollouts is not None:
         last = os.path.join(args.load_rollouts, f"step_{args.steps - 1:06d}.pt")
         if not os.path.isfile(last):
