@@ -54,7 +54,8 @@ def visible_gpu_bytes():
 
     if not torch.cuda.is_available():
         return None
-    return float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
+    device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()  # (one visible GPU per rank: 0)
+    return float(torch.cuda.get_device_properties(device).total_memory)
 
 
 def _vllm_available():

@@ -45,10 +45,15 @@ from common.model.sizes import (
 GB = 1e9
 PHASES = ("sync", "rollout", "logprob", "update", "save")
 # Per process, outside the tensors counted here: the CUDA context with cuBLAS's workspaces (~0.6
-# GB on an H100), NCCL's buffers for megatron's and vLLM's process groups (~1-1.5 GB at 8
-# ranks), and what the engine keeps while asleep (CUDA graph pool, its own communicators, ~1 GB).
-# A figure from those components, not a measurement: the run's mem_*_gb metrics check it.
+# GB on an H100) and NCCL's buffers for megatron's process groups (~1-1.5 GB at 8 ranks). An
+# estimate from those components, not a measurement.
 PROCESS_OVERHEAD = 3.0 * GB
+# With a colocated vLLM engine, what the process holds beyond the engine's share and the
+# trainer's tensors, in every phase (asleep: its CUDA graphs, compile and sampler workspaces,
+# communicators): the one colocated measurement, a 0.5B model on one H200 (docs/gpu.md: 59.2 /
+# 55.8 / 12.8 / 20.0 GB in sync / rollout / logprob / update), is 11 GB above the tensors this
+# plan counts in each phase, 8 GB more than PROCESS_OVERHEAD. The run's mem_*_gb metrics check it.
+ENGINE_RESIDENT = 8.0 * GB
 # torch's caching allocator rounds and fragments: its reserved memory runs a few percent above
 # the tensors alive at a peak. Added to the torch-allocated items of every phase.
 FRAGMENTATION = 0.05
@@ -333,7 +338,9 @@ def plan_memory(
         if on_gpu:
             slack = {p: FRAGMENTATION * sum(i.device.get(p, 0) for i in items.values() if i.torch) for p in PHASES}
             items["allocator slack"] = Item("allocator slack", slack, torch=False)
-            add("fixed overhead (CUDA context, NCCL, engine asleep)", PROCESS_OVERHEAD, everywhere, torch=False)
+            add("fixed overhead (CUDA context, NCCL)", PROCESS_OVERHEAD, everywhere, torch=False)
+            if engine == "vllm":
+                add("vLLM outside its share (measured)", ENGINE_RESIDENT, everywhere, torch=False)
         else:
             add("process (python, torch)", PROCESS_HOST, everywhere, torch=False)
 
