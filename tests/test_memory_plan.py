@@ -233,10 +233,10 @@ def test_every_phase_counted_by_hand():
 def test_without_offload_the_state_stays_and_staging_pins_it():
     plan = small_plan(offload_params=False, offload_optimizer=False, engine_share=None)
     state = WEIGHTS + GRADS + MAIN + ADAM + WEIGHTS  # + the reference
-    # the engine's share derived: what the trainer keeps (and the fixed overhead) left out, in hundredths
+    # the engine's share derived: 95% of the GPU less what the trainer keeps and the fixed overhead, in hundredths
     residual = state * (1 + M.FRAGMENTATION) + M.PROCESS_OVERHEAD + M.ENGINE_RESIDENT
-    assert plan.engine_share_derived and plan.engine_share == int((20e9 - residual) / 20e9 * 100) / 100 == 0.44
-    assert plan.total("rollout") == pytest.approx(0.44 * 20e9 + residual, rel=1e-12)
+    assert plan.engine_share_derived and plan.engine_share == int((19e9 - residual) / 20e9 * 100) / 100 == 0.39
+    assert plan.total("rollout") == pytest.approx(0.39 * 20e9 + residual, rel=1e-12)
     assert plan.host_parts() == {"offload buffers": 0, "checkpoint staging": WEIGHTS + MAIN + ADAM}
     # --save-any-layout at DP 2: the save gathers 12 bytes per parameter of the rank's slice
     gathered = small_plan(save_any_layout=True)
@@ -338,7 +338,7 @@ def test_dry_run_prints_the_plan_of_a_config_alone(qwen2_7b, tmp_path):
     assert seconds < 60 and not (tmp_path / "never").exists()  # nothing built, nothing written
     assert totals(grpo.stdout) == planned(world=4, tp=2, gpus_per_node=4)
     assert totals(grpo.stdout)[3] < 80 < totals_of(planned(world=4, tp=2, gpus_per_node=4, recompute="none"))
-    assert "derived: --gpu-memory-utilization 0.86" in grpo.stdout  # (80 - 11 GB fixed) / 80
+    assert "derived: --gpu-memory-utilization 0.81" in grpo.stdout  # (0.95 x 80 - 11 GB fixed) / 80
     assert "derived: --no-save-any-layout (data parallel 2" in grpo.stdout
     assert "node: 4 rank(s) x 38.1 GB pinned = 152.3 GB" in grpo.stdout
     assert "on 8 x 80 GB GPUs (--world-size 8 --gpus-per-node 8 --gpu-memory-gb 80)" in grpo.stdout
@@ -378,9 +378,9 @@ def test_a_plan_that_cannot_fit_exits_2_with_one_line(qwen2_7b, tmp_path):
 @pytest.mark.parametrize("given", [None, "0.3"])
 def test_the_engine_starts_first_with_the_derived_share(given, tmp_path, monkeypatch, capsys):
     """A CPU run of train_grpo.py planned for 20 GB GPUs with the vLLM engine (stood in for: it needs
-    a GPU): the engine gets the share derived from the plan, (20 - 11 GB fixed - nothing kept by the
-    trainer) / 20 = 0.45, or the one given, and is created and put to sleep before the policy's
-    training state is set up."""
+    a GPU): the engine gets the share derived from the plan, (0.95 x 20 - 11 GB fixed - nothing kept
+    by the trainer) / 20 = 0.40, or the one given, and is created and put to sleep before the
+    policy's training state is set up."""
     import train_grpo
     from common.rollout import engines
     from common.run.dist import destroy_distributed
@@ -415,6 +415,6 @@ def test_the_engine_starts_first_with_the_derived_share(given, tmp_path, monkeyp
     finally:
         destroy_distributed()
     out = capsys.readouterr().out
-    share = 0.45 if given is None else 0.3
-    assert ("derived: --gpu-memory-utilization 0.45 (" in out) == (given is None)
+    share = 0.4 if given is None else 0.3
+    assert ("derived: --gpu-memory-utilization 0.40 (" in out) == (given is None)
     assert events == [("engine", True, share), "sleep", "training state"]

@@ -60,8 +60,8 @@ FRAGMENTATION = 0.05
 # Inside the engine's share besides weights and KV cache: vLLM's activations for its profiled
 # batch (max_num_batched_tokens) and the sampler's logits, and its CUDA graphs. An estimate.
 ENGINE_WORKSPACE = 2.5 * GB
-# At most this share of the GPU for the engine when it is derived (the rest: the trainer's
-# transients during the sync, the allocator's slack).
+# At most this share of the GPU for the engine when it is derived; the derived share also keeps
+# the rollout phase within WARN_AT of the GPU (a margin for the estimates above).
 MAX_ENGINE_SHARE = 0.9
 WARN_AT = 0.95  # a phase above this share of the GPU is warned about; above 1.0 refused
 # Host memory of a process besides the pinned buffers (python, torch, CUDA's host side, vLLM):
@@ -363,9 +363,10 @@ def plan_memory(
     derived = engine == "vllm" and engine_share is None
     kv_tokens = 0
     if engine == "vllm":
-        if derived:
+        if derived:  # what the trainer keeps (and the fixed overhead) left out, up to WARN_AT of the GPU
             residual = max(st.total("rollout") - ENGINE_WORKSPACE - engine_weights for st in stages)
-            engine_share = max(0.0, min(MAX_ENGINE_SHARE, math.floor((gpu_bytes - residual) / gpu_bytes * 100) / 100))
+            hundredths = math.floor((WARN_AT * gpu_bytes - residual) / gpu_bytes * 100 + 1e-9)
+            engine_share = max(0.0, min(MAX_ENGINE_SHARE, hundredths / 100))
         kv = engine_share * gpu_bytes - engine_weights - ENGINE_WORKSPACE
         kv_tokens = max(0, int(kv // kv_cache_bytes_per_token(spec, rollout_tp)))
         for st in stages:
