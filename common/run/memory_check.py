@@ -1,7 +1,8 @@
 """The memory plan of a training run at start-up: derived defaults, the refusal, --dry-run's table.
 
-    plan = check_memory(args, spec, critic=critic_spec)  # in parse_args, after preflight; every rank
-    if args.dry_run: sys.exit(0)                          # the plan is all a dry run prints
+    spec = check_training_run(parser, args)   # in the scripts' parse_args, every rank
+    check_memory(parser, args, spec)          # derives, prints, refuses (exit 2)
+    if args.dry_run: sys.exit(0)              # the plan printed is all a dry run does
 
 check_memory reads the scripts' flags (as common/run/flags.py's helpers do), plans with
 common/run/memory_plan.py, and:
@@ -171,12 +172,12 @@ def _check_memory(args, spec, has_critic):
         print("\n".join(line for line in [text] + [f"derived: {d}" for d in derived] if line), flush=True)
     refused = [(phase, stage) for level, phase, stage in plan.problems() if level == "refuse"]
     refusal = refusal_message(plan, refused, inputs, args.dry_run) if refused else None
+    capacity, place = (plan.device_bytes, "per GPU") if plan.on_gpu else (plan.capacity, "per rank")
     for level, phase, stage in plan.problems():
         if level == "warn" and master:
             print(
-                f"warning: the {phase} phase needs {stage.total(phase) / M.GB:.1f} GB of "
-                f"{plan.device_bytes / M.GB:.1f} GB per GPU ({stage.total(phase) / plan.device_bytes:.0%}): "
-                "close to the limit",
+                f"warning: the {phase} phase needs {stage.total(phase) / M.GB:.1f} GB of {capacity / M.GB:.1f} GB "
+                f"{place} ({stage.total(phase) / capacity:.0%}): close to the limit",
                 flush=True,
             )
     for level, what, need, have in plan.host_problems():
@@ -238,7 +239,7 @@ def alternatives(inputs):
         if not inputs[flag] and inputs["engine"] == "vllm":
             candidate(f"--{flag.replace('_', '-')}", **{flag: True})
     if inputs["engine_share"] is not None:
-        candidate("--gpu-memory-utilization left to the plan", engine_share=None)
+        candidate("no --gpu-memory-utilization (the plan derives it)", engine_share=None)
     if inputs["engine"] == "vllm":
         candidate(f"--rollout-tp {rollout_tp}", rollout_tp=rollout_tp)
     more = dict(world=world, gpus_per_node=min(inputs["gpus_per_node"] * 2, 8))
@@ -303,11 +304,8 @@ def refusal_message(plan, refused, inputs, dry_run=False):
             f"and workspace ({M.ENGINE_WORKSPACE / M.GB:.1f} GB) and leaves KV cache for {plan.kv_tokens} tokens, "
             f"less than one sequence of {plan.max_model_len} (--max-prompt-len + --max-new-tokens){also}{end}"
         )
-    need = stage.total(phase)
-    if plan.on_gpu:
-        place, capacity = "each GPU", plan.device_bytes
-    else:
-        place, capacity = "the host memory of each rank", plan.node_bytes / plan.ranks_per_node
+    need, capacity = stage.total(phase), plan.capacity
+    place = "each GPU" if plan.on_gpu else "the host memory of each rank"
     largest = sorted((i for i in stage.items if i.device.get(phase, 0) > 0.05 * M.GB), key=lambda i: -i.device[phase])
     parts = ", ".join(f"{_short(i.name)} {i.device[phase] / M.GB:.1f}" for i in largest[:6])
     where = f" (pipeline stage {stage.stage})" if len(plan.stages) > 1 else ""
@@ -370,7 +368,7 @@ def format_plan(plan, inputs):
         f"memory plan: {spec.architecture} {_count(params)} parameters, world {inputs['world']} ({layout} dp "
         f"{dp})"
         + (f", rollout tp {inputs['rollout_tp']}" if inputs["engine"] == "vllm" else "")
-        + f", {M._dtype(inputs['dtype_bytes'])}"
+        + f", {M.dtype_name(inputs['dtype_bytes'])}"
     )
     if plan.on_gpu:
         where = f"GB per rank, on GPUs of {plan.device_bytes / M.GB:.1f} GB"
@@ -388,15 +386,11 @@ def format_plan(plan, inputs):
             lines.append(f"{item.name:<{width}}" + "".join(_cell(v) for v in values))
     totals = [plan.total(p) for p in M.PHASES] + ([plan.shown.host] if plan.on_gpu else [])
     lines.append(f"{'total':<{width}}" + "".join(f"{v / M.GB:>12.1f}" for v in totals))
-    capacity = plan.device_bytes or (plan.node_bytes or 0) / plan.ranks_per_node
-    if capacity:
-        lines.append(f"{'of':<{width}}" + "".join(f"{capacity / M.GB:>12.1f}" for _ in M.PHASES))
+    if plan.capacity:
+        lines.append(f"{'of':<{width}}" + "".join(f"{plan.capacity / M.GB:>12.1f}" for _ in M.PHASES))
     if plan.on_gpu:
-        lines.append(
-            "  (the run's metrics: "
-            + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items())
-            + "; mem_sync_gb ends after the KV cache wakes: the larger of sync and rollout)"
-        )
+        lines.append("  the run's metrics: " + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items()))
+        lines.append("  (mem_sync_gb ends after the KV cache wakes: the larger of sync and rollout)")
     if plan.engine_share is not None:
         share, sequences = plan.engine_share * plan.device_bytes, plan.kv_tokens // max(plan.max_model_len, 1)
         lines.append(

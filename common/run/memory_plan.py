@@ -115,11 +115,15 @@ class Plan:
     engine_share_derived: bool
     kv_tokens: int  # tokens the engine's KV cache holds on one rank (0: none)
     max_model_len: int
-    notes: list = field(default_factory=list)  # what the plan assumed, one line each
 
     @property
     def on_gpu(self):
         return self.device_bytes is not None
+
+    @property
+    def capacity(self):
+        """What each phase must fit in: a GPU, or for a CPU run the node's memory over its ranks (0: unknown)."""
+        return self.device_bytes if self.on_gpu else (self.node_bytes or 0) / self.ranks_per_node
 
     @property
     def shown(self):
@@ -138,8 +142,7 @@ class Plan:
         """[(level, phase, the fullest stage in it)]: "refuse" where a phase is over the device (a CPU
         run: over a node's memory / its ranks) or the engine's KV cache cannot hold one sequence
         ("kv cache"), "warn" above WARN_AT of the device."""
-        found = []
-        capacity = self.device_bytes if self.on_gpu else (self.node_bytes or 0) / self.ranks_per_node
+        found, capacity = [], self.capacity
         if capacity:
             for phase in PHASES:
                 stage = max(self.stages, key=lambda s: s.total(phase))
@@ -222,7 +225,6 @@ def plan_memory(
         engine = "hf"
     layers = stage_layer_indices(spec.num_layers, pp, vpp, first_stage_layers, last_stage_layers)
     ranks = min(world, gpus_per_node)
-    notes = []
 
     def counts(model, s, value_head=False, experts=True):
         return count_parameters(
@@ -269,7 +271,7 @@ def plan_memory(
         keep_params, keep_opt = not offload_params, not offload_optimizer
         keep_grads = keep_params and keep_opt  # either offload frees the gradient buffers
         add(
-            f"policy weights ({_dtype(b)})",
+            f"policy weights ({dtype_name(b)})",
             weights,
             when(keep_params, "sync logprob update save"),
             host=weights * offload_params,
@@ -283,9 +285,9 @@ def plan_memory(
         # run one at a time (the reward model's scoring, the reference's logprobs): the largest counts
         frozen = {}
         if reference:
-            frozen[f"reference weights ({_dtype(b)})"] = weights
+            frozen[f"reference weights ({dtype_name(b)})"] = weights
         if reward_model is not None:
-            frozen[f"reward model weights ({_dtype(b)})"] = counts(reward_model, s, True, False).total * b
+            frozen[f"reward model weights ({dtype_name(b)})"] = counts(reward_model, s, True, False).total * b
         one_pass = max(frozen, key=frozen.get, default=None)
         for name, nbytes in frozen.items():
             phases = everywhere if keep_params else "logprob" if name == one_pass else ""
@@ -294,7 +296,7 @@ def plan_memory(
             c = counts(critic, s, value_head=True)
             cw, cg, co = c.total * b, c.total * FP32, optimizer_bytes(c, main_bytes + 2 * FP32)
             add(
-                f"critic weights ({_dtype(b)})",
+                f"critic weights ({dtype_name(b)})",
                 cw,
                 everywhere if keep_params else "logprob update save",
                 host=cw * offload_params,
@@ -382,9 +384,8 @@ def plan_memory(
         engine_share_derived=derived,
         kv_tokens=kv_tokens,
         max_model_len=max_model_len,
-        notes=notes,
     )
 
 
-def _dtype(nbytes):
+def dtype_name(nbytes):
     return {2: "bf16", 4: "fp32"}.get(nbytes, f"{nbytes} B")
