@@ -373,6 +373,12 @@ def test_a_plan_that_cannot_fit_exits_2_with_one_line(qwen2_7b, tmp_path):
     assert f"the update phase needs {update} GB on each GPU of 80.0 GB (activations 45." in line
     fixed = planned(world=4, tp=2, gpus_per_node=1)[M.PHASES.index("update")]
     assert f"try --recompute full ({fixed} GB), --micro-batch-tokens 4096 (" in line
+    # the same with recompute fits the GPUs, but not a node of 100 GB: 4 ranks x 38.1 GB pinned
+    flags = ("--world-size", 4, "--gpus-per-node", 4, "--tp", 2, "--rollout-tp", 2, "--recompute", "full")
+    line = refused("--gpu-memory-gb", 80, *flags, "--host-memory-gb", 100)
+    assert (
+        "error: the 4 rank(s) of a node would pin 152.3 GB of host memory (offload buffers 152.3 GB) of 100.0" in line
+    )
 
 
 @pytest.mark.parametrize("given", [None, "0.3"])

@@ -180,9 +180,17 @@ def _check_memory(args, spec, has_critic):
                 f"{place} ({stage.total(phase) / capacity:.0%}): close to the limit",
                 flush=True,
             )
+    # a dry run for GPUs elsewhere compares with this machine's host memory only as a hint
+    elsewhere = args.dry_run and args.gpu_memory_gb and not args.host_memory_gb
     for level, what, need, have in plan.host_problems():
-        if level == "refuse":
+        if level == "refuse" and not elsewhere:
             refusal = refusal or host_refusal(plan, what, need, have)
+        elif level == "refuse" and master:
+            print(
+                f"warning: {host_refusal(plan, what, need, have)}. That is this machine's memory: "
+                "--host-memory-gb plans for the nodes of the run",
+                flush=True,
+            )
         elif master:
             print(
                 f"warning: host memory: the {plan.ranks_per_node} ranks of a node may use {need / M.GB:.1f} GB "
