@@ -29,6 +29,7 @@ Launch:
 import functools
 import math
 import os
+import sys
 import time
 
 import torch
@@ -38,6 +39,7 @@ from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.run import flags as F
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
+from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
 
 
@@ -149,6 +151,7 @@ def build_parser():
     )
     o.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
+    F.plan_flags(p)
     F.run_flags(p, out_prefix=OUT_PREFIX)
     return p
 
@@ -164,7 +167,12 @@ def parse_args(argv=None):
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
     except ValueError as e:
         p.error(str(e))
-    check_training_run(p, args, critic_model=args.critic_model)  # every mistake found here, before anything is built
+    spec = check_training_run(p, args, critic_model=args.critic_model)  # every mistake, before anything is built
+    # GPU and host memory per rank and phase (common/run/memory_plan.py): derives the defaults it
+    # can (--gpu-memory-utilization, --save-any-layout), refuses what cannot fit (exit 2)
+    check_memory(p, args, spec, has_critic=True)
+    if args.dry_run:  # the plan printed is all a dry run does
+        sys.exit(0)
     if args.kl_estimator is None:
         args.kl_estimator = {"reward": "k1", "loss": "k3"}[args.kl_mode]
     return args
@@ -269,6 +277,29 @@ def main():
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank (checked: divides)
     updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
 
+    # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
+    # Started before the trainer's state exists: vLLM takes --gpu-memory-utilization of the GPU and
+    # checks at start that so much is free; it then sleeps (weights and KV cache freed) until the
+    # first rollout's weight sync wakes it (common/train/offload.py Colocation.rollout)
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
+    # (with --load-rollouts: replayed samples, no engine)
+    engine, rollout_tp = (
+        (None, args.rollout_tp)
+        if args.load_rollouts
+        else make_engine(
+            use_vllm,
+            hf_dir,
+            rollout_tp=args.rollout_tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
+            max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
+            seed=args.seed,
+            device=info.device,
+        )
+    )
+    if engine is not None:
+        engine.sleep()
+
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
     model_args = dict(
@@ -321,23 +352,6 @@ def main():
         for chunk in reference:
             chunk.eval().requires_grad_(False)
 
-    # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
-    # (with --load-rollouts: replayed samples, no engine)
-    engine, rollout_tp = (
-        (None, args.rollout_tp)
-        if args.load_rollouts
-        else make_engine(
-            use_vllm,
-            hf_dir,
-            rollout_tp=args.rollout_tp,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
-            max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
-            seed=args.seed,
-            device=info.device,
-        )
-    )
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
     evaluator = Evaluator(

@@ -185,6 +185,23 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     return result
 
 
+def saved_bytes(chunk, ids):
+    """Bytes of the tensors one forward with gradients saves for its backward (each storage once,
+    parameters left out): what the memory plan's activation formula estimates."""
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunk(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
+    return sum(saved.values())
+
+
 def parse_layout(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", required=True)
@@ -235,7 +252,13 @@ def run_layout(args):
         row = {
             "max_abs_diff": (logits - reference).abs().max().item(),
             "layers": [layer.layer_number - 1 for c in chunks for layer in unwrap(c).decoder.layers],
+            # for the memory plan (tests/test_model_parity.py): this rank's parameters and, without a
+            # pipeline, the bytes its forward saves for the backward per token
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "param_count": sum(p.numel() for c in chunks for p in c.parameters()),
         }
+        if args.pp == 1:
+            row["saved_bytes_per_token"] = saved_bytes(chunks[0], ids[:1]) / seq_len
         if spec.moe is not None:  # load-balancing loss, expert load or bias-update counts, padding left out
             row["routing_statistics"] = routing_statistics(chunks, spec, layout, hf, seq_len)
         if spec.moe is not None and args.ep > 1 and args.pp == 1:  # the two token dispatchers at EP > 1

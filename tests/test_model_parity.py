@@ -48,10 +48,12 @@ def parity(tiny_models_dir, uneven_models_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parity(layout, parity):
+def test_parity(layout, parity, tiny_models_dir, uneven_models_dir):
     nproc, flags = LAYOUTS[layout]
     uneven, placement = UNEVEN.get(layout, (None, None))
     results = parity[layout]
+    for name, ranks in results.items():  # the memory plan's arithmetic against what megatron built
+        check_memory_plan(name, ranks, flags, (uneven_models_dir if name == uneven else tiny_models_dir) / name)
     assert sorted(results) == sorted(
         ["llama", "mistral", "qwen2", "qwen2_tied", "qwen3"] + ([uneven] if uneven else [])
     )
@@ -76,6 +78,33 @@ def test_parity(layout, parity):
             if name == uneven:
                 assert row["layers"] == placement[rank], where
                 assert row["control_shifted_layers"] > 100 * TOLERANCE, where
+
+
+def check_memory_plan(name, ranks, flags, hf_dir):
+    """The memory plan's arithmetic (common/model/sizes.py) at this layout: each rank's decoder
+    layers and parameter count exactly as megatron built them, and (without a pipeline) the
+    activation bytes its forward saved within 10% of the formula (fp32 on a CPU)."""
+    from common.model import sizes as S
+    from common.model.gpt import load_hf_spec
+
+    spec = load_hf_spec(hf_dir)
+    size = {f: flags[flags.index(f) + 1] if f in flags else 1 for f in ("--tp", "--pp")}
+    tp, pp = size["--tp"], size["--pp"]
+    vpp, sp = (2 if "--vpp" in flags else None), "--sp" in flags
+    stages = S.stage_layer_indices(spec.num_layers, pp, vpp)
+    for rank, row in enumerate(ranks):
+        where, stage = f"{name} rank {rank}", row["pp_rank"]
+        assert row["layers"] == stages[stage], where
+        count = S.count_parameters(
+            spec, stages[stage], tp=tp, first_stage=stage == 0, last_stage=stage == pp - 1, pp=pp
+        )
+        assert row["param_count"] == count.total, where
+        if "saved_bytes_per_token" in row:
+            seq = tp if sp and tp > 1 else 1
+            saved, _ = S.stage_activation_bytes(spec, stages[stage], tp=tp, sp=sp, dtype_bytes=4, device="cpu")
+            saved += (3 * spec.hidden_size * 4 + 4) / seq + 8  # the final norm, the output layer's input, the ids
+            print(f"{where}: saved {row['saved_bytes_per_token']:.0f} B/token, plan {saved:.0f}")
+            assert abs(saved / row["saved_bytes_per_token"] - 1) < 0.1, where
 
 
 def test_logits_are_a_view_of_megatrons_values(tiny_models_dir):

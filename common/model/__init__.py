@@ -11,6 +11,7 @@
     moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
     swiglu.py, linear.py   the MLPs' activation kernel, the QKV bias in the GEMM
     flops.py            model FLOPs per token (MFU)
+    sizes.py            parameters, activations and KV cache per rank of a layout (the memory plan's arithmetic)
     cpu_compat.py       the adapter that lets megatron-core run on a CPU (applied only without a GPU)
 
 May import common.rl (not common.train, common.rollout or common.run).

@@ -216,7 +216,13 @@ def rollout_flags(p, group_help, models):
     )
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory (weights + KV cache)"
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help=(
+            "vLLM's share of each GPU (weights + KV cache + its workspace); default: derived from the memory plan, "
+            "what the trainer leaves on the GPU during the rollout (at most 0.9; --dry-run shows it)"
+        ),
     )
     g.add_argument(
         "--rollout-logprobs",
@@ -392,11 +398,13 @@ def run_flags(p, out_prefix):
     g.add_argument(
         "--save-any-layout",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help=(
             "write the distributed optimizer's state per parameter, so that the checkpoint resumes at any TP/PP/DP "
-            "layout; --no-save-any-layout writes each DP rank's shard as it is: less blocking time and host memory, "
-            "resumable at the same TP/PP only (any DP)"
+            "layout (at data parallel > 1 every save gathers 12 bytes per parameter of the rank's TP x PP slice "
+            "in host memory and blocks the loop meanwhile); --no-save-any-layout writes each DP rank's shard as it "
+            "is, resumable at the same TP/PP only (any DP); default: on at data parallel 1 (nothing to gather), "
+            "off above"
         ),
     )
     g.add_argument(
@@ -475,6 +483,44 @@ SCHEDULE_FLAGS = (
 def schedule_flags(args):
     """{"--lr": value, ...} of the SCHEDULE_FLAGS this script has."""
     return {f"--{name.replace('_', '-')}": getattr(args, name) for name in SCHEDULE_FLAGS if hasattr(args, name)}
+
+
+def plan_flags(p):
+    """The memory plan (common/run/memory_check.py): --dry-run, and the machine a plan is for."""
+    g = p.add_argument_group("memory plan")
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help=(
+            "print the memory plan (per rank and phase: GPU and pinned host memory; per node) and exit: builds "
+            "nothing, needs only the model's config.json, runs on any machine (exit 2 where a phase does not fit)"
+        ),
+    )
+    g.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="memory of each GPU to plan for, in GB (10^9 bytes; default: the visible GPU's; without one: a CPU run)",
+    )
+    g.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="ranks per node, for the node's host memory (default: torchrun's --nproc_per_node, else 1)",
+    )
+    g.add_argument(
+        "--host-memory-gb",
+        type=float,
+        default=None,
+        help="host memory available on each node, in GB (default: what this machine has available now)",
+    )
+    g.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="with --dry-run: the number of ranks to plan for (default: torchrun's WORLD_SIZE, else 1)",
+    )
+    return g
 
 
 def moe_overrides(args):

@@ -66,8 +66,12 @@ def suggest(name):
     return None
 
 
-def resolve(name, flag, repo_type="model"):
-    """The local directory (or file) that `name` stands for; UsageError (one line) if none."""
+CONFIG_FILES = ["config.json"]  # what a dry run reads of a model
+
+
+def resolve(name, flag, repo_type="model", files=None):
+    """The local directory (or file) that `name` stands for; UsageError (one line) if none.
+    files: the patterns to download of a model (default MODEL_FILES)."""
     if name is None or os.path.exists(name):
         return name
     if repo_type == "dataset" and os.path.splitext(name)[1].lower() in (".jsonl", ".json", ".parquet"):
@@ -93,7 +97,7 @@ def resolve(name, flag, repo_type="model"):
     try:
         with FileLock(lock):  # the first rank downloads, the others wait and find it cached
             return huggingface_hub.snapshot_download(
-                name, repo_type=repo_type, allow_patterns=MODEL_FILES if repo_type == "model" else None
+                name, repo_type=repo_type, allow_patterns=(files or MODEL_FILES) if repo_type == "model" else None
             )
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
         if offline:

@@ -59,18 +59,21 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
     """Validate train_grpo.py / train_ppo.py arguments and inputs; parser.error() (one line on
     rank 0, exit 2) on the first problem. Rank 0 locks --out for the run; with args.start_over
     it moves a non-empty --out aside (after every check passed)."""
+    dry_run = getattr(args, "dry_run", False)  # reads config.json alone; no data read, nothing written
     try:
         _requeued_start_over(args)
         _check_numbers(args, min_group)
-        _check_services(args)
+        if not dry_run:
+            _check_services(args)
         critic_model = _resolve_hub_names(args, critic_model)
         spec, critic = _check_model(args, critic_model)
         _check_layout(args, spec, critic)
-        _check_inputs(args)
-        _check_out(args, critic_model, spec)
+        if not dry_run:
+            _check_inputs(args)
+            _check_out(args, critic_model, spec)
     except UsageError as e:
         parser.error(str(e))
-    if args.start_over and _has_run(args.out) and launcher_rank() == 0:
+    if args.start_over and not dry_run and _has_run(args.out) and launcher_rank() == 0:
         aside = base = f"{os.path.abspath(args.out)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
         for n in range(2, 1000):  # two starts over within a second
             if not os.path.exists(aside):
@@ -220,7 +223,15 @@ def _check_numbers(args, min_group):
         )
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
-    if not 0 < args.gpu_memory_utilization <= 1:
+    for name in ("world_size", "gpus_per_node", "gpu_memory_gb", "host_memory_gb"):  # the memory plan's machine
+        if a.get(name) is not None and not (a[name] > 0 and math.isfinite(a[name])):
+            raise UsageError(f"--{_flag(name)} must be > 0, not {a[name]}")
+    if a.get("world_size") and not a.get("dry_run") and a["world_size"] != launcher_world_size():
+        raise UsageError(
+            f"--world-size {a['world_size']} is for --dry-run; this run has {launcher_world_size()} ranks "
+            "(torchrun's --nproc_per_node x --nnodes): drop the flag"
+        )
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1], not {args.gpu_memory_utilization}")
     if args.samples_per_prompt < min_group:
         raise UsageError(
@@ -285,14 +296,17 @@ def _resolve_hub_names(args, critic_model):
     from common.run import hub
 
     given = (args.model, args.data, critic_model)
-    args.model = hub.resolve(args.model, "--model")
-    args.data = hub.resolve(args.data, "--data", repo_type="dataset")
-    args.eval_data = hub.resolve(args.eval_data, "--eval-data", repo_type="dataset")
+    # a dry run needs the models' config.json only, and no data
+    files = hub.CONFIG_FILES if getattr(args, "dry_run", False) else None
+    args.model = hub.resolve(args.model, "--model", files=files)
+    if files is None:
+        args.data = hub.resolve(args.data, "--data", repo_type="dataset")
+        args.eval_data = hub.resolve(args.eval_data, "--eval-data", repo_type="dataset")
     if getattr(args, "reward_model", None):
-        args.reward_model = hub.resolve(args.reward_model, "--reward-model")
-        _check_reward_model(args.reward_model)
+        args.reward_model = hub.resolve(args.reward_model, "--reward-model", files=files)
+        _check_reward_model(args.reward_model, need_tokenizer=files is None)
     if critic_model is not None:
-        critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model")
+        critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model", files=files)
     if launcher_rank() == 0:
         for flag, name, path in zip(
             ("--model", "--data", "--critic-model"), given, (args.model, args.data, critic_model)
@@ -302,7 +316,7 @@ def _resolve_hub_names(args, critic_model):
     return critic_model
 
 
-def _check_reward_model(path):
+def _check_reward_model(path, need_tokenizer=True):
     from common.train.reward_model import reward_model_spec
 
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -311,7 +325,7 @@ def _check_reward_model(path):
         reward_model_spec(path)
     except (UnsupportedModelError, ValueError, KeyError) as e:
         raise UsageError(f"--reward-model {path}: {e}") from None
-    if not set(os.listdir(path)) & set(TOKENIZER_FILES):
+    if need_tokenizer and not set(os.listdir(path)) & set(TOKENIZER_FILES):
         raise UsageError(f"--reward-model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
@@ -325,16 +339,21 @@ def _check_model(args, critic_model):
     else:
         if args.embedded_model != "dense":
             raise UsageError("--embedded-model chooses the model used without --model: give one or the other")
-        spec = _check_model_dir(args.model, "--model", need_weights=args.mcore_ckpt is None, need_tokenizer=True)
+        full = not getattr(args, "dry_run", False)  # a dry run reads config.json alone
+        spec = _check_model_dir(
+            args.model, "--model", need_weights=full and args.mcore_ckpt is None, need_tokenizer=full
+        )
     critic = None
     if critic_model is not None:
-        critic = _check_model_dir(critic_model, "--critic-model", need_weights=True, need_tokenizer=False)
+        critic = _check_model_dir(
+            critic_model, "--critic-model", need_weights=not getattr(args, "dry_run", False), need_tokenizer=False
+        )
         if critic.vocab_size < spec.vocab_size:  # the critic reads the policy's token ids
             raise UsageError(
                 f"--critic-model {critic_model}: vocabulary {critic.vocab_size} < the policy's "
                 f"{spec.vocab_size}; the critic must read every token id of the policy"
             )
-    if args.mcore_ckpt is not None:
+    if args.mcore_ckpt is not None and not getattr(args, "dry_run", False):
         _check_mcore_ckpt(args.mcore_ckpt, spec)
     return spec, critic
 
@@ -439,7 +458,7 @@ def _model_differences(config_path, spec):
 def _check_layout(args, spec, critic=None):
     """The parallel layout against the world size and the shapes of the model (and of
     --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
-    world = launcher_world_size()
+    world = getattr(args, "world_size", None) or launcher_world_size()  # --world-size: a dry run's
     model_parallel = args.tp * args.pp * args.cp
     if world % model_parallel:
         raise UsageError(
@@ -533,6 +552,8 @@ def _uses_vllm(args):
     """The scripts' choice of rollout engine (use_vllm in train_grpo.py), made before start-up."""
     if args.rollout != "auto":
         return args.rollout == "vllm"
+    if getattr(args, "dry_run", False) and getattr(args, "gpu_memory_gb", None):
+        return True  # a dry run for GPUs plans for vLLM on them
     import torch
 
     from common.rollout.engines import vllm_available

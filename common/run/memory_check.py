@@ -1,0 +1,440 @@
+"""The memory plan of a training run at start-up: derived defaults, the refusal, --dry-run's table.
+
+    spec = check_training_run(parser, args)   # in the scripts' parse_args, every rank
+    check_memory(parser, args, spec)          # derives, prints, refuses (exit 2)
+    if args.dry_run: sys.exit(0)              # the plan printed is all a dry run does
+
+check_memory reads the scripts' flags (as common/run/flags.py's helpers do), plans with
+common/run/memory_plan.py, and:
+  - fills the defaults derived from the plan into args, printed once ("derived: ..."):
+    --gpu-memory-utilization (the engine's share of what the trainer leaves on the GPU during
+    the rollout) and --save-any-layout (on at data parallel 1, where a save gathers nothing);
+  - raises UsageError (one line: the phase, the place, the shortfall, the flags that would make
+    it fit; exit 2) where a phase is over a GPU, or a node's pinned host memory over its RAM,
+    and warns above 95%;
+  - prints the plan: its totals in a few lines at the start of a GPU run, the whole table with
+    --dry-run. GB are 10^9 bytes, as the run's mem_*_gb metrics.
+The machine: the visible GPU (torch.cuda, without creating a context) or --gpu-memory-gb, the
+node's available host memory or --host-memory-gb, torchrun's world or --world-size (dry run).
+"""
+
+import math
+import os
+
+from common.model.bridge import check_parallel_layout, parse_hf_config
+from common.model.sizes import hf_parameter_count
+from common.run import memory_plan as M
+from common.run.dist import launcher_rank, launcher_world_size
+from common.run.flags import logprob_micro_batching
+from common.train.guard import UsageError
+
+PHASE_METRICS = {
+    "sync": "mem_sync_gb",
+    "rollout": "mem_rollout_gb",
+    "logprob": "mem_logprob_gb",
+    "update": "mem_train_gb",
+}
+H100_NODE = dict(world=8, gpus_per_node=8, gpu_bytes=80e9)  # what the dry run also plans for, one line
+
+
+def target_machine(args):
+    """(world size, GPU bytes or None for a CPU run, ranks per node, node host bytes or None)."""
+    from common.run.host_memory import host_memory_available
+
+    world = args.world_size or launcher_world_size()
+    gpu_bytes = args.gpu_memory_gb * M.GB if args.gpu_memory_gb else visible_gpu_bytes()
+    per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or 1
+    node = args.host_memory_gb * M.GB if args.host_memory_gb else host_memory_available()
+    return world, gpu_bytes, min(per_node, world), node
+
+
+def visible_gpu_bytes():
+    """Total memory of this rank's GPU, None without one. torch.cuda.get_device_properties asks the
+    driver without creating a CUDA context (none appears on the GPUs of other ranks)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()  # (one visible GPU per rank: 0)
+    return float(torch.cuda.get_device_properties(device).total_memory)
+
+
+def _vllm_available():
+    from common.rollout.engines import vllm_available
+
+    return vllm_available()
+
+
+def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None, reward_model=None):
+    """plan_memory's keywords for the scripts' flags on this machine."""
+    on_gpu = gpu_bytes is not None
+    if args.load_rollouts:
+        engine = None
+    elif args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and (args.dry_run or _vllm_available())):
+        engine = "vllm"  # the scripts' choice (use_vllm); a dry run plans for vLLM on the GPUs it plans for
+    else:
+        engine = "hf"
+    max_len = args.max_prompt_len + args.max_new_tokens  # prompts longer are dropped (common/run/data.py)
+    update_tokens = args.micro_batch_tokens or args.micro_batch_size * max_len
+    lp_size, lp_tokens = logprob_micro_batching(args)
+    dp = world // (args.tp * args.pp * args.cp)
+    per_dp = (args.mini_batch_size or args.prompts_per_step * args.samples_per_prompt) // max(dp, 1)
+    if args.micro_batch_tokens:  # at most this many passes (each holds at least one whole sample)
+        micro_batches = min(per_dp, math.ceil(per_dp * max_len / args.micro_batch_tokens))
+    else:
+        micro_batches = math.ceil(per_dp / args.micro_batch_size)
+    dtype = args.dtype or ("bf16" if on_gpu else "fp32")
+    return dict(
+        spec=spec,
+        world=world,
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        cp=args.cp,
+        ep=args.ep,
+        etp=args.etp,
+        sp=args.sp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        dtype_bytes={"bf16": 2, "fp32": 4}[dtype],
+        distributed_optimizer=args.distributed_optimizer,
+        reference=args.kl_coef > 0,
+        critic=critic,
+        reward_model=reward_model,
+        engine=engine,
+        rollout_tp=args.rollout_tp if engine == "vllm" else 1,
+        engine_share=args.gpu_memory_utilization,
+        max_model_len=max_len,
+        update_tokens=update_tokens,
+        update_micro_batches=max(micro_batches, 1),
+        logprob_tokens=lp_tokens or lp_size * max_len,
+        recompute=args.recompute,
+        recompute_modules=tuple(args.recompute_modules),
+        recompute_layers=args.recompute_layers,
+        offload_params=engine == "vllm" if args.offload_params is None else args.offload_params,
+        offload_optimizer=engine == "vllm" if args.offload_optimizer is None else args.offload_optimizer,
+        save_any_layout=bool(args.save_any_layout),
+        sync_bucket_mb=args.sync_bucket_mb,
+        gpu_bytes=gpu_bytes,
+        gpus_per_node=per_node,
+        node_bytes=node_bytes,
+    )
+
+
+def check_memory(parser, args, spec, *, has_critic=False):
+    """The run's memory plan, on every rank alike (same files, same flags: same decision): fills
+    args' derived defaults, prints (rank 0); where a phase cannot fit, parser.error (one line on
+    rank 0, exit 2). has_critic: PPO (its critic: --critic-model's config, else the policy's).
+    Returns the Plan."""
+    try:
+        return _check_memory(args, spec, has_critic)
+    except UsageError as e:
+        parser.error(str(e))
+
+
+def _check_memory(args, spec, has_critic):
+    world, gpu_bytes, per_node, node_bytes = target_machine(args)  # (--world-size: checked by preflight)
+    critic_spec = _critic_spec(args.critic_model, spec) if has_critic else None
+    reward_spec = None
+    if getattr(args, "reward_model", None):
+        from common.train.reward_model import reward_model_spec
+
+        reward_spec = reward_model_spec(args.reward_model)
+    derived = []
+    optimizer_dp = world // (args.tp * args.pp)
+    if args.save_any_layout is None:
+        args.save_any_layout = optimizer_dp == 1 or not args.distributed_optimizer
+        derived.append(
+            "--save-any-layout (data parallel 1: nothing to gather; checkpoints resume at any layout)"
+            if args.save_any_layout
+            else f"--no-save-any-layout (data parallel {optimizer_dp}: a save that resumes at any layout gathers "
+            "12 bytes per parameter in host memory and blocks the loop; checkpoints resume at this TP/PP, any DP. "
+            "--save-any-layout for any layout)"
+        )
+    inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
+    plan = M.plan_memory(**inputs)
+    if plan.engine_share_derived:
+        args.gpu_memory_utilization = plan.engine_share
+        derived.insert(
+            0,
+            f"--gpu-memory-utilization {plan.engine_share:.2f} (the engine's share of what the trainer leaves on "
+            f"each GPU during the rollout: {plan.kv_tokens} tokens of KV cache per rank)",
+        )
+    if plan.on_gpu:  # what the run's mem_*_gb metrics should read, in its config.json record
+        predicted = {p: plan.total(p) for p in PHASE_METRICS}
+        predicted["sync"] = max(predicted["sync"], predicted["rollout"])  # it ends after the KV cache wakes
+        args.memory_plan_gb = {PHASE_METRICS[p]: round(v / M.GB, 1) for p, v in predicted.items()}
+    master = launcher_rank() == 0
+    if master:
+        text = format_plan(plan, inputs) if args.dry_run else format_summary(plan)
+        if args.dry_run and gpu_bytes is not None and (world, per_node, gpu_bytes) != tuple(H100_NODE.values()):
+            text += "\n" + other_machine_line(inputs, **H100_NODE)
+        print("\n".join(line for line in [text] + [f"derived: {d}" for d in derived] if line), flush=True)
+    refused = [(phase, stage) for level, phase, stage in plan.problems() if level == "refuse"]
+    refusal = refusal_message(plan, refused, inputs, args.dry_run) if refused else None
+    capacity, place = (plan.device_bytes, "per GPU") if plan.on_gpu else (plan.capacity, "per rank")
+    for level, phase, stage in plan.problems():
+        if level == "warn" and master:
+            print(
+                f"warning: the {phase} phase needs {stage.total(phase) / M.GB:.1f} GB of {capacity / M.GB:.1f} GB "
+                f"{place} ({stage.total(phase) / capacity:.0%}): close to the limit",
+                flush=True,
+            )
+    # a dry run for GPUs elsewhere compares with this machine's host memory only as a hint
+    elsewhere = args.dry_run and args.gpu_memory_gb and not args.host_memory_gb
+    for level, what, need, have in plan.host_problems():
+        if level == "refuse" and not elsewhere:
+            refusal = refusal or host_refusal(plan, what, need, have)
+        elif level == "refuse" and master:
+            print(
+                f"warning: {host_refusal(plan, what, need, have)}. That is this machine's memory: "
+                "--host-memory-gb plans for the nodes of the run",
+                flush=True,
+            )
+        elif master:
+            print(
+                f"warning: host memory: the {plan.ranks_per_node} ranks of a node may use {need / M.GB:.1f} GB "
+                f"(pinned buffers, the save's gather, ~{M.PROCESS_HOST / M.GB:.0f} GB per process) of "
+                f"{have / M.GB:.1f} GB",
+                flush=True,
+            )
+    if refusal:
+        raise UsageError(refusal)
+    return plan
+
+
+def _critic_spec(critic_dir, spec):
+    """The critic's HFModelSpec: --critic-model's config.json (checked by preflight), else the policy's."""
+    if critic_dir is None:
+        return spec
+    import json
+
+    with open(os.path.join(critic_dir, "config.json")) as f:
+        return parse_hf_config(json.load(f))
+
+
+# ---------------------------------------------------------------------------------------
+# What a phase that does not fit would need: the same plan with one flag changed
+# ---------------------------------------------------------------------------------------
+def alternatives(inputs):
+    """[(flags, plan)]: the plan again with one change each: recompute, smaller micro-batches
+    (the largest power of two that fits), sequence parallelism, more tensor parallelism, the
+    offloads, the engine's share derived, a larger engine TP, twice the GPUs."""
+    layout_ok = _layout_check(inputs)
+    out = []
+
+    def candidate(flags, **changes):
+        new = dict(inputs, **changes)
+        if layout_ok(new):
+            out.append((flags, M.plan_memory(**new)))
+            return True
+        return False
+
+    if inputs["recompute"] != "full":
+        candidate("--recompute full", recompute="full", recompute_layers=1)
+    tokens = 2 ** int(math.log2(max(inputs["update_tokens"] - 1, 1)))
+    while tokens >= 1024:
+        smaller = dict(inputs, update_tokens=tokens, logprob_tokens=min(inputs["logprob_tokens"], tokens))
+        if not _refused(M.plan_memory(**smaller)):
+            candidate(f"--micro-batch-tokens {tokens}", **smaller)
+            break
+        tokens //= 2
+    tp, rollout_tp, world = inputs["tp"] * 2, inputs["rollout_tp"] * 2, inputs["world"] * 2
+    if inputs["tp"] > 1 and not inputs["sp"]:
+        candidate("--sp", sp=True)
+    wider = candidate(f"--tp {tp}", tp=tp)
+    for flag in ("offload_params", "offload_optimizer"):
+        if not inputs[flag] and inputs["engine"] == "vllm":
+            candidate(f"--{flag.replace('_', '-')}", **{flag: True})
+    if inputs["engine_share"] is not None:
+        candidate("no --gpu-memory-utilization (the plan derives it)", engine_share=None)
+    if inputs["engine"] == "vllm":
+        candidate(f"--rollout-tp {rollout_tp}", rollout_tp=rollout_tp)
+    more = dict(world=world, gpus_per_node=min(inputs["gpus_per_node"] * 2, 8))
+    candidate(f"{world} GPUs", **more)
+    if not wider:
+        candidate(
+            f"{world} GPUs with --tp {tp} --rollout-tp {max(rollout_tp, tp)}",
+            tp=tp,
+            rollout_tp=max(rollout_tp, tp),
+            **more,
+        )
+    return out
+
+
+def _refused(plan):
+    return any(level == "refuse" for level, _, _ in plan.problems())
+
+
+def _layout_check(inputs):
+    def ok(new):
+        if new["world"] % (new["tp"] * new["pp"] * new["cp"]) or new["world"] % new["rollout_tp"]:
+            return False
+        try:
+            check_parallel_layout(
+                new["spec"],
+                tp=new["tp"],
+                pp=new["pp"],
+                vpp=new["vpp"],
+                ep=new["ep"],
+                etp=new["etp"],
+                first_stage_layers=new["first_stage_layers"],
+                last_stage_layers=new["last_stage_layers"],
+            )
+        except ValueError:
+            return False
+        return True
+
+    return ok
+
+
+def refusal_message(plan, refused, inputs, dry_run=False):
+    """One line: the first phase that does not fit, the place, the shortfall, its largest items, the
+    other phases over, and the single changes that make every phase fit."""
+    phase, stage = refused[0]
+    fixes = [
+        flags + ("" if phase == "kv cache" else f" ({max(s.total(phase) for s in other.stages) / M.GB:.1f} GB)")
+        for flags, other in alternatives(inputs)
+        if not _refused(other)
+    ]
+    if fixes:
+        advice = "try " + ", ".join(fixes[:4])
+    else:
+        advice = "no single change makes every phase fit: combine them (--dry-run shows each plan)"
+    also = [f"{p} {s.total(p) / M.GB:.1f} GB" for p, s in refused[1:] if p != "kv cache"]
+    also = f"; also over: {', '.join(also)}" if also else ""
+    end = f"; {advice}" + ("" if dry_run else " (--dry-run prints the plan)")
+    if phase == "kv cache":
+        weights = next(i for i in stage.items if i.name.startswith("engine weights")).device["rollout"]
+        return (
+            f"the rollout phase: the engine's --gpu-memory-utilization {plan.engine_share:.2f} of each GPU "
+            f"({plan.engine_share * plan.device_bytes / M.GB:.1f} GB) holds its weights ({weights / M.GB:.1f} GB) "
+            f"and workspace ({M.ENGINE_WORKSPACE / M.GB:.1f} GB) and leaves KV cache for {plan.kv_tokens} tokens, "
+            f"less than one sequence of {plan.max_model_len} (--max-prompt-len + --max-new-tokens){also}{end}"
+        )
+    need, capacity = stage.total(phase), plan.capacity
+    place = "each GPU" if plan.on_gpu else "the host memory of each rank"
+    largest = sorted((i for i in stage.items if i.device.get(phase, 0) > 0.05 * M.GB), key=lambda i: -i.device[phase])
+    parts = ", ".join(f"{_short(i.name)} {i.device[phase] / M.GB:.1f}" for i in largest[:6])
+    where = f" (pipeline stage {stage.stage})" if len(plan.stages) > 1 else ""
+    return (
+        f"the {phase} phase needs {need / M.GB:.1f} GB on {place}{where} of {capacity / M.GB:.1f} GB ({parts}): "
+        f"short by {(need - capacity) / M.GB:.1f} GB{also}{end}"
+    )
+
+
+def host_refusal(plan, what, need, have):
+    n = plan.ranks_per_node
+    if what == "pinned":
+        parts = plan.host_parts()
+        detail = ", ".join(f"{k} {n * v / M.GB:.1f} GB" for k, v in parts.items() if v)
+        return (
+            f"the {n} rank(s) of a node would pin {need / M.GB:.1f} GB of host memory ({detail}) of "
+            f"{have / M.GB:.1f} GB available: pinned memory cannot be swapped, and running out kills the job "
+            "without a message; use fewer GPUs per node, free host memory, or keep the state on the GPUs where "
+            "the plan allows (--no-offload-optimizer, --no-offload-params)"
+        )
+    gather = n * plan.shown.host_save
+    return (
+        f"a checkpoint save would need {need / M.GB:.1f} GB of host memory on each node of {have / M.GB:.1f} GB "
+        f"available: the pinned buffers and the distributed optimizer's gather of --save-any-layout "
+        f"({gather / M.GB:.1f} GB); pass --no-save-any-layout (checkpoints then resume at this TP/PP, any DP)"
+    )
+
+
+def _count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def _short(name):
+    return name.split(" (")[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Printing
+# ---------------------------------------------------------------------------------------
+def format_summary(plan):
+    """The few lines a GPU run prints at start-up (nothing for a CPU run)."""
+    if not plan.on_gpu:
+        return ""
+    totals = ", ".join(f"{p} {plan.total(p) / M.GB:.1f}" for p in M.PHASES)
+    host = plan.shown.host
+    node = f", {plan.ranks_per_node * host / M.GB:.1f} per node" if plan.ranks_per_node > 1 else ""
+    return (
+        f"memory plan, GB per GPU of {plan.device_bytes / M.GB:.1f}: {totals}; pinned host memory "
+        f"{host / M.GB:.1f} per rank{node} (--dry-run prints every item)"
+    )
+
+
+def format_plan(plan, inputs):
+    """--dry-run's table: items x phases per rank (device and pinned host), then the node."""
+    spec = inputs["spec"]
+    layout = " ".join(f"{k} {inputs[k]}" for k in ("tp", "pp", "cp", "ep", "etp") if inputs[k] > 1) or "tp 1"
+    dp = inputs["world"] // (inputs["tp"] * inputs["pp"] * inputs["cp"])
+    params = hf_parameter_count(spec)
+    title = (
+        f"memory plan: {spec.architecture} {_count(params)} parameters, world {inputs['world']} ({layout} dp "
+        f"{dp})"
+        + (f", rollout tp {inputs['rollout_tp']}" if inputs["engine"] == "vllm" else "")
+        + f", {M.dtype_name(inputs['dtype_bytes'])}"
+    )
+    if plan.on_gpu:
+        where = f"GB per rank, on GPUs of {plan.device_bytes / M.GB:.1f} GB"
+        columns = list(M.PHASES) + ["pinned host"]
+    else:
+        where = "GB of host memory per rank (a CPU run: no GPU found; --gpu-memory-gb plans for one)"
+        columns = list(M.PHASES)
+    if len(plan.stages) > 1:
+        where += f"; pipeline stage {plan.shown.stage} of {len(plan.stages)}, the fullest"
+    width = max(len(i.name) for i in plan.shown.items) + 2
+    lines = [title, where, " " * width + "".join(f"{c:>12}" for c in columns)]
+    for item in plan.shown.items:
+        values = [item.device.get(p, 0) for p in M.PHASES] + ([item.host] if plan.on_gpu else [])
+        if any(v >= 0.005 * M.GB for v in values):
+            lines.append(f"{item.name:<{width}}" + "".join(_cell(v) for v in values))
+    totals = [plan.total(p) for p in M.PHASES] + ([plan.shown.host] if plan.on_gpu else [])
+    lines.append(f"{'total':<{width}}" + "".join(f"{v / M.GB:>12.1f}" for v in totals))
+    if plan.capacity:
+        lines.append(f"{'of':<{width}}" + "".join(f"{plan.capacity / M.GB:>12.1f}" for _ in M.PHASES))
+    if plan.on_gpu:
+        lines.append("  the run's metrics: " + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items()))
+        lines.append("  (mem_sync_gb ends after the KV cache wakes: the larger of sync and rollout)")
+    if plan.engine_share is not None:
+        share, sequences = plan.engine_share * plan.device_bytes, plan.kv_tokens // max(plan.max_model_len, 1)
+        lines.append(
+            f"engine: --gpu-memory-utilization {plan.engine_share:.2f} = {share / M.GB:.1f} GB per GPU, KV cache "
+            f"for {plan.kv_tokens} tokens ({sequences} sequences of {plan.max_model_len})"
+        )
+    lines += node_lines(plan)
+    return "\n".join(lines)
+
+
+def node_lines(plan):
+    n = plan.ranks_per_node
+    have = f"{plan.node_bytes / M.GB:.1f} GB available" if plan.node_bytes else "unknown available memory"
+    if not plan.on_gpu:
+        peak = max(plan.total(p) for p in M.PHASES)
+        return [f"node: {n} rank(s) x {peak / M.GB:.1f} GB = {n * peak / M.GB:.1f} GB of {have}"]
+    pinned, save = plan.shown.host, plan.shown.host_save
+    line = f"node: {n} rank(s) x {pinned / M.GB:.1f} GB pinned = {n * pinned / M.GB:.1f} GB"
+    if save:
+        line += f", + {n * save / M.GB:.1f} GB at a save (the optimizer's gather)"
+    line += f", + ~{n * M.PROCESS_HOST / M.GB:.0f} GB for the processes; of {have}"
+    return [line]
+
+
+def _cell(value):
+    return f"{value / M.GB:>12.1f}" if value >= 0.005 * M.GB else f"{'-':>12}"
+
+
+def other_machine_line(inputs, world, gpus_per_node, gpu_bytes):
+    """One line: the same flags on another machine (8 x 80 GB GPUs)."""
+    what = f"{world} x {gpu_bytes / M.GB:.0f} GB GPUs (--world-size {world} --gpus-per-node {gpus_per_node} "
+    what += f"--gpu-memory-gb {gpu_bytes / M.GB:.0f})"
+    new = dict(inputs, world=world, gpus_per_node=gpus_per_node, gpu_bytes=gpu_bytes)
+    if not _layout_check(inputs)(new):
+        return f"on {what}: this layout does not divide {world} ranks"
+    plan = M.plan_memory(**new)
+    totals = ", ".join(f"{p} {max(s.total(p) for s in plan.stages) / M.GB:.1f}" for p in M.PHASES)
+    over = [p for level, p, _ in plan.problems() if level == "refuse"]
+    return f"on {what}: {totals} GB per GPU: " + (f"{', '.join(over)} over" if over else "fits")
