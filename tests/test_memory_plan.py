@@ -412,6 +412,7 @@ def test_the_engine_starts_first_with_the_derived_share(given, tmp_path, monkeyp
         raise Stop
 
     monkeypatch.setattr(engines, "make_engine", make_engine)
+    monkeypatch.setattr(engines, "vllm_available", lambda: True)  # preflight refuses --rollout vllm without it
     monkeypatch.setattr(setup, "setup_training", setup_training)
     flags = ["--rollout", "vllm", "--gpu-memory-gb", "20", "--out", str(tmp_path / "run"), "--steps", "1"]
     monkeypatch.setattr(sys, "argv", ["train_grpo.py", *flags, *(["--gpu-memory-utilization", given] if given else [])])
