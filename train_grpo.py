@@ -157,10 +157,11 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new
 
 
 def main():
-    from common.run.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings, quiet_third_party_logging
 
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
+    quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 

@@ -174,10 +174,11 @@ EMBEDDED_DEFAULTS = dict(
 
 
 def main():
-    from common.run.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings, quiet_third_party_logging
 
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
+    quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 

@@ -10,7 +10,8 @@
   give steps 3-4 of the uninterrupted run;
 - --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
   the losses and grad norms of fixed-size micro-batches in one process;
-- every flag of --help has a help string.
+- every flag of --help has a help string;
+- curves.png of a run: the time panel holds seconds only.
 """
 
 import os
@@ -96,6 +97,64 @@ def short_runs(tmp_path_factory):
 def test_rollout_logprobs_none_logs_no_mismatch(short_runs):
     (row,) = metrics(short_runs["none"])
     assert "logprob_mismatch" not in row and "policy_loss" in row  # not a 0.0 from zero samples
+
+
+def test_curves_of_a_run(short_runs):
+    """The run's curves.png is written; redrawn from its metrics.jsonl, the time panel stacks
+    the timed phases only, never gen_tokens_per_s (thousands per second: it once filled the
+    panel), which sits in the tokens/s panel; every legend fits the figure."""
+    from common.run.plots import plot_curves
+    from tests.test_plots import PHASES, assert_legends_fit, panel_axes, time_panel_labels
+
+    run = short_runs["on"]
+    assert (run / "curves.png").read_bytes().startswith(b"\x89PNG")
+    history = metrics(run)
+    assert "gen_tokens_per_s" in history[0] and "train_tokens_per_s_per_gpu" in history[0]
+    fig = plot_curves(history)
+    stacked, lines = time_panel_labels(fig)
+    assert set(stacked) <= set(PHASES) and {"rollout_s", "train_s", "ref_s"} <= set(stacked)
+    assert lines == ["step_s (total)"]
+    assert panel_axes(fig, "seconds per step").get_ylim()[1] < 60  # a tiny model's step: seconds
+    tokens = sorted(ln.get_label() for ln in panel_axes(fig, "tokens/s").get_lines())
+    assert tokens == ["gen_tokens_per_s", "train_tokens_per_s_per_gpu"]
+    assert_legends_fit(fig)
+
+
+def test_verbose_reaches_vllm_and_megatron(tmp_path):
+    """--rollout vllm with a stand-in vllm package that reports, when the script imports it, the
+    log level a real vllm would configure itself with, then ends the run: WARNING by default,
+    INFO with --verbose; megatron-core's INFO lines (DDP set-up) print with --verbose only."""
+    import json
+    import subprocess
+
+    from tests.conftest import script_env
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        "import json, logging, os\n"
+        "print('FAKE_VLLM ' + json.dumps([os.environ.get('VLLM_LOGGING_LEVEL'), "
+        "logging.getLogger('megatron.core').level]), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    env = {k: v for k, v in script_env(PYTHONPATH=str(tmp_path)).items() if k not in ("VLLM_LOGGING_LEVEL", "RANK")}
+    runs = {
+        flags: subprocess.Popen(
+            [sys.executable, "train_grpo.py", *SMALL, "--rollout", "vllm", "--kl-coef", "0", *flags]
+            + ["--out", tmp_path / f"out{len(flags)}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flags in [(), ("--verbose",)]
+    }
+    for flags, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        (report,) = [json.loads(line[10:]) for line in out.splitlines() if line.startswith("FAKE_VLLM ")]
+        assert report == (["INFO", 20] if flags else ["WARNING", 30]), flags
+        assert ("INFO megatron.core.distributed" in err) == bool(flags), err[-3000:]
 
 
 def test_mask_truncated_keeps_the_sync_check_honest(short_runs):

@@ -410,6 +410,11 @@ def run_flags(p, out):
         default=None,
         help="default: online if a wandb key is set, else disabled",
     )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and megatron-core's INFO logging, on every rank (default: their warnings on rank 0 only)",
+    )
     g.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
     g.add_argument("--run-name", default=None, help="wandb run name")
     g.add_argument("--save-rollouts", default=None, help="write each step's samples and rewards to this dir")
