@@ -11,7 +11,9 @@
 - --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
   the losses and grad norms of fixed-size micro-batches in one process;
 - every flag of --help has a help string;
-- curves.png of a run: the time panel holds seconds only.
+- curves.png of a run: the time panel holds seconds only;
+- --reward FILE.py:NAME: the rewards are the function's, unusable ones are refused (exit 2);
+- --verbose: vLLM's log level before its import, megatron-core's INFO lines.
 """
 
 import os
@@ -79,12 +81,28 @@ def test_resume_is_exact(two_step_run):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
 
 
+SHORT_ANSWERS = """
+def short_answers(response, answer):  # --reward FILE.py:NAME: the shorter the response, the better
+    return max(0.0, 1.0 - len(response) / 8)
+"""
+
+
 @pytest.fixture(scope="module")
 def short_runs(tmp_path_factory):
-    """Four independent one-process runs of the tests below, at once (one thread each): their
+    """Five independent one-process runs of the tests below, at once (one thread each): their
     output folders by name."""
     root = tmp_path_factory.mktemp("short_runs")
+    (root / "short.py").write_text(SHORT_ANSWERS)
     runs = {
+        "reward": [
+            *SMALL,
+            "--steps",
+            1,
+            "--reward",
+            f"{root}/short.py:short_answers",
+            "--save-rollouts",
+            root / "saved",
+        ],
         "none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
         "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
         "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2],
@@ -118,6 +136,47 @@ def test_curves_of_a_run(short_runs):
     tokens = sorted(ln.get_label() for ln in panel_axes(fig, "tokens/s").get_lines())
     assert tokens == ["gen_tokens_per_s", "train_tokens_per_s_per_gpu"]
     assert_legends_fit(fig)
+
+
+def test_user_reward(short_runs):
+    """--reward FILE.py:NAME: each sample's reward (saved with --save-rollouts) is what the
+    function gives its decoded response, reward_mean their mean, and validation scores with it."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from common.rl.rewards import synthetic_reward
+
+    run = short_runs["reward"]
+    namespace = {}
+    exec(SHORT_ANSWERS, namespace)
+    tokenizer = AutoTokenizer.from_pretrained(run / "embedded_model")
+    saved = torch.load(run.parent / "saved" / "step_000000.pt", weights_only=False)
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in saved["samples"]]
+    expected = [namespace["short_answers"](t, None) for t in texts]
+    assert saved["rewards"].tolist() == pytest.approx(expected, abs=1e-7)
+    assert len(set(expected)) > 1  # responses of several lengths: a constant would prove little
+    assert expected != [synthetic_reward(t, "0", format_credit=0.0) for t in texts]  # not the built-in reward
+    (row,) = metrics(run)
+    assert row["reward_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+    with open(run / "eval" / "step_000000.jsonl") as f:
+        for prompt in map(json.loads, f):
+            assert prompt["rewards"] == [namespace["short_answers"](t, None) for t in prompt["responses"]]
+
+
+def test_unusable_user_reward_refused(tmp_path):
+    """One line, exit 2, before anything is built (the file is checked at start-up)."""
+    (tmp_path / "r.py").write_text("def f(response):\n    return 1.0\n")
+    for spec, message in [
+        (f"{tmp_path}/absent.py:f", f"--reward {tmp_path}/absent.py:f: no file {tmp_path}/absent.py"),
+        (f"{tmp_path}/r.py:f", f"--reward {tmp_path}/r.py:f: f(response) cannot be called as f(response, answer)"),
+    ]:
+        proc = run_script("train_grpo.py", "--reward", spec, "--out", tmp_path / "out", check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"train_grpo.py: error: {message}"), line
+        assert not (tmp_path / "out" / "embedded_model").exists()
 
 
 def test_verbose_reaches_vllm_and_megatron(tmp_path):
