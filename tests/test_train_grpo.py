@@ -13,7 +13,8 @@
 - every flag of --help has a help string;
 - curves.png of a run: the time panel holds seconds only;
 - --reward FILE.py:NAME: the rewards are the function's, unusable ones are refused (exit 2);
-- --verbose: vLLM's log level before its import, megatron-core's INFO lines.
+- --verbose: vLLM's log level before its import, megatron-core's INFO lines;
+- --eval-only: the numbers of the run's validation at the same weights.
 """
 
 import os
@@ -105,7 +106,7 @@ def short_runs(tmp_path_factory):
         ],
         "none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
         "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
-        "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2],
+        "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2, "--save-every", 1],  # (test_eval_only's checkpoints)
         "two": [*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2],
     }
     run_scripts(*[("train_grpo.py", *args, "--out", root / name) for name, args in runs.items()])
@@ -177,6 +178,41 @@ def test_unusable_user_reward_refused(tmp_path):
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"train_grpo.py: error: {message}"), line
         assert not (tmp_path / "out" / "embedded_model").exists()
+
+
+def test_eval_only(short_runs, tmp_path):
+    """--eval-only validates weights once, as the training run's validation did at the same
+    weights: the embedded model (step 0), a training checkpoint (--mcore-ckpt step_000001: the
+    weights step 1 sampled with) and, with --resume, the run's newest checkpoint (step 2, which
+    no validation of the run saw); the run's own files are left as they were."""
+    import json
+
+    run = short_runs["on"]
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
+    flags = [*SMALL, "--mini-batch-size", "32", "--eval-only"]
+    run_scripts(
+        ("train_grpo.py", *flags, "--out", tmp_path / "hf"),
+        ("train_grpo.py", *flags, "--mcore-ckpt", run / "checkpoints" / "step_000001", "--out", tmp_path / "ckpt"),
+        ("train_grpo.py", *flags, "--resume", "--out", run),
+    )
+
+    def jsonl(path):
+        with open(path) as f:
+            return [json.loads(line) for line in f]
+
+    trained = {row["step"]: row for row in metrics(run) if "eval_accuracy" in row}
+    assert sorted(trained) == [0, 1]
+    for out, step in ((tmp_path / "hf", 0), (tmp_path / "ckpt", 1)):
+        assert jsonl(out / "eval_only" / f"step_{step:06d}.jsonl") == jsonl(run / "eval" / f"step_{step:06d}.jsonl")
+        (row,) = jsonl(out / "eval_only" / "metrics.jsonl")
+        assert row["step"] == step
+        for key, value in trained[step].items():
+            if key.startswith("eval_") and key != "eval_s":
+                assert row[key] == pytest.approx(value, abs=1e-9), (step, key)
+    (row,) = jsonl(run / "eval_only" / "metrics.jsonl")
+    assert row["step"] == 2 and row["weights"] == str(run / "checkpoints" / "step_000002")
+    assert sorted(os.listdir(run / "eval_only")) == ["metrics.jsonl", "step_000002.jsonl"]
+    assert {name: (run / name).read_bytes() for name in before} == before
 
 
 def test_verbose_reaches_vllm_and_megatron(tmp_path):

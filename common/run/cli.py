@@ -277,3 +277,15 @@ def finish_training(writer, logger, *, summary, exit_hard):
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
     destroy_distributed()
+
+
+def finish_evaluation(*, exit_hard):
+    """The end of train_grpo.py --eval-only, all ranks: leave as finish_training does (exit_hard:
+    os._exit once every rank is here, for vLLM's in-process engine)."""
+    import torch.distributed as dist
+
+    if exit_hard:
+        dist.barrier()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    destroy_distributed()

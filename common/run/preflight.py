@@ -401,6 +401,7 @@ def _check_inputs(args):
 
 def _check_out(args, critic_model):
     out = os.path.abspath(args.out)
+    eval_only = getattr(args, "eval_only", False)  # train_grpo.py --eval-only writes <out>/eval_only/ only
     for flag, path in (
         ("--model", args.model),
         ("--mcore-ckpt", args.mcore_ckpt),
@@ -410,7 +411,7 @@ def _check_out(args, critic_model):
         ("--load-rollouts", args.load_rollouts),
         ("--reward-model", getattr(args, "reward_model", None)),
     ):
-        if path is None:
+        if path is None or (eval_only and flag == "--mcore-ckpt"):  # (a checkpoint of the run in --out)
             continue
         path = os.path.abspath(path)
         if path == out or path.startswith(out + os.sep) or out.startswith(path + os.sep):
@@ -430,7 +431,7 @@ def _check_out(args, critic_model):
                 "is nothing to continue; nothing was changed. Run without --resume and with "
                 "--start-over to begin again"
             )
-    elif _has_run(out) and not args.start_over:
+    elif _has_run(out) and not args.start_over and not eval_only:
         raise UsageError(
             f"--out {args.out} already holds a run ({', '.join(sorted(os.listdir(out))[:4])}); nothing "
             "was changed. Pass --resume to continue it, --start-over to begin a new run there (the old "
