@@ -2,7 +2,8 @@
 
     .venv/bin/python -m pytest -q tests/test_train_grpo.py
 
-- the embedded default learns: mean reward of the last 10 steps >= first 10 + 0.5;
+- the embedded default learns: mean reward of the last 10 steps >= first 10 + 0.5; its closing
+  line's export command works;
 - --resume: 3 steps, then resume to 6 == 6 steps in one go (metrics of steps 4-6 equal);
 - layouts: rollouts saved from a 1-process run, replayed (--load-rollouts) under torchrun
   with DP=2, TP=2 (+SP) and PP=2, give the same losses, grad norms, entropy and KL;
@@ -58,7 +59,7 @@ def test_help_documents_every_flag():
 
 def test_embedded_default_learns(tmp_path):
     """The README's claim, on fewer steps than `make demo` runs (see README for the full run)."""
-    run("--steps", 60, "--out", tmp_path)  # measured: reward 0.007 -> 0.81, greedy accuracy 0.0 -> 0.8
+    proc = run("--steps", 60, "--out", tmp_path)  # measured: reward 0.007 -> 0.81, greedy accuracy 0.0 -> 0.8
     rewards = [m["reward_mean"] for m in metrics(tmp_path)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")
@@ -71,6 +72,12 @@ def test_embedded_default_learns(tmp_path):
     assert sorted(os.listdir(tmp_path / "eval")) == [f"step_{s:06d}.jsonl" for s in sorted(evals)]
     print(f"eval accuracy {evals}")
     assert evals[59] >= evals[0] + 0.5
+    # the closing line names the last checkpoint and a merge command that exports it
+    step_dir = tmp_path / "checkpoints" / "step_000060"
+    command = f"python merge_to_hf.py --ckpt {step_dir} --out {tmp_path / 'hf-step_000060'}"
+    assert proc.stdout.strip().splitlines()[-1] == f"last checkpoint: {step_dir}; export it: {command}"
+    run_script(*command.split()[1:])
+    assert (tmp_path / "hf-step_000060" / "model.safetensors.index.json").is_file()
 
 
 def test_resume_is_exact(two_step_run):
