@@ -6,6 +6,7 @@ a training checkpoint root (<run>/checkpoints: the step its `latest` file names)
   model-0000i-of-0000n.safetensors   shards of at most --max-shard-size
   model.safetensors.index.json
   config.json                        the source's, with the dtype set to the one written
+                                     (by default the source's own: --dtype)
   generation_config.json, tokenizer files
 It loads unchanged with transformers `from_pretrained` and with vLLM. HF -> mcore -> HF is
 bit-exact for every tensor (same dtype).
@@ -103,6 +104,13 @@ def stored_dtype(ckpt):
     return tensors["embedding.word_embeddings.weight"].properties.dtype
 
 
+def source_dtype(hf_config):
+    """The dtype the source model was published in (config.json's torch_dtype, `dtype` in
+    transformers 5) when it is one this tool writes (bfloat16, float32), else None."""
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
+
+
 def parse_size(text):
     """'5GB' -> 5e9, '500MiB' -> 500 * 2**20 (the units transformers' max_shard_size accepts)."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -156,7 +164,10 @@ def parse_args(argv=None):
         "--dtype",
         choices=["auto", *DTYPES],
         default="auto",
-        help="dtype written; auto = the dtype the checkpoint stores",
+        help=(
+            "dtype written; auto = the source model's (torch_dtype of the config.json found with the HF files: "
+            "bfloat16 or float32), else the dtype the checkpoint stores"
+        ),
     )
     ap.add_argument(
         "--hf-files",
@@ -210,7 +221,8 @@ def run(args, created):
     )
     max_shard_bytes = parse_size(args.max_shard_size)
     stored = stored_dtype(ckpt)
-    dtype = stored if args.dtype == "auto" else DTYPES[args.dtype]
+    # auto: as the source model was published (a CPU run trains a bf16 model in fp32), else as stored
+    dtype = (source_dtype(spec.hf_config) or stored) if args.dtype == "auto" else DTYPES[args.dtype]
     if dtype not in SAFETENSORS_NAMES:
         raise ConversionError(f"the checkpoint stores {stored}; pass --dtype bf16 or --dtype fp32")
     split = dict(first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)

@@ -28,6 +28,7 @@ Launch:
 """
 
 import functools
+import json
 import os
 import sys
 import time
@@ -39,7 +40,7 @@ from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.rollout.lengths import draw_lengths, parse_lengths
 from common.run import flags as F
-from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
+from common.run.cli import Parser, finish_evaluation, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
 
@@ -139,7 +140,16 @@ def build_parser():
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
     F.plan_flags(p)
-    F.run_flags(p, out_prefix=OUT_PREFIX)
+    r = F.run_flags(p, out_prefix=OUT_PREFIX)
+    r.add_argument(
+        "--eval-only",
+        action="store_true",
+        help=(
+            "no training: validate the weights of --model, --mcore-ckpt (a converted or a training checkpoint step) "
+            "or, with --resume, --out's newest checkpoint, once, as the run's validation does (--eval-*); writes "
+            "<out>/eval_only/step_N.jsonl and appends the metrics to <out>/eval_only/metrics.jsonl"
+        ),
+    )
     F.bench_flags(p)
     return p
 
@@ -159,7 +169,21 @@ def parse_args(argv=None):
                 raise ValueError("--bench-response-lengths sets what the engine samples: not with --load-rollouts")
     except ValueError as e:
         p.error(str(e))
+    if args.eval_only and (args.start_over or args.resume == "auto" or args.load_rollouts):  # (may move --out aside)
+        p.error(
+            "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "
+            "--resume auto and --load-rollouts"
+        )
     spec = check_training_run(p, args, min_group=2)  # every mistake found here, before anything is built
+    if args.eval_only:  # writes into <out>/eval_only/ and nothing else
+        if args.data and not args.eval_data:
+            p.error("--eval-only validates held-out prompts: pass --eval-data (with --data there are none by default)")
+        if args.resume:  # the newest checkpoint of --out (common/run/preflight.py made sure there is one)
+            from common.train.checkpoint_dirs import latest_complete
+
+            args.mcore_ckpt = latest_complete(os.path.join(args.out, "checkpoints"))
+            if args.mcore_ckpt is None:
+                p.error(f"--eval-only --resume: no complete checkpoint in {args.out}/checkpoints")
     # GPU and host memory per rank and phase (common/run/memory_plan.py): derives the defaults it
     # can (--gpu-memory-utilization, --save-any-layout), refuses what cannot fit (exit 2)
     check_memory(p, args, spec)
@@ -177,10 +201,13 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new
 
 
 def main():
-    from common.run.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings, quiet_third_party_logging
+    from common.run.user_code import load_reward
 
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
+    quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
+    user_reward = load_reward(args.reward) if args.reward else None  # checked now: exit 2 before anything is built
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
@@ -195,14 +222,14 @@ def main():
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss, truncated_is_weights
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout.engines import make_engine, vllm_available
-    from common.rollout.evaluate import Evaluator
+    from common.rollout.evaluate import Evaluator, evaluate_once
     from common.run.data import PromptSampler, task_prompts
     from common.run.dist import init_distributed, print0
     from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
     from common.run.host_memory import check_host_memory
     from common.run.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.train import schedule
-    from common.train.checkpoint import load_model_checkpoint
+    from common.train.checkpoint import checkpoint_step, load_model_checkpoint
     from common.train.guard import RunControl, check_finite
     from common.train.offload import Colocation, PhaseMemory, Timer
     from common.train.resume import changed_flags, load_training_checkpoint
@@ -246,7 +273,7 @@ def main():
         if args.eval_data or not args.data
         else ([], [])
     )
-    reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
+    reward_fn = user_reward or (math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0))
 
     # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches
     # (optimizer steps) -> micro-batches
@@ -303,19 +330,21 @@ def main():
             load_hf_weights(chunks, spec, hf_dir)
         return chunks
 
-    model, optimizer, scheduler = setup_training(
-        load_model(),
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        warmup_steps=args.lr_warmup_steps,
-        total_steps=args.steps * args.ppo_epochs * (rollout_batch // mini_batch),
-        decay_style=args.lr_decay,
-        use_distributed_optimizer=args.distributed_optimizer,
-    )
+    model, optimizer, scheduler = load_model(), None, None  # --eval-only: the weights alone, no optimizer
+    if not args.eval_only:
+        model, optimizer, scheduler = setup_training(
+            model,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            clip_grad=args.clip_grad,
+            warmup_steps=args.lr_warmup_steps,
+            total_steps=args.steps * args.ppo_epochs * (rollout_batch // mini_batch),
+            decay_style=args.lr_decay,
+            use_distributed_optimizer=args.distributed_optimizer,
+        )
     reference = None
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and not args.eval_only:
         reference = load_model()
         for chunk in reference:
             chunk.eval().requires_grad_(False)
@@ -333,13 +362,29 @@ def main():
         last_step=args.steps - 1,
         out_dir=args.out,
         seed=args.seed,
-        reward_fn=math_reward if args.eval_data else reward_fn,
+        reward_fn=math_reward if args.eval_data and not user_reward else reward_fn,
         answer_fn=final_answer if args.eval_data else synthetic_answer,
         replica=replica,
         num_replicas=num_replicas,
         first_of_replica=info.rank % rollout_tp == 0,
         master_process=info.master_process,
+        folder="eval_only" if args.eval_only else "eval",
     )
+    if args.eval_only:  # the weights loaded above into the engine, validated once, as at that step of a run
+        step = checkpoint_step(args.mcore_ckpt) if args.mcore_ckpt else 0
+        weights = export_hf_weights(
+            model,
+            spec,
+            dtype=torch.bfloat16 if use_vllm else torch.float32,
+            bucket_mb=args.sync_bucket_mb,
+            expert_blocks=engine.expert_blocks,
+            local_reads=engine.local_reads,
+        )
+        metrics = evaluate_once(
+            engine, evaluator, weights, step, source=args.mcore_ckpt or hf_dir, master_process=info.master_process
+        )
+        print0(json.dumps({"step": step, **metrics}))
+        return finish_evaluation(exit_hard=use_vllm)
     # Memory choreography on a shared GPU (common/train/offload.py): what the rollout does not use
     # waits in pinned host memory, the reference but for its logprob pass. No-ops for tensors
     # already on the CPU.

@@ -188,10 +188,13 @@ EMBEDDED_DEFAULTS = dict(
 
 
 def main():
-    from common.run.log import quiet_known_warnings
+    from common.run.log import quiet_known_warnings, quiet_third_party_logging
+    from common.run.user_code import load_reward
 
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
+    quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
+    user_reward = load_reward(args.reward) if args.reward else None  # checked now: exit 2 before anything is built
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
@@ -268,7 +271,7 @@ def main():
         if args.eval_data or not args.data
         else ([], [])
     )
-    reward_fn = math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0)
+    reward_fn = user_reward or (math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0))
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
     group = args.samples_per_prompt
@@ -365,7 +368,7 @@ def main():
         last_step=args.steps - 1,
         out_dir=args.out,
         seed=args.seed,
-        reward_fn=math_reward if args.eval_data else reward_fn,
+        reward_fn=math_reward if args.eval_data and not user_reward else reward_fn,
         answer_fn=final_answer if args.eval_data else synthetic_answer,
         replica=replica,
         num_replicas=num_replicas,

@@ -94,12 +94,12 @@ def test_roundtrip_every_architecture(tiny_models_dir, tmp_path, capsys):
 
 
 def test_bf16(tiny_models_dir, tmp_path, capsys):
-    """--dtype bf16 stores bf16 and merge writes bf16: fp32 source -> exactly source.to(bf16);
-    a bf16 source (auto dtype) -> bit-exact. --verify passes in bf16."""
+    """--dtype bf16 stores bf16 and merge --dtype bf16 writes bf16: fp32 source -> exactly
+    source.to(bf16); a bf16 source (auto dtype) -> bit-exact. --verify passes in bf16."""
     src = tiny_models_dir / "qwen2"
     assert convert("--hf", src, "--out", tmp_path / "a", "--dtype", "bf16", "--verify") == 0
     assert max_abs_diff(capsys.readouterr().out) <= 2e-2
-    assert merge("--ckpt", tmp_path / "a", "--out", tmp_path / "a-hf") == 0
+    assert merge("--ckpt", tmp_path / "a", "--out", tmp_path / "a-hf", "--dtype", "bf16") == 0
     assert_bit_exact({k: v.to(torch.bfloat16) for k, v in hf_tensors(src).items()}, hf_tensors(tmp_path / "a-hf"))
     assert json.load(open(tmp_path / "a-hf" / "config.json"))["dtype"] == "bfloat16"
 
@@ -109,6 +109,37 @@ def test_bf16(tiny_models_dir, tmp_path, capsys):
     assert json.load(open(tmp_path / "b" / "rl_meta.json"))["dtype"] == "bfloat16"
     assert merge("--ckpt", tmp_path / "b", "--out", tmp_path / "b-hf") == 0
     assert_bit_exact(hf_tensors(bf16_src), hf_tensors(tmp_path / "b-hf"))
+
+
+def test_merge_dtype_follows_the_source(tiny_models_dir, tmp_path, capsys):
+    """merge's default --dtype is the source model's (its config.json torch_dtype), not the
+    checkpoint's: a bf16 model stored in fp32 (as a CPU run trains it) comes back bf16,
+    bit-exact; an fp32 model stored in bf16 comes back fp32 (the bf16 values, exactly);
+    --dtype overrides; a config without a dtype gives the stored one."""
+    bf16_src = tmp_path / "bf16-src"
+    make_tiny_hf_model("qwen2").to(torch.bfloat16).save_pretrained(bf16_src)
+    assert json.load(open(bf16_src / "config.json"))["dtype"] == "bfloat16"
+    assert convert("--hf", bf16_src, "--out", tmp_path / "a", "--dtype", "fp32", "--no-tokenizer") == 0
+    assert merge_to_hf.stored_dtype(str(tmp_path / "a")) == torch.float32
+    assert merge("--ckpt", tmp_path / "a", "--out", tmp_path / "a-hf") == 0
+    assert_bit_exact(hf_tensors(bf16_src), hf_tensors(tmp_path / "a-hf"))
+    assert json.load(open(tmp_path / "a-hf" / "config.json"))["dtype"] == "bfloat16"
+    assert merge("--ckpt", tmp_path / "a", "--out", tmp_path / "a-fp32", "--dtype", "fp32") == 0
+    assert {t.dtype for t in hf_tensors(tmp_path / "a-fp32").values()} == {torch.float32}
+
+    fp32_src = tiny_models_dir / "qwen2"
+    assert convert("--hf", fp32_src, "--out", tmp_path / "b", "--dtype", "bf16") == 0
+    assert merge("--ckpt", tmp_path / "b", "--out", tmp_path / "b-hf") == 0
+    expected = {k: v.to(torch.bfloat16).float() for k, v in hf_tensors(fp32_src).items()}
+    assert_bit_exact(expected, hf_tensors(tmp_path / "b-hf"))
+
+    config = json.load(open(tmp_path / "b" / "hf" / "config.json"))  # a source config without a dtype
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    json.dump(config, open(tmp_path / "b" / "hf" / "config.json", "w"))
+    assert merge("--ckpt", tmp_path / "b", "--out", tmp_path / "b-stored") == 0
+    assert {t.dtype for t in hf_tensors(tmp_path / "b-stored").values()} == {torch.bfloat16}
+    capsys.readouterr()
 
 
 def test_same_checkpoint_as_megatron_save(tiny_models_dir, tmp_path):

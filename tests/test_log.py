@@ -1,4 +1,4 @@
-"""Tests of common/run/log.py: metrics.jsonl content, curves.png and its time panel, wandb offline,
+"""Tests of common/run/log.py: metrics.jsonl content, curves.png written (its panels: test_plots.py), wandb offline,
 resume (truncate keeps the replaced lines, a fresh run never destroys one), the run record,
 and the warning filters.
 
@@ -7,7 +7,6 @@ and the warning filters.
 
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import socket
@@ -19,7 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.run.log import MetricsLogger, default_wandb_mode, quiet_known_warnings, run_record, time_stack
+from common.run.log import (
+    MetricsLogger,
+    default_wandb_mode,
+    quiet_known_warnings,
+    quiet_third_party_logging,
+    run_record,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,59 +194,6 @@ def test_fresh_run_never_destroys_metrics(tmp_path):
     assert sorted(os.listdir(empty)) == ["config.json", "metrics.jsonl"]
 
 
-def test_time_stack_counts_missing_phases_as_zero():
-    # save_s only on checkpoint steps (1 and 3), step_s missing on step 2, a step without times
-    history = [
-        {"step": 0, "reward_mean": 0.1, "rollout_s": 1.0, "train_s": 2.0, "step_s": 3.5},
-        {"step": 1, "rollout_s": 1.5, "train_s": 2.5, "save_s": 4.0, "step_s": 8.5},
-        {"step": 2, "rollout_s": 0.5, "train_s": 1.0},
-        {"step": 3, "rollout_s": 1.0, "train_s": 2.0, "save_s": 3.0, "step_s": 6.5, "tag_s": "x"},
-        {"step": 4, "reward_mean": 0.2},
-    ]
-    steps, phases, total = time_stack(history)
-    assert steps == [0, 1, 2, 3]
-    # save_s counted 0 where missing
-    assert phases == {
-        "rollout_s": [1.0, 1.5, 0.5, 1.0],
-        "save_s": [0.0, 4.0, 0.0, 3.0],
-        "train_s": [2.0, 2.5, 1.0, 2.0],
-    }
-    assert "step_s" not in phases  # the total is drawn as a line, never stacked on its parts
-    assert total[:2] == [3.5, 8.5] and math.isnan(total[2]) and total[3] == 6.5
-
-
-def test_plot_draws_the_time_stack(tmp_path):
-    """curves.png's time panel holds time_stack's series: the top of the stack at each step is
-    the sum of that step's phases, step_s is a separate line, the legend sits outside the panel."""
-    logger = MetricsLogger(tmp_path, {}, enabled=True, plot_every=0)
-    for step in range(6):
-        times = {"rollout_s": 1.0 + step, "train_s": 2.0}
-        if step % 3 == 2:
-            times["save_s"] = 5.0
-        logger.log(step, {"reward_mean": step / 10, **times, "step_s": sum(times.values()) + 0.5})
-    fig = logger.plot()
-    ax = next(a for a in fig.axes if a.get_title() == "seconds per step")
-    stacked = [c for c in ax.collections]  # one PolyCollection per stacked phase
-    assert len(stacked) == 3
-    tops = {}  # the upper edge of the last band (its outline holds both edges): max y per step
-    for x, y in stacked[-1].get_paths()[0].vertices:
-        tops[x] = max(tops.get(x, -math.inf), y)
-    for step in range(6):
-        expected = 1.0 + step + 2.0 + (5.0 if step % 3 == 2 else 0.0)
-        assert tops[step] == pytest.approx(expected)
-    (line,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("step_s")]
-    assert list(line.get_ydata()) == pytest.approx(
-        [1.0 + s + 2.0 + (5.0 if s % 3 == 2 else 0.0) + 0.5 for s in range(6)]
-    )
-    legend = next(a.get_legend() for a in fig.axes if a.get_legend() is not None)
-    assert sorted(t.get_text() for t in legend.get_texts()) == ["rollout_s", "save_s", "step_s (total)", "train_s"]
-    # outside the data area: the legend's box does not overlap the panel's
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
-    logger.close()
-
-
 def test_wandb_offline_run_dir(tmp_path, monkeypatch):
     for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
@@ -343,6 +295,12 @@ def test_quiet_known_warnings_filters_only_known(monkeypatch):
             UserWarning,
             "megatron.core.tensor_parallel.layers",
         )
+        _known_warning(  # megatron's optimizer reading .grad, through the CPU adapter's TorchFunctionMode
+            "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad attribute won't "
+            "be populated during autograd.backward().",
+            UserWarning,
+            "common.model.cpu_compat",
+        )
         warnings.warn("something new went wrong", UserWarning)
         # a known message from another module is not the known warning: it shows
         _known_warning("Apex is not installed. Falling back to Torch Norm", UserWarning, "mylib.norms")
@@ -410,6 +368,70 @@ def test_quiet_known_warnings_defers_to_user_filters(monkeypatch):
         quiet_known_warnings(rank=1)
         warnings.warn("something new went wrong", UserWarning)
     assert len(caught) == 1
+
+
+# In a fresh process: for each case, the call, then the import of a stand-in vllm that reports
+# the level a real vllm would configure its logger with (read once, at import), then a megatron
+# INFO and WARNING line. Cases: (verbose, rank, an explicit VLLM_LOGGING_LEVEL or None).
+THIRD_PARTY_LOGGING_SCRIPT = """
+import json, logging, os, sys
+from common.run.log import quiet_third_party_logging
+for case in json.loads(sys.argv[1]):
+    verbose, rank, user_level = case
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    if user_level:
+        os.environ["VLLM_LOGGING_LEVEL"] = user_level
+    sys.modules.pop("vllm", None)
+    quiet_third_party_logging(verbose=verbose, rank=rank)
+    import vllm
+    megatron = logging.getLogger("megatron.core.distributed")
+    print(f"CASE {case}", file=sys.stderr, flush=True)
+    megatron.info("megatron info line")
+    megatron.warning("megatron warning line")
+    print("RESULT " + json.dumps([vllm.LEVEL, logging.getLogger("megatron.core").level]), flush=True)
+"""
+
+
+def test_quiet_third_party_logging(tmp_path):
+    """vLLM's level reaches it through the environment before it is imported; megatron-core's
+    logger level is set (rank 0: warnings, other ranks: errors only); an explicit
+    VLLM_LOGGING_LEVEL wins; verbose brings INFO back, megatron-core's printed to stderr."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("import os\nLEVEL = os.environ.get('VLLM_LOGGING_LEVEL')\n")
+    cases = [[False, 0, None], [False, 1, None], [False, 0, "DEBUG"], [True, 1, None]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    proc = subprocess.run(
+        [sys.executable, "-c", THIRD_PARTY_LOGGING_SCRIPT, json.dumps(cases)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results == [["WARNING", 30], ["ERROR", 40], ["DEBUG", 30], ["INFO", 20]]
+    printed = proc.stderr.split("CASE ")[1:]  # what each case printed
+    assert ["megatron warning line" in p for p in printed] == [True, False, True, True]
+    assert ["INFO megatron.core.distributed: megatron info line" in p for p in printed] == [False, False, False, True]
+
+
+def test_quiet_third_party_logging_after_vllm_import(monkeypatch):
+    """vllm imported already: its logger's level is set directly."""
+    import logging
+    import types
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    vllm_logger, megatron_logger = logging.getLogger("vllm"), logging.getLogger("megatron.core")
+    before = vllm_logger.level, megatron_logger.level
+    try:
+        quiet_third_party_logging(rank=0)
+        assert (vllm_logger.level, megatron_logger.level) == (logging.WARNING, logging.WARNING)
+    finally:
+        vllm_logger.setLevel(before[0])
+        megatron_logger.setLevel(before[1])
 
 
 # The real third-party calls behind each KNOWN_HARMLESS_WARNINGS entry, in a fresh process (some

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m pytest -q tests/test_train_grpo.py
 
-- the embedded default learns: mean reward of the last 10 steps >= first 10 + 0.5;
+- the embedded default learns: mean reward of the last 10 steps >= first 10 + 0.5; its closing
+  line's export command works;
 - --resume: 3 steps, then resume to 6 == 6 steps in one go (metrics of steps 4-6 equal);
 - layouts: rollouts saved from a 1-process run, replayed (--load-rollouts) under torchrun
   with DP=2, TP=2 (+SP) and PP=2, give the same losses, grad norms, entropy and KL;
@@ -15,6 +16,10 @@
   responses there, config.json records what ran, this step's learning rate is logged and
   printed, README commands after `make demo` are not refused, empty responses and a missing
   chat template are warned of, flags that would be ignored are refused.
+- curves.png of a run: the time panel holds seconds only;
+- --reward FILE.py:NAME: the rewards are the function's, unusable ones are refused (exit 2);
+- --verbose: vLLM's log level before its import, megatron-core's INFO lines;
+- --eval-only: the numbers of the run's validation at the same weights.
 """
 
 import os
@@ -59,7 +64,7 @@ def test_help_documents_every_flag():
 
 def test_embedded_default_learns(tmp_path):
     """The README's claim, on fewer steps than `make demo` runs (see README for the full run)."""
-    run("--steps", 60, "--out", tmp_path)  # measured: reward 0.007 -> 0.81, greedy accuracy 0.0 -> 0.8
+    proc = run("--steps", 60, "--out", tmp_path)  # measured: reward 0.007 -> 0.81, greedy accuracy 0.0 -> 0.8
     rewards = [m["reward_mean"] for m in metrics(tmp_path)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")
@@ -72,6 +77,12 @@ def test_embedded_default_learns(tmp_path):
     assert sorted(os.listdir(tmp_path / "eval")) == [f"step_{s:06d}.jsonl" for s in sorted(evals)]
     print(f"eval accuracy {evals}")
     assert evals[59] >= evals[0] + 0.5
+    # the closing line names the last checkpoint and a merge command that exports it
+    step_dir = tmp_path / "checkpoints" / "step_000060"
+    command = f"python merge_to_hf.py --ckpt {step_dir} --out {tmp_path / 'hf-step_000060'}"
+    assert proc.stdout.strip().splitlines()[-1] == f"last checkpoint: {step_dir}; export it: {command}"
+    run_script(*command.split()[1:])
+    assert (tmp_path / "hf-step_000060" / "model.safetensors.index.json").is_file()
 
 
 def test_resume_is_exact(two_step_run):
@@ -83,15 +94,31 @@ def test_resume_is_exact(two_step_run):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
 
 
+SHORT_ANSWERS = """
+def short_answers(response, answer):  # --reward FILE.py:NAME: the shorter the response, the better
+    return max(0.0, 1.0 - len(response) / 8)
+"""
+
+
 @pytest.fixture(scope="module")
 def short_runs(tmp_path_factory):
-    """Four independent one-process runs of the tests below, at once (one thread each): their
+    """Five independent one-process runs of the tests below, at once (one thread each): their
     output folders by name."""
     root = tmp_path_factory.mktemp("short_runs")
+    (root / "short.py").write_text(SHORT_ANSWERS)
     runs = {
+        "reward": [
+            *SMALL,
+            "--steps",
+            1,
+            "--reward",
+            f"{root}/short.py:short_answers",
+            "--save-rollouts",
+            root / "saved",
+        ],
         "none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
         "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
-        "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2],
+        "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2, "--save-every", 1],  # (test_eval_only's checkpoints)
         "two": [*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2],
     }
     run_scripts(*[("train_grpo.py", *args, "--out", root / name) for name, args in runs.items()])
@@ -101,6 +128,140 @@ def short_runs(tmp_path_factory):
 def test_rollout_logprobs_none_logs_no_mismatch(short_runs):
     (row,) = metrics(short_runs["none"])
     assert "logprob_mismatch" not in row and "policy_loss" in row  # not a 0.0 from zero samples
+
+
+def test_curves_of_a_run(short_runs):
+    """The run's curves.png is written; redrawn from its metrics.jsonl, the time panel stacks
+    the timed phases only, never gen_tokens_per_s (thousands per second: it once filled the
+    panel), which sits in the tokens/s panel; every legend fits the figure."""
+    from common.run.plots import plot_curves
+    from tests.test_plots import PHASES, assert_legends_fit, panel_axes, time_panel_labels
+
+    run = short_runs["on"]
+    assert (run / "curves.png").read_bytes().startswith(b"\x89PNG")
+    history = metrics(run)
+    assert "gen_tokens_per_s" in history[0] and "train_tokens_per_s_per_gpu" in history[0]
+    fig = plot_curves(history)
+    stacked, lines = time_panel_labels(fig)
+    assert set(stacked) <= set(PHASES) and {"rollout_s", "train_s", "ref_s"} <= set(stacked)
+    assert lines == ["step_s (total)"]
+    assert panel_axes(fig, "seconds per step").get_ylim()[1] < 60  # a tiny model's step: seconds
+    tokens = sorted(ln.get_label() for ln in panel_axes(fig, "tokens/s").get_lines())
+    assert tokens == ["gen_tokens_per_s", "train_tokens_per_s_per_gpu"]
+    assert_legends_fit(fig)
+
+
+def test_user_reward(short_runs):
+    """--reward FILE.py:NAME: each sample's reward (saved with --save-rollouts) is what the
+    function gives its decoded response, reward_mean their mean, and validation scores with it."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from common.rl.rewards import synthetic_reward
+
+    run = short_runs["reward"]
+    namespace = {}
+    exec(SHORT_ANSWERS, namespace)
+    tokenizer = AutoTokenizer.from_pretrained(run / "embedded_model")
+    saved = torch.load(run.parent / "saved" / "step_000000.pt", weights_only=False)
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in saved["samples"]]
+    expected = [namespace["short_answers"](t, None) for t in texts]
+    assert saved["rewards"].tolist() == pytest.approx(expected, abs=1e-7)
+    assert len(set(expected)) > 1  # responses of several lengths: a constant would prove little
+    assert expected != [synthetic_reward(t, "0", format_credit=0.0) for t in texts]  # not the built-in reward
+    (row,) = metrics(run)
+    assert row["reward_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+    with open(run / "eval" / "step_000000.jsonl") as f:
+        for prompt in map(json.loads, f):
+            assert prompt["rewards"] == [namespace["short_answers"](t, None) for t in prompt["responses"]]
+
+
+def test_unusable_user_reward_refused(tmp_path):
+    """One line, exit 2, before anything is built (the file is checked at start-up)."""
+    (tmp_path / "r.py").write_text("def f(response):\n    return 1.0\n")
+    for spec, message in [
+        (f"{tmp_path}/absent.py:f", f"--reward {tmp_path}/absent.py:f: no file {tmp_path}/absent.py"),
+        (f"{tmp_path}/r.py:f", f"--reward {tmp_path}/r.py:f: f(response) cannot be called as f(response, answer)"),
+    ]:
+        proc = run_script("train_grpo.py", "--reward", spec, "--out", tmp_path / "out", check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"train_grpo.py: error: {message}"), line
+        assert not (tmp_path / "out" / "embedded_model").exists()
+
+
+def test_eval_only(short_runs, tmp_path):
+    """--eval-only validates weights once, as the training run's validation did at the same
+    weights: the embedded model (step 0), a training checkpoint (--mcore-ckpt step_000001: the
+    weights step 1 sampled with) and, with --resume, the run's newest checkpoint (step 2, which
+    no validation of the run saw); the run's own files are left as they were."""
+    import json
+
+    run = short_runs["on"]
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
+    flags = [*SMALL, "--mini-batch-size", "32", "--eval-only"]
+    run_scripts(
+        ("train_grpo.py", *flags, "--out", tmp_path / "hf"),
+        ("train_grpo.py", *flags, "--mcore-ckpt", run / "checkpoints" / "step_000001", "--out", tmp_path / "ckpt"),
+        ("train_grpo.py", *flags, "--resume", "--out", run),
+    )
+
+    def jsonl(path):
+        with open(path) as f:
+            return [json.loads(line) for line in f]
+
+    trained = {row["step"]: row for row in metrics(run) if "eval_accuracy" in row}
+    assert sorted(trained) == [0, 1]
+    for out, step in ((tmp_path / "hf", 0), (tmp_path / "ckpt", 1)):
+        assert jsonl(out / "eval_only" / f"step_{step:06d}.jsonl") == jsonl(run / "eval" / f"step_{step:06d}.jsonl")
+        (row,) = jsonl(out / "eval_only" / "metrics.jsonl")
+        assert row["step"] == step
+        for key, value in trained[step].items():
+            if key.startswith("eval_") and key != "eval_s":
+                assert row[key] == pytest.approx(value, abs=1e-9), (step, key)
+    (row,) = jsonl(run / "eval_only" / "metrics.jsonl")
+    assert row["step"] == 2 and row["weights"] == str(run / "checkpoints" / "step_000002")
+    assert sorted(os.listdir(run / "eval_only")) == ["metrics.jsonl", "step_000002.jsonl"]
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+
+def test_verbose_reaches_vllm_and_megatron(tmp_path):
+    """--rollout vllm with a stand-in vllm package that reports, when the script imports it, the
+    log level a real vllm would configure itself with, then ends the run: WARNING by default,
+    INFO with --verbose; megatron-core's INFO lines (DDP set-up) print with --verbose only."""
+    import json
+    import subprocess
+
+    from tests.conftest import script_env
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        "import json, logging, os\n"
+        "print('FAKE_VLLM ' + json.dumps([os.environ.get('VLLM_LOGGING_LEVEL'), "
+        "logging.getLogger('megatron.core').level]), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    env = {k: v for k, v in script_env(PYTHONPATH=str(tmp_path)).items() if k not in ("VLLM_LOGGING_LEVEL", "RANK")}
+    runs = {
+        flags: subprocess.Popen(
+            [sys.executable, "train_grpo.py", *SMALL, "--rollout", "vllm", "--kl-coef", "0", *flags]
+            + ["--out", tmp_path / f"out{len(flags)}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flags in [(), ("--verbose",)]
+    }
+    for flags, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        (report,) = [json.loads(line[10:]) for line in out.splitlines() if line.startswith("FAKE_VLLM ")]
+        assert report == (["INFO", 20] if flags else ["WARNING", 30]), flags
+        assert ("INFO megatron.core.distributed" in err) == bool(flags), err[-3000:]
 
 
 def test_mask_truncated_keeps_the_sync_check_honest(short_runs):

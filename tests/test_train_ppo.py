@@ -18,6 +18,7 @@
 - layouts: the same replays under torchrun with DP=2, TP=2 (+SP) and PP=2 give the same
   policy and value losses, grad norms of both models, values, returns, entropy and KL
   as 1 process (rel 1e-4);
+- --reward FILE.py:NAME: the rewards are the function's; an unusable one is refused;
 - every flag of --help has a help string.
 """
 
@@ -96,6 +97,26 @@ def test_help_documents_every_flag():
         "--load-rollouts",
     ]:
         assert flag in proc.stdout
+
+
+def test_user_reward(tmp_path):
+    """--reward FILE.py:NAME in train_ppo.py: every sample's reward is the function's 0.25 (the
+    built-in reward gives 0 or 1), validation's too; an unusable one is refused at start-up
+    with one line, exit 2."""
+    (tmp_path / "r.py").write_text(
+        "def quarter(response, answer):\n    return 0.25\n\ndef one_argument(response):\n    return 1.0\n"
+    )
+    proc = run_script("train_ppo.py", "--reward", f"{tmp_path}/r.py:one_argument", "--out", tmp_path / "x", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"train_ppo.py: error: --reward {tmp_path}/r.py:one_argument: one_argument(response) cannot be called as "
+        "one_argument(response, answer): too many positional arguments"
+    ), proc.stderr[-2000:]
+    run(*SMALL, "--steps", 1, "--reward", f"{tmp_path}/r.py:quarter", "--out", tmp_path / "out")
+    (row,) = metrics(tmp_path / "out")
+    assert row["reward_mean"] == 0.25 and row["reward_std"] == 0.0
+    with open(tmp_path / "out" / "eval" / "step_000000.jsonl") as f:
+        assert all(json.loads(line)["rewards"] == [0.25] for line in f)
+    assert row["eval_accuracy"] == 0.0  # correct means a reward >= 1
 
 
 def test_embedded_default_learns(tmp_path):

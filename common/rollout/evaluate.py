@@ -4,6 +4,8 @@
     if evaluator.due(step):          # step 0 (before any update), every `every` steps, the last step
         metrics.update(evaluator.run(engine, step))   # all ranks; rank 0 writes eval/step_N.jsonl
 
+    evaluate_once(engine, evaluator, weights, step, source=...)   # train_grpo.py --eval-only
+
 Each prompt gets `samples` responses; a response is correct when the reward function gives
 it 1 (math_reward / the embedded task's reward: 1 = right answer). Metrics (own keys in
 metrics.jsonl, wandb, curves.png):
@@ -62,10 +64,12 @@ class Evaluator:
         first_of_replica,
         master_process,
         seed=0,
+        folder="eval",
     ):
         """items, prompt_ids: as common.run.data.task_prompts returns them (repeated prompts are
         evaluated once). replica/num_replicas: this rank's rollout replica (prompts are split
-        over replicas as in training); first_of_replica: the rank whose samples count."""
+        over replicas as in training); first_of_replica: the rank whose samples count.
+        folder: out_dir's subdirectory of the per-prompt files (eval/step_N.jsonl)."""
         unique = {}
         for item, ids in zip(items, prompt_ids):
             unique.setdefault(tuple(ids), item)
@@ -76,7 +80,7 @@ class Evaluator:
         self.samples, self.temperature, self.max_tokens = samples, temperature, max_tokens
         self.every, self.last_step, self.seed = every, last_step, seed
         self.reward_fn, self.answer_fn, self.tokenizer = reward_fn, answer_fn, tokenizer
-        self.out_dir = os.path.join(out_dir, "eval")
+        self.out_dir = os.path.join(out_dir, folder)
 
     def due(self, step):
         return bool(self.items) and self.every > 0 and (step % self.every == 0 or step == self.last_step)
@@ -129,3 +133,18 @@ class Evaluator:
             "eval_response_len": sum(len(s.response_ids) for s in samples) / len(samples),
             "eval_truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         }
+
+
+def evaluate_once(engine, evaluator, weights, step, *, source, master_process):
+    """train_grpo.py --eval-only: `weights` ((hf_name, tensor) pairs, as the weight sync's) into
+    the engine, then the validation a training run does at `step`, once. All ranks call this.
+    Rank 0 appends {"step", "weights": source, **metrics} to metrics.jsonl beside the
+    per-prompt files (the evaluator's folder). Returns the metrics."""
+    engine.wake_weights()
+    engine.update_weights(weights)
+    engine.wake_kv_cache()
+    metrics = evaluator.run(engine, step)
+    if master_process:
+        with open(os.path.join(evaluator.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "weights": source, **metrics}) + "\n")
+    return metrics

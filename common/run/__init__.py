@@ -6,7 +6,9 @@
     data.py         prompts: datasets, chat formatting, a resumable sampler
     hub.py          HF hub ids resolved through the HF cache
     embedded.py     the embedded tiny model and task of `python train_grpo.py`
-    log.py          metrics.jsonl, wandb, the plot, the console
+    log.py          metrics.jsonl, wandb, the console (warnings, third-party logging)
+    plots.py        curves.png, each panel in one unit
+    user_code.py    the user's --reward FILE.py:NAME, loaded and checked
     dist.py         torchrun / Slurm -> torch.distributed and megatron's parallel groups
     host_memory.py  pinned host memory of a node's ranks against what the node has
     memory_plan.py  GPU and pinned host memory per rank and phase, from the config and flags

@@ -296,7 +296,8 @@ def finish_training(writer, logger, *, summary, exit_hard):
     """The end of a training script, all ranks: wait for the last checkpoint save and publish
     it (CheckpointWriter.wait), close the metrics,
     print the last step's metrics (summary; None: nothing was trained, e.g. a resume of a
-    finished run), then leave. exit_hard (with a vLLM engine): os._exit once every rank is
+    finished run) and a closing line naming the last checkpoint this run wrote and the
+    merge_to_hf.py command that exports it, then leave. exit_hard (with a vLLM engine): os._exit once every rank is
     here, because vLLM 0.26's in-process engine can block interpreter exit (a 1-GPU run hung
     after its last step, docs/gpu.md); everything is written by then."""
     import torch.distributed as dist
@@ -305,6 +306,23 @@ def finish_training(writer, logger, *, summary, exit_hard):
     logger.close()
     if summary is not None:
         print0("{" + ", ".join(f"{json.dumps(k)}: {summary_number(v)}" for k, v in summary.items()) + "}")
+    if writer.last.get("dir"):  # the closing line: where the weights are, and how to export them
+        step_dir = writer.last["dir"]
+        run_dir = os.path.dirname(os.path.dirname(os.path.normpath(step_dir)))
+        hf_dir = os.path.join(run_dir, f"hf-{os.path.basename(os.path.normpath(step_dir))}")
+        print0(f"last checkpoint: {step_dir}; export it: python merge_to_hf.py --ckpt {step_dir} --out {hf_dir}")
+    if exit_hard:
+        dist.barrier()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    destroy_distributed()
+
+
+def finish_evaluation(*, exit_hard):
+    """The end of train_grpo.py --eval-only, all ranks: leave as finish_training does (exit_hard:
+    os._exit once every rank is here, for vLLM's in-process engine)."""
+    import torch.distributed as dist
+
     if exit_hard:
         dist.barrier()
         sys.stdout.flush(), sys.stderr.flush()

@@ -256,8 +256,19 @@ def rollout_flags(p, group_help, models):
 
 
 def reward_flags(p):
-    """A reward model next to (or instead of) the rule-based reward."""
+    """The rule-based reward (built in, or the user's --reward), and a reward model next to (or instead of) it."""
     g = p.add_argument_group("reward")
+    g.add_argument(
+        "--reward",
+        default=None,
+        metavar="FILE.py:NAME",
+        help=(
+            "your own rule-based reward instead of the built-in one (math_reward with --data, else the embedded "
+            "task's): NAME(response: str, answer: str) -> float, called once per sample with the decoded response "
+            "and the prompt's reference answer; also decides validation (correct: >= 1). Checked at start-up "
+            "(common/run/user_code.py)"
+        ),
+    )
     g.add_argument(
         "--reward-model",
         default=None,
@@ -437,6 +448,11 @@ def run_flags(p, out_prefix):
         choices=["online", "offline", "disabled"],
         default=None,
         help="default: online if a wandb key is set, else disabled",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and megatron-core's INFO logging, on every rank (default: their warnings on rank 0 only)",
     )
     g.add_argument("--wandb-project", default="mcore-rl", help="wandb project")
     g.add_argument("--run-name", default=None, help="wandb run name")

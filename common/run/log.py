@@ -15,14 +15,14 @@ method is a no-op. `print0` lives in common/run/dist.py and is re-exported here 
 Files in out_dir: metrics.jsonl (one line per step), metrics.replaced.jsonl (the lines a resume
 replaced, kept), config.json (run_record), curves.png, wandb_run_id.
 
-Naming convention the plot relies on: keys ending in `_s` are seconds spent in one phase of the
-step (rollout_s, sync_s, train_s, ...) and are stacked; `step_s` is the whole step, drawn as a
-line over the stack; name throughputs `*_per_sec`, not `*_s`.
+Naming convention the plot relies on (common/run/plots.py draws curves.png): keys ending in `_s`
+are seconds spent in one phase of the step (rollout_s, sync_s, train_s, ...) and are stacked;
+`step_s` is the whole step, drawn as a line over the stack; throughputs end in `_per_s`
+(gen_tokens_per_s) and get a panel of their own.
 """
 
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import socket
@@ -34,19 +34,6 @@ from datetime import datetime
 
 from common.run.dist import print0  # noqa: F401  (re-export: `from common.log import print0`)
 
-# Curves drawn in curves.png, one panel each, when present in the logged metrics.
-MAIN_CURVES = [
-    "reward_mean",
-    "kl",
-    "entropy",
-    "policy_loss",
-    "grad_norm",
-    "response_len_mean",
-    "value_loss",
-    "explained_variance",  # these two: train_ppo.py
-    "eval_accuracy",
-]  # validation (common/rollout/evaluate.py): only at its steps
-TOTAL_TIME_KEY = "step_s"  # the whole step: a line over the stacked phases, never stacked itself
 REPLACED_FILE = "metrics.replaced.jsonl"
 
 
@@ -115,30 +102,6 @@ def _move_aside(path):
         target, n = f"{path}.old-{stamp}-{n}", n + 1
     os.replace(path, target)
     return target
-
-
-# ---- curves.png ------------------------------------------------------------------------
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def time_stack(history):
-    """What the "seconds per step" panel draws: (steps, phases, total).
-
-    steps: every logged step that timed anything; phases: {key: [seconds at each step]} for
-    every `*_s` key but step_s, a phase a step did not log counted 0 there (save_s exists only
-    on checkpoint steps, and must not hide the other steps); total: step_s at each step (nan
-    where absent), drawn as a line, so the gap above the stack is the step's untimed work."""
-    phase_keys = sorted(
-        {k for r in history for k, v in r.items() if k.endswith("_s") and k != TOTAL_TIME_KEY and _is_number(v)}
-    )
-    rows = [r for r in history if any(_is_number(r.get(k)) for k in (*phase_keys, TOTAL_TIME_KEY))]
-    steps = [r["step"] for r in rows]
-    phases = {k: [r[k] if _is_number(r.get(k)) else 0.0 for r in rows] for k in phase_keys}
-    total = [r[TOTAL_TIME_KEY] if _is_number(r.get(TOTAL_TIME_KEY)) else math.nan for r in rows]
-    return steps, phases, total
 
 
 # ---- known-harmless third-party warnings ---------------------------------------------------
@@ -246,6 +209,34 @@ def quiet_known_warnings(rank: int | None = None, on_gpu: bool | None = None):
     for message, category, module, on_gpu_too in KNOWN_HARMLESS_WARNINGS:
         if on_gpu_too or not on_gpu:
             warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def quiet_third_party_logging(verbose: bool = False, rank: int | None = None):
+    """vLLM's and megatron-core's INFO lines off: a colocated vLLM logs ~40 lines while it starts
+    and a few every step (sleep, wake: under the progress bar), megatron-core its set-up. Rank 0
+    keeps their warnings, the other ranks only errors (every rank runs the same program: one
+    copy of each warning is enough). Call it before vllm is imported: vLLM reads its level from
+    VLLM_LOGGING_LEVEL once, at import (vllm/logger.py); an explicit VLLM_LOGGING_LEVEL wins.
+
+    verbose (--verbose): their INFO lines, on every rank: vLLM's level INFO (its own default),
+    megatron-core's INFO printed to stderr (given a handler when nothing configured logging).
+    rank: default the launcher's (common.run.dist.launcher_rank), so it works before init_distributed."""
+    import logging
+
+    if rank is None:
+        from common.run.dist import launcher_rank
+
+        rank = launcher_rank()
+    level = "INFO" if verbose else "WARNING" if rank == 0 else "ERROR"
+    vllm_level = os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+    if "vllm" in sys.modules:  # imported already: its logger is configured, set it directly
+        logging.getLogger("vllm").setLevel(vllm_level)
+    megatron = logging.getLogger("megatron.core")  # python logging, read at each message
+    megatron.setLevel(level)
+    if verbose and not megatron.hasHandlers():  # else INFO would reach only logging's last resort (WARNING+)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        megatron.addHandler(handler)
 
 
 def default_wandb_mode():
@@ -414,63 +405,13 @@ class MetricsLogger:
         self.file = open(self.path, "a")
 
     def plot(self):
-        """Redraw out_dir/curves.png: one panel per MAIN_CURVES key present, plus the per-phase
-        seconds (`*_s` keys) stacked in one panel with step_s as a line (time_stack).
+        """Redraw out_dir/curves.png from the steps logged so far (common/run/plots.py).
         Returns the matplotlib Figure (None when there is nothing to draw)."""
         if not self.enabled or not self.history:
             return None
-        # Figure + Agg canvas directly, not pyplot: no global backend switch, no GUI, no leaks.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from common.run.plots import plot_curves
 
-        def series(key):
-            points = [(r["step"], r[key]) for r in self.history if _is_number(r.get(key))]
-            return [p[0] for p in points], [p[1] for p in points]
-
-        keys = [k for k in MAIN_CURVES if any(k in r for r in self.history)]
-        steps, phases, total = time_stack(self.history)
-        # The time panel takes two cells: the stack, and its legend in the cell after it, so
-        # the legend never covers data (phase names are long, and a run logs about 10 of them).
-        panels = len(keys) + (2 if steps else 0)
-        if panels == 0:
-            return None
-        cols = min(3, panels)
-        rows = math.ceil(panels / cols)
-        fig = Figure(figsize=(4.5 * cols, 3.2 * rows))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(rows, cols, squeeze=False).ravel()
-        for ax, key in zip(axes, keys):
-            ax.plot(*series(key))
-            ax.set_title(key)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        if steps:
-            ax, legend_ax = axes[len(keys)], axes[len(keys) + 1]
-            if phases:
-                from matplotlib import colormaps  # tab10 repeats its colours past 10 phases
-
-                cmap = colormaps["tab10" if len(phases) <= 10 else "tab20"]
-                ax.stackplot(steps, *phases.values(), labels=list(phases), colors=[cmap(i) for i in range(len(phases))])
-            if any(not math.isnan(t) for t in total):
-                ax.plot(steps, total, color="black", linewidth=1.2, label=f"{TOTAL_TIME_KEY} (total)")
-            ax.set_title("seconds per step")
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-            handles, labels = ax.get_legend_handles_labels()
-            legend_ax.axis("off")
-            legend_ax.legend(
-                handles[::-1], labels[::-1], loc="upper left", fontsize="small", title="seconds per step"
-            )  # reversed: top of the list = top of the stack
-        for ax in axes[panels:]:
-            ax.set_visible(False)
-        # Fixed margins (in inches / figure height): constrained layout costs ~2x the drawing time.
-        height = 3.2 * rows
-        fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.3 / height, wspace=0.25, hspace=0.45)
-        # Write then rename: a reader (or an image viewer) never sees a half-written PNG.
-        tmp = os.path.join(self.out_dir, ".curves.png.tmp")
-        fig.savefig(tmp, format="png", dpi=80)
-        os.replace(tmp, os.path.join(self.out_dir, "curves.png"))
-        return fig
+        return plot_curves(self.history, os.path.join(self.out_dir, "curves.png"))
 
     def log_samples(self, step, tokenizer, samples, rewards, *, every, stride, count=3, width=300):
         """Every `every` steps (0: never): `count` samples, one per prompt group (`stride` apart),

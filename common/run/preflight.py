@@ -605,6 +605,7 @@ def _check_inputs(args):
 
 def _check_out(args, critic_model, spec):
     out = os.path.abspath(args.out)
+    eval_only = getattr(args, "eval_only", False)  # train_grpo.py --eval-only writes <out>/eval_only/ only
     for flag, path in (
         ("--model", args.model),
         ("--mcore-ckpt", args.mcore_ckpt),
@@ -614,7 +615,7 @@ def _check_out(args, critic_model, spec):
         ("--load-rollouts", args.load_rollouts),
         ("--reward-model", getattr(args, "reward_model", None)),
     ):
-        if path is None:
+        if path is None or (eval_only and flag == "--mcore-ckpt"):  # (a checkpoint of the run in --out)
             continue
         path = os.path.abspath(path)
         if path == out or path.startswith(out + os.sep) or out.startswith(path + os.sep):
@@ -637,7 +638,7 @@ def _check_out(args, critic_model, spec):
                 "--start-over to begin again"
             )
         _check_resumed_model(args, ckpt_root, spec)
-    elif _has_run(out) and not args.start_over:
+    elif _has_run(out) and not args.start_over and not eval_only:
         held = sorted(set(os.listdir(out)) - {LOCK_FILE})
         raise UsageError(
             f"--out {args.out} already holds a run ({', '.join(held[:4])}); nothing "

@@ -111,6 +111,15 @@ def read_meta(ckpt_dir):
         return json.load(f)
 
 
+def checkpoint_step(ckpt_dir):
+    """How many training steps made a checkpoint's weights: rl_meta.json's step (a training
+    checkpoint), else 0 (a converted HF model, or a checkpoint written elsewhere)."""
+    try:
+        return int(read_meta(ckpt_dir).get("step", 0))
+    except FileNotFoundError:
+        return 0
+
+
 def copy_hf_small_files(src_dir, dst_dir):
     os.makedirs(dst_dir, exist_ok=True)
     for name in HF_SMALL_FILES:

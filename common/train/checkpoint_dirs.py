@@ -101,6 +101,15 @@ def check_step_dir(step_dir, required=()):
     return None
 
 
+def latest_complete(ckpt_root):
+    """The newest complete step directory of ckpt_root (the one `latest` names unless it is
+    damaged: candidates' order), or None."""
+    for name in candidates(ckpt_root):
+        if check_step_dir(os.path.join(ckpt_root, name)) is None:
+            return os.path.join(ckpt_root, name)
+    return None
+
+
 def _prune(ckpt_root, step, keep_last):
     """Keep the newest keep_last complete step dirs up to `step`; delete older ones (and older
     damaged ones) and interrupted saves (*.tmp; none is in flight now)."""

@@ -309,7 +309,7 @@ class CheckpointWriter:
         params, fp32 main params and Adam moments of this rank (1.5B on one GPU: ~21 GB)."""
         self.pending = None  # the save in flight (a _PendingSave)
         self.wait_s = 0.0  # of the last save(): waiting for the one before it to be written
-        self.last = {}  # the last published save: step, blocking_s, stage_s, total_s (for the metrics)
+        self.last = {}  # the last published save: step, dir, blocking_s, stage_s, total_s (for the metrics)
         self.staging = checkpoint_io.HostStaging()
         self.staging.reserve(self.host_bytes(models))
 
@@ -377,6 +377,7 @@ class CheckpointWriter:
         step_dir = _publish(save)
         self.last = {
             "step": save.step,
+            "dir": step_dir,
             "blocking_s": save.blocking_s,
             "stage_s": save.stage_s,
             "total_s": time.perf_counter() - save.started,
