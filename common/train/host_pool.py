@@ -15,8 +15,11 @@ How it is pinned: ordinary (pageable) host memory of exactly that size, register
 (cudaHostRegister: page-locked and mapped for the GPU's DMA, as cudaHostAlloc's memory is; torch
 then treats it as pinned: is_pinned() is True and non_blocking copies are asynchronous). The
 alternative, slabs of exactly a power of two from torch's allocator, would still round the last
-slab up or need many slabs; registering costs the same seconds per 10 GB as pinning any other way
-(the pages are faulted in and locked once), and nothing is rounded. Should registering fail
+slab up or need many slabs; registering costs the seconds per 10 GB that pinning costs any way
+(the pages are faulted in and locked once), and nothing is rounded. Measured on an H100 (torch
+2.11, one 1 GB piece; tests/gpu/test_host_pool_gpu.py): copies at 55.0 GB/s device-to-host and
+54.5 host-to-device, as with torch's own pinned memory (54.7 / 54.6; pageable: 13.7 / 8.9);
+registering took 4-6 s per 10 GB. Should registering fail
 (a driver or container that refuses it), the block is taken from torch's pinned allocator
 instead (rounded up, said once). Without a GPU the block is plain memory (tests).
 
