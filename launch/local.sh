@@ -18,7 +18,7 @@
 #   bash launch/local.sh train_grpo.py
 #   NPROC=8 bash launch/local.sh train_grpo.py --model /models/Qwen2-7B --tp 4
 #
-# The python it runs (torchrun too, as `python -m torch.distributed.run`): $PYTHON if set, else
+# The python it runs (torchrun too, as `python launch/torchrun.py`): $PYTHON if set, else
 # the repository's .venv/bin/python when it exists, else python3 from PATH.
 set -euo pipefail
 
@@ -44,4 +44,6 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # torchrun through the same python (not the first `torchrun` on PATH, which may belong to
 # another environment). --standalone: single-node rendezvous on a free local port.
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"
+# launch/torchrun.py is torchrun plus last words when a rank dies (which one, the signal or
+# exit code, the likely cause, the last complete checkpoint).
+exec "$PY" "$ROOT/launch/torchrun.py" --standalone --nproc_per_node "$NPROC" "$@"
