@@ -83,7 +83,9 @@ class Colocation:
     def allocate(self):
         """The pinned pool now, every host buffer carved from it, and the frozen models moved there
         (the first steps would pay seconds for the pinning). Creates no tensor on the device: Adam's
-        state appears at its first step, into buffers made for it now."""
+        state appears at its first step, into buffers made for it now. Once: later calls do nothing."""
+        if self.pool is not None:
+            return
         self.pool = HostPool(self.host_bytes(), pin=torch.cuda.is_available())
         for off in self._pooled():
             off.allocate(self.pool)
