@@ -230,8 +230,8 @@ def main():
     from common.run.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.train import schedule
     from common.train.checkpoint import checkpoint_step, load_model_checkpoint
+    from common.train.colocation import Colocation, PhaseMemory, Timer
     from common.train.guard import RunControl, check_finite
-    from common.train.offload import Colocation, PhaseMemory, Timer
     from common.train.resume import changed_flags, load_training_checkpoint
     from common.train.reward_model import RewardModel
     from common.train.save import CheckpointWriter
@@ -285,7 +285,7 @@ def main():
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
     # Started before the trainer's state exists: vLLM takes --gpu-memory-utilization of the GPU and
     # checks at start that so much is free; it then sleeps (weights and KV cache freed) until the
-    # first rollout's weight sync wakes it (common/train/offload.py Colocation.rollout)
+    # first rollout's weight sync wakes it (common/train/colocation.py Colocation.rollout)
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
     # (with --load-rollouts: replayed samples, no engine)
     engine, rollout_tp = (
@@ -385,7 +385,7 @@ def main():
         )
         print0(json.dumps({"step": step, **metrics}))
         return finish_evaluation(exit_hard=use_vllm)
-    # Memory choreography on a shared GPU (common/train/offload.py): what the rollout does not use
+    # Memory choreography on a shared GPU (common/train/colocation.py): what the rollout does not use
     # waits in pinned host memory, the reference but for its logprob pass. No-ops for tensors
     # already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
@@ -421,6 +421,18 @@ def main():
         if args.reward_model
         else None
     )
+
+    # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
+    checkpointed = [(model, optimizer)]
+    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message): the
+    # offload's one pool and the staging's own buffer for what the pool does not hold, by arithmetic
+    check_host_memory(
+        {
+            "offload buffers": colo.host_bytes(),
+            "checkpoint staging": CheckpointWriter.host_bytes(checkpointed, colo.host_buffers),
+        }
+    )
+    colo.allocate()  # the pinned pool now (the first steps would pay seconds for it); the reference moves there
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -481,12 +493,6 @@ def main():
             )
         )
 
-    checkpointed = [(model, optimizer)]  # what a checkpoint holds (its host copies pinned by the writer)
-    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
-    check_host_memory(
-        {"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)}
-    )
-    colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(
@@ -494,7 +500,7 @@ def main():
         save_every_minutes=args.save_every_minutes,
         steps=None if args.bench_response_lengths else args.steps,  # a benchmark saves no last checkpoint
     )
-    writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
+    writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:

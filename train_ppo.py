@@ -226,8 +226,8 @@ def main():
     from common.run.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
     from common.train import schedule
     from common.train.checkpoint import load_model_checkpoint
+    from common.train.colocation import Colocation, PhaseMemory, Timer
     from common.train.guard import RunControl, check_finite
-    from common.train.offload import Colocation, PhaseMemory, Timer
     from common.train.resume import changed_flags, load_training_checkpoint
     from common.train.reward_model import RewardModel
     from common.train.save import CheckpointWriter
@@ -283,7 +283,7 @@ def main():
     # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
     # Started before the trainer's state exists: vLLM takes --gpu-memory-utilization of the GPU and
     # checks at start that so much is free; it then sleeps (weights and KV cache freed) until the
-    # first rollout's weight sync wakes it (common/train/offload.py Colocation.rollout)
+    # first rollout's weight sync wakes it (common/train/colocation.py Colocation.rollout)
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
     # (with --load-rollouts: replayed samples, no engine)
     engine, rollout_tp = (
@@ -375,7 +375,7 @@ def main():
         first_of_replica=info.rank % rollout_tp == 0,
         master_process=info.master_process,
     )
-    # Memory choreography on a shared GPU (common/train/offload.py, as in train_grpo.py): the critic
+    # Memory choreography on a shared GPU (common/train/colocation.py, as in train_grpo.py): the critic
     # idles from its update until the next values pass, the reference but for its logprob
     # pass, both Adam states but for the updates. No-ops for tensors already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
@@ -412,6 +412,18 @@ def main():
         if args.reward_model
         else None
     )
+
+    # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
+    checkpointed = [(model, optimizer), (critic, critic_optimizer)]
+    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message): the
+    # offload's one pool and the staging's own buffer for what the pool does not hold, by arithmetic
+    check_host_memory(
+        {
+            "offload buffers": colo.host_bytes(),
+            "checkpoint staging": CheckpointWriter.host_bytes(checkpointed, colo.host_buffers),
+        }
+    )
+    colo.allocate()  # the pinned pool now (the first steps would pay seconds for it); the reference moves there
 
     # ---- logging, resume (the critic is saved in the actor's step directory) -------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -476,19 +488,10 @@ def main():
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
         return vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
 
-    checkpointed = [
-        (model, optimizer),
-        (critic, critic_optimizer),
-    ]  # what a checkpoint holds (its host copies pinned by the writer)
-    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message)
-    check_host_memory(
-        {"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(checkpointed)}
-    )
-    colo.allocate()  # every pinned host buffer now: the first steps would pay seconds for them
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
-    writer = CheckpointWriter(models=checkpointed)  # background saves; their host memory pinned now
+    writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
@@ -612,7 +615,7 @@ def main():
         # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
         colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
 
-        def optimizers_ready():  # before the first optimizer step (common/train/offload.py)
+        def optimizers_ready():  # before the first optimizer step (common/train/colocation.py)
             colo.wait_optimizers(timer)
 
         tick = time.time()

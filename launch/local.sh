@@ -18,7 +18,7 @@
 #   bash launch/local.sh train_grpo.py
 #   NPROC=8 bash launch/local.sh train_grpo.py --model /models/Qwen2-7B --tp 4
 #
-# The python it runs (torchrun too, as `python -m torch.distributed.run`): $PYTHON if set, else
+# The python it runs (torchrun too, as `python launch/torchrun.py`): $PYTHON if set, else
 # the repository's .venv/bin/python when it exists, else python3 from PATH.
 set -euo pipefail
 
@@ -68,8 +68,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-900}
 # torchrun through the same python (not the first `torchrun` on PATH, which may belong to
 # another environment). --standalone: single-node rendezvous on a free local port.
+# launch/torchrun.py is torchrun plus last words when a rank dies (which one, the signal or
+# exit code, the likely cause, the last complete checkpoint).
 set -m  # job control: the background job gets its own process group
-"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@" &
+"$PY" "$ROOT/launch/torchrun.py" --standalone --nproc_per_node "$NPROC" "$@" &
 TORCHRUN=$!
 set +m
 to_ranks() { pkill "-$1" -P "$TORCHRUN" || kill "-$1" "$TORCHRUN" 2>/dev/null || true; }

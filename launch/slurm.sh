@@ -97,7 +97,14 @@ fi
 echo "job $SLURM_JOB_ID (attempt $((${SLURM_RESTART_COUNT:-0} + 1))): $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT"
 echo "command: ${ARGS[*]}"
 
-srun "${SRUN_ARGS[@]}" torchrun \
+# torchrun through launch/torchrun.py (beside the training script: the repository), which adds
+# last words when a rank dies: which one, the signal or exit code, the likely cause, the last
+# complete checkpoint. A script elsewhere gets plain torchrun.
+TORCHRUN=(torchrun)
+if [ -f "$(dirname "$1")/launch/torchrun.py" ]; then
+    TORCHRUN=(python "$(dirname "$1")/launch/torchrun.py")
+fi
+srun "${SRUN_ARGS[@]}" "${TORCHRUN[@]}" \
     --nnodes "$SLURM_NNODES" \
     --nproc_per_node "$GPUS_PER_NODE" \
     --rdzv_backend c10d \
@@ -116,5 +123,9 @@ set -e
 if [ "$REQUEUE" = 1 ]; then
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
+fi
+if [ "$RC" != 0 ]; then  # the node whose rank died said which and why above (a node lost says nothing)
+    echo "job $SLURM_JOB_ID: the ranks stopped (srun exit code $RC); see the [launch] lines above, or srun's" \
+        "errors for a node that was lost" >&2
 fi
 exit "$RC"

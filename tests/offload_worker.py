@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,6 +21,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights import load_hf_weights
     from common.train import schedule
+    from common.train.host_pool import HostPool
     from common.train.offload import Offloader
     from common.train.setup import setup_training
 
@@ -31,11 +33,15 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     device = torch.device("cuda" if on_gpu else "cpu")
     model_off = Offloader.of_model(model, include_cpu=not on_gpu)
     optim_off = Offloader.of_optimizer(optimizer, model, include_cpu=not on_gpu)
-    losses, moved, left, freed_gpu, intact, overlapped = [], [], [], [], [], []
+    losses, moved, left, freed_gpu, intact, overlapped, kept = [], [], [], [], [], [], []
     side = torch.cuda.Stream() if on_gpu else None  # the optimizer's reload copies on it, as the scripts
-    if offload:  # as the scripts do: every host buffer (Adam's state created) before the first step
-        optim_off.allocate(), model_off.allocate()
+    pool, planned = None, None
+    if offload:  # as the scripts do: one pool, every host buffer carved before the first step
+        planned = {key: n for off in (model_off, optim_off) for key, n in off.planned()}  # Adam's moments to come
+        pool = HostPool(model_off.host_bytes() + optim_off.host_bytes(), pin=on_gpu)
+        optim_off.allocate(pool), model_off.allocate(pool)
         buffers = {id(b) for off in (model_off, optim_off) for b in off._host.values()}
+    state_before_step = sum(len(s) for s in optimizer_states(optimizer))  # sizing created no Adam state
     for step in range(3):
         gen = torch.Generator().manual_seed(100 * step + mpu.get_data_parallel_rank())
         tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=gen)
@@ -61,6 +67,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
             model_off.offload()
             freed_gpu.append(allocated - (torch.cuda.memory_allocated() if on_gpu else 0))
             moved.append(model_off.nbytes + optim_off.nbytes)
+            kept.append(model_off.kept + optim_off.kept)
             state = [v for s in optimizer_states(optimizer) for v in s.values() if torch.is_tensor(v) and v.dim()]
             left.append(sum(t.untyped_storage().nbytes() for t in list(model[0].parameters()) + state))
             model_off.reload()
@@ -69,7 +76,15 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     params = torch.cat([p.detach().float().flatten() for p in model[0].parameters()])
     # host buffers an offload had to create after allocate() (each costs a pinning on a GPU)
     late = len({id(b) for off in (model_off, optim_off) for b in off._host.values()} - buffers) if offload else 0
+    hosts = [b for off in (model_off, optim_off) for b in off._host.values()]
     return dict(
+        planned=sum(planned.values()) if offload else None,
+        kept=kept,
+        state_before_step=state_before_step,
+        in_pool=all(pool.contains(b) for b in hosts) if offload else None,
+        pool_extra=pool.extra_count if offload else None,
+        pool_exact=pool.nbytes == HostPool.size_for(planned.values()) if offload else None,
+        pinned=pool.pinned if offload else None,
         losses=losses,
         moved=moved,
         left=left,
@@ -80,6 +95,31 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
         late_buffers=late,
         overlapped=overlapped,
     )
+
+
+def optimizer_step(chunks, optimizer, spec, seed, value_head=False):
+    """One forward/backward and optimizer step on a random batch (a value head: regress V onto 0)."""
+    from megatron.core import parallel_state as mpu
+
+    from common.train import schedule
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(100 * seed + mpu.get_data_parallel_rank())
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=gen)
+    mb = dict(tokens=tokens, positions=torch.arange(16).expand(2, 16), targets=tokens.roll(-1, 1))
+
+    def loss_fn(mb, output):
+        if value_head:
+            loss = output.float().pow(2).mean()
+        else:
+            loss = torch.nn.functional.cross_entropy(output.float().flatten(0, 1), mb["targets"].flatten())
+        return loss, {"loss": loss.detach()}
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    schedule.run_micro_batches(chunks, [mb], loss_fn, forward_only=False, device=device)
+    optimizer.step()
 
 
 def optimizer_states(optimizer):
@@ -108,9 +148,19 @@ def main():
                 intact=offloaded["intact"],
                 late_buffers=offloaded["late_buffers"],
                 overlapped=offloaded["overlapped"],
+                planned=offloaded["planned"],
+                kept=offloaded["kept"],
+                state_before_step=offloaded["state_before_step"],
+                in_pool=offloaded["in_pool"],
+                pool_extra=offloaded["pool_extra"],
+                pool_exact=offloaded["pool_exact"],
+                pinned=offloaded["pinned"],
             )
     result["reference"] = frozen_model_roundtrip(hf_dir)
     result["colocation"] = colocation_phases(hf_dir)
+    result["shared"] = shared_staging(
+        hf_dir, os.path.join(os.path.dirname(os.path.abspath(hf_dir)), f"shared_ckpt_{info.world_size}")
+    )
     if info.rank == 0:
         print("RESULT " + json.dumps(result))
 
@@ -166,12 +216,12 @@ class RecordingEngine:
 
 
 def colocation_phases(hf_dir):
-    """common/offload.Colocation as the scripts drive it (a policy with Adam, PPO's critic as the
+    """common/train/colocation.Colocation as the scripts drive it (a policy with Adam, PPO's critic as the
     idle model, a frozen reference; a recording engine): what is on the device in each phase,
     and every tensor the same after its round trip."""
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights import load_hf_weights
-    from common.train.offload import Colocation, Timer
+    from common.train.colocation import Colocation, Timer
     from common.train.setup import setup_training
 
     spec = load_hf_spec(hf_dir)
@@ -216,7 +266,14 @@ def colocation_phases(hf_dir):
         include_cpu=True,
     )
     seen["reference_at_start"] = resident(params(reference))
-    colo.allocate()  # creates Adam's state (zeros), as the first step would
+    seen["host_bytes"] = colo.host_bytes()  # arithmetic, Adam's moments to come included
+    colo.allocate()  # the pool; creates no Adam state
+    seen["reference_after_allocate"] = resident(params(reference))
+    seen["adam_after_allocate"] = len(adam_state())
+    seen["pool"] = dict(nbytes=colo.pool.nbytes, used=colo.pool.used, extra=colo.pool.extra_count)
+    for chunks, opt in ((policy, optimizer), (critic, critic_optimizer)):  # Adam's first steps create its state
+        optimizer_step(chunks, opt, spec, seed=0)
+    seen["pool_after_step"] = dict(used=colo.pool.used, extra=colo.pool.extra_count)
     with colo.frozen_model(reference):  # (reading an offloaded tensor's emptied storage would crash)
         before = {
             name: [t.detach().clone() for t in tensors]
@@ -258,6 +315,128 @@ def colocation_phases(hf_dir):
     with colo.frozen_model(reference):
         seen["same"] = {name: all(torch.equal(a, b) for a, b in zip(before[name], after[name])) for name in before}
     seen["timed"] = sorted(times)
+    seen["adam_tensors"] = len(before["adam"])
+    seen["pool_at_end"] = dict(used=colo.pool.used, extra=colo.pool.extra_count)
+    return seen
+
+
+class NoMemory:
+    def start(self):
+        pass
+
+    def end(self, name):
+        pass
+
+
+def checkpointed_state(models):
+    """Copies of everything a training checkpoint holds of (chunks, optimizer) pairs, in a fixed
+    order: parameters, then per torch Adam parameter its main param and both moments."""
+    from common.train.setup import torch_adams
+
+    out = []
+    for chunks, optimizer in models:
+        out += [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
+        for adam in torch_adams(optimizer):
+            for group in adam.param_groups:
+                for p in group["params"]:
+                    state = adam.state.get(p, {})  # none before Adam's first step
+                    out += [p.detach().clone()] + [state[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in state]
+    return out
+
+
+def shared_staging(hf_dir, root):
+    """A background save (policy + PPO's critic, as train_ppo.py) staged through the offload's host
+    buffers (common/train/offload.py SharedHostBuffers), its writer held (a slow disk) across the
+    next two steps: the next offload copies nothing it staged and the reload is exact; the offload
+    after it (which writes the buffers) waits for the writer; the checkpoint loads bit-exact."""
+    import threading
+    import time
+
+    from megatron.core import parallel_state as mpu
+
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.train.colocation import Colocation, Timer
+    from common.train.resume import load_training_checkpoint
+    from common.train.save import CheckpointWriter
+    from common.train.setup import setup_training
+    from tests.checkpoint_worker import HELD, hold_writers
+
+    spec = load_hf_spec(hf_dir)
+    include_cpu = not torch.cuda.is_available()
+
+    def build():
+        policy_chunks = build_model(spec, dtype=torch.bfloat16)
+        load_hf_weights(policy_chunks, spec, hf_dir)
+        critic_chunks = build_critic(spec, dtype=torch.bfloat16)
+        load_critic_weights(critic_chunks, spec, hf_dir)
+        return setup_training(policy_chunks, lr=1e-2), setup_training(critic_chunks, lr=1e-2)
+
+    (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler) = build()
+    models = [(policy, optimizer), (critic, critic_optimizer)]
+    colo = Colocation(
+        RecordingEngine(lambda weights: None),
+        policy,
+        [(optimizer, policy), (critic_optimizer, critic)],
+        idle=[critic],
+        weights=lambda: iter(()),
+        include_cpu=include_cpu,
+    )
+    seen = dict(staging_reserve=CheckpointWriter.host_bytes(models, colo.host_buffers))
+    colo.allocate()
+    writer = CheckpointWriter(models=models, shared=colo.host_buffers)
+    seen["state_before_step"] = sum(len(s) for _, opt in models for s in optimizer_states(opt))
+    offloaders = colo.optimizers + [colo.policy, *colo.idle]
+
+    def step(index):
+        """One step as the scripts run it; returns (kept, copied) bytes of its offloads, and seconds offloading."""
+        started = time.perf_counter()
+        with colo.rollout(Timer({}), NoMemory()):
+            pass
+        offload_s = time.perf_counter() - started
+        colo.reload_idle()
+        colo.reload_optimizers(Timer({}))
+        colo.wait_optimizers(Timer({}))
+        after_reload = checkpointed_state(models)
+        optimizer_step(policy, optimizer, spec, seed=index)
+        optimizer_step(critic, critic_optimizer, spec, seed=index, value_head=True)
+        return sum(off.kept for off in offloaders), sum(off.copied for off in offloaders), offload_s, after_reload
+
+    step(1)
+    saved = checkpointed_state(models)  # what the checkpoint of step 1 must hold
+    HELD.clear()
+    threading.settrace(hold_writers)  # the last rank's writer threads wait for HELD
+    writer.save(
+        root,
+        1,
+        policy,
+        optimizer,
+        scheduler,
+        extra={"step": 1},
+        extra_models={"critic": (critic, critic_optimizer, critic_scheduler)},
+        optimizer_sharding="fully_reshardable" if mpu.get_data_parallel_world_size() == 1 else "dp_reshardable",
+    )
+    threading.settrace(None)
+    staging = writer.staging
+    seen["save"] = dict(own=staging.used, overflow=staging.overflow_bytes, shared=staging.shared_bytes)
+    kept, copied, _, reloaded = step(2)  # its offload: nothing the save staged is copied again
+    seen["step2"] = dict(kept=kept, copied=copied, reload_exact=all(map(torch.equal, reloaded, saved)))
+    last = dist.get_rank() == dist.get_world_size() - 1
+    releaser = threading.Timer(2.0, HELD.set)  # the slow disk finishes 2 s from now
+    releaser.start()
+    kept, copied, offload_s, _ = step(3)  # its offload writes into the buffers: waits for the writer first
+    releaser.join()
+    seen["step3"] = dict(kept=kept, copied=copied, waited=offload_s >= 1.5 if last else None)
+    seen["published"] = writer.wait()
+    (policy2, optimizer2, scheduler2), (critic2, critic_optimizer2, critic_scheduler2) = build()
+    load_training_checkpoint(
+        root, policy2, optimizer2, scheduler2, extra_models={"critic": (critic2, critic_optimizer2, critic_scheduler2)}
+    )
+    loaded = checkpointed_state([(policy2, optimizer2), (critic2, critic_optimizer2)])
+    seen["loaded_exact"] = len(loaded) == len(saved) and all(map(torch.equal, loaded, saved))
+    seen["tensors"] = len(saved)
+    seen["pool"] = dict(extra=colo.pool.extra_count)
     return seen
 
 

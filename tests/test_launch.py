@@ -4,7 +4,9 @@ which python local.sh runs, and a plain `python script.py` start (common/run/dis
     .venv/bin/python -m pytest -q tests/test_launch.py
 """
 
+import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -80,6 +82,21 @@ def test_slurm_forwards_args(tmp_path):
     assert torchrun[torchrun.index("--nproc_per_node") + 1] == "4"
     assert torchrun[torchrun.index("--rdzv_endpoint") + 1] == "gpu-03:12345"
 
+    # the script in the repository: torchrun through launch/torchrun.py beside it (last words)
+    script = os.path.join(ROOT, "train_grpo.py")
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch/slurm.sh"), script, "--tp", "4"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    srun_args = [line[len("SRUN_ARG<") : -1] for line in proc.stdout.splitlines() if line.startswith("SRUN_ARG<")]
+    launcher = srun_args.index("python")
+    assert srun_args[launcher : launcher + 3] == ["python", os.path.join(ROOT, "launch", "torchrun.py"), "--nnodes"]
+    assert srun_args[-3:] == [script, "--tp", "4"]
+
 
 def test_local_forwards_args(tmp_path):
     fake_python = tmp_path / "python"
@@ -104,9 +121,8 @@ def test_local_forwards_args(tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert out.splitlines() == [
-        "ARG<-m>",
-        "ARG<torch.distributed.run>",
+    assert out.splitlines() == [  # torchrun, through launch/torchrun.py (its last words)
+        f"ARG<{os.path.join(ROOT, 'launch', 'torchrun.py')}>",
         "ARG<--standalone>",
         "ARG<--nproc_per_node>",
         "ARG<8>",
@@ -145,8 +161,7 @@ def test_local_picks_repo_venv_then_python3(tmp_path):
     stub(repo / ".venv" / "bin" / "python", 'printf "VENV<%s>\\n" "$@"\n')
     assert launch() == ["VENV<train_grpo.py>", "VENV<--tp>", "VENV<2>"]
     assert launch(NPROC="2") == [
-        "VENV<-m>",
-        "VENV<torch.distributed.run>",
+        f"VENV<{repo / 'launch' / 'torchrun.py'}>",
         "VENV<--standalone>",
         "VENV<--nproc_per_node>",
         "VENV<2>",
@@ -298,3 +313,121 @@ def test_local_stop_saves_the_step_in_progress_and_exits_0(tmp_path):
     assert 2 <= len(steps) < 40 and steps == list(range(len(steps)))
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{len(steps):06d}" and (out / "checkpoints" / latest / "complete").is_file()
+
+
+def test_local_last_words_when_a_rank_is_killed(tmp_path):
+    """A rank SIGKILLed mid-run (as the kernel's OOM killer does) under launch/local.sh: the
+    launcher's last lines name that rank, the signal and its likely cause, and the last complete
+    checkpoint (still loadable: step directories are published only once complete), and it exits
+    with 128 + 9. The run: 2 ranks on gloo, the embedded model, a checkpoint every step."""
+    import signal
+    import time
+
+    import psutil
+
+    from common.train.checkpoint_dirs import check_step_dir
+
+    out = tmp_path / "run"
+    env = dict(os.environ, NPROC="2", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(
+        ["bash", os.path.join(ROOT, "launch/local.sh"), "train_grpo.py", "--steps", "200", "--save-every", "1"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started = time.time()
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "checkpoints" / "latest").exists() and proc.poll() is None:
+            time.sleep(0.2)
+        assert (out / "checkpoints" / "latest").exists(), proc.communicate(timeout=60)[0][-3000:]
+        # the ranks: children of torchrun's agent, which local.sh started; rank 1 by its environment
+        ranks = {
+            int(p.environ().get("RANK", -1)): p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "RANK" in p.environ()
+        }
+        ranks[1].send_signal(signal.SIGKILL)
+        killed = time.time()
+        output, _ = proc.communicate(timeout=120)
+        print(f"started -> first checkpoint {killed - started:.0f} s, kill -> exit {time.time() - killed:.0f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = output.strip().splitlines()
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert proc.returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert lines[-2].startswith(f"[launch] rank 1 (local rank 1 on {socket.gethostname()}, pid {ranks[1].pid})")
+    assert "was killed by signal 9 (SIGKILL): most likely the host ran out of memory (check `dmesg`" in lines[-2]
+    assert lines[-2].endswith(
+        f"the last complete checkpoint is {out / 'checkpoints' / latest} (continue with --resume auto)"
+    )
+    # rank 0 then failed in a collective with its peer gone, or was stopped by torchrun (SIGTERM)
+    assert lines[-1].startswith("[launch]   then rank 0 (local rank 0")
+    assert "Root Cause" in output  # torchrun's own report comes before
+    assert check_step_dir(str(out / "checkpoints" / latest)) is None  # complete: every file there, whole
+
+
+def test_last_words_pick_the_root_cause_and_the_checkpoint(tmp_path, monkeypatch):
+    """launch/torchrun.py's words without processes: the rank killed by a signal from outside is
+    the cause even when another rank's error came first, then an error before torchrun's SIGTERMs;
+    the checkpoint under the script's default --out when none is given (train_ppo.py: runs/ppo),
+    skipping an incomplete newest one; exit codes as a shell reports them."""
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import torchrun
+
+    def failure(local_rank, exitcode, timestamp):
+        return types.SimpleNamespace(
+            local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode, timestamp=timestamp
+        )
+
+    monkeypatch.chdir(tmp_path)
+    script = os.path.join(ROOT, "train_ppo.py")
+    words, code = torchrun.last_words({0: failure(0, 1, 5), 3: failure(3, -9, 7)}, script, [], "node-a")
+    assert code == 137 and words.splitlines() == [
+        "[launch] rank 3 (local rank 3 on node-a, pid 103) was killed by signal 9 (SIGKILL): most likely the host "
+        "ran out of memory (check `dmesg` / the job's memory limit); there is no complete checkpoint in "
+        "runs/ppo/checkpoints: a new run starts from the beginning",
+        "[launch]   then rank 0 (local rank 0 on node-a, pid 100) exited with code 1",
+    ]
+    root = tmp_path / "x" / "checkpoints"
+    for step in (2, 3):
+        (root / f"step_00000{step}").mkdir(parents=True)
+        (root / f"step_00000{step}" / "a.distcp").write_text("data")
+    (root / "step_000002" / "complete").write_text(json.dumps({"files": {"a.distcp": 4}}))
+    (root / "latest").write_text("step_000003")  # its marker missing: not complete
+    words, code = torchrun.last_words({1: failure(1, -15, 1), 0: failure(0, 3, 2)}, script, ["--out=x"], "n")
+    assert code == 3 and words.splitlines()[0] == (
+        "[launch] rank 0 (local rank 0 on n, pid 100) exited with code 3: the run diverged: non-finite numbers "
+        "(the message above says where); the last complete checkpoint is x/checkpoints/step_000002 "
+        "(continue with --resume auto)"
+    )
+    assert torchrun.run_out_dir("/nowhere/script.py", ["--lr", "1"]) is None
+
+
+def test_slurm_says_the_ranks_stopped(tmp_path):
+    """srun ending non-zero (a rank killed on some node): slurm.sh exits with its code and points at
+    the [launch] lines the failing node printed (or srun's errors for a lost node)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir / "srun", "exit 137\n")
+    stub(bin_dir / "scontrol", 'printf "gpu-01\\n"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "GPUS_PER", "MASTER_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="gpu-01", SLURM_NNODES="1", SLURM_JOB_ID="9")
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch/slurm.sh"), "train_grpo.py"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 137
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "job 9: the ranks stopped (srun exit code 137); see the [launch] lines above, or srun's errors for a node "
+        "that was lost"
+    )

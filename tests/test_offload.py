@@ -8,14 +8,18 @@ and bf16 models, with megatron's distributed optimizer and without, in 1 process
 torchrun DP=2 (the optimizer state sharded): the losses and final params must be bit-
 identical, the tensors' storages must be empty while offloaded, the model's params must
 survive the optimizer's offload (fp32: the main params are the model's own; the weight sync
-runs between the two offloads), and the bytes moved must be what the dtypes say. A plain
-frozen model (train_grpo.py's reference) gives the same logits after a round trip. On a GPU
-the optimizer's reload runs on a side stream during the next forward/backward, waited for
-before the optimizer step, as in the scripts. On a CPU
-the "device" memory is host memory (include_cpu=True); the same test on a GPU machine moves
-CUDA memory to pinned host buffers and also checks that torch's allocated GPU memory dropped
-by the bytes moved (tests/gpu/run_all.sh runs it). Host buffers are made once, by allocate()
-before the first step (Adam's state created first, as the scripts do): no offload makes one.
+runs between the two offloads), and the bytes moved must be what the dtypes say. The host
+buffers are pieces of one pool sized by arithmetic before the first step, which creates
+Adam's state: the planned bytes must be exactly the bytes the offloads keep, and no Adam
+state may exist before that step. A plain frozen model (train_grpo.py's reference) gives the
+same logits after a round trip. A background save of a policy and a critic (train_ppo.py)
+stages through the offload's buffers; the next offload skips what it staged, the one after
+waits for the (held) writer, and the checkpoint loads bit-exact. On a GPU the optimizer's
+reload runs on a side stream during the next forward/backward, waited for before the
+optimizer step, as in the scripts. On a CPU the "device" memory is host memory
+(include_cpu=True); the same test on a GPU machine moves CUDA memory to pinned (registered)
+host buffers and also checks that torch's allocated GPU memory dropped by the bytes moved
+(tests/gpu/run_all.sh runs it).
 """
 
 import json
@@ -49,6 +53,7 @@ def parse(proc):
 def check(result, dp):
     reference = result.pop("reference")  # a plain frozen model (train_grpo.py's reference)
     check_colocation(result.pop("colocation"))
+    check_shared_staging(result.pop("shared"))
     assert reference["equal"] and reference["left"] == 0 and reference["moved"] == reference["param_bytes"], reference
     assert set(result) == {"float32_distopt", "float32_ddp", "bfloat16_distopt", "bfloat16_ddp"}
     for name, r in result.items():
@@ -57,6 +62,13 @@ def check(result, dp):
         assert all(left == 0 for left in r["left"]), (name, r["left"])  # storages empty while offloaded
         assert all(r["intact"]), name  # the optimizer's offload leaves the model's params alone (fp32)
         assert r["late_buffers"] == 0, name  # allocate() made every host buffer before the first step
+        # ... sized by arithmetic before Adam had any state (none was created for it): the bytes
+        # planned are exactly those kept in host memory by the offloads after real steps
+        assert r["state_before_step"] == 0, name
+        assert r["kept"] == [r["planned"]] * 3, (name, r["kept"], r["planned"])
+        # one pool of exactly the (aligned) planned bytes, every buffer a piece of it, none beside it
+        assert r["pool_exact"] and r["in_pool"] and r["pool_extra"] == 0, name
+        assert r["pinned"] == ("registered" if on_gpu() else None), name
         # the optimizer's reload overlaps the next forward/backward on a GPU (a side stream; the
         # equal params above then show wait() kept the step from reading it early); on a CPU it waits
         assert r["overlapped"] == [on_gpu()] * 3, (name, r["overlapped"])
@@ -72,8 +84,13 @@ def check(result, dp):
 
 
 def check_colocation(seen):
-    """The phases of common/offload.Colocation (the scripts' choreography), all offloads on."""
-    assert seen["reference_at_start"] is False  # frozen models wait in host memory from the start
+    """The phases of common/train/colocation.Colocation (the scripts' choreography), all offloads on."""
+    # frozen models wait in host memory from allocate() on: nothing is pinned before the host check
+    assert seen["reference_at_start"] is True and seen["reference_after_allocate"] is False
+    # allocate() creates no Adam state; the pool it pinned had room for what the first steps created
+    assert seen["adam_after_allocate"] == 0 and seen["adam_tensors"] > 0
+    assert seen["pool"]["nbytes"] == seen["host_bytes"] == seen["pool"]["used"] and seen["pool"]["extra"] == 0
+    assert seen["pool_after_step"] == seen["pool_at_end"] == {"used": seen["host_bytes"], "extra": 0}
     assert seen["policy_at_sync"] is True and seen["adam_at_sync"] is False  # the sync reads a whole policy
     assert seen["synced"] > 0
     assert seen["calls_in_rollout"] == ["wake_weights", "update_weights", "wake_kv_cache"]
@@ -87,6 +104,30 @@ def check_colocation(seen):
     assert seen["same"] == {"policy": True, "critic": True, "reference": True, "adam": True}
     assert seen["timed"] == ["offload_s", "reload_s", "sleep_s", "sync_s", "wake_s"]
     assert seen["overlapped"] == [on_gpu()] * 2 and seen["waited"] == [True, True]  # a side stream on a GPU only
+
+
+def check_shared_staging(seen):
+    """A background save staged through the offload's host buffers (common/train/offload.py
+    SharedHostBuffers), policy and critic, its writer held across the next two steps."""
+    assert seen["state_before_step"] == 0  # sizing the buffers created no Adam state
+    # the staging's own buffer: no training tensor of its own (all are held by the offload), only
+    # the slack for megatron's small tensors; nothing of the save went there or beside it
+    assert seen["staging_reserve"] == 16 << 20
+    assert seen["save"]["own"] == 0 and seen["save"]["overflow"] == 0
+    # step 2's offload copied no storage the save had staged (the buffers held the GPU's values),
+    # and reloading from them gave back exactly the state that was saved. On a CPU megatron
+    # clones the tensors that are views into a larger storage (the DDP param buffer, SwiGLU's
+    # halves): those storages were not staged and are copied; on a GPU every storage was staged
+    step2 = seen["step2"]
+    assert seen["save"]["shared"] == step2["kept"] - step2["copied"] > 0, (seen["save"], step2)
+    assert step2["copied"] == 0 if on_gpu() else step2["copied"] < step2["kept"] / 2
+    assert step2["reload_exact"]
+    # step 3's offload wrote into the buffers, after waiting for the writer held on the last rank
+    assert seen["step3"]["copied"] == seen["step3"]["kept"] == step2["kept"]
+    assert seen["step3"]["waited"] in (True, None)
+    # the checkpoint (written from the buffers while steps 2 and 3 changed the state) loads bit-exact
+    assert seen["published"].endswith("step_000001") and seen["loaded_exact"] and seen["tensors"] > 0
+    assert seen["pool"]["extra"] == 0
 
 
 def on_gpu():
@@ -170,3 +211,78 @@ def test_host_memory_cgroup_limits(tmp_path):
         is None
     )
     assert _cgroup_room(str(tmp_path / "missing"), str(tmp_path)) is None
+
+
+def test_host_pool_carves_exact_aligned_pieces(capsys):
+    """common/train/host_pool.py: one block of the summed sizes, each rounded up to 512 bytes;
+    each piece a tensor of exactly its bytes at its 512-aligned offset in the block; a request the
+    block has no room for gets None from take() and a counted separate allocation from extra()."""
+
+    from common.train.host_pool import HostPool
+
+    sizes = [1, 511, 512, 513, 1000]
+    pool = HostPool(HostPool.size_for(sizes), pin=False)
+    assert pool.nbytes == 512 + 512 + 512 + 1024 + 1024  # no power-of-two rounding of the sum (3584)
+    pieces = [pool.take(n) for n in sizes]
+    assert [p.untyped_storage().nbytes() for p in pieces] == sizes
+    assert [p.data_ptr() - pool.block.data_ptr() for p in pieces] == [0, 512, 1024, 1536, 2560]
+    assert all(pool.contains(p) for p in pieces) and pool.used == 2560 + 1000
+    pool.block.zero_()
+    pieces[1].fill_(7)  # the same memory as the block
+    assert pool.block[512 : 512 + 511].eq(7).all() and pool.block.sum().item() == 7 * 511
+    assert pool.take(1) is None  # full
+    extra = [pool.extra(100), pool.extra(50)]
+    assert [e.numel() for e in extra] == [100, 50] and not any(pool.contains(e) for e in extra)
+    assert pool.extra_count == 2 and pool.extra_bytes == 150
+    assert capsys.readouterr().err.count("has no room") == 1  # said once
+    assert HostPool.size_for([]) == 0 and HostPool(0, pin=False).take(0).numel() == 0
+
+
+def test_shared_buffers_stage_views_skip_and_wait():
+    """common/train/offload.py SharedHostBuffers on plain tensors: a checkpoint's view of a held
+    storage is staged as a host tensor over exactly its bytes inside that storage's buffer (the
+    whole storage copied once); the next offload skips the staged storage, the one after copies
+    it only after the save's writer is done; an optimizer step in between makes it copy."""
+    import types
+
+    import torch
+
+    from common.train.offload import Offloader, SharedHostBuffers
+
+    base = torch.arange(1000, dtype=torch.float32)  # e.g. DDP's flat param buffer
+    other = torch.full((64,), 3.0, dtype=torch.bfloat16)  # a tensor the save does not touch
+    param = torch.nn.Parameter(torch.ones(4))
+    adam = torch.optim.AdamW([param])
+    off = Offloader(lambda: [("base", base, True, base), ("other", other, True, other)], include_cpu=True)
+    shared = SharedHostBuffers([off], optimizers=[types.SimpleNamespace(optimizer=adam)], include_cpu=True)
+    off.allocate()
+    assert off.host_bytes() == 4096 + 512 and off.pool.nbytes == 4608
+
+    shared.begin()
+    view = base[100:300].view(20, 10)
+    host = shared.copy_of(view)
+    assert torch.equal(host, view) and host.dtype == torch.float32 and host.shape == (20, 10)
+    assert host.untyped_storage().nbytes() == 800 and host.data_ptr() == off._host["base"].data_ptr() + 400
+    assert shared.copy_of(base.view(100, 10)[:, 0]) is None  # not contiguous: the staging's own buffer
+    assert shared.copy_of(torch.zeros(3)) is None  # not held
+    written = []
+    shared.lend(lambda: written.append("joined"))
+
+    off.offload()  # the save left base's values in its buffer: only `other` is copied
+    assert (off.kept, off.copied) == (4000 + 128, 128) and written == []
+    off.reload()
+    assert torch.equal(base, torch.arange(1000, dtype=torch.float32)) and torch.equal(other, torch.full((64,), 3.0))
+    base += 1  # the next step changes it
+    off.offload()  # writes into the buffer the writer may still read: waits for it first
+    assert (off.kept, off.copied) == (4128, 4128) and written == ["joined"]
+    off.reload()
+    assert torch.equal(base, torch.arange(1000, dtype=torch.float32) + 1)
+
+    shared.begin()
+    shared.copy_of(base)
+    shared.lend(lambda: None)
+    param.grad = torch.ones(4)
+    adam.step()  # an optimizer step after the save: the buffers may no longer match
+    off.offload()
+    assert off.copied == 4128
+    off.reload()

@@ -347,7 +347,7 @@ def test_host_staging_copies_own_exactly_their_bytes(tmp_path):
     assert loaded[1].dtype == torch.bfloat16 and loaded[1].shape == (2, 3)
 
 
-def test_host_staging_keeps_each_model_of_one_save(monkeypatch):
+def test_host_staging_keeps_each_model_of_one_save():
     """One save of several models (PPO: the policy, then the critic) stages them in turn into
     the one buffer while the policy's files are being written: the critic's copies must go
     after the policy's, not over them (on a GPU the policy's checkpoint held the critic's
@@ -356,19 +356,19 @@ def test_host_staging_keeps_each_model_of_one_save(monkeypatch):
 
     from common.train.checkpoint_io import HostStaging
 
-    # CPU tensors take the GPU tensors' path (copied into the buffer), as on a GPU machine
-    monkeypatch.setattr(HostStaging, "on_device", staticmethod(lambda tensor: True))
     policy = [torch.arange(10, dtype=torch.float32), torch.full((3, 4), 2.0, dtype=torch.bfloat16)]
     critic = [torch.full((10,), -1.0), torch.full((3, 4), -2.0, dtype=torch.bfloat16)]
-    staging = HostStaging()
-    staging.reserve(HostStaging.nbytes_for(policy + critic))
+    live = {t.untyped_storage().data_ptr() for t in policy + critic}
+    # CPU tensors of the live state take the GPU tensors' path (copied into the buffer), as on a GPU machine
+    staging = HostStaging(include_cpu=True)
+    staging.reserve(HostStaging.nbytes_for(policy + critic, include_cpu=True))
 
     def bucket(tensors):  # megatron's write bucket: (file, key, (byte items, [(item, tensor)]))
         return [("__0_0.distcp", "k", ([], list(enumerate(tensors))))]
 
     for _ in range(2):  # two saves, each of both models
         staging.clear()
-        staged = [staging.stage(bucket(tensors), live=set()) for tensors in (policy, critic)]
+        staged = [staging.stage(bucket(tensors), live=live) for tensors in (policy, critic)]
         for (_, _, (_, items)), tensors in zip((s[0] for s in staged), (policy, critic)):
             for (_, copy), tensor in zip(items, tensors):
                 assert torch.equal(copy, tensor) and copy.dtype == tensor.dtype

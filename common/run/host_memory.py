@@ -1,14 +1,18 @@
 """Pinned host memory must fit the node: a check before a run pins its buffers.
 
-    check_host_memory({"offload buffers": colo.host_bytes(), "checkpoint staging": CheckpointWriter.host_bytes(models)})
+    check_host_memory({"offload buffers": colo.host_bytes(),
+                       "checkpoint staging": CheckpointWriter.host_bytes(models, colo.host_buffers)})
 
-On GPUs a training script pins host memory for the offload of its training state during the
-rollout (common/train/offload.py) and for background checkpoint saves (common/train/checkpoint_io.py
-HostStaging), ~114 GB per GPU at 7B with TP=2. Pinned memory cannot be swapped out, and a
-node that runs out of it ends the job with SIGKILL and no message: two such 7B jobs on one
-4-GPU host with 503 GB did (SIGKILL, nothing in the logs). So the ranks of each node add up what
-they are about to pin and compare it with what the node has available, and a run that does
-not fit stops with a message instead (preflight.UsageError: exit code 2, every rank alike).
+On GPUs a training script pins host memory once, at start-up: one pool per rank for the offload
+of its training state during the rollout (common/train/offload.py, host_pool.py: exact sizes,
+Adam's moments counted before its first step creates them), and a staging buffer for background
+checkpoint saves (common/train/checkpoint_io.py HostStaging) holding only what the pool does not
+(a save stages the offloaded state in the pool's buffers). Both numbers are arithmetic: nothing
+is allocated to find them. Pinned memory cannot be swapped out, and a node that runs out of it
+ends the job with SIGKILL and no message: two 7B jobs on one 4-GPU host with 503 GB did
+(SIGKILL, nothing in the logs). So the ranks of each node add up what they are about to pin and
+compare it with what the node has available, and a run that does not fit stops with a message
+instead (preflight.UsageError: exit code 2, every rank alike).
 """
 
 import os

@@ -2,7 +2,8 @@
 
     setup.py            megatron DDP (+ distributed optimizer), Adam, the LR schedule
     schedule.py         megatron's pipeline schedule over micro-batches; the update step
-    offload.py          the colocated step's memory choreography: state to pinned host memory and back
+    colocation.py       the colocated step's memory choreography (what moves when), and its measurement
+    offload.py          moving state to pinned host memory and back; host_pool.py: that memory, one block
     guard.py            what stops a run: signals, non-finite numbers, usage errors (exit codes 0/3/2)
     checkpoint.py       model checkpoints (dist_checkpointing), loadable at any layout
     save.py, resume.py  training checkpoints: the full state, written atomically / loaded at any layout

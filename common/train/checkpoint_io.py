@@ -41,6 +41,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.train.host_pool import HostPool
+
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint's files could not be written (on any rank; raised on every rank). The step
@@ -92,80 +94,103 @@ def live_storages(tensors):
 
 
 class HostStaging:
-    """Pinned host memory that a background save copies this rank's GPU tensors into, made
-    once and reused by every save (a save starts after the previous one is written).
+    """Host memory that a background save copies this rank's GPU tensors into, reused by every
+    save (a save starts after the previous one is written).
 
     Why not megatron's staging (preload_tensors: tensor.to("cpu", non_blocking=True) per
     tensor): torch takes that memory from its caching host allocator, which pins fresh
     memory whenever its cache has no block of the size asked for (seconds per 10 GB) and
-    rounds each block up to a power of two. One flat buffer pinned at start-up (reserve())
-    makes a save's copy a single D2H stream at the link's speed. A tensor beyond the reserved
-    bytes is copied the plain way (pageable memory), so a too small reserve costs time only."""
+    rounds each block up to a power of two. Here:
+      - a tensor in a storage the offload keeps a host buffer for (shared: the colocation's
+        SharedHostBuffers, common/train/offload.py) is copied into that buffer: the state moved
+        off the GPU for the rollout is not held a second time;
+      - any other GPU tensor goes into the staging's own buffer, one pinned block of exact size
+        reserved at start-up (reserve(), common/train/host_pool.py), so a save's copy is a single
+        D2H stream at the link's speed. A tensor beyond the reserved bytes is copied the plain
+        way (pageable memory), so a too small reserve costs time only.
+    include_cpu: CPU tensors of the live state are staged as GPU ones (tests on a CPU machine).
+    (megatron itself clones the CPU tensors that are views into a larger storage: those are
+    host copies already, never staged; GPU tensors it leaves as they are.)"""
 
     ALIGN = 64  # bytes: every dtype's alignment, and cache-line aligned copies
 
-    def __init__(self):
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._array = self.buffer.numpy()
-        self.used = 0  # bytes of the buffer taken by the current save's copies
+    def __init__(self, shared=None, include_cpu=False):
+        self.shared = shared
+        self.include_cpu = include_cpu or bool(shared is not None and shared.include_cpu)
+        self.pool = HostPool(0, pin=False, align=self.ALIGN)
         self.overflow_bytes = 0  # of the current save: copied outside the buffer
+        self.shared_bytes = 0  # of the current save: staged in the offload's host buffers
+
+    @property
+    def buffer(self):
+        """The staging's own buffer (uint8)."""
+        return self.pool.block
+
+    @property
+    def used(self):
+        """Bytes of the own buffer taken by the current save's copies."""
+        return self.pool.used
 
     def reserve(self, nbytes):
-        """Make the buffer at least nbytes (pinned when a GPU is present). Seconds per 10 GB."""
-        if nbytes > self.buffer.numel():
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            self._array = self.buffer.numpy()  # the same memory, for slices with storages of their own
+        """Make the own buffer at least nbytes (pinned when a GPU is present). Seconds per 10 GB."""
+        if nbytes > self.pool.nbytes:
+            self.pool = None  # free the old one first
+            self.pool = HostPool(nbytes, pin=torch.cuda.is_available(), align=self.ALIGN)
 
     @staticmethod
-    def on_device(tensor):
-        """Whether stage() copies this tensor into the buffer (a GPU tensor)."""
-        return tensor.is_cuda
-
-    @staticmethod
-    def nbytes_for(tensors):
+    def nbytes_for(tensors, include_cpu=False):
         """Bytes reserve() needs to stage these GPU tensors (alignment included)."""
-        align = HostStaging.ALIGN
-        return sum(-(-t.numel() * t.element_size() // align) * align for t in tensors if HostStaging.on_device(t))
+        sizes = [t.numel() * t.element_size() for t in tensors if t.is_cuda or include_cpu]
+        return HostPool.size_for(sizes, align=HostStaging.ALIGN)
 
     def clear(self):
-        """Begin a save: its copies may take the whole buffer again. Only once the previous
-        save's files are written (CheckpointWriter.save waits for them first)."""
-        self.used, self.overflow_bytes = 0, 0
+        """Begin a save: its copies may take the whole buffer (and the offload's) again. Only once
+        the previous save's files are written (CheckpointWriter.save waits for them first)."""
+        self.pool.used, self.overflow_bytes, self.shared_bytes = 0, 0, 0
+        if self.shared is not None:
+            self.shared.begin()
 
-    def stage(self, buckets, live):
+    def stage(self, buckets, live, written=None):
         """megatron's write buckets with every GPU tensor copied to host memory (here, while it
         fits) and every CPU tensor that is live training state cloned; waits for the copies.
         The copies go after those of earlier stage() calls since clear(): one save of several
         models (PPO's policy, then its critic) stages each in turn while the first one's files
-        are still being written, so the critic must not reuse the policy's bytes."""
+        are still being written, so the critic must not reuse the policy's bytes.
+        written: returns once the buckets' files are written; the offload's buffers used here
+        are not written to before (SharedHostBuffers.lend)."""
         staged = []
         for path, name, (byte_items, tensor_items) in buckets:
             items = []
             for item, tensor in tensor_items:
-                if self.on_device(tensor):
-                    tensor = self._copy(tensor)
-                elif tensor.untyped_storage().data_ptr() in live:  # the loop would change it mid-write
+                is_live = tensor.untyped_storage().data_ptr() in live
+                if tensor.is_cuda or (self.include_cpu and is_live):  # (megatron cloned CPU views already)
+                    host = self.shared.copy_of(tensor) if self.shared is not None else None
+                    if host is None:
+                        host = self._copy(tensor)
+                    else:
+                        self.shared_bytes += tensor.numel() * tensor.element_size()
+                    tensor = host
+                elif is_live:  # the loop would change it mid-write
                     tensor = tensor.clone()
                 items.append((item, tensor))
             staged.append((path, name, (byte_items, items)))
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non_blocking copies have landed
+        if self.shared is not None:
+            self.shared.lend(written or (lambda: None))
         return staged
 
     def _copy(self, tensor):
         nbytes = tensor.numel() * tensor.element_size()
-        start = -(-self.used // self.ALIGN) * self.ALIGN
-        if start + nbytes > self.buffer.numel():
+        host = self.pool.take(nbytes)
+        if host is None:
             self.overflow_bytes += nbytes
-            return tensor.to("cpu", non_blocking=True)  # megatron's way (pinned by torch's cache)
-        self.used = start + nbytes
+            return tensor.to("cpu", non_blocking=True) if tensor.is_cuda else tensor.clone()  # megatron's way
         # A tensor over exactly its bytes, not a view of the buffer: the writer serializes a
         # tensor's whole storage (a view's is the buffer: torch.distributed.checkpoint failed with
-        # "unexpected pos" on a GPU). from_numpy makes a storage of the array slice's own size
-        # over the same (pinned) memory; the buffer outlives every save that uses it.
-        host = torch.from_numpy(self._array[start : start + nbytes]).view(tensor.dtype).view(tensor.shape)
-        return host.copy_(tensor, non_blocking=True)
+        # "unexpected pos" on a GPU). HostPool.take makes a storage of the slice's own size over
+        # the same (pinned) memory; the buffer outlives every save that uses it.
+        return host.view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
 
 
 class PendingWrite:
@@ -201,9 +226,8 @@ class PendingWrite:
             preload = request.preload_fn
             if getattr(preload, "func", None) is not FileSystemWriterAsync.preload_tensors:
                 raise RuntimeError(f"unexpected megatron preload function {preload!r} (common/train/checkpoint_io.py)")
-            self.buckets = (staging or HostStaging()).stage(
-                preload.args[0], live
-            )  # args: (write_buckets, non_blocking)
+            # preload's args: (write_buckets, non_blocking); the offload's buffers used are read until join()
+            self.buckets = (staging or HostStaging()).stage(preload.args[0], live, written=self.join)
         else:
             self.buckets = request.preload_fn()  # a synchronous save: the loop waits for the files anyway
         self.stage_s = time.perf_counter() - started

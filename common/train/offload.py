@@ -1,4 +1,4 @@
-"""GPU memory between the phases of a colocated step: offload to host memory and back, measure.
+"""Moving the trainer's state off the GPU to host memory and back (common/train/colocation.py: when).
 
 On one GPU the trainer (Megatron params, fp32 grad buffers, Adam state) and vLLM (weights,
 KV cache) take turns. During the rollout the trainer's state is not used, so it moves to
@@ -19,16 +19,21 @@ Contents that are dead between steps are freed, not copied: gradient buffers (ze
 each optimizer step anyway, and zeroed again on reload) and the optimizer's main-param
 grads (set to None, as optimizer.zero_grad() does).
 
-The pinned host buffers are allocated once, at start-up (allocate()), and reused every step
-(pinning GBs each step would cost more than the copy). Host memory needed: the bytes moved
-(see .nbytes).
+Host memory: one pinned block per rank (common/train/host_pool.py), sized by arithmetic at
+start-up and carved into one exact piece per storage: the tensors that exist, plus the Adam
+moments that the first optimizer step will create (each of its main param's shape and dtype;
+nothing is created to measure them). Pinning costs seconds per 10 GB, so it is done once
+(allocate()) and the pieces are reused every step. A background checkpoint save borrows the
+same pieces (SharedHostBuffers): it copies the state into them instead of into a second
+copy, and the next offload, finding them already equal to the GPU's, skips those copies.
 """
 
 import contextlib
-import threading
-import time
 
 import torch
+
+from common.train.host_pool import HostPool
+from common.train.setup import adam_state_to_come, torch_adams
 
 
 def _full_bytes_view(storage, device):
@@ -37,27 +42,42 @@ def _full_bytes_view(storage, device):
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
+def _storage_key(tensor):
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 class Offloader:
     """Moves the storages of a fixed set of tensors to host memory and back, in place.
 
         off = Offloader.of_model(chunks)       # or .of_optimizer(optimizer, chunks)
-        off.allocate()  # once: pinned host buffers for every tensor
+        off.allocate(pool)  # once: a host buffer for every storage, carved from the pool (default: its own)
         off.offload()   # GPU memory of those tensors is released (torch.cuda.empty_cache())
         off.reload()    # same tensors, same values, back on the GPU
         off.reload(stream=side); ...; off.wait()   # the copies overlapping other work (see reload)
 
-    The tensor set is collected at each offload() (Adam creates its state at the first step).
-    Tensors already on the CPU are left alone unless include_cpu (tests: the mechanics then
+    The tensor set is collected at each offload() (Adam creates its state at the first step):
+    each storage has a key that stays the same when torch replaces the tensor (an Adam moment is
+    keyed by its parameter and name), and its host buffer is the one allocate() carved for that
+    key. Tensors already on the CPU are left alone unless include_cpu (tests: the mechanics then
     run on a CPU machine too, copying to ordinary host memory).
     """
 
-    def __init__(self, collect, include_cpu=False):
-        self._collect = collect  # () -> list of (tensor, keep_contents)
+    def __init__(self, collect, include_cpu=False, optimizer=None):
+        # () -> [(key, tensor or None, keep, like)]: tensor None is one Adam has not created yet,
+        # which will have the shape, dtype and device of `like` (its parameter)
+        self._collect = collect
         self._include_cpu = include_cpu
-        self._host = {}  # id(tensor) -> host buffer, reused across steps
+        self.optimizer = optimizer  # the megatron optimizer whose state this holds (of_optimizer)
+        self.pool = None  # the HostPool the host buffers come from (allocate())
+        self._host = {}  # key -> host buffer, reused across steps
         self._moved = []  # (tensor, nbytes, host buffer or None) while offloaded
         self._pending = None  # CUDA event of a reload's copies on a side stream, until wait()
+        self._clean = set()  # keys whose host buffer holds what the device holds (a save copied it there)
+        self._lent = set()  # keys whose host buffer a checkpoint writer may still be reading ...
+        self._readers = []  # ... until these return (each waits for one save's file writes)
         self.nbytes = 0  # bytes released by the last offload()
+        self.kept = 0  # of those, bytes kept in host memory (the rest was freed: gradients)
+        self.copied = 0  # of those, bytes copied (the others were in their host buffer already)
 
     @classmethod
     def of_model(cls, chunks, include_cpu=False):
@@ -66,67 +86,93 @@ class Offloader:
 
     @classmethod
     def of_optimizer(cls, optimizer, chunks, include_cpu=False):
-        """A megatron optimizer's main params and state (created if Adam has not stepped yet),
+        """A megatron optimizer's main params and state (counted before Adam's first step creates it),
         plus the DDP grad buffers of `chunks` (freed: dead between steps)."""
-        return cls(lambda: _optimizer_tensors(optimizer, chunks), include_cpu)
+        return cls(lambda: _optimizer_tensors(optimizer, chunks), include_cpu, optimizer)
 
     @property
     def offloaded(self):
         return bool(self._moved)
 
-    def _tensors(self):
-        """(tensor, keep) of the collected set, one per storage, skipping empty storages (and
-        CPU ones unless include_cpu)."""
+    def _entries(self):
+        """(key, tensor or None, keep, nbytes) of the collected set, one per storage (views share
+        one), skipping empty storages (and CPU ones unless include_cpu)."""
         seen = set()
-        for tensor, keep in self._collect():
-            storage = tensor.untyped_storage()
-            if storage.nbytes() == 0 or (tensor.device.type == "cpu" and not self._include_cpu):
+        for key, tensor, keep, like in self._collect():
+            if like.device.type == "cpu" and not self._include_cpu:
                 continue
-            key = (tensor.device, storage.data_ptr())
-            if key not in seen:  # several tensors (views) share one storage
-                seen.add(key)
-                yield tensor, keep
+            if tensor is None:  # what Adam's first step will create (zeros_like its parameter)
+                yield key, None, keep, like.numel() * like.element_size()
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or _storage_key(tensor) in seen:
+                continue
+            seen.add(_storage_key(tensor))
+            yield key, tensor, keep, storage.nbytes()
 
-    def _host_buffer(self, tensor):
-        host = self._host.get(id(tensor))
-        nbytes = tensor.untyped_storage().nbytes()
-        if host is None or host.numel() != nbytes:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=tensor.device.type == "cuda")
-            self._host[id(tensor)] = host
-        return host
+    def planned(self):
+        """[(key, nbytes)] of the host buffers this set needs, Adam's state to come included. Call it
+        while the tensors are on the device."""
+        return [(key, nbytes) for key, _, keep, nbytes in self._entries() if keep]
 
     def host_bytes(self):
-        """Bytes of host memory allocate() pins (or has pinned) for this tensor set."""
-        return sum(tensor.untyped_storage().nbytes() for tensor, keep in self._tensors() if keep)
+        """Bytes of host memory allocate() takes for this tensor set (alignment included)."""
+        return HostPool.size_for(nbytes for _, nbytes in self.planned())
 
-    def allocate(self):
-        """Create every host buffer now. Pinning host memory costs seconds per 10 GB (measured
-        at 1.5B: the first two steps' offloads took 6.5-6.8 s, later ones 0.40 s): call this
-        once at start-up (after a resume, which may replace tensors), so that no step pays
-        for it. An optimizer's Offloader creates Adam's state first."""
-        for tensor, keep in self._tensors():
-            if keep:
-                self._host_buffer(tensor)
+    def allocate(self, pool=None):
+        """Carve a host buffer for every planned storage out of `pool` (default: a pool of this
+        set's own, pinned on a GPU). Pinning host memory costs seconds per 10 GB (measured at
+        1.5B: the first two steps' offloads took 6.5-6.8 s, later ones 0.40 s): call this once at
+        start-up, so that no step pays for it. Creates no tensor on the device."""
+        planned = self.planned()
+        self.pool = pool or HostPool(HostPool.size_for(n for _, n in planned), pin=torch.cuda.is_available())
+        for key, nbytes in planned:
+            self._host_buffer(key, nbytes)
+
+    def _host_buffer(self, key, nbytes):
+        host = self._host.get(key)
+        if host is None or host.numel() != nbytes:  # a new storage, or a tensor replaced by another size
+            host = self.pool.take(nbytes)
+            self._host[key] = self.pool.extra(nbytes) if host is None else host
+            self._clean.discard(key)
+        return self._host[key]
+
+    def _wait_for_readers(self):
+        """Block until no checkpoint writer reads the host buffers any more (they are written next)."""
+        for wait in self._readers:
+            wait()
+        self._readers, self._lent = [], set()
 
     @torch.no_grad()
     def offload(self):
         self.wait()
         if self._moved:
             return
-        moved = []
-        for tensor, keep in self._tensors():
-            storage = tensor.untyped_storage()
+        if self.pool is None:
+            self.allocate()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()  # main-param grads (fp32 copies of the last step's) are dead: free them
+        moved, copied = [], 0
+        for key, tensor, keep, nbytes in self._entries():
+            if tensor is None:
+                continue
             host = None
             if keep:
-                host = self._host_buffer(tensor)
-                host.copy_(_full_bytes_view(storage, tensor.device), non_blocking=True)
-            moved.append((tensor, storage.nbytes(), host))
+                host = self._host_buffer(key, nbytes)
+                if key not in self._clean:  # a save left what the device holds there: nothing to copy
+                    if key in self._lent:
+                        self._wait_for_readers()
+                    host.copy_(_full_bytes_view(tensor.untyped_storage(), tensor.device), non_blocking=True)
+                    copied += nbytes
+            moved.append((tensor, nbytes, host))
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies must land before the memory is freed
         for tensor, _, _ in moved:
             tensor.untyped_storage().resize_(0)
-        self._moved = moved
+        self._moved, self._clean = moved, set()  # reloaded, the device may change again
         self.nbytes = sum(n for _, n, _ in moved)
+        self.kept = sum(n for _, n, host in moved if host is not None)
+        self.copied = copied
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # give it back to the driver: vLLM allocates outside torch
 
@@ -168,122 +214,110 @@ class Offloader:
             self._pending.synchronize()
             self._pending = None
 
+    # --- lending the host buffers to a checkpoint save (SharedHostBuffers) ---
+    def resident_buffers(self):
+        """{storage key: (key, host buffer)} of the kept storages now on the device that have a
+        host buffer of their size."""
+        found = {}
+        for key, tensor, keep, nbytes in self._entries():
+            host = self._host.get(key)
+            if tensor is not None and keep and host is not None and host.numel() == nbytes:
+                found[_storage_key(tensor)] = key, host
+        return found
 
-class Colocation:
-    """The memory choreography of one step with the rollout engine on the trainer's GPUs.
+    def lend(self, keys, written):
+        """A save copied these storages into their host buffers (the copies have landed) and its
+        writer reads them until written() returns: the next offload need not copy them (unless the
+        device changes first: changed()), a later copy into them waits for written()."""
+        self._clean |= set(keys)
+        self._lent |= set(keys)
+        self._readers.append(written)
 
-        colo = Colocation(engine, policy, [(optimizer, policy)], weights=lambda: export_hf_weights(...),
-                          idle=[critic], frozen=[reference], params=True, optimizer_state=True)
-        colo.allocate()                               # once: pinned host buffers for all of it
-        with colo.rollout(timer, memory):             # trainer state out, weights synced, KV cache in
-            samples = engine.generate(...)
-        # (after the block: the engine asleep, the policy back)
-        with colo.frozen_model(reference): ...        # back for its logprob pass only
-        colo.reload_idle(); colo.reload_optimizers(timer)   # copies overlap the passes up to...
-        schedule.train_step(..., before_step=lambda: colo.wait_optimizers(timer))  # ...the optimizer step
+    def changed(self):
+        """The device's tensors may have changed (an optimizer step, a load): the next offload copies all."""
+        self._clean = set()
 
-    params: the models' parameters (and DDP grad buffers) go to host memory while unused: the
-    policy once its weights are in the engine, idle models (PPO's critic) from the rollout
-    until reload_idle(), frozen models (reference) but for frozen_model() blocks.
-    optimizer_state: Adam's state and the main params/grads from the rollout until
-    reload_optimizers(), whose copies run on a side stream while the forward/backward passes
-    run (on a GPU) until wait_optimizers(), called before the first optimizer step. The memory
-    is the same as reloading and waiting: the forward/backward ran with the optimizer state on
-    the device before this overlap too (measured at 7B: ~0.9 s of PCIe copies per step hidden).
-    Phases are timed into timer's offload_s / wake_s / sync_s / sleep_s /
-    reload_s, peak memory into memory's mem_sync_gb / mem_rollout_gb. include_cpu: as
-    Offloader's (tests on a CPU machine).
-    """
 
-    def __init__(
-        self,
-        engine,
-        policy,
-        optimizers,
-        *,
-        weights,
-        idle=(),
-        frozen=(),
-        params=True,
-        optimizer_state=True,
-        include_cpu=False,
-    ):
-        self.engine, self.weights = engine, weights
-        self.params, self.optimizer_state = params, optimizer_state
-        self.policy = Offloader.of_model(policy, include_cpu)
-        self.idle = [Offloader.of_model(m, include_cpu) for m in idle]
-        self.frozen = {id(m): Offloader.of_model(m, include_cpu) for m in frozen if m is not None}
-        self.optimizers = [Offloader.of_optimizer(opt, chunks, include_cpu) for opt, chunks in optimizers]
-        self._copies = torch.cuda.Stream() if torch.cuda.is_available() else None  # reload_optimizers' side stream
-        if params:
-            for off in self.frozen.values():
-                off.offload()  # needed only for their own passes
+class SharedHostBuffers:
+    """The offload's host buffers, lent to background checkpoint saves (common/train/checkpoint_io.py
+    HostStaging), so that a save needs no second host copy of the state.
 
-    def _pinned(self):  # the Offloaders whose host buffers allocate() makes
-        return (self.optimizers if self.optimizer_state else []) + ([self.policy, *self.idle] if self.params else [])
+    At a save (end of step N: every tensor on the GPU, the host buffers idle) each tensor of the
+    checkpoint that lies in a storage an Offloader holds a buffer for is staged by copying that
+    whole storage into its buffer (once per save) and handing the writer a host tensor over the
+    tensor's bytes there. The buffers then hold what the GPU holds, so the next offload (step
+    N+1's rollout) skips those copies; any optimizer step or optimizer load in between (hooks
+    on the torch Adams) makes it copy everything again. The offload after that (step N+2)
+    writes into the buffers, so it first waits for this rank's file writes of the save (no
+    communication: the save's writer threads are joined; a save normally takes less than a step).
+    Model parameters changed outside an optimizer step between a save and the next offload are
+    not detected: the scripts save at the end of a step, after which nothing changes them."""
 
-    def host_bytes(self):
-        """Host memory allocate() pins on this rank (0 on a CPU machine: nothing is moved there)."""
-        return sum(off.host_bytes() for off in self._pinned())
+    def __init__(self, offloaders, optimizers=(), include_cpu=False):
+        self.offloaders = list(offloaders)
+        self.include_cpu = include_cpu  # CPU tensors are staged like GPU ones (tests)
+        self._found, self._copied, self._unlent = None, set(), {}
+        for optimizer in optimizers:
+            for adam in torch_adams(optimizer):
+                adam.register_step_pre_hook(lambda *_: self.changed())
+                adam.register_load_state_dict_pre_hook(lambda *_: self.changed())
 
-    def allocate(self):
-        """Every pinned host buffer now (Adam's state included): the first steps would pay seconds for them."""
-        for off in self._pinned():
-            off.allocate()
+    def changed(self):
+        for off in self.offloaders:
+            off.changed()
 
-    @contextlib.contextmanager
-    def rollout(self, timer, memory):
-        """Around the rollout: the weight sync into a woken engine, then its KV cache; after the
-        block the engine sleeps (level 2: weights and KV cache freed, nothing copied) and the
-        policy's parameters come back. An exception in the block leaves everything as it is."""
-        memory.start()
-        with timer("offload"):
-            for off in (self.optimizers if self.optimizer_state else []) + (self.idle if self.params else []):
-                off.offload()  # Adam state, grads and idle models wait until their turn
-        with timer("wake"):
-            self.engine.wake_weights()  # weights first: the KV cache is not needed while syncing
-        with timer("sync"):
-            self.engine.update_weights(self.weights())
-        with timer("offload"):
-            if self.params:
-                self.policy.offload()  # its weights now live in the engine
-        with timer("wake"):
-            self.engine.wake_kv_cache()
-        memory.end("sync")
-        yield
-        memory.end("rollout")
-        with timer("sleep"):
-            self.engine.sleep()
-        with timer("reload"):
-            self.policy.reload()
+    def held_storages(self):
+        """Storage keys (device, data_ptr) of the tensors now on the device whose storage the offload
+        keeps in a host buffer."""
+        return {
+            _storage_key(t) for off in self.offloaders for _, t, keep, _ in off._entries() if keep and t is not None
+        }
 
-    @contextlib.contextmanager
-    def frozen_model(self, model):
-        """A frozen model (the reference; the reward model keeps its own Offloader) on the GPU for
-        the block, offloaded after it when params is on."""
-        off = self.frozen[id(model)]
-        off.reload()
-        yield
-        if self.params:
-            off.offload()
+    def holds_state_of(self, optimizer):
+        """Whether the offload keeps this optimizer's state (Adam's moments, also those to come)."""
+        return any(off.optimizer is optimizer for off in self.offloaders)
 
-    def reload_idle(self):
-        for off in self.idle:
-            off.reload()
+    def begin(self):
+        """A save starts (the previous one's files are written)."""
+        self._found, self._copied, self._unlent = None, set(), {}
+        for off in self.offloaders:
+            off._wait_for_readers()  # returns at once: the previous save is written
 
-    def reload_optimizers(self, timer):
-        """Start bringing the optimizers' state back (the copies overlap what follows, on a GPU);
-        wait_optimizers() before any optimizer reads it."""
-        with timer("reload"):
-            for off in self.optimizers:
-                off.reload(stream=self._copies)
+    def _find(self):
+        """{storage key: (Offloader, key, host buffer)} of what is on the device now. Looked up anew
+        for each stage(): a save before Adam's first step creates its state in between (each model's
+        save: ensure_adam_state), into storages with buffers carved for them."""
+        if self._found is None:
+            self._found = {
+                storage: (off, key, host)
+                for off in self.offloaders
+                for storage, (key, host) in off.resident_buffers().items()
+            }
+        return self._found
 
-    def wait_optimizers(self, timer):
-        """Block until reload_optimizers' copies have landed; the wait (the part of the copies
-        the passes did not hide) is timed into reload_s."""
-        with timer("reload"):
-            for off in self.optimizers:
-                off.wait()
+    def copy_of(self, tensor):
+        """A host tensor over exactly this tensor's bytes in its storage's host buffer, the storage
+        copied there (non_blocking) if not yet in this save; None where the offload holds no buffer
+        for it or the tensor is not contiguous."""
+        found = self._find().get(_storage_key(tensor))
+        if found is None or not tensor.is_contiguous():
+            return None
+        off, key, host = found
+        if (off, key) not in self._copied:  # the storage's first tensor in this save
+            if key in off._lent:
+                off._wait_for_readers()
+            host.copy_(_full_bytes_view(tensor.untyped_storage(), tensor.device), non_blocking=True)
+            self._copied.add((off, key))
+            self._unlent.setdefault(off, set()).add(key)
+        start, nbytes = tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()
+        return torch.from_numpy(host.numpy()[start : start + nbytes]).view(tensor.dtype).view(tensor.shape)
+
+    def lend(self, written):
+        """The copies of copy_of since the last lend() have landed; their writer reads them until
+        written() returns."""
+        for off, keys in self._unlent.items():
+            off.lend(keys, written)
+        self._found, self._unlent = None, {}
 
 
 def _ddp_buffers(chunk):
@@ -297,110 +331,46 @@ def _ddp_buffers(chunk):
 
 
 def _model_tensors(chunks):
+    """(key, tensor, keep, like) of model chunks: params (views of DDP's param buffer with the
+    distributed optimizer) kept, DDP's grad buffers freed."""
     tensors = []
     for chunk in chunks:
         for buffer in _ddp_buffers(chunk):
             if buffer.param_data is not None:  # distributed optimizer: params are views of it
-                tensors.append((buffer.param_data, True))
-            tensors.append((buffer.grad_data, False))
-        tensors += [(p, True) for p in chunk.parameters()]  # deduplicated by storage in offload()
+                tensors.append((id(buffer.param_data), buffer.param_data, True, buffer.param_data))
+            tensors.append((id(buffer.grad_data), buffer.grad_data, False, buffer.grad_data))
+        tensors += [(id(p), p, True, p) for p in chunk.parameters()]  # deduplicated by storage in _entries()
     return tensors
 
 
 def _optimizer_tensors(optimizer, chunks):
-    from common.train.setup import ensure_adam_state
-
-    # Adam's state appears at its first step; created now (zeros, as that step would make them)
-    # it is allocated and moved like the rest from the start
-    ensure_adam_state(optimizer)
-    optimizer.zero_grad()  # main-param grads (fp32 copies of the last step's) are dead: free them
-    tensors = [(buffer.grad_data, False) for chunk in chunks for buffer in _ddp_buffers(chunk)]
+    """(key, tensor or None, keep, like) of a megatron optimizer: DDP's grad buffers (freed), the
+    main params, and Adam's state, keyed by (parameter, name): torch replaces those tensors on a
+    load. Before Adam's first step its moments are listed as None with their parameter (zeros_like
+    it, as that step creates them): counted, not created."""
+    tensors = [
+        (id(buffer.grad_data), buffer.grad_data, False, buffer.grad_data)
+        for chunk in chunks
+        for buffer in _ddp_buffers(chunk)
+    ]
     # For an fp32 model the main params ARE the model's params (or views of its DDP buffer):
     # those storages belong to the model's Offloader, or the weight sync that runs after the
     # optimizer's offload would read freed memory.
-    model_storages = {t.untyped_storage().data_ptr() for t, _ in _model_tensors(chunks)}
+    model_storages = {t.untyped_storage().data_ptr() for _, t, _, _ in _model_tensors(chunks)}
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)  # the torch.optim.Adam megatron wraps
         if inner is None:
             continue
         for group in inner.param_groups:
             # main params: fp32 copies for a bf16 model, else the model's own (skipped)
-            tensors += [(p, True) for p in group["params"] if p.untyped_storage().data_ptr() not in model_storages]
-        for state in inner.state.values():
-            tensors += [(v, True) for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+            tensors += [
+                (id(p), p, True, p) for p in group["params"] if p.untyped_storage().data_ptr() not in model_storages
+            ]
+        for param, state in inner.state.items():
+            tensors += [
+                (("state", id(param), name), v, True, v)
+                for name, v in state.items()
+                if torch.is_tensor(v) and v.dim() > 0  # not the step counters (scalars)
+            ]
+    tensors += [(("state", id(param), name), None, True, param) for param, name in adam_state_to_come(optimizer)]
     return tensors
-
-
-# ---------------------------------------------------------------------------------------
-# Measuring: what the metrics call mem_*_gb
-# ---------------------------------------------------------------------------------------
-def gpu_used_gb(device=None):
-    """Device memory in use by everything on this GPU (torch, vLLM's own allocator, NCCL,
-    other processes), in GB; None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return (total - free) / 1e9
-
-
-class PhaseMemory:
-    """Peak device memory per phase of a step, for the metrics: end(name) records
-    mem_{name}_gb, the most GPU memory in use (gpu_used_gb: Megatron, vLLM, NCCL, caches) since
-    the previous start()/end(), sampled every interval_s by a background thread.
-
-    Why not torch.cuda.max_memory_allocated: vLLM's sleep-mode allocator hands out its weight
-    and KV-cache tensors through torch, and they stay "allocated" for torch while vLLM sleeps
-    with the physical memory released (measured on an H200: a 44 GB torch peak in a phase where
-    the device had 12 GB in use). A phase shorter than interval_s may be missed by the sampler;
-    the value at end() is always included. Does nothing without CUDA (metrics then absent).
-    """
-
-    def __init__(self, interval_s=0.005):
-        self.enabled = torch.cuda.is_available()
-        self.metrics = {}
-        self._peak = 0.0
-        if self.enabled:
-            self._device = torch.cuda.current_device()
-            self._lock = threading.Lock()
-            threading.Thread(target=self._poll, args=(interval_s,), daemon=True).start()
-
-    def _poll(self, interval_s):
-        torch.cuda.set_device(self._device)
-        while True:
-            used = gpu_used_gb(self._device)
-            with self._lock:
-                self._peak = max(self._peak, used)
-            time.sleep(interval_s)
-
-    def start(self):
-        if self.enabled:
-            with self._lock:
-                self._peak = gpu_used_gb(self._device)
-
-    def end(self, name):
-        if self.enabled:
-            now = gpu_used_gb(self._device)
-            with self._lock:
-                self.metrics[f"mem_{name}_gb"] = max(self._peak, now)
-                self._peak = now
-
-
-class Timer:
-    """times["x_s"] += seconds of the with-block; `with timer("sync"):`."""
-
-    def __init__(self, times):
-        self.times = times
-
-    def __call__(self, name):
-        return _Tick(self.times, f"{name}_s")
-
-
-class _Tick:
-    def __init__(self, times, key):
-        self.times, self.key = times, key
-
-    def __enter__(self):
-        self.t0 = time.time()
-
-    def __exit__(self, *exc):
-        self.times[self.key] = self.times.get(self.key, 0.0) + time.time() - self.t0

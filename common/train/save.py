@@ -41,7 +41,8 @@ from common.model.bridge import stage_layers
 from common.model.chunks import named_global_parameters, unwrap
 from common.train import checkpoint_dirs, checkpoint_io
 from common.train.checkpoint import HF_DIR, model_sharded_state_dict, write_meta
-from common.train.setup import ensure_adam_state, model_space_optimizer_state, torch_adams
+from common.train.host_pool import HostPool
+from common.train.setup import adam_state_to_come, ensure_adam_state, model_space_optimizer_state, torch_adams
 
 TRAIN_STATE_FILE = "train_state.json"
 RNG_DIR = "rng"
@@ -61,6 +62,9 @@ RNG_DIR = "rng"
 # A plain (non-distributed) optimizer keeps per-parameter state: any layout, either way.
 # megatron's own default, fully_sharded_model_space (deprecated), fails in 0.16.1: it builds
 # ShardedTensors with flattened_range, which ShardedTensor itself now rejects.
+# Room in the staging's own buffer beyond the training tensors for what megatron makes at a save
+# (dp_reshardable's padding between parameters: < 1 KB per parameter).
+STAGING_SLACK = 16 << 20
 OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 DEFAULT_OPTIMIZER_SHARDING = "fully_reshardable"
 _EXTRA_MODEL_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -302,25 +306,40 @@ class CheckpointWriter:
     writer for all saves of a run.
     """
 
-    def __init__(self, models=()):
-        """models: [(ddp_chunks, optimizer), ...], everything this writer will save. On a GPU,
-        host memory for a copy of all their tensors is pinned now, once (seconds per 10 GB,
-        checkpoint_io.HostStaging), so that a save only copies. Host memory: the bytes of the
-        params, fp32 main params and Adam moments of this rank (1.5B on one GPU: ~21 GB)."""
+    def __init__(self, models=(), shared=None):
+        """models: [(ddp_chunks, optimizer), ...], everything this writer will save. shared: the
+        colocation's SharedHostBuffers (common/train/offload.py): tensors in storages the offload
+        keeps in host memory are staged in those buffers. For the others, host memory is pinned
+        now, once (seconds per 10 GB, checkpoint_io.HostStaging), so that a save only copies:
+        host_bytes(models, shared)."""
         self.pending = None  # the save in flight (a _PendingSave)
         self.wait_s = 0.0  # of the last save(): waiting for the one before it to be written
         self.last = {}  # the last published save: step, dir, blocking_s, stage_s, total_s (for the metrics)
-        self.staging = checkpoint_io.HostStaging()
-        self.staging.reserve(self.host_bytes(models))
+        self.staging = checkpoint_io.HostStaging(shared)
+        self.staging.reserve(self.host_bytes(models, shared))
 
     @staticmethod
-    def host_bytes(models):
-        """Host memory a CheckpointWriter of these models pins (0 without GPU tensors)."""
-        tensors = []
+    def host_bytes(models, shared=None):
+        """Host memory a CheckpointWriter of these models pins for its own staging buffer: the
+        bytes of their GPU tensors (params, fp32 main params, Adam's moments, those its first
+        step will create included) that the offload does not keep in its host buffers (shared).
+        0 without GPU tensors. Arithmetic: creates nothing."""
+        include_cpu = shared is not None and shared.include_cpu
+        held = shared.held_storages() if shared is not None else set()
+        sizes = []
         for chunks, optimizer in models:
-            ensure_adam_state(optimizer)  # what the first step creates anyway: count it now
-            tensors += _training_tensors(chunks, optimizer)[1]
-        return checkpoint_io.HostStaging.nbytes_for(tensors)
+            for tensor in _training_tensors(chunks, optimizer)[1]:
+                if tensor.dim() == 0 or not (tensor.is_cuda or include_cpu):  # not Adam's step counters
+                    continue
+                if (tensor.device, tensor.untyped_storage().data_ptr()) not in held:
+                    sizes.append(tensor.numel() * tensor.element_size())
+            if shared is None or not shared.holds_state_of(optimizer):
+                sizes += [
+                    p.numel() * p.element_size() for p, _ in adam_state_to_come(optimizer) if p.is_cuda or include_cpu
+                ]
+        if sizes or held:  # and the small tensors megatron makes at a save (dp_reshardable's padding)
+            sizes.append(STAGING_SLACK)
+        return HostPool.size_for(sizes, align=checkpoint_io.HostStaging.ALIGN)
 
     def save(
         self,

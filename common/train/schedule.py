@@ -74,7 +74,7 @@ def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, devic
     that the loss and the gradients are finite (else guard.NonFiniteError naming `step`, and
     no update), the optimizer step (grad clipping inside) and one scheduler step. All ranks
     call this. before_step: called before the optimizer step (the scripts wait there for the
-    optimizer state's reload, common/train/offload.py Colocation.wait_optimizers).
+    optimizer state's reload, common/train/colocation.py Colocation.wait_optimizers).
     Returns (the metrics dicts of run_micro_batches, the grad norm; 0.0 where megatron
     reports none)."""
     for chunk in model_chunks:

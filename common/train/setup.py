@@ -7,6 +7,7 @@
   fuse_wgrad_accumulation(ddp_chunks)        weight gradients written straight into the fp32 buffer (experts too)
   ensure_adam_state / load_optimizer_state   megatron's torch-Adam path, made loadable
                                              (common/train/save.py uses them)
+  adam_state_to_come(optimizer)              the moments Adam's first step will create (host buffer sizes)
 
 Kept apart from common/model/gpt.py (builds the model) and common/model/weights.py (moves HF weights in and out).
 """
@@ -347,17 +348,34 @@ def load_optimizer_state(optimizer, state_dict):
 
 def ensure_adam_state(optimizer):
     """Give torch Adam/AdamW (megatron's optimizer without TE/apex) zero state for every
-    parameter that has none yet, exactly what Adam itself creates on its first step."""
+    parameter that has none yet, exactly what Adam itself creates on its first step. Only where
+    the state must exist (a checkpoint's save or load): it takes device memory."""
     for inner in torch_adams(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]
                 if not state:
                     state["step"] = _step_tensor(0, group, param)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    for name in _moment_names(group):
+                        state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def adam_state_to_come(optimizer):
+    """[(param, name)] of the moments torch Adam/AdamW will create at its first step for the
+    parameters that have no state yet (ensure_adam_state's zeros): each with its parameter's
+    shape, dtype and device. What host buffers are sized by before the state exists."""
+    return [
+        (param, name)
+        for inner in torch_adams(optimizer)
+        for group in inner.param_groups
+        for param in group["params"]
+        if not inner.state.get(param)
+        for name in _moment_names(group)
+    ]
+
+
+def _moment_names(group):
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
 
 
 def model_space_optimizer_state(optimizer, model_sharded_state_dict):

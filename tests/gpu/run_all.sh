@@ -37,6 +37,7 @@ run() {  # run NAME TIMEOUT_S COMMAND...
 echo "GPUs: $NGPU"
 if [ "$MODE" != 2gpu ] && [ "$MODE" != exit ]; then
 run "offload (1 GPU, DP=2 if 2)" 300 python -m pytest -q -s -p no:cacheprovider tests/test_offload.py
+run "host pool 1 GPU"        120 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_host_pool_gpu.py
 run "sdpa 1 GPU"             300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_sdpa_gpu.py
 run "fused logprobs 1 GPU"   300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_logprobs_gpu.py
 run "swiglu 1 GPU"           300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_swiglu_gpu.py
