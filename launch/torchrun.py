@@ -86,8 +86,13 @@ def run_out_dir(script, script_args):
         spec = importlib.util.spec_from_file_location("_launched_script", script)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # the scripts import heavy things inside main() only
-        return module.build_parser().get_default("out")
-    except Exception:  # a script of another shape: no checkpoint named
+        known, _ = module.build_parser().parse_known_args(script_args)
+        if known.out is not None:
+            return known.out
+        from common.run.flags import default_out
+
+        return default_out(module.OUT_PREFIX, known.model, known.embedded_model)
+    except (Exception, SystemExit):  # a script of another shape, flags it refuses: no checkpoint named
         return None
 
 

@@ -257,8 +257,6 @@ def run_layout(args):
             "pp_rank": mpu.get_pipeline_model_parallel_rank(),
             "param_count": sum(p.numel() for c in chunks for p in c.parameters()),
         }
-        if args.pp == 1:
-            row["saved_bytes_per_token"] = saved_bytes(chunks[0], ids[:1]) / seq_len
         if spec.moe is not None:  # load-balancing loss, expert load or bias-update counts, padding left out
             row["routing_statistics"] = routing_statistics(chunks, spec, layout, hf, seq_len)
         if spec.moe is not None and args.ep > 1 and args.pp == 1:  # the two token dispatchers at EP > 1
@@ -375,6 +373,8 @@ def run_layout(args):
             chunks_module.named_global_parameters = shifted
             row["control_shifted_layers"] = (logits_with()[1] - reference).abs().max().item()
             chunks_module.named_global_parameters = named_global_parameters
+        if args.pp == 1:  # last: its forward (with gradients) would count in the routers' statistics
+            row["saved_bytes_per_token"] = saved_bytes(chunks[0], ids[:1]) / seq_len
         rows = [None] * info.world_size
         dist.all_gather_object(rows, row)
         results[name] = rows

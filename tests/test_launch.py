@@ -374,8 +374,8 @@ def test_local_last_words_when_a_rank_is_killed(tmp_path):
 def test_last_words_pick_the_root_cause_and_the_checkpoint(tmp_path, monkeypatch):
     """launch/torchrun.py's words without processes: the rank killed by a signal from outside is
     the cause even when another rank's error came first, then an error before torchrun's SIGTERMs;
-    the checkpoint under the script's default --out when none is given (train_ppo.py: runs/ppo),
-    skipping an incomplete newest one; exit codes as a shell reports them."""
+    the checkpoint under the script's default --out when none is given (train_ppo.py without
+    --model: runs/ppo-embedded), skipping an incomplete newest one; exit codes as a shell reports them."""
     import types
 
     sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -392,7 +392,7 @@ def test_last_words_pick_the_root_cause_and_the_checkpoint(tmp_path, monkeypatch
     assert code == 137 and words.splitlines() == [
         "[launch] rank 3 (local rank 3 on node-a, pid 103) was killed by signal 9 (SIGKILL): most likely the host "
         "ran out of memory (check `dmesg` / the job's memory limit); there is no complete checkpoint in "
-        "runs/ppo/checkpoints: a new run starts from the beginning",
+        "runs/ppo-embedded/checkpoints: a new run starts from the beginning",
         "[launch]   then rank 0 (local rank 0 on node-a, pid 100) exited with code 1",
     ]
     root = tmp_path / "x" / "checkpoints"
@@ -419,6 +419,7 @@ def test_slurm_says_the_ranks_stopped(tmp_path):
     stub(bin_dir / "scontrol", 'printf "gpu-01\\n"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "GPUS_PER", "MASTER_"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="gpu-01", SLURM_NNODES="1", SLURM_JOB_ID="9")
+    (tmp_path / "train_grpo.py").write_text("")  # slurm.sh checks that the script exists
     proc = subprocess.run(
         ["bash", os.path.join(ROOT, "launch/slurm.sh"), "train_grpo.py"],
         env=env,

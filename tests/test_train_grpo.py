@@ -147,7 +147,7 @@ def test_curves_of_a_run(short_runs):
     assert lines == ["step_s (total)"]
     assert panel_axes(fig, "seconds per step").get_ylim()[1] < 60  # a tiny model's step: seconds
     tokens = sorted(ln.get_label() for ln in panel_axes(fig, "tokens/s").get_lines())
-    assert tokens == ["gen_tokens_per_s", "train_tokens_per_s_per_gpu"]
+    assert tokens == ["gen_tokens_per_s", "step_tokens_per_s_per_gpu", "train_tokens_per_s_per_gpu"]
     assert_legends_fit(fig)
 
 

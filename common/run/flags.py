@@ -569,13 +569,19 @@ def resolve_out(args, out_prefix):
 
     if args.out is not None:
         return
-    if args.model is None:
-        name = "embedded" + ("" if args.embedded_model == "dense" else f"-{args.embedded_model}")
-    else:
-        name = os.path.basename(os.path.abspath(args.model))  # (a hub id's NAME; `--model .`: the directory's)
-    args.out = f"{out_prefix}-{name}"
+    args.out = default_out(out_prefix, args.model, args.embedded_model)
     if launcher_rank() == 0:
         print(f"--out {args.out} (the default for this model)", flush=True)
+
+
+def default_out(out_prefix, model, embedded_model="dense"):
+    """The --out a run of this --model gets when none is given (resolve_out; launch/torchrun.py's
+    last words look for its checkpoints there)."""
+    if model is None:
+        name = "embedded" + ("" if embedded_model == "dense" else f"-{embedded_model}")
+    else:
+        name = os.path.basename(os.path.abspath(model))  # (a hub id's NAME; `--model .`: the directory's)
+    return f"{out_prefix}-{name}"
 
 
 def fitting_size(total, cap):
