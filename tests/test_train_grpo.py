@@ -10,6 +10,11 @@
   give steps 3-4 of the uninterrupted run;
 - --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
   the losses and grad norms of fixed-size micro-batches in one process;
+- flags reach the math (distinctive --temperature, --clip-low/--clip-high, --kl-coef, the
+  default --kl-estimator, --overlong-buffer): the first step's kl, clip_frac and policy_loss
+  over two PPO epochs, recomputed with transformers from the saved rollout, the initial weights
+  and the weights after one update (a second run's checkpoint, merged to HF), and the saved
+  rewards (task reward + DAPO's overlong penalty, by hand);
 - every flag of --help has a help string.
 """
 
@@ -394,9 +399,7 @@ def test_clip_range_reaches_the_loss(first_update):
         )
 
     right, swapped = expected(FLAGS["--clip-low"], FLAGS["--clip-high"]), expected(0.3, 0.1)
-    # (the test can fail: the swapped range clips other tokens and gives another loss)
-    assert abs(right["clip_frac"] - swapped["clip_frac"]) >= 1 / (2 * num_tokens), (right, swapped)
-    assert abs(right["policy_loss"] - swapped["policy_loss"]) > 1e-3, (right, swapped)
+    assert abs(right["policy_loss"] - swapped["policy_loss"]) > 1e-3, (right, swapped)  # a swap shows
     record = u["record"]
     assert torch.isfinite(torch.tensor(record["policy_loss"]))
     assert record["clip_frac"] == pytest.approx(right["clip_frac"], abs=0.1 / num_tokens), (
