@@ -13,7 +13,8 @@ Job keys (all optional but name):
   first_stage_layers    decoder layers of the first pipeline stage (None: automatic)
   critic                also train a PPO critic (common/model/critic.py, own Adam and schedule) on the
                         same batches, saved and loaded as extra_models={"critic": ...}
-  resume                checkpoint root to resume from (else: train from step 1)
+  resume                checkpoint root to resume from (else: train from step 1); the RNG
+                        fingerprints before and after the load are recorded
   try_first             roots to load before `resume`; each error message is recorded
   saves                 [{step, root, sharding, keep_last, meta, background, hold_until,
                         fail_first_write}] after that step; background saves go through one
@@ -33,7 +34,9 @@ Job keys (all optional but name):
   megatron_queue        (with exit_hard) the control: megatron's own results queue (its spawned
                         Manager process) made before the saves
 Every step draws its batch from the global python, numpy and torch RNGs, so the losses
-after a resume only match if those RNG states were restored.
+after a resume only match if those RNG states were restored; and it draws from megatron's
+model-parallel RNG tracker (as dropout does), so each TP rank's tracker state moves on too.
+The RNG fingerprints of every rank are recorded after each step with a save.
 """
 
 import argparse
@@ -63,6 +66,7 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
     critic: (ddp_chunks, optimizer, scheduler) of a value model, also stepped on the batch
     (regressing V(t) onto (token % 7) / 7); then (loss, grad norm, lr) of the critic follow."""
     from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     tokens = torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ_LEN))  # torch RNG
     order = list(range(GLOBAL_BATCH))
@@ -72,6 +76,8 @@ def train_step(ddp_chunks, optimizer, scheduler, vocab_size, critic=None):
     dp_size, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     # the model's device: CPU in CI; a GPU in tests/gpu/run_all.sh (NCCL, pinned staging)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with get_cuda_rng_tracker().fork():  # as dropout would: megatron's tracker (per TP rank) moves on
+        torch.rand(1, device=device)
     local = tokens.chunk(dp_size)[dp_rank].to(device)  # (GLOBAL_BATCH/dp, T)
     positions = torch.arange(SEQ_LEN, device=device).unsqueeze(0)
 
@@ -218,6 +224,7 @@ def run_job(job, args, info, spec, out_dir):
     if job.get("resume"):
         # perturb every RNG so that only a restore can bring back the saved states
         random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        result["rng_before_load"] = gather(rng_fingerprints())
         result["try_first"] = [
             error_of(load_training_checkpoint, root, ddp_chunks, optimizer, scheduler, extra_models=extra_models)
             for root in job.get("try_first", [])
@@ -284,6 +291,8 @@ def run_job(job, args, info, spec, out_dir):
                 save_training_checkpoint(save["root"], step, ddp_chunks, optimizer, scheduler, extra, **kwargs)
         if step == 3:
             result["rng_after_save"] = gather(rng_fingerprints())
+        if any(save["step"] == step for save in job.get("saves", [])):  # (every rank runs the same jobs)
+            result.setdefault("rng_at_save", {})[step] = gather(rng_fingerprints())
     published = writer.wait()
     if published:
         result["saves"]["published_at_end"] = published

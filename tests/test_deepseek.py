@@ -96,6 +96,11 @@ def test_tensor_parallel_must_divide_the_latent_projections():
     spec = parse_hf_config(_config(kv_lora_rank=25))  # 25 + 8 rows of kv_a_proj_with_mqa
     with pytest.raises(ValueError, match="kv_lora_rank"):
         check_parallel_layout(spec, tp=2)
+    # the shared rope key's rows count too: 24 + 10 rows do not split over TP=4, though the
+    # latent's 24 do (and every other dimension does: with the 8 rope rows of the tiny model it is fine)
+    check_parallel_layout(parse_hf_config(_config()), tp=4)
+    with pytest.raises(ValueError, match=r"--tp 4 must divide kv_lora_rank \+ qk_rope_head_dim = 34"):
+        check_parallel_layout(parse_hf_config(_config(qk_rope_head_dim=10)), tp=4)
 
 
 def test_bf16_export_keeps_the_router_bias_in_fp32(tiny_moe_models_dir, tmp_path):

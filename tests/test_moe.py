@@ -419,6 +419,12 @@ def test_training_checkpoint_of_ep1_resumes_at_ep2(tmp_path):
         print(f"{name}: losses, grad norms, weights rel diff {diffs}")
         assert result["extra"]["step"] == 3 and len(result["losses"]) == TOTAL_STEPS - 3
         assert max(diffs) <= 1e-5, name
+    # megatron's RNG tracker: restored at the same TP/EP coordinates (dp2), kept as seeded at EP=2
+    saved_tracker, ep2 = ref["rng_after_save"][0][1], load(tmp_path, "ep2")
+    assert [fp[1] for fp in load(tmp_path, "dp2")["rng_after_load"]] == [saved_tracker] * 2
+    assert [fp[1] for fp in ep2["rng_after_load"]] == [fp[1] for fp in ep2["rng_before_load"]], (
+        "a tracker saved at EP=1 was restored at EP=2"
+    )
 
 
 def test_convert_and_merge_round_trip(tiny_moe_models_dir, tmp_path, capsys):

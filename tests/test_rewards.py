@@ -32,6 +32,9 @@ MATH_SOLUTION = "Adding, $\\frac{1}{4}+\\frac{1}{4} = \\boxed{\\frac{1}{2}}$."
         ("no box here", None),
         ("\\boxed{", None),
         ("}{\\boxed}{", None),
+        ("the answer is \\boxed", None),  # a bare \boxed at the end: no argument, no answer
+        ("\\fbox  ", None),
+        ("\\boxed{3} and then \\boxed", "3"),  # ... so the box before it
     ],
 )
 def test_last_boxed(text, expected):
@@ -77,6 +80,8 @@ def test_extraction_order():
         ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),  # sets: order does not matter
         ("\\boxed{(1,2)}", "(1,2)", 1.0),
         ("\\boxed{(1,2)}", "(2,1)", 0.0),
+        ("so \\boxed{3}, then \\boxed", "3", 1.0),  # a trailing bare \boxed: the box before it
+        ("\\boxed{4}", "so \\boxed{4} \\boxed", 1.0),  # ... in the reference too
         # plain references
         ("42", "42", 1.0),
         ("the answer: 42.", "42", 1.0),
@@ -147,6 +152,8 @@ def test_math_reward_never_raises_on_garbage():
     ]
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(300)]
     for response in texts:
+        # extraction itself never raises (math_reward turns any exception into a 0, which would hide it)
+        extract_answer(response), extract_reference(response), last_boxed(response)
         for answer in (texts[rng.randrange(len(texts))], "42", MATH_SOLUTION):
             assert math_reward(response, answer) in (0.0, 1.0)
     assert math_reward(None, "1") == 0.0 and math_reward("1", None) == 0.0

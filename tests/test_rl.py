@@ -436,6 +436,11 @@ def test_value_loss_hand_computed():
     loss.sum().backward()
     # clipped tokens: the max picks the clipped term, whose V is outside the clip range -> 0 grad
     close(values.grad, [[0.0, 0.0, 0.5, -1.4, -2.0, 0.0]], 1e-6)
+    # within the clip range nothing is clipped, although in fp32 old + (V - old) is not V here (a
+    # PPO replay's vf_clip_frac counted such a token at one layout and not at another)
+    values, old = torch.tensor([[0.052956532686948776]]), torch.tensor([[0.13004156947135925]])
+    assert (old + (values - old)).item() != values.item()
+    assert not value_loss(values, old, torch.zeros(1, 1), torch.ones(1, 1), clip=0.2)[1].any()
 
 
 def test_explained_variance():

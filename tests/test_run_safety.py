@@ -9,6 +9,8 @@ stops with one line saying what to fix, and never loses a file.
 - --out: never overlaps the inputs, a non-empty one is refused without --resume or
   --start-over (which moves it aside), --resume refuses when there is nothing to resume;
 - a NaN (lr 1e30) stops the run with exit 3 naming the step, and no checkpoint is written;
+  +-Inf in logprobs, losses or gradients is stopped like NaN;
+- an interrupted save (step_N.tmp) is no checkpoint for --resume / --resume auto;
 - SIGTERM mid-run (one process) and SIGUSR1 through torchrun (two ranks): the step finishes,
   a checkpoint is saved, exit 0; --resume then gives the metrics of an uninterrupted run;
 - merge_to_hf.py refuses a checkpoint with NaN weights and names the tensors.
@@ -209,6 +211,26 @@ def test_out_never_overlaps_inputs_or_an_earlier_run(inputs, tmp_path, capsys, m
     args = train_grpo.parse_args(["--out", str(run), "--resume", "auto"])
     assert args.resume is None and args.start_over and os.listdir(run) == [".run.lock"]
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]) == 2
+
+
+def test_an_interrupted_save_is_not_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """checkpoints/step_N.tmp is a save that did not finish (killed, disk full): --resume finds
+    nothing to continue (exit 2, nothing changed) and --resume auto starts over."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002.tmp").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    err = parse_error(capsys, train_grpo.parse_args, ["--out", str(run), "--resume"])
+    assert "there is no checkpoint" in err, err
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000002.tmp"]
+    args = train_grpo.parse_args(["--out", str(run), "--resume", "auto"])
+    assert args.resume is None and args.start_over, "--resume auto took an interrupted save for a checkpoint"
+    # the same directory once the save is published is one
+    run.mkdir()
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    assert train_grpo.parse_args(["--out", str(run), "--resume", "auto"]).resume == "yes"
 
 
 def test_flags_the_user_gave_are_kept(tmp_path, monkeypatch):
@@ -714,3 +736,22 @@ def run_torchrun_unchecked(script, nproc, *args):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", script]
     return launch(cmd + [str(a) for a in args], script, args, nproc=nproc, env=script_env(), timeout=600)
+
+
+def test_inf_stops_like_nan():
+    """An overflow gives +-Inf, not NaN: every finite check of the training loop stops it too."""
+    import torch
+
+    from common.train.guard import NonFiniteError, check_finite, check_finite_update
+
+    for bad in (float("inf"), float("-inf")):
+        with pytest.raises(NonFiniteError, match="old logprobs: 1 of 2 values"):
+            check_finite("old logprobs", torch.tensor([[-1.0, bad]]))
+        layer = torch.nn.Linear(3, 2)
+        layer.weight.grad, layer.bias.grad = torch.ones(2, 3), torch.zeros(2)
+        for loss in (torch.tensor(bad), bad):  # a tensor or a python float
+            with pytest.raises(NonFiniteError, match="step 5: the loss is NaN/Inf; no optimizer step"):
+                check_finite_update([layer], [{"policy_loss": loss}], torch.device("cpu"), step=4)
+        layer.weight.grad[1, 2] = bad
+        with pytest.raises(NonFiniteError, match=r"the gradients are NaN/Inf \(non-finite: weight\)"):
+            check_finite_update([layer], [{"policy_loss": torch.tensor(0.5)}], torch.device("cpu"), step=4)

@@ -13,7 +13,8 @@ Six launches of tests/checkpoint_worker.py (gloo, CPU), each running several job
   tp2, pp2   2 processes at TP=2 / PP=2: the dp_reshardable checkpoint is refused, naming
              both layouts; resume from step 3 (both optimizer kinds), save after step 4; at
              PP=2 also on uneven stages of 3 + 1 layers (a dp_reshardable save of the even
-             stages is refused there);
+             stages is refused there); at TP=2 the step-4 checkpoint is also resumed at the
+             same layout (each rank's own RNG states, megatron's tracker included);
   dp2        2 processes at DP=2: the same, plus a save with a NaN (refused), a background
              save whose writes fail on one rank (raised on both) and one whose writer is
              held on one rank (not published before it is written everywhere);
@@ -23,9 +24,10 @@ Six launches of tests/checkpoint_worker.py (gloo, CPU), each running several job
              Manager process), saves and leaves by os._exit: that helper process keeps its
              stdout open (what the reference run must not do).
 Every step draws its batch from the python, numpy and torch RNGs, so the losses after a
-resume only match if the RNG states were restored. After a resume at another layout the
-losses, grad norms and final weights match the uninterrupted run to <= 1e-5 relative (fp32,
-another summation order); the LRs exactly.
+resume only match if the RNG states were restored; megatron's tracker (per TP rank) is
+compared by fingerprint: restored at the same TP/EP coordinates, else kept as seeded. After a
+resume at another layout the losses, grad norms and final weights match the uninterrupted run
+to <= 1e-5 relative (fp32, another summation order); the LRs exactly.
 """
 
 import json
@@ -179,6 +181,8 @@ def resharded(reference):
             jobs.append(
                 {"name": "pp2_uneven", "first_stage_layers": 3, "resume": r["full3"], "try_first": [tmp / "pp2_4dp"]}
             )
+        if layout == "tp2":  # the same layout: each rank restores its own RNG states, megatron's tracker too
+            jobs.append({"name": "tp2_same", "resume": tmp / "tp2_4"})
         if layout == "dp2":
             jobs[0].update(nan_save_at=4, fail_save_at=4, compare_model_space_at=4)
             jobs[0]["saves"].append({"step": 4, "root": tmp / "dp2_4bg", "background": True, "hold_until": 5})
@@ -461,10 +465,25 @@ def test_resume_at_another_layout(reference, resharded, name):
     assert rel_diff(result, ref, "grad_norms") <= REL_TOL
     assert rel_diff(result, ref, "lrs") == 0.0
     assert weights_rel_diff(reference["tmp"], name, "ref_plain" if "plain" in name else "ref") <= REL_TOL
-    if name.startswith("dp2"):  # same TP: megatron's RNG tracker restored too
-        assert result["rng_after_load"] == [ref["rng_after_save"][0]] * 2
-    else:  # python/numpy/torch restored on both ranks (the batch is drawn from them)
-        assert [fp[0] for fp in result["rng_after_load"]] == [ref["rng_after_save"][0][0]] * 2
+    # python/numpy/torch restored on both ranks (the batch is drawn from them)
+    assert [fp[0] for fp in result["rng_after_load"]] == [ref["rng_after_save"][0][0]] * 2
+    trackers, saved_tracker = [fp[1] for fp in result["rng_after_load"]], ref["rng_after_save"][0][1]
+    if name.startswith("tp2"):  # other TP coordinates: megatron's tracker kept as seeded, not the saved one
+        assert trackers == [fp[1] for fp in result["rng_before_load"]], "the tracker was changed by the load"
+        assert saved_tracker not in trackers, "a tracker saved at TP=1 was restored at TP=2"
+    else:  # DP=2, PP=2: the same TP/EP coordinates, megatron's tracker restored
+        assert trackers == [saved_tracker] * 2
+
+
+def test_resume_at_the_same_tp2_layout_restores_each_ranks_own_rng(resharded):
+    """Saved at TP=2 after step 4, resumed at TP=2: each rank gets back its own generators and its
+    own megatron tracker (the two TP ranks' trackers differ, so a mix-up shows)."""
+    saved, result = resharded["tp2"]["rng_at_save"]["4"], resharded["tp2_same"]
+    assert result["extra"]["step"] == 4
+    assert saved[0][1] != saved[1][1]
+    assert result["rng_after_load"] == saved, (
+        f"RNG fingerprints (global, tracker) per rank after the load {result['rng_after_load']}, saved {saved}"
+    )
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2_plain", "pp2_plain", "dp2_plain"])

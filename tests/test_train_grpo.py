@@ -11,6 +11,11 @@
   give steps 3-4 of the uninterrupted run;
 - --micro-batch-tokens under DP=2 (a different number of micro-batches on each rank) gives
   the losses and grad norms of fixed-size micro-batches in one process;
+- flags reach the math (distinctive --temperature, --clip-low/--clip-high, --kl-coef, the
+  default --kl-estimator, --overlong-buffer): the first step's kl, clip_frac and policy_loss
+  over two PPO epochs, recomputed with transformers from the saved rollout, the initial weights
+  and the weights after one update (a second run's checkpoint, merged to HF), and the saved
+  rewards (task reward + DAPO's overlong penalty, by hand);
 - every flag of --help has a help string;
 - everyday mistakes: a small run runs (derived batch sizes), a model with few positions ends
   responses there, config.json records what ran, this step's learning rate is logged and
@@ -100,10 +105,31 @@ def short_answers(response, answer):  # --reward FILE.py:NAME: the shorter the r
 """
 
 
+# Distinctive values of the flags that the script passes to the math (none is a default), so that
+# a flag dropped or swapped on its way to its function changes the numbers checked below.
+PLUMBED = [
+    "--temperature",
+    "0.7",
+    "--clip-low",
+    "0.1",
+    "--clip-high",
+    "0.3",
+    "--kl-coef",
+    "0.05",
+    "--entropy-coef",
+    "0",
+    "--overlong-buffer",
+    "3",
+    "--rollout-logprobs",
+    "all",
+]
+
+
 @pytest.fixture(scope="module")
 def short_runs(tmp_path_factory):
     """Five independent one-process runs of the tests below, at once (one thread each): their
-    output folders by name."""
+    output folders by name. "on" and "two" sample the same first rollout (PLUMBED flags); "on"
+    makes one update of it and checkpoints after it, "two" two (test_first_update below)."""
     root = tmp_path_factory.mktemp("short_runs")
     (root / "short.py").write_text(SHORT_ANSWERS)
     runs = {
@@ -118,11 +144,22 @@ def short_runs(tmp_path_factory):
         ],
         "none": [*SMALL, "--steps", 1, "--rollout-logprobs", "none"],
         "mask_truncated": [*SMALL, "--steps", 3, "--mask-truncated"],
-        "on": [*SMALL, "--mini-batch-size", "32", "--steps", 2, "--save-every", 1],  # (test_eval_only's checkpoints)
-        "two": [*SMALL, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2],
+        "on": [
+            *SMALL,
+            *PLUMBED,
+            "--mini-batch-size",
+            "32",
+            "--steps",
+            2,
+            "--save-every",
+            1,
+        ],  # (test_eval_only's checkpoints)
+        "two": [*SMALL, *PLUMBED, "--mini-batch-size", "32", "--ppo-epochs", 2, "--steps", 2],
     }
+    runs["on"] += ["--save-rollouts", root / "on_rollouts"]
+    runs["two"] += ["--save-rollouts", root / "two_rollouts"]
     run_scripts(*[("train_grpo.py", *args, "--out", root / name) for name, args in runs.items()])
-    return {name: root / name for name in runs}
+    return {name: root / name for name in [*runs, "on_rollouts", "two_rollouts"]}
 
 
 def test_rollout_logprobs_none_logs_no_mismatch(short_runs):
@@ -570,3 +607,136 @@ def test_flags_that_would_be_ignored_are_refused(tmp_path):
             proc.stderr,
         )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def response_logprobs(hf_dir, samples, temperature):
+    """log_softmax(logits / temperature) of each response token under the HF model in hf_dir
+    (transformers, not the trainer's megatron model), all samples' tokens in one (1, N) row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]  # (L, V): predict each response token
+            rows.append(torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(s.prompt_ids) :, None])[:, 0])
+    return torch.cat(rows)[None]
+
+
+@pytest.fixture(scope="module")
+def first_update(short_runs, tmp_path_factory):
+    """Step 0 of the "two" run (two PPO epochs over one mini-batch) recomputed outside the
+    trainer from its saved rollout: the logprobs of its first epoch (the initial weights,
+    which the frozen reference keeps too) and of its second (the weights after one update:
+    the "on" run's checkpoint after step 0, the same update of the same samples, merged to HF),
+    with each token's advantage, all (1, N) over the N response tokens."""
+    import torch
+
+    from common.rl.advantages import group_advantages
+
+    merged = tmp_path_factory.mktemp("first_update") / "hf"
+    run_script("merge_to_hf.py", "--ckpt", short_runs["on"] / "checkpoints" / "step_000001", "--out", merged)
+    saved = torch.load(short_runs["two_rollouts"] / "step_000000.pt", weights_only=False)
+    same = torch.load(short_runs["on_rollouts"] / "step_000000.pt", weights_only=False)
+    assert same["samples"] == saved["samples"] and torch.equal(same["rewards"], saved["rewards"])
+    samples, rewards = saved["samples"], saved["rewards"]
+    temperature = FLAGS["--temperature"]
+    advantages = group_advantages(rewards, 4)  # --samples-per-prompt 4
+    return dict(
+        samples=samples,
+        rewards=rewards,
+        before=response_logprobs(short_runs["two"] / "embedded_model", samples, temperature),
+        after=response_logprobs(merged, samples, temperature),
+        engine=torch.tensor([[lp for s in samples for lp in s.response_logprobs]]),
+        advantages=torch.cat([a.expand(len(s.response_ids)) for a, s in zip(advantages, samples)])[None],
+        record=metrics(short_runs["two"])[0],
+        hf_dir=short_runs["two"] / "embedded_model",
+    )
+
+
+FLAGS = {k: float(v) for k, v in zip(PLUMBED[::2], PLUMBED[1::2]) if k != "--rollout-logprobs"}
+
+
+def test_logprob_passes_use_the_temperature(first_update):
+    """--temperature reaches the trainer's old and reference logprob passes (as it reaches the
+    engine and the update): they agree with the engine's logprobs at 0.7 and with the update's
+    first forward."""
+    u = first_update
+    assert (u["engine"] - u["before"]).abs().max() < 1e-5  # the engine sampled at 0.7 from the initial weights
+    record = u["record"]
+    assert record["first_update_logprob_err"] <= 1e-6, (
+        f"old logprobs differ from the update's forward by {record['first_update_logprob_err']}: "
+        "the logprob pass does not use --temperature"
+    )
+    assert record["logprob_mismatch"] <= 1e-5, f"trainer vs engine logprobs: {record['logprob_mismatch']}"
+
+
+def test_kl_estimator_default_reaches_the_loss(first_update):
+    """GRPO's KL penalty is k3 unless --kl-estimator says otherwise: the logged kl of the two
+    epochs (the first at the reference's weights: 0) is k3 of the second's logprobs against the
+    reference's."""
+    from common.rl.losses import kl_penalty
+
+    u = first_update
+    expected = {k: kl_penalty(u["after"], u["before"], k).mean().item() / 2 for k in ("k1", "k2", "k3")}
+    assert min(abs(expected["k3"] - expected[k]) for k in ("k1", "k2")) > 1e-3 * expected["k3"]  # they differ
+    assert u["record"]["kl"] == pytest.approx(expected["k3"], rel=1e-4), (
+        f"logged kl {u['record']['kl']}, k3 gives {expected['k3']} (k1 {expected['k1']}, k2 {expected['k2']})"
+    )
+
+
+def test_clip_range_reaches_the_loss(first_update):
+    """--clip-low 0.1 and --clip-high 0.3 bound the ratio below and above 1 in the update's loss:
+    clip_frac and policy_loss (+ --kl-coef x k3) of the two epochs recomputed by hand; the
+    swapped range gives other numbers."""
+    import torch
+
+    from common.rl.losses import kl_penalty, policy_loss
+
+    u = first_update
+    num_tokens = u["after"].numel()
+    kl = FLAGS["--kl-coef"] * kl_penalty(u["after"], u["before"], "k3").sum() / num_tokens
+
+    def expected(clip_low, clip_high):
+        per_token, clipped = policy_loss(u["after"], u["before"], u["advantages"], clip_low, clip_high)
+        first_epoch = -u["advantages"].sum() / num_tokens  # ratio 1: nothing clipped, reference = policy
+        return dict(
+            clip_frac=clipped.sum().item() / (2 * num_tokens),
+            policy_loss=(first_epoch + per_token.sum() / num_tokens + kl).item() / 2,
+        )
+
+    right, swapped = expected(FLAGS["--clip-low"], FLAGS["--clip-high"]), expected(0.3, 0.1)
+    assert abs(right["policy_loss"] - swapped["policy_loss"]) > 1e-3, (right, swapped)  # a swap shows
+    record = u["record"]
+    assert torch.isfinite(torch.tensor(record["policy_loss"]))
+    assert record["clip_frac"] == pytest.approx(right["clip_frac"], abs=0.1 / num_tokens), (
+        f"logged clip_frac {record['clip_frac']}: --clip-low 0.1 --clip-high 0.3 give {right['clip_frac']}, "
+        f"swapped {swapped['clip_frac']}"
+    )
+    assert record["policy_loss"] == pytest.approx(right["policy_loss"], rel=1e-4, abs=1e-6), (
+        f"logged policy_loss {record['policy_loss']}: expected {right['policy_loss']}, swapped {swapped['policy_loss']}"
+    )
+
+
+def test_overlong_penalty_reaches_the_rewards(first_update):
+    """--overlong-buffer 3 before --max-new-tokens 4: a response of L tokens loses nothing up to
+    1 token, then (1 - L) / 3 (-1 at 4), added to the task's reward (the saved rewards)."""
+    from transformers import AutoTokenizer
+
+    from common.rl.rewards import synthetic_reward
+
+    u = first_update
+    tokenizer = AutoTokenizer.from_pretrained(u["hf_dir"])
+    lengths = [len(s.response_ids) for s in u["samples"]]
+    assert any(1 < length < 4 for length in lengths), lengths  # where a mix-up of 4 and 3 shows (4: -1 either way)
+    expected = []
+    for s, length in zip(u["samples"], lengths):
+        prompt = tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+        assert re.fullmatch(r"\d=", prompt), prompt  # the embedded copy task: '7=' -> '7'
+        task = synthetic_reward(tokenizer.decode(s.response_ids, skip_special_tokens=True), prompt[0], format_credit=0)
+        expected.append(task + (0.0 if length <= 1 else (1 - length) / 3))
+    assert u["rewards"].tolist() == pytest.approx(expected, abs=1e-6), (
+        f"saved rewards {u['rewards'].tolist()} of responses of {lengths} tokens; expected {expected}"
+    )

@@ -12,9 +12,10 @@
   --kl-mode loss; the replays below the default --kl-mode reward;
 - replays: the random tiny model never earns a reward on 4-token answers, so the saved
   rollouts get a made-up reward (1 when the first response token is odd) and are replayed
-  (--load-rollouts) by 1 process. Its first step's return_mean equals the hand-computed one
-  (zero-initialised value head and actor == reference: the return of each token is
-  lam^(tokens after it) * the sample's reward);
+  (--load-rollouts) by 1 process with --gamma 0.5 --lam 1.0. The return_mean of its first two
+  steps equals the hand-computed one (actor == reference, so no KL in the token rewards; lam 1:
+  the return of each token is gamma^(tokens after it) * the sample's reward, whatever the
+  values, which are 0 at the first step and trained at the second);
 - layouts: the same replays under torchrun with DP=2, TP=2 (+SP) and PP=2 give the same
   policy and value losses, grad norms of both models, values, returns, entropy and KL
   as 1 process (rel 1e-4);
@@ -160,6 +161,11 @@ def reference(tmp_path_factory):
     return root
 
 
+# The replays' GAE: lam 1 makes a token's return the discounted reward, gamma^(tokens after it) x
+# the sample's reward, whatever the critic's values; gamma and lam swapped would not.
+GAE = ["--gamma", "0.5", "--lam", "1.0"]
+
+
 @pytest.fixture(scope="module")
 def scored(reference):
     """The saved rollouts with a made-up reward, replayed by 1 process (KL in the reward)."""
@@ -170,24 +176,37 @@ def scored(reference):
         saved["rewards"] = torch.tensor([float(s.response_ids[0] % 2) for s in saved["samples"]])
         os.makedirs(reference / "scored", exist_ok=True)
         torch.save(saved, reference / "scored" / f"step_{step:06d}.pt")
-    run(*SMALL, "--steps", 3, "--out", reference / "replay", "--load-rollouts", reference / "scored")
+    run(*SMALL, *GAE, "--steps", 3, "--out", reference / "replay", "--load-rollouts", reference / "scored")
     return reference
 
 
-def test_replay_first_step_returns_by_hand(scored):
+def discounted_return_mean(saved, gamma):
+    """Mean over response tokens of gamma^(response tokens after it) x the sample's reward."""
+    total = sum(
+        r.item() * sum(gamma**j for j in range(len(s.response_ids))) for s, r in zip(saved["samples"], saved["rewards"])
+    )
+    return total / sum(len(s.response_ids) for s in saved["samples"])
+
+
+def test_replay_returns_by_hand(scored):
+    """--gamma 0.5 --lam 1.0 reach GAE: the return of each token is 0.5^(tokens after it) x the
+    reward, at the first step (zero-initialised value head) and at the second, where the critic
+    has been trained (values != 0, so the GAE of swapped gamma and lam would differ) and the
+    actor not yet (critic warmup: the KL to the reference, part of the token rewards, is 0)."""
     import torch
 
-    saved = torch.load(scored / "scored" / "step_000000.pt", weights_only=False)
-    lam = 0.95  # gamma 1: a token's return is lam^(response tokens after it) * reward
-    total = sum(
-        r.item() * sum(lam**j for j in range(len(s.response_ids))) for s, r in zip(saved["samples"], saved["rewards"])
-    )
-    tokens = sum(len(s.response_ids) for s in saved["samples"])
-    first = metrics(scored / "replay")[0]
-    assert 0.2 < saved["rewards"].mean() < 0.8
-    assert first["return_mean"] == pytest.approx(total / tokens, rel=1e-5)
+    first, second = metrics(scored / "replay")[:2]
     assert first["value_mean"] == 0.0 and first["explained_variance"] == 0.0
     assert first["value_loss"] > 0.05 and first["critic_grad_norm"] > 0
+    assert abs(second["value_mean"]) > 1e-3 and second["kl"] == 0.0  # values matter; rewards only at the end
+    for step, record in enumerate((first, second)):
+        saved = torch.load(scored / "scored" / f"step_{step:06d}.pt", weights_only=False)
+        assert 0.2 < saved["rewards"].mean() < 0.8
+        assert discounted_return_mean(saved, 0.5) != pytest.approx(discounted_return_mean(saved, 1.0), rel=1e-2)
+        assert record["return_mean"] == pytest.approx(discounted_return_mean(saved, 0.5), rel=1e-5), (
+            f"step {step}: return_mean {record['return_mean']}, --gamma 0.5 --lam 1.0 give "
+            f"{discounted_return_mean(saved, 0.5)} (gamma 1: {discounted_return_mean(saved, 1.0)})"
+        )
 
 
 def test_critic_warmup_leaves_the_actor_unchanged(reference):
@@ -216,7 +235,7 @@ def test_resume_is_exact(reference):
 )
 def test_layouts_match_single_process(layout, scored, tmp_path):
     run_torchrun(
-        "train_ppo.py", 2, *SMALL, "--steps", 3, *layout, "--out", tmp_path, "--load-rollouts", scored / "scored"
+        "train_ppo.py", 2, *SMALL, *GAE, "--steps", 3, *layout, "--out", tmp_path, "--load-rollouts", scored / "scored"
     )
     expected, replayed = metrics(scored / "replay"), metrics(tmp_path)
     assert len(replayed) == 3

@@ -215,15 +215,18 @@ def value_loss(values, old_values, returns, mask, clip=0.2):
     """PPO's clipped value loss (as in OpenAI baselines' ppo2), per token:
         0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)
     values (B, T) with grad; old_values, returns (B, T) from the rollout; mask (B, T).
-    Returns (per_token_loss (B, T), 0 on masked positions; clipped (B, T) bool: the clipped
-    term was the larger one, i.e. the vf_clip_frac metric). Reduce with aggregate_loss.
+    Returns (per_token_loss (B, T), 0 on masked positions; clipped (B, T) bool: V was outside
+    the range and the clipped term the larger one, i.e. the vf_clip_frac metric). Reduce with aggregate_loss.
     """
-    values_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    delta = values - old_values
+    values_clipped = old_values + delta.clamp(-clip, clip)
     loss_unclipped = (values - returns) ** 2
     loss_clipped = (values_clipped - returns) ** 2
     valid = mask.bool()
     loss = torch.where(valid, 0.5 * torch.maximum(loss_unclipped, loss_clipped), 0.0)
-    return loss, (loss_clipped > loss_unclipped) & valid
+    # within the range old + (V - old) is V but for rounding (fp32: 0.13 + (0.053 - 0.13) != 0.053),
+    # which would make either term the larger by chance: only tokens the clamp moved count
+    return loss, (delta.abs() > clip) & (loss_clipped > loss_unclipped) & valid
 
 
 @torch.no_grad()
