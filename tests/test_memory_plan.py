@@ -367,8 +367,9 @@ def test_a_plan_that_cannot_fit_exits_2_with_one_line(qwen2_7b, tmp_path):
     line = refused("--gpu-memory-gb", 24)
     assert re.search(r"error: the sync phase needs 43\.4 GB on each GPU of 24\.0 GB \(policy weights 15\.2, ", line)
     assert "short by 19.4 GB; also over: rollout" in line and "no single change makes every phase fit" in line
-    # 4 x 80 GB at TP 2: the update's 16384-token micro-batches do not fit; recompute would, or 4096-token ones
-    line = refused("--gpu-memory-gb", 80, "--world-size", 4, "--tp", 2, "--rollout-tp", 2)
+    # 4 x 80 GB at TP 2: the update's 16384-token micro-batches (8 samples, given) do not fit; recompute
+    # would, or 4096-token ones
+    line = refused("--gpu-memory-gb", 80, "--world-size", 4, "--tp", 2, "--rollout-tp", 2, "--micro-batch-size", 8)
     update = planned(world=4, tp=2, gpus_per_node=1, recompute="none")[M.PHASES.index("update")]
     assert f"the update phase needs {update} GB on each GPU of 80.0 GB (activations 45." in line
     fixed = planned(world=4, tp=2, gpus_per_node=1)[M.PHASES.index("update")]
@@ -379,6 +380,24 @@ def test_a_plan_that_cannot_fit_exits_2_with_one_line(qwen2_7b, tmp_path):
     assert (
         "error: the 4 rank(s) of a node would pin 152.3 GB of host memory (offload buffers 152.3 GB) of 100.0" in line
     )
+
+
+def test_default_micro_batches_that_do_not_fit_become_a_token_budget(qwen2_7b, tmp_path):
+    """The same 4 x 80 GB TP 2 plan with --micro-batch-size left to its default: instead of a refusal
+    the update gets the largest power-of-two token budget that fits (4096: 16384 and 8192 do not),
+    said in a "derived:" line, and the plan printed is that budget's."""
+    proc = run_script(
+        "train_grpo.py",
+        *("--model", qwen2_7b, "--dry-run", "--out", tmp_path / "never", "--gpu-memory-gb", 80),
+        *("--host-memory-gb", 500, "--world-size", 4, "--tp", 2, "--rollout-tp", 2),
+    )
+    assert "derived: --micro-batch-tokens 4096 (passes of --micro-batch-size 8 samples of up to 2048 tokens" in (
+        proc.stdout
+    )
+    fits = planned(world=4, tp=2, gpus_per_node=1, recompute="none", update_tokens=4096, logprob_tokens=4096)
+    assert totals(proc.stdout)[M.PHASES.index("update")] == totals_of(fits) < 80
+    too_big = planned(world=4, tp=2, gpus_per_node=1, recompute="none", update_tokens=8192, logprob_tokens=8192)
+    assert totals_of(too_big) > 80 * 0.95  # the next power of two up is refused (or warned) by the plan
 
 
 @pytest.mark.parametrize("given", [None, "0.3"])

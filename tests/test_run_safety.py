@@ -227,8 +227,8 @@ def test_an_interrupted_save_is_not_a_checkpoint(tmp_path, capsys, monkeypatch):
     assert sorted(os.listdir(run / "checkpoints")) == ["step_000002.tmp"]
     args = train_grpo.parse_args(["--out", str(run), "--resume", "auto"])
     assert args.resume is None and args.start_over, "--resume auto took an interrupted save for a checkpoint"
-    # the same directory once the save is published is one
-    run.mkdir()
+    # the same directory once the save is published is one (--start-over above made a new --out)
+    run.mkdir(exist_ok=True)
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
     assert train_grpo.parse_args(["--out", str(run), "--resume", "auto"]).resume == "yes"
 

@@ -153,6 +153,18 @@ def _check_memory(args, spec, has_critic):
         )
     inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
     plan = M.plan_memory(**inputs)
+    if _refused(plan) and getattr(args, "micro_batch_size_derived", False) and not args.micro_batch_tokens:
+        # the default micro-batches do not fit: a token budget that does, rather than a refusal
+        tokens = fitting_micro_batch_tokens(inputs)
+        if tokens is not None:
+            full = inputs["update_tokens"]
+            args.micro_batch_tokens = tokens
+            inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
+            plan = M.plan_memory(**inputs)
+            derived.append(
+                f"--micro-batch-tokens {tokens} (passes of --micro-batch-size {args.micro_batch_size} samples of "
+                f"up to {full // args.micro_batch_size} tokens would need more memory than the GPU has in the update)"
+            )
     if plan.engine_share_derived:
         args.gpu_memory_utilization = plan.engine_share
         derived.insert(
@@ -232,13 +244,13 @@ def alternatives(inputs):
 
     if inputs["recompute"] != "full":
         candidate("--recompute full", recompute="full", recompute_layers=1)
-    tokens = 2 ** int(math.log2(max(inputs["update_tokens"] - 1, 1)))
-    while tokens >= 1024:
-        smaller = dict(inputs, update_tokens=tokens, logprob_tokens=min(inputs["logprob_tokens"], tokens))
-        if not _refused(M.plan_memory(**smaller)):
-            candidate(f"--micro-batch-tokens {tokens}", **smaller)
-            break
-        tokens //= 2
+    tokens = fitting_micro_batch_tokens(inputs)
+    if tokens is not None:
+        candidate(
+            f"--micro-batch-tokens {tokens}",
+            update_tokens=tokens,
+            logprob_tokens=min(inputs["logprob_tokens"], tokens),
+        )
     tp, rollout_tp, world = inputs["tp"] * 2, inputs["rollout_tp"] * 2, inputs["world"] * 2
     if inputs["tp"] > 1 and not inputs["sp"]:
         candidate("--sp", sp=True)
@@ -260,6 +272,18 @@ def alternatives(inputs):
             **more,
         )
     return out
+
+
+def fitting_micro_batch_tokens(inputs):
+    """The largest power of two >= 1024 below the plan's update tokens per pass with which no phase is
+    refused (the forward-only passes capped alike), or None."""
+    tokens = 2 ** int(math.log2(max(inputs["update_tokens"] - 1, 1)))
+    while tokens >= 1024:
+        smaller = dict(inputs, update_tokens=tokens, logprob_tokens=min(inputs["logprob_tokens"], tokens))
+        if not _refused(M.plan_memory(**smaller)):
+            return tokens
+        tokens //= 2
+    return None
 
 
 def _refused(plan):

@@ -517,6 +517,7 @@ def _check_layout(args, spec, critic=None):
         )
     if args.micro_batch_size is None:  # the largest up to MICRO_BATCH_SIZE that divides a rank's share
         args.micro_batch_size = fitting_size(mini_batch // dp, MICRO_BATCH_SIZE)
+        args.micro_batch_size_derived = True  # (the memory plan may give the update a token budget instead)
         if args.micro_batch_size != MICRO_BATCH_SIZE and not args.micro_batch_tokens and launcher_rank() == 0:
             print(
                 f"--micro-batch-size {args.micro_batch_size}: each data-parallel rank gets {mini_batch // dp} "
