@@ -46,7 +46,9 @@ class HostPool:
         self.pinned = "registered" if pin and self.nbytes else None  # how: registered / torch / None
         self._warned = False
         self._pin = pin
-        self._owner = torch.empty(self.nbytes, dtype=torch.uint8)  # owns the memory as long as the pool lives
+        # owns the memory as long as the pool lives; `align` more bytes, so that piece starts are
+        # aligned in memory, not only within the block (malloc gives 64-byte aligned blocks)
+        self._owner = torch.empty(self.nbytes + (align if self.nbytes else 0), dtype=torch.uint8)
         if self.pinned and not _register(self._owner):
             print(
                 f"[host memory] could not register {self.nbytes / 1e9:.2f} GB of host memory with CUDA; "
@@ -54,8 +56,9 @@ class HostPool:
                 file=sys.stderr,
                 flush=True,
             )
-            self._owner = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._owner = torch.empty(self.nbytes + align, dtype=torch.uint8, pin_memory=True)
             self.pinned = "torch"
+        self._base = -self._owner.data_ptr() % align  # the first aligned byte of the block
         self._array = self._owner.numpy()  # the same memory, for slices with storages of their own
         if self.pinned == "registered":  # unregistered when the pool goes, before its memory is freed
             weakref.finalize(self, _unregister, self._owner).atexit = False  # at exit the process frees it all
@@ -67,21 +70,22 @@ class HostPool:
 
     @property
     def block(self):
-        """The whole block, a uint8 tensor (pinned when the pool is)."""
-        return self._owner
+        """The whole block, a uint8 tensor of nbytes starting at an aligned address (pinned when the pool is)."""
+        return self._owner[self._base : self._base + self.nbytes]
 
     def contains(self, tensor):
         """Whether tensor's memory lies inside the block."""
-        start, ptr = self._owner.data_ptr(), tensor.data_ptr()
+        start, ptr = self._owner.data_ptr() + self._base, tensor.data_ptr()
         return self.nbytes > 0 and start <= ptr < start + self.nbytes
 
     def take(self, nbytes):
         """The next nbytes of the block as a uint8 tensor of its own storage, or None when they do not fit."""
-        start = _round_up(self.used, self.align)
+        start = _round_up(self.used, self.align)  # within the aligned block
         if start + nbytes > self.nbytes:
             return None
         self.used = start + nbytes
-        return torch.from_numpy(self._array[start : start + nbytes])
+        offset = self._base + start
+        return torch.from_numpy(self._array[offset : offset + nbytes])
 
     def extra(self, nbytes):
         """nbytes allocated on their own (pinned like the block), for what the block has no room for:

@@ -33,7 +33,7 @@ phase() {  # phase LABEL flags...: one launch of the script
   kill $sampler; wait $sampler 2>/dev/null
   local last; last=$(stat -c %Y "$RUN/metrics.jsonl" 2>/dev/null || echo "$t1")
   printf '{"run": "%s", "phase": "%s", "rc": %s, "wall_s": %.0f, "host_before_gb": %s, "host_peak_gb": %s, "exit_after_last_step_s": %.1f}\n' \
-    "$NAME" "$label" "$rc" "$(echo "$t1 - $t0" | bc)" "$base" "$(cat "$RESULTS/$NAME.$label.host")" "$(echo "$t1 - $last" | bc)" \
+    "$NAME" "$label" "$rc" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')" "$base" "$(cat "$RESULTS/$NAME.$label.host")" "$(awk -v a="$last" -v b="$t1" 'BEGIN{print b-a}')" \
     | tee -a "$RESULTS/$NAME.json"
   [ "$rc" = 0 ] || tail -30 "$RESULTS/$NAME.$label.log"
   return "$rc"
