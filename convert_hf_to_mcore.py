@@ -55,7 +55,7 @@ from common.run.cli import (
 )
 from common.run.convert_io import Chunk, SafetensorsDir, check_hf_weights, lazy_dcp_save, write_megatron_files
 from common.run.dist import print0
-from common.run.preflight import TOKENIZER_FILES
+from common.run.model_checks import TOKENIZER_FILES
 
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

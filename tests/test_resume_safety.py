@@ -19,19 +19,7 @@ import pytest
 
 import train_grpo  # noqa: E402  (the repo root is on sys.path via conftest)
 from tests.conftest import read_metrics, run_script
-
-SMALL = [
-    "--prompts-per-step",
-    "8",
-    "--samples-per-prompt",
-    "4",
-    "--micro-batch-size",
-    "4",
-    "--mini-batch-size",
-    "16",
-    "--max-new-tokens",
-    "4",
-]
+from tests.test_run_safety import SMALL  # the same small run
 
 
 @pytest.fixture(scope="module")

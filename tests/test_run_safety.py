@@ -513,7 +513,7 @@ def test_the_lock_goes_with_its_process(tmp_path, capsys, monkeypatch):
         [
             sys.executable,
             "-c",
-            f"from common.run.preflight import lock_out; lock_out({str(out)!r}); print(1, flush=True); input()",
+            f"from common.run.out_dir import lock_out; lock_out({str(out)!r}); print(1, flush=True); input()",
         ],
         cwd=ROOT,
         stdin=subprocess.PIPE,
@@ -538,7 +538,7 @@ def test_a_lock_outliving_its_run_says_who_holds_it(tmp_path, capsys, monkeypatc
     out = tmp_path / "run"
     code = (
         "import os, sys, time\n"
-        "from common.run.preflight import lock_out\n"
+        "from common.run.out_dir import lock_out\n"
         f"lock_out({str(out)!r})\n"
         "if os.fork() == 0:\n"
         "    sys.stdin.readline(); os._exit(0)\n"  # the child keeps the lock until told to go

@@ -2,6 +2,8 @@
 
     flags.py        the flag groups both training scripts share, and derived settings
     preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
+    out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
+    model_checks.py the model directories a run is given: config, tokenizer, whole weights
     cli.py          what all four scripts share: the parser, output directories, error messages
     data.py         prompts: datasets, chat formatting, a resumable sampler
     hub.py          HF hub ids resolved through the HF cache

@@ -8,51 +8,25 @@ that says what is wrong and how to fix it (rank 0 prints it; exit code 2, as arg
 instead of a per-rank traceback after the models and the engine were built. Every rank runs
 the same checks on the same files, so every rank exits alike: no collective, no hang.
 
-Also here: the output directory's rules, so that no run ever loses a user's file:
-  - --out may not be, be inside, or contain --model, --mcore-ckpt, --data, --critic-model
-    or --load-rollouts;
-  - a non-empty --out is refused unless --resume (continue it) or --start-over (it is moved
-    aside to <out>.old-<time>, nothing is deleted);
-  - --resume needs a checkpoint in --out/checkpoints (it never silently starts over);
-    --resume auto (for requeued jobs) resumes when there is one, else acts as --start-over;
-    a requeued Slurm job (SLURM_RESTART_COUNT > 0) started with --start-over resumes the run
-    its first attempt began (as --resume auto) instead of moving it aside;
-  - one run at a time in an --out: rank 0 holds an exclusive lock on --out/.run.lock for the
-    run's life (flock: it goes with the process, so a crashed or killed run leaves none).
+The output directory's rules (the run lock, what counts as a run, --resume / --start-over):
+common/run/out_dir.py, applied here.
 """
 
-import errno
-import fcntl
 import json
 import math
 import os
-import socket
-import time
 
 from common.model.bridge import check_parallel_layout, parse_hf_config
-from common.model.unsupported import UnsupportedModelError
 from common.run.dist import launcher_rank, launcher_world_size
 from common.run.flags import MICRO_BATCH_SIZE, fitting_size, logprob_micro_batching
+from common.run.model_checks import (
+    check_mcore_ckpt,
+    check_model_dir,
+    check_reward_model,
+    model_differences,
+)
+from common.run.out_dir import check_out, has_run, move_aside, requeued_start_over
 from common.train.guard import UsageError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-LOCK_FILE = ".run.lock"  # (the holder's pid, host and start time inside, for the refusal's message)
-# What a run writes into --out before its first step completes (a failed or killed start leaves
-# them): a re-run over such a directory loses nothing. The embedded model, the run record, an
-# empty metrics.jsonl, the lock, step 0's validation (eval/), wandb's files, an interrupted
-# first save (checkpoints/ without a checkpoint).
-RUN_START_FILES = {
-    "embedded_model",
-    "config.json",
-    "metrics.jsonl",
-    LOCK_FILE,
-    "eval",
-    "samples.jsonl",
-    "wandb",
-    "wandb_run_id",
-    "checkpoints",
-}
-_held_locks = {}  # --out (absolute) -> the fd of its lock file, held by this process
 
 
 def check_training_run(parser, args, *, min_group=1, critic_model=None):
@@ -61,7 +35,7 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
     it moves a non-empty --out aside (after every check passed)."""
     dry_run = getattr(args, "dry_run", False)  # reads config.json alone; no data read, nothing written
     try:
-        _requeued_start_over(args)
+        requeued_start_over(args)
         _check_numbers(args, min_group)
         if not dry_run:
             _check_services(args)
@@ -70,86 +44,18 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
         _check_layout(args, spec, critic)
         if not dry_run:
             _check_inputs(args)
-            _check_out(args, critic_model, spec)
+            check_out(args, critic_model)
+            if args.resume:
+                _check_resumed_model(args, os.path.join(args.out, "checkpoints"), spec)
     except UsageError as e:
         parser.error(str(e))
-    if args.start_over and not dry_run and _has_run(args.out) and launcher_rank() == 0:
-        aside = base = f"{os.path.abspath(args.out)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-        for n in range(2, 1000):  # two starts over within a second
-            if not os.path.exists(aside):
-                break
-            aside = f"{base}-{n}"
-        os.rename(args.out, aside)  # (with the lock file, still held: the new --out gets its own)
-        _held_locks.pop(os.path.abspath(args.out), None)
+    if args.start_over and not dry_run and has_run(args.out) and launcher_rank() == 0:
         try:
-            lock_out(args.out)
+            aside = move_aside(args.out)
         except UsageError as e:
             parser.error(str(e))
         print(f"--start-over: the previous contents of {args.out} are now in {aside}", flush=True)
     return spec
-
-
-def _requeued_start_over(args):
-    """A requeued Slurm job runs its command again: its --start-over meant the first attempt.
-    The later ones continue the run it began (--resume auto: from its checkpoint, else anew)."""
-    attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    if args.start_over and attempt > 0:
-        args.start_over, args.resume = False, "auto"
-        if launcher_rank() == 0:
-            print(
-                f"--start-over: this is attempt {attempt + 1} of a requeued Slurm job: continuing the run its "
-                "first attempt started (as --resume auto)",
-                flush=True,
-            )
-
-
-def lock_out(out):
-    """Rank 0: hold an exclusive lock on out/.run.lock for this process's life (created with out),
-    or UsageError naming the run that holds it. The lock is flock(2): the kernel releases it
-    when the process ends, however it ends, so a dead run never blocks the next."""
-    path = os.path.abspath(out)
-    if path in _held_locks:  # (parse_args again in the same process: tests)
-        return
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise UsageError(
-            f"--out {out} cannot be written ({e.strerror}: {e.filename}): choose a directory you can write to"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        with open(fd, closefd=True) as f:
-            holder = f.read().strip() or "its pid unknown"
-        raise UsageError(
-            f"--out {out} is in use by another run ({holder}{_gone(holder)}); wait for it or choose another --out"
-        )
-    except OSError as e:  # a filesystem without locks (ENOLCK, ENOSYS, EOPNOTSUPP): run unguarded
-        os.close(fd)
-        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-        print(f"warning: --out {out} cannot be locked ({e.strerror}): nothing stops a second run there", flush=True)
-        return
-    os.ftruncate(fd, 0)
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode())
-    _held_locks[path] = fd
-
-
-def _gone(holder):
-    """A note when the run named in a held lock file is gone from this host: a process it started
-    (a rollout engine's worker, say) holds the lock still."""
-    words = holder.split()
-    if len(words) < 5 or words[0] != "pid" or words[4] != socket.gethostname() + ",":
-        return ""
-    try:
-        os.kill(int(words[1]), 0)
-    except ProcessLookupError:
-        return f"; that pid has ended, a process it started still holds {LOCK_FILE}: `fuser -v` on it names it"
-    except (ValueError, PermissionError):
-        pass
-    return ""
 
 
 def _check_numbers(args, min_group):
@@ -304,7 +210,7 @@ def _resolve_hub_names(args, critic_model):
         args.eval_data = hub.resolve(args.eval_data, "--eval-data", repo_type="dataset")
     if getattr(args, "reward_model", None):
         args.reward_model = hub.resolve(args.reward_model, "--reward-model", files=files)
-        _check_reward_model(args.reward_model, need_tokenizer=files is None)
+        check_reward_model(args.reward_model, need_tokenizer=files is None)
     if critic_model is not None:
         critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model", files=files)
     if launcher_rank() == 0:
@@ -314,19 +220,6 @@ def _resolve_hub_names(args, critic_model):
             if name != path:
                 print(f"{flag} {name}: {path}", flush=True)
     return critic_model
-
-
-def _check_reward_model(path, need_tokenizer=True):
-    from common.train.reward_model import reward_model_spec
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"--reward-model {path} has no config.json: pass a HuggingFace reward model directory")
-    try:
-        reward_model_spec(path)
-    except (UnsupportedModelError, ValueError, KeyError) as e:
-        raise UsageError(f"--reward-model {path}: {e}") from None
-    if need_tokenizer and not set(os.listdir(path)) & set(TOKENIZER_FILES):
-        raise UsageError(f"--reward-model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
 def _check_model(args, critic_model):
@@ -340,12 +233,12 @@ def _check_model(args, critic_model):
         if args.embedded_model != "dense":
             raise UsageError("--embedded-model chooses the model used without --model: give one or the other")
         full = not getattr(args, "dry_run", False)  # a dry run reads config.json alone
-        spec = _check_model_dir(
+        spec = check_model_dir(
             args.model, "--model", need_weights=full and args.mcore_ckpt is None, need_tokenizer=full
         )
     critic = None
     if critic_model is not None:
-        critic = _check_model_dir(
+        critic = check_model_dir(
             critic_model, "--critic-model", need_weights=not getattr(args, "dry_run", False), need_tokenizer=False
         )
         if critic.vocab_size < spec.vocab_size:  # the critic reads the policy's token ids
@@ -354,105 +247,8 @@ def _check_model(args, critic_model):
                 f"{spec.vocab_size}; the critic must read every token id of the policy"
             )
     if args.mcore_ckpt is not None and not getattr(args, "dry_run", False):
-        _check_mcore_ckpt(args.mcore_ckpt, spec)
+        check_mcore_ckpt(args.mcore_ckpt, spec)
     return spec, critic
-
-
-def _check_model_dir(path, flag, need_weights, need_tokenizer):
-    if not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: no such directory (pass a local HuggingFace model directory)")
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        raise UsageError(f"{flag} {path} has no config.json: pass a HuggingFace model directory")
-    try:
-        with open(config) as f:
-            spec = parse_hf_config(json.load(f))
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{config} is not valid JSON ({e})") from None
-    except KeyError as e:
-        raise UsageError(f"{config} lacks the field {e}, which the bridge needs") from None
-    except UnsupportedModelError as e:
-        raise UsageError(f"{flag} {path}: {e}") from None
-    files = set(os.listdir(path))
-    if need_tokenizer and not files & set(TOKENIZER_FILES):
-        raise UsageError(
-            f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
-            "tokenizer files of the model into it"
-        )
-    if need_weights and not any(name.endswith(".safetensors") for name in files):
-        bins = any(name.endswith(".bin") for name in files)
-        raise UsageError(
-            f"{flag} {path} has no *.safetensors weights"
-            + (" (only .bin files: re-save it with save_pretrained(..., safe_serialization=True))" if bins else "")
-            + "; or pass --mcore-ckpt"
-        )
-    if need_weights:
-        _check_weights(path, flag, spec, skip=() if need_tokenizer else ("lm_head.",))
-    return spec
-
-
-def _check_weights(path, flag, spec, skip=()):
-    """The safetensors headers of every shard against the files (missing, truncated, damaged)
-    and config.json (every tensor it implies, with its shape), as convert_hf_to_mcore.py
-    checks them: headers only, a few KB per shard. (NaN weights: found while loading,
-    common/model/weights.py.) The critic's lm_head (skip) is not used."""
-    from common.run.cli import ConversionError
-    from common.run.convert_io import SafetensorsDir, check_hf_weights
-
-    try:
-        check_hf_weights(SafetensorsDir(path), spec, path, skip=skip)
-    except ConversionError as e:
-        raise UsageError(f"{flag} {path}: {str(e).rstrip('.')}") from None
-
-
-def _check_mcore_ckpt(path, spec):
-    """--mcore-ckpt: a model checkpoint of this architecture and size (by its hf/config.json)."""
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        hint = (
-            f" (it holds training checkpoints: pass one step directory, e.g. {os.path.join(path, 'step_000100')})"
-            if os.path.isfile(os.path.join(path, "latest"))
-            else ""
-        )
-        raise UsageError(f"--mcore-ckpt {path} is not a megatron checkpoint (no metadata.json){hint}")
-    config = os.path.join(path, "hf", "config.json")
-    if not os.path.isfile(config):
-        return  # written elsewhere: megatron's loader still checks every tensor's shape
-    differ = _model_differences(config, spec)
-    if differ:
-        raise UsageError(
-            f"--mcore-ckpt {path} is of another model than --model: {'; '.join(differ)} (checkpoint vs model)"
-        )
-
-
-def _model_differences(config_path, spec):
-    """What differs between the model of config_path (an HF config.json) and spec: ["field A vs
-    B", ...], empty when they are the same model shape."""
-    try:
-        with open(config_path) as f:
-            saved = parse_hf_config(json.load(f))
-    except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
-        return [f"unreadable {config_path} ({e})"]
-    fields = (
-        "architecture",
-        "vocab_size",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "qkv_bias",
-        "qk_norm",
-        "tie_word_embeddings",
-        "moe",
-        "mla",
-    )
-    show = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__  # noqa: E731
-    return [
-        f"{name} {show(getattr(saved, name, None))} vs {show(getattr(spec, name, None))}"
-        for name in fields
-        if getattr(saved, name, None) != getattr(spec, name, None)
-    ]
 
 
 def _check_layout(args, spec, critic=None):
@@ -604,50 +400,6 @@ def _check_inputs(args):
             )
 
 
-def _check_out(args, critic_model, spec):
-    out = os.path.abspath(args.out)
-    eval_only = getattr(args, "eval_only", False)  # train_grpo.py --eval-only writes <out>/eval_only/ only
-    for flag, path in (
-        ("--model", args.model),
-        ("--mcore-ckpt", args.mcore_ckpt),
-        ("--data", args.data),
-        ("--eval-data", args.eval_data),
-        ("--critic-model", critic_model),
-        ("--load-rollouts", args.load_rollouts),
-        ("--reward-model", getattr(args, "reward_model", None)),
-    ):
-        if path is None or (eval_only and flag == "--mcore-ckpt"):  # (a checkpoint of the run in --out)
-            continue
-        path = os.path.abspath(path)
-        if path == out or path.startswith(out + os.sep) or out.startswith(path + os.sep):
-            raise UsageError(
-                f"--out {args.out} overlaps {flag} {path}: a run writes into --out; choose a "
-                "directory outside your inputs"
-            )
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {args.out} exists and is not a directory")
-    if launcher_rank() == 0:  # before anything in --out is looked at: another run may be changing it
-        lock_out(args.out)
-    ckpt_root = os.path.join(out, "checkpoints")
-    if args.resume == "auto":  # a requeued job: continue if the first attempt saved, else begin
-        args.resume, args.start_over = ("yes", False) if _has_checkpoint(ckpt_root) else (None, True)
-    if args.resume:
-        if not _has_checkpoint(ckpt_root):
-            raise UsageError(
-                f"--resume: there is no checkpoint in {ckpt_root} (none was saved yet), so there "
-                "is nothing to continue; nothing was changed. Run without --resume and with "
-                "--start-over to begin again"
-            )
-        _check_resumed_model(args, ckpt_root, spec)
-    elif _has_run(out) and not args.start_over and not eval_only:
-        held = sorted(set(os.listdir(out)) - {LOCK_FILE})
-        raise UsageError(
-            f"--out {args.out} already holds a run ({', '.join(held[:4])}); nothing "
-            "was changed. Pass --resume to continue it, --start-over to begin a new run there (the old "
-            "one is moved to <out>.old-<time>), or choose another --out"
-        )
-
-
 def _check_resumed_model(args, ckpt_root, spec):
     """--resume: the newest checkpoint was written for this model (its hf/config.json, which the
     scripts save with every checkpoint), else say which model it was written for."""
@@ -657,7 +409,7 @@ def _check_resumed_model(args, ckpt_root, spec):
     config = os.path.join(ckpt_root, names[0], "hf", "config.json") if names else None
     if config is None or not os.path.isfile(config):
         return  # (none readable: the loader reports the checkpoints it cannot use)
-    differ = _model_differences(config, spec)
+    differ = model_differences(config, spec)
     if not differ:
         return
     try:  # the run record of the run that wrote it: its --model
@@ -679,42 +431,6 @@ def _model_name(args):
         return f"--model {args['model']}"
     embedded = args.get("embedded_model") or "dense"
     return "the embedded tiny model" + (f" (--embedded-model {embedded})" if embedded != "dense" else "")
-
-
-def _has_checkpoint(ckpt_root):
-    return os.path.isdir(ckpt_root) and any(
-        name == "latest" or name.startswith("step_") and not name.endswith(".tmp") for name in os.listdir(ckpt_root)
-    )
-
-
-def _has_run(out):
-    """Whether --out holds anything a new run would overwrite: anything but what a run writes
-    before its first step completes (RUN_START_FILES, with an empty metrics.jsonl, a config.json
-    that is a run record, no checkpoint)."""
-    try:
-        names = os.listdir(out)
-    except (FileNotFoundError, NotADirectoryError):  # (also: rank 0 just moved it aside, --start-over)
-        return False
-    for name in names:
-        path = os.path.join(out, name)
-        if (
-            name not in RUN_START_FILES
-            or (name == "metrics.jsonl" and os.path.getsize(path) > 0)
-            or (name == "config.json" and not _is_run_record(path))
-            or (name == "checkpoints" and _has_checkpoint(path))
-        ):
-            return True
-    return False
-
-
-def _is_run_record(path):
-    """config.json as a training run writes it (common/run/log.py), not, say, a model's."""
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and ("args" in record or "out" in record) and "architectures" not in record
 
 
 def _flag(name):
