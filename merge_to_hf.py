@@ -17,7 +17,7 @@ all-gathered, PP stages broadcast, in buckets); rank 0 writes each shard file as
 is full. Host memory: this rank's part of the model + one shard + two export buckets.
 
   python merge_to_hf.py --ckpt /ckpt/qwen2-7b-mcore --out /models/qwen2-7b-rl             # 1 CPU
-  python merge_to_hf.py --ckpt runs/grpo/checkpoints --out /models/grpo-latest --dtype bf16
+  python merge_to_hf.py --ckpt runs/grpo-Qwen2-7B/checkpoints --out /models/grpo-latest --dtype bf16
   torchrun --nproc_per_node 8 merge_to_hf.py --ckpt DIR --out DIR --tp 8                   # big models
   sbatch launch/slurm.sh merge_to_hf.py --ckpt DIR --out DIR --tp 8
 

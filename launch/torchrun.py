@@ -8,7 +8,7 @@ only when a rank ends abnormally does it add, as its last lines:
 
     [launch] rank 1 (local rank 1 on node-a, pid 4242) was killed by signal 9 (SIGKILL): most likely the
     host ran out of memory (check `dmesg` / the job's memory limit); the last complete checkpoint is
-    runs/grpo/checkpoints/step_000040 (continue with --resume auto)
+    runs/grpo-embedded/checkpoints/step_000040 (continue with --resume auto)
 
 instead of only torchrun's "Root Cause" block (which it still prints first), and exits with the
 dead rank's code (128 + the signal's number for a signal, as a shell reports it). The checkpoint

@@ -1,7 +1,7 @@
 """curves.png: the metrics of metrics.jsonl in panels, each panel in one unit.
 
-    plot_curves(history, "runs/grpo/curves.png")      # history: metrics.jsonl's records
-    python -m common.run.plots runs/grpo/metrics.jsonl  # redraw a run's curves.png (any time)
+    plot_curves(history, "runs/grpo-embedded/curves.png")      # history: metrics.jsonl's records
+    python -m common.run.plots runs/grpo-embedded/metrics.jsonl  # redraw a run's curves.png (any time)
 
 The panels, each drawn when the run logged its keys:
   one per CURVES key           reward_mean, kl, entropy, ... (a number per step)

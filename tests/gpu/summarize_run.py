@@ -1,6 +1,6 @@
 """Summarise a training run's metrics.jsonl: median seconds per phase, memory, agreement.
 
-    python tests/gpu/summarize_run.py runs/grpo [--skip 1]
+    python tests/gpu/summarize_run.py runs/grpo-embedded [--skip 1]
 
 Prints one JSON line: the median of every *_s metric over the steps after --skip (the first
 step pays for start-up: CUDA graphs, allocator, NCCL communicators), the max of every mem_*
