@@ -48,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common.rollout.lengths import draw_lengths, parse_lengths  # noqa: E402
+from common.run.plots import is_seconds  # noqa: E402
 
 # NeMo-RL's Llama-3.1-8B GRPO recipe has ~1k-token responses (1,019 mean) within 4,096 tokens of
 # prompt + response: a lognormal of mean 1,000 capped so that 128-token prompts fit 4,096 positions
@@ -154,8 +155,8 @@ def summarize(rows, run_args, layout, spec_text, warmup):
     }
     tokens, step_s = sum(r["tokens"] for r in timed), sum(r["step_s"] for r in timed)
     response_tokens = sum(r["response_tokens"] for r in timed)
-    # seconds per phase: *_s but step_s (gen_tokens_per_s is a rate)
-    phase_keys = sorted({k for r in timed for k in r if k.endswith("_s") and k != "step_s" and "_per_" not in k})
+    # seconds per phase: the seconds keys but step_s (common/run/plots.py's rule: gen_tokens_per_s is a rate)
+    phase_keys = sorted({k for r in timed for k in r if is_seconds(k) and k != "step_s"})
     phase_s = {k: sum(r.get(k, 0.0) for r in timed) for k in phase_keys}
     phase_s["other_s"] = step_s - sum(phase_s.values())  # advantages, packing, metric reduction, ...
     rollout_s = phase_s.get("rollout_s", 0.0)

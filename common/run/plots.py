@@ -39,7 +39,7 @@ CURVES = [
 ]
 TOTAL_TIME_KEY = "step_s"  # the whole step: a line over the stacked phases, never stacked itself
 EVAL_KEY = re.compile(r"eval_(accuracy|pass@\d+|maj@\d+)$")  # common/rollout/evaluate.py's fractions
-MEMORY_KEY = re.compile(r"mem_\w+_gb$")  # common/train/offload.py's PhaseMemory
+MEMORY_KEY = re.compile(r"mem_\w+_gb$")  # common/train/colocation.py's PhaseMemory
 MFU_KEY = "train_mfu"  # common/model/flops.py
 
 CELL_W, CELL_H = 4.5, 3.2  # inches of one panel, its title and tick labels included

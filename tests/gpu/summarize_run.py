@@ -2,9 +2,9 @@
 
     python tests/gpu/summarize_run.py runs/grpo-embedded [--skip 1]
 
-Prints one JSON line: the median of every *_s metric over the steps after --skip (the first
-step pays for start-up: CUDA graphs, allocator, NCCL communicators), the max of every mem_*
-metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
+Prints one JSON line: the median of every seconds metric (*_s, not the *_per_s rates) over
+the steps after --skip (the first step pays for start-up: CUDA graphs, allocator, NCCL
+communicators), the max of every mem_* metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
 Plus the split of a step: overhead_s, the median over steps of what is neither
 generation nor the trainer's compute (sync, sleep, wake, offload, reload, reward), and
 overhead_share = overhead_s / step_s (the target is <= 0.10); generation and gathers of
@@ -15,6 +15,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from common.run.plots import is_seconds  # noqa: E402  (seconds, not a rate such as gen_tokens_per_s)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -26,7 +31,7 @@ if __name__ == "__main__":
     timed = rows[args.skip :] or rows
     keys = sorted({k for r in rows for k in r})
     out = {"steps": len(rows)}
-    out.update({k: round(statistics.median(r[k] for r in timed if k in r), 4) for k in keys if k.endswith("_s")})
+    out.update({k: round(statistics.median(r[k] for r in timed if k in r), 4) for k in keys if is_seconds(k)})
     out.update({k: round(max(r[k] for r in rows if k in r), 2) for k in keys if k.startswith("mem_")})
     for k in ("logprob_mismatch", "value_loss", "explained_variance"):
         if k in keys:
