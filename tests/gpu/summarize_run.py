@@ -2,13 +2,13 @@
 
     python tests/gpu/summarize_run.py runs/grpo-embedded [--skip 1]
 
-Prints one JSON line: the median of every seconds metric (*_s, not the *_per_s rates) over
-the steps after --skip (the first step pays for start-up: CUDA graphs, allocator, NCCL
-communicators), the max of every mem_* metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
-Plus the split of a step: overhead_s, the median over steps of what is neither
-generation nor the trainer's compute (sync, sleep, wake, offload, reload, reward), and
-overhead_share = overhead_s / step_s (the target is <= 0.10); generation and gathers of
-samples stay in rollout_s, the trainer's passes in old_logprob_s, ref_s and train_s.
+Prints one JSON line: the median of every seconds metric (*_s, not the *_per_s rates) over the steps
+after --skip (the first step pays for start-up: CUDA graphs, allocator, NCCL communicators), the max
+of every mem_* metric, the mean logprob_mismatch, and the mean reward of the first and last 5 steps.
+Plus the split of a step: overhead_s, the median over steps of what is neither generation nor the
+trainer's compute (sync, sleep, wake, offload, reload, reward), and overhead_share = overhead_s /
+step_s (the target is <= 0.10); generation and gathers of samples stay in rollout_s, the trainer's
+passes in old_logprob_s, ref_s and train_s.
 """
 
 import argparse
