@@ -400,14 +400,17 @@ def test_default_micro_batches_that_do_not_fit_become_a_token_budget(qwen2_7b, t
     assert totals_of(too_big) > 80 * 0.95  # the next power of two up is refused (or warned) by the plan
 
 
-@pytest.mark.parametrize("given", [None, "0.3"])
-def test_the_engine_starts_first_with_the_derived_share(given, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("given,card_gb", [(None, None), ("0.3", None), (None, 40), ("0.15", 40)])
+def test_the_engine_starts_first_with_the_derived_share(given, card_gb, tmp_path, monkeypatch, capsys):
     """A CPU run of train_grpo.py planned for 20 GB GPUs with the vLLM engine (stood in for: it needs
     a GPU): the engine gets the share derived from the plan, (0.95 x 20 - 11 GB fixed - nothing kept
     by the trainer) / 20 = 0.40, or the one given, and is created and put to sleep before the
-    policy's training state is set up."""
+    policy's training state is set up. On a 40 GB card (stood in for) the plan stays the 20 GB one and
+    the derived share, a fraction of the whole card for vLLM, halves (0.20); a given share is vLLM's
+    own (of the card: 0.15 of 40 GB is 0.3 of the planned 20) and passes unchanged."""
     import train_grpo
     from common.rollout import engines
+    from common.run import memory_check
     from common.run.dist import destroy_distributed
     from common.train import setup
 
@@ -433,6 +436,7 @@ def test_the_engine_starts_first_with_the_derived_share(given, tmp_path, monkeyp
     monkeypatch.setattr(engines, "make_engine", make_engine)
     monkeypatch.setattr(engines, "vllm_available", lambda: True)  # preflight refuses --rollout vllm without it
     monkeypatch.setattr(setup, "setup_training", setup_training)
+    monkeypatch.setattr(memory_check, "visible_gpu_bytes", lambda: card_gb and card_gb * 1e9)
     flags = ["--rollout", "vllm", "--gpu-memory-gb", "20", "--out", str(tmp_path / "run"), "--steps", "1"]
     monkeypatch.setattr(sys, "argv", ["train_grpo.py", *flags, *(["--gpu-memory-utilization", given] if given else [])])
     try:
@@ -441,6 +445,7 @@ def test_the_engine_starts_first_with_the_derived_share(given, tmp_path, monkeyp
     finally:
         destroy_distributed()
     out = capsys.readouterr().out
-    share = 0.4 if given is None else 0.3
-    assert ("derived: --gpu-memory-utilization 0.40 (" in out) == (given is None)
+    share = float(given) if given else 0.2 if card_gb else 0.4
+    assert (f"derived: --gpu-memory-utilization {share:.2f} (" in out) == (given is None)
+    assert ("the plan is for GPUs of 20.0 GB (--gpu-memory-gb) on this 40.0 GB GPU" in out) == bool(card_gb)
     assert events == [("engine", True, share), "sleep", "training state"]

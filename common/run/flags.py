@@ -516,7 +516,8 @@ def plan_flags(p):
         "--gpu-memory-gb",
         type=float,
         default=None,
-        help="memory of each GPU to plan for, in GB (10^9 bytes; default: the visible GPU's; without one: a CPU run)",
+        help="memory of each GPU to plan for, in GB (10^9 bytes; default: the visible GPU's; without one: a CPU "
+        "run). On a larger GPU the run keeps to it: an 80 GB plan tried on a 141 GB card, or a shared GPU",
     )
     g.add_argument(
         "--gpus-per-node",

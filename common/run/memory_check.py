@@ -151,6 +151,13 @@ def _check_memory(args, spec, has_critic):
             "12 bytes per parameter in host memory and blocks the loop; checkpoints resume at this TP/PP, any DP. "
             "--save-any-layout for any layout)"
         )
+    # --gpu-memory-gb on a larger GPU (sharing it, or an 80 GB plan tried on a 141 GB card): the run plans for
+    # that size and vLLM's share, a fraction of the whole card (vLLM's meaning), is scaled to keep within it
+    real = None if args.dry_run else visible_gpu_bytes()
+    scale = real / gpu_bytes if args.gpu_memory_gb and real and real > gpu_bytes else 1.0
+    given_share = args.gpu_memory_utilization
+    if given_share is not None:
+        args.gpu_memory_utilization = given_share * scale  # the plan's unit: a fraction of --gpu-memory-gb
     inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
     plan = M.plan_memory(**inputs)
     if _refused(plan) and getattr(args, "micro_batch_size_derived", False) and not args.micro_batch_tokens:
@@ -166,11 +173,19 @@ def _check_memory(args, spec, has_critic):
                 f"up to {full // args.micro_batch_size} tokens would need more memory than the GPU has in the update)"
             )
     if plan.engine_share_derived:
-        args.gpu_memory_utilization = plan.engine_share
+        args.gpu_memory_utilization = plan.engine_share / scale
         derived.insert(
             0,
-            f"--gpu-memory-utilization {plan.engine_share:.2f} (the engine's share of what the trainer leaves on "
-            f"each GPU during the rollout: {plan.kv_tokens} tokens of KV cache per rank)",
+            f"--gpu-memory-utilization {plan.engine_share / scale:.2f} (the engine's share of what the trainer "
+            f"leaves on each GPU during the rollout: {plan.kv_tokens} tokens of KV cache per rank)",
+        )
+    elif given_share is not None:
+        args.gpu_memory_utilization = given_share
+    if scale != 1.0:
+        derived.append(
+            f"the plan is for GPUs of {gpu_bytes / M.GB:.1f} GB (--gpu-memory-gb) on this {real / M.GB:.1f} GB GPU: "
+            f"vLLM's --gpu-memory-utilization {args.gpu_memory_utilization:.2f} is of the whole card "
+            f"({args.gpu_memory_utilization * real / M.GB:.1f} GB); mem_*_gb show what the phases used"
         )
     if plan.on_gpu:  # what the run's mem_*_gb metrics should read, in its config.json record
         predicted = {p: plan.total(p) for p in PHASE_METRICS}
@@ -275,14 +290,17 @@ def alternatives(inputs):
 
 
 def fitting_micro_batch_tokens(inputs):
-    """The largest power of two >= 1024 below the plan's update tokens per pass with which no phase is
-    refused (the forward-only passes capped alike), or None."""
-    tokens = 2 ** int(math.log2(max(inputs["update_tokens"] - 1, 1)))
-    while tokens >= 1024:
-        smaller = dict(inputs, update_tokens=tokens, logprob_tokens=min(inputs["logprob_tokens"], tokens))
-        if not _refused(M.plan_memory(**smaller)):
-            return tokens
-        tokens //= 2
+    """The largest power of two >= 1024 below the plan's update tokens per pass with which every phase
+    stays within the plan's margin (WARN_AT of the GPU: the plan is an estimate), else the largest with
+    which none is refused (the forward-only passes capped alike); None if neither exists."""
+    top = 2 ** int(math.log2(max(inputs["update_tokens"] - 1, 1)))
+    for acceptable in (lambda plan: not plan.problems(), lambda plan: not _refused(plan)):
+        tokens = top
+        while tokens >= 1024:
+            smaller = dict(inputs, update_tokens=tokens, logprob_tokens=min(inputs["logprob_tokens"], tokens))
+            if acceptable(M.plan_memory(**smaller)):
+                return tokens
+            tokens //= 2
     return None
 
 

@@ -31,16 +31,18 @@ phase() {  # phase LABEL flags...: one launch of the script
   "${TR[@]}" "$SCRIPT" --model "$MODEL" --out "$RUN" "$@" > "$RESULTS/$NAME.$label.log" 2>&1
   local rc=$? t1; t1=$(date +%s.%N)
   kill $sampler; wait $sampler 2>/dev/null
-  local last; last=$(stat -c %Y "$RUN/metrics.jsonl" 2>/dev/null || echo "$t1")
-  printf '{"run": "%s", "phase": "%s", "rc": %s, "wall_s": %.0f, "host_before_gb": %s, "host_peak_gb": %s, "exit_after_last_step_s": %.1f}\n' \
-    "$NAME" "$label" "$rc" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')" "$base" "$(cat "$RESULTS/$NAME.$label.host")" "$(awk -v a="$last" -v b="$t1" 'BEGIN{print b-a}')" \
+  local last saved; last=$(stat -c %Y "$RUN/metrics.jsonl" 2>/dev/null || echo "$t1")
+  saved=$(stat -c %Y "$RUN/checkpoints" 2>/dev/null || echo "$t1")  # the last save's rename into place
+  printf '{"run": "%s", "phase": "%s", "rc": %s, "wall_s": %.0f, "host_before_gb": %s, "host_peak_gb": %s, "exit_after_last_step_s": %.1f, "exit_after_save_s": %.1f}\n' \
+    "$NAME" "$label" "$rc" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')" "$base" "$(cat "$RESULTS/$NAME.$label.host")" \
+    "$(awk -v a="$last" -v b="$t1" 'BEGIN{print b-a}')" "$(awk -v a="$saved" -v b="$t1" 'BEGIN{print b-a}')" \
     | tee -a "$RESULTS/$NAME.json"
   [ "$rc" = 0 ] || tail -30 "$RESULTS/$NAME.$label.log"
   return "$rc"
 }
 "${TR[@]}" "$SCRIPT" --model "$MODEL" --out "$RUN.dry" "$@" --dry-run > "$RESULTS/$NAME.plan.txt" 2>&1
 grep -E "^(total|derived|train_|.*error)" "$RESULTS/$NAME.plan.txt" | head -8
-phase first --steps "$STEPS" "$@" && phase resume --steps $((STEPS + 1)) --resume "$@"
+phase first --steps "$STEPS" "$@" && [ "${RESUME:-1}" = 1 ] && phase resume --steps $((STEPS + 1)) --resume "$@"
 python - "$RUN" <<'PY' | tee -a "$RESULTS/$NAME.json"
 import json, sys
 run = sys.argv[1]
