@@ -492,6 +492,10 @@ def main():
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
     writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
+
+    def save_turn(name):  # before each model's part of a save ("": the actor, then "critic")
+        colo.turn(critic_optimizer if name else optimizer, timer)
+        colo.wait_optimizers(timer)
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
@@ -612,104 +616,96 @@ def main():
         advantages, batch["returns"] = gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
         batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
 
-        # ---- 6. PPO epochs over mini-batches: one optimizer step of the actor and one of the critic each
-        colo.reload_optimizers(timer)  # on a GPU its copies overlap the passes below, up to the first optimizer step
+        # ---- 6. PPO epochs over mini-batches: the critic's optimizer steps, then the actor's (the two
+        # are independent: the same steps as interleaved), each with only its own optimizer state on
+        # the GPU when the optimizers are offloaded (common/train/colocation.py turn)
+        def actor_loss_fn(mb, logits, norm, scale):
+            mb_mask, norm_mb = (
+                mb["mask"],
+                dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
+            )  # packing / CP
+            logprobs, entropy = vocab_parallel_logprobs(
+                logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
+            )
+            per_token, clipped = policy_loss(
+                logprobs,
+                mb["old_logprobs"],
+                mb["advantages"],
+                args.clip_low,
+                args.clip_high,
+                is_weights=mb["is_weights"],
+                dual_clip=args.dual_clip,
+                sequence_mask=mb_mask if args.gspo else None,
+                seq_ids=mb.get("seq"),
+                cp_group=cp_group,
+            )
+            loss = aggregate_loss(per_token, mb_mask, args.loss_agg, **norm_mb)
+            if reference is not None and args.kl_mode == "loss":
+                kl_loss = kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
+                loss = loss + args.kl_coef * aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
+            if args.entropy_coef:
+                loss = loss - args.entropy_coef * aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
+            n = mb_mask.sum()
+            return loss * scale, {
+                "policy_loss": loss.detach(),
+                "policy_loss__n": n / norm["num_tokens"],
+                "entropy": masked_sum(entropy.detach(), mb_mask),
+                "entropy__n": n,
+                "clip_frac": masked_sum(clipped.float(), mb_mask),
+                "clip_frac__n": n,
+                "ppo_kl": masked_sum(mb["old_logprobs"] - logprobs.detach(), mb_mask),
+                "ppo_kl__n": n,
+            }
 
-        def optimizers_ready():  # before the first optimizer step (common/train/colocation.py)
-            colo.wait_optimizers(timer)
+        def critic_loss_fn(mb, values, norm, scale):  # values: (b, T, 1) from the value head
+            mb_mask = mb["mask"]
+            per_token, clipped = value_loss(
+                values.squeeze(-1).float(), mb["old_values"], mb["returns"], mb_mask, clip=args.vf_clip
+            )
+            loss = aggregate_loss(per_token, mb_mask, "token_mean", num_tokens=norm["num_tokens"])
+            n = mb_mask.sum()
+            return loss * scale, {
+                "value_loss": loss.detach(),
+                "value_loss__n": n / norm["num_tokens"],
+                "vf_clip_frac": masked_sum(clipped.float(), mb_mask),
+                "vf_clip_frac__n": n,
+            }
+
+
+        def optimizer_steps(chunks, opt, sched, loss_fn, lrs_seen, norms_seen):
+            """One model's optimizer steps: one per mini-batch of each PPO epoch."""
+            for epoch in range(args.ppo_epochs):
+                order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
+                for m in range(rollout_batch // mini_batch):
+                    rows = order[m * mini_batch : (m + 1) * mini_batch]
+                    # global normalisers of this mini-batch (all DP ranks, all micro-batches)
+                    norm = dict(num_tokens=mask[rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
+                    mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
+                    scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
+                    lrs_seen.append(opt.param_groups[0]["lr"])
+                    mb_metrics, grad_norm = schedule.train_step(
+                        chunks,
+                        opt,
+                        sched,
+                        mbs,
+                        functools.partial(loss_fn, norm=norm, scale=scale),
+                        info.device,
+                        step=step,
+                        before_step=lambda: colo.wait_optimizers(timer),  # the state's copies have landed
+                    )
+                    train_metrics.extend(mb_metrics)
+                    norms_seen.append(grad_norm)
 
         tick = time.time()
         train_actor = step >= args.critic_warmup_steps  # critic warmup: the actor is left as it is
         train_metrics, grad_norms, critic_grad_norms = [], [], []
         lrs, critic_lrs = [], []  # what each optimizer step used (the scheduler moves it after the step)
-        for epoch in range(args.ppo_epochs):
-            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + step * 31 + epoch))
-            for m in range(rollout_batch // mini_batch):
-                rows = order[m * mini_batch : (m + 1) * mini_batch]
-                # global normalisers of this mini-batch (all DP ranks, all micro-batches)
-                norm = dict(num_tokens=mask[rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
-                mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
-                scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
-
-                def actor_loss_fn(mb, logits):
-                    mb_mask, norm_mb = (
-                        mb["mask"],
-                        dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
-                    )  # packing / CP
-                    logprobs, entropy = vocab_parallel_logprobs(
-                        logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
-                    )
-                    per_token, clipped = policy_loss(
-                        logprobs,
-                        mb["old_logprobs"],
-                        mb["advantages"],
-                        args.clip_low,
-                        args.clip_high,
-                        is_weights=mb["is_weights"],
-                        dual_clip=args.dual_clip,
-                        sequence_mask=mb_mask if args.gspo else None,
-                        seq_ids=mb.get("seq"),
-                        cp_group=cp_group,
-                    )
-                    loss = aggregate_loss(per_token, mb_mask, args.loss_agg, **norm_mb)
-                    if reference is not None and args.kl_mode == "loss":
-                        kl_loss = kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
-                        loss = loss + args.kl_coef * aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
-                    if args.entropy_coef:
-                        loss = loss - args.entropy_coef * aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
-                    n = mb_mask.sum()
-                    return loss * scale, {
-                        "policy_loss": loss.detach(),
-                        "policy_loss__n": n / norm["num_tokens"],
-                        "entropy": masked_sum(entropy.detach(), mb_mask),
-                        "entropy__n": n,
-                        "clip_frac": masked_sum(clipped.float(), mb_mask),
-                        "clip_frac__n": n,
-                        "ppo_kl": masked_sum(mb["old_logprobs"] - logprobs.detach(), mb_mask),
-                        "ppo_kl__n": n,
-                    }
-
-                def critic_loss_fn(mb, values):  # values: (b, T, 1) from the value head
-                    mb_mask = mb["mask"]
-                    per_token, clipped = value_loss(
-                        values.squeeze(-1).float(), mb["old_values"], mb["returns"], mb_mask, clip=args.vf_clip
-                    )
-                    loss = aggregate_loss(per_token, mb_mask, "token_mean", num_tokens=norm["num_tokens"])
-                    n = mb_mask.sum()
-                    return loss * scale, {
-                        "value_loss": loss.detach(),
-                        "value_loss__n": n / norm["num_tokens"],
-                        "vf_clip_frac": masked_sum(clipped.float(), mb_mask),
-                        "vf_clip_frac__n": n,
-                    }
-
-                if train_actor:
-                    lrs.append(optimizer.param_groups[0]["lr"])
-                    mb_metrics, grad_norm = schedule.train_step(
-                        model,
-                        optimizer,
-                        scheduler,
-                        mbs,
-                        actor_loss_fn,
-                        info.device,
-                        step=step,
-                        before_step=optimizers_ready,
-                    )
-                    train_metrics += mb_metrics
-                    grad_norms.append(grad_norm)
-                critic_lrs.append(critic_optimizer.param_groups[0]["lr"])
-                mb_metrics, grad_norm = schedule.train_step(
-                    critic,
-                    critic_optimizer,
-                    critic_scheduler,
-                    mbs,
-                    critic_loss_fn,
-                    info.device,
-                    step=step,
-                    before_step=optimizers_ready,
-                )
-                train_metrics += mb_metrics
-                critic_grad_norms.append(grad_norm)
+        colo.turn(critic_optimizer, timer)  # on a GPU its copies overlap the passes, up to its first step
+        optimizer_steps(critic, critic_optimizer, critic_scheduler, critic_loss_fn, critic_lrs, critic_grad_norms)
+        memory.end("critic")
+        if train_actor:
+            colo.turn(optimizer, timer)  # the critic's state to host memory, the actor's back
+            optimizer_steps(model, optimizer, scheduler, actor_loss_fn, lrs, grad_norms)
         times["train_s"] = time.time() - tick
         memory.end("train")
 
@@ -758,6 +754,7 @@ def main():
                 hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
                 meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
                 optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
+                before_model=save_turn,  # one optimizer state on the GPU at a time, as in the update
             )
             times["save_s"] = time.time() - tick
             metrics["save_wait_sec"] = writer.wait_s  # of save_s: the previous save's files still being written

@@ -161,6 +161,7 @@ def main():
     result["shared"] = shared_staging(
         hf_dir, os.path.join(os.path.dirname(os.path.abspath(hf_dir)), f"shared_ckpt_{info.world_size}")
     )
+    result["turns"] = turns(hf_dir, os.path.join(os.path.dirname(os.path.abspath(hf_dir)), f"turns_{info.world_size}"))
     if info.rank == 0:
         print("RESULT " + json.dumps(result))
 
@@ -438,6 +439,118 @@ def shared_staging(hf_dir, root):
     seen["tensors"] = len(saved)
     seen["pool"] = dict(extra=colo.pool.extra_count)
     return seen
+
+
+def turns(hf_dir, root):
+    """PPO's update in turns (common/train/colocation.py turn, as train_ppo.py drives it): the critic's
+    optimizer steps with only its optimizer state on the device, then the actor's with only its own;
+    a save brings each model's state in for its part (before_model). Three steps give bit-identical
+    parameters and Adam state to the same steps without any offload, the checkpoint loads bit-exact,
+    and the save's turn moves the actor's just-staged state out without copying it."""
+    from megatron.core import parallel_state as mpu
+
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import load_hf_weights
+    from common.train.colocation import Colocation, Timer
+    from common.train.resume import load_training_checkpoint
+    from common.train.save import CheckpointWriter
+    from common.train.setup import setup_training
+
+    spec = load_hf_spec(hf_dir)
+    include_cpu = not torch.cuda.is_available()
+
+    def build():
+        policy_chunks = build_model(spec, dtype=torch.bfloat16)
+        load_hf_weights(policy_chunks, spec, hf_dir)
+        critic_chunks = build_critic(spec, dtype=torch.bfloat16)
+        load_critic_weights(critic_chunks, spec, hf_dir)
+        return setup_training(policy_chunks, lr=1e-2), setup_training(critic_chunks, lr=1e-2)
+
+    def adam_tensors(opt):
+        return [v for s in optimizer_states(opt) for v in s.values() if torch.is_tensor(v) and v.dim()]
+
+    def resident(tensors):
+        return all(t.untyped_storage().nbytes() > 0 for t in tensors)
+
+    def emptied(tensors):
+        return all(t.untyped_storage().nbytes() == 0 for t in tensors)
+
+    plain_models = build()
+    (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler) = build()
+    models = [(policy, optimizer), (critic, critic_optimizer)]
+    colo = Colocation(
+        RecordingEngine(lambda weights: None),
+        policy,
+        [(optimizer, policy), (critic_optimizer, critic)],
+        idle=[critic],
+        weights=lambda: iter(()),
+        include_cpu=include_cpu,
+    )
+    colo.allocate()
+    writer = CheckpointWriter(models=models, shared=colo.host_buffers)
+    timer, seen = Timer({}), dict(critic_turn=[], actor_turn=[])
+    (plain_policy, plain_optimizer, _), (plain_critic, plain_critic_optimizer, _) = plain_models
+    for index in range(1, 4):
+        optimizer_step(plain_critic, plain_critic_optimizer, spec, seed=index, value_head=True)
+        optimizer_step(plain_policy, plain_optimizer, spec, seed=index)
+        with colo.rollout(timer, NoMemory()):
+            pass
+        colo.reload_idle()
+        colo.turn(critic_optimizer, timer)
+        colo.wait_optimizers(timer)
+        if index > 1:  # (Adam's state exists from the first steps on)
+            seen["critic_turn"].append(resident(adam_tensors(critic_optimizer)) and emptied(adam_tensors(optimizer)))
+        optimizer_step(critic, critic_optimizer, spec, seed=index, value_head=True)
+        colo.turn(optimizer, timer)
+        colo.wait_optimizers(timer)
+        if index > 1:
+            seen["actor_turn"].append(resident(adam_tensors(optimizer)) and emptied(adam_tensors(critic_optimizer)))
+        optimizer_step(policy, optimizer, spec, seed=index)
+    colo.reload_optimizers(timer)  # everything on the device a moment, to read what the save must hold
+    colo.wait_optimizers(timer)
+    before_save = checkpointed_state(models)
+    colo.turn(optimizer, timer)  # back as the update left it: the critic's state in host memory
+    parts = []
+
+    def save_turn(name):
+        colo.turn(critic_optimizer if name else optimizer, timer)
+        colo.wait_optimizers(timer)
+        parts.append((name, colo.optimizers[0].copied if name else None))
+
+    writer.save(
+        root,
+        3,
+        policy,
+        optimizer,
+        scheduler,
+        extra={"step": 3},
+        extra_models={"critic": (critic, critic_optimizer, critic_scheduler)},
+        optimizer_sharding="fully_reshardable" if mpu.get_data_parallel_world_size() == 1 else "dp_reshardable",
+        before_model=save_turn,
+    )
+    seen["published"] = writer.wait()
+    seen["save_parts"] = [name for name, _ in parts]
+    seen["actor_out_copied"] = parts[-1][1]  # the actor's state, staged by its part, moved out without a copy
+    colo.turn(optimizer, timer)
+    colo.wait_optimizers(timer)
+    colo.reload_optimizers(timer)  # everything on the device, to compare
+    colo.wait_optimizers(timer)
+    final = checkpointed_state(models)
+    seen["same_as_plain"] = all(map(torch.equal, final, checkpointed_state(plain_models_pairs(plain_models))))
+    seen["save_is_state"] = len(final) == len(before_save) and all(map(torch.equal, final, before_save))
+    (policy2, optimizer2, scheduler2), (critic2, critic_optimizer2, critic_scheduler2) = build()
+    load_training_checkpoint(
+        root, policy2, optimizer2, scheduler2, extra_models={"critic": (critic2, critic_optimizer2, critic_scheduler2)}
+    )
+    loaded = checkpointed_state([(policy2, optimizer2), (critic2, critic_optimizer2)])
+    seen["loaded_exact"] = len(loaded) == len(final) and all(map(torch.equal, loaded, final))
+    return seen
+
+
+def plain_models_pairs(built):
+    (policy, optimizer, _), (critic, critic_optimizer, _) = built
+    return [(policy, optimizer), (critic, critic_optimizer)]
 
 
 if __name__ == "__main__":

@@ -243,6 +243,50 @@ def test_without_offload_the_state_stays_and_staging_pins_it():
     assert gathered.shown.host_save == 12 * PARAMS and small_plan().shown.host_save == 0
 
 
+def test_ppo_updates_critic_then_actor_in_turns():
+    """PPO with the optimizers offloaded (train_ppo.py, common/train/colocation.py turn): a critic phase
+    with only the critic's optimizer state and gradients beside the two models' weights, then the
+    actor's update and the save with only the actor's; without the offload, one update with both."""
+    spec = parse_hf_config(SMALL)
+    plan = small_plan(critic=spec)
+    assert plan.phases == M.TURN_PHASES and small_plan().phases == M.PHASES
+    items = {item.name: item for item in plan.shown.items}
+    cw = items["critic weights (bf16)"].device["critic"]
+    cg, co = items["critic gradients (fp32)"].device, items["critic optimizer (main + Adam)"].device
+    assert set(cg) == set(co) == {"critic"}  # in host memory (the optimizer) or freed (gradients) otherwise
+    assert cg["critic"] == 2 * cw and co["critic"] == 3 * cw  # fp32 grads; 12 B per parameter over DP 2
+    slack, fixed = 1 + M.FRAGMENTATION, M.PROCESS_OVERHEAD + M.ENGINE_RESIDENT
+    critic_acts = items["critic activations (1024 tokens)"].device["critic"]
+    assert critic_acts > 0 and set(items["critic activations (1024 tokens)"].device) == {"critic"}
+    assert plan.total("critic") == pytest.approx((WEIGHTS + cw + cg["critic"] + co["critic"] + critic_acts) * slack + fixed)
+    state = WEIGHTS + GRADS + MAIN + ADAM
+    assert plan.total("update") == pytest.approx((state + cw + ACTIVATIONS + LOGITS_UPDATE) * slack + fixed)
+    assert plan.total("save") == pytest.approx((state + cw) * slack + fixed)
+    assert plan.host_parts()["offload buffers"] == WEIGHTS + MAIN + ADAM + WEIGHTS + cw + co["critic"]
+    together = small_plan(critic=spec, offload_optimizer=False, engine_share=0.1)  # nothing to turn
+    assert together.phases == M.PHASES
+    assert together.total("update") == pytest.approx(
+        (state + cw + cg["critic"] + co["critic"] + ACTIVATIONS + LOGITS_UPDATE) * slack + fixed
+    )
+
+
+def test_host_checks_count_the_stage_that_pins_the_most():
+    """Pipeline stages that differ: the GPU table shows the stage fullest on the GPU (here stage 0: 13
+    layers + the embedding, 2 micro-batches in flight), but a node's host memory is checked as if each
+    of its ranks pinned what the stage that pins the most does (stage 1: 15 layers + the output layer)."""
+    plan = M.plan_memory(
+        parse_hf_config(QWEN2_7B),
+        **dict(world=8, tp=1, pp=2, first_stage_layers=13, gpu_bytes=80e9, gpus_per_node=8),
+        **dict(update_tokens=8192, logprob_tokens=8192, update_micro_batches=8, engine_share=0.3),
+    )
+    first, last = plan.stages
+    assert plan.shown is first and plan.host_stage is last and last.host > first.host
+    assert plan.host_parts()["offload buffers"] == last.host
+    node = 8 * (first.host + last.host) / 2  # room for the shown stage's pins on 8 ranks, not the last's
+    plan.node_bytes = node
+    assert plan.host_problems() == [("refuse", "pinned", 8 * last.host, node)]
+
+
 def test_refusals_name_the_phase_and_the_node():
     from common.run.host_memory import host_memory_problem
 
@@ -317,7 +361,7 @@ def planned(**layout):
         node_bytes=500e9,
     )
     plan = M.plan_memory(parse_hf_config(QWEN2_7B), **dict(kwargs, **layout))
-    return [round(plan.total(p) / 1e9, 1) for p in M.PHASES] + [round(plan.shown.host / 1e9, 1)]
+    return [round(plan.total(p) / 1e9, 1) for p in plan.phases] + [round(plan.shown.host / 1e9, 1)]
 
 
 def totals_of(printed):

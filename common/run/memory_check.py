@@ -32,6 +32,7 @@ PHASE_METRICS = {
     "sync": "mem_sync_gb",
     "rollout": "mem_rollout_gb",
     "logprob": "mem_logprob_gb",
+    "critic": "mem_critic_gb",
     "update": "mem_train_gb",
 }
 H100_NODE = dict(world=8, gpus_per_node=8, gpu_bytes=80e9)  # what the dry run also plans for, one line
@@ -159,9 +160,9 @@ def _check_memory(args, spec, has_critic):
     if given_share is not None:
         args.gpu_memory_utilization = given_share * scale  # the plan's unit: a fraction of --gpu-memory-gb
     inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
-    plan = M.plan_memory(**inputs)
-    if _refused(plan) and getattr(args, "micro_batch_size_derived", False) and not args.micro_batch_tokens:
-        # the default micro-batches do not fit: a token budget that does, rather than a refusal
+    plan = first = M.plan_memory(**inputs)
+    if _pass_problems(plan) and getattr(args, "micro_batch_size_derived", False) and not args.micro_batch_tokens:
+        # the default micro-batches do not fit (or only without the plan's margin): a token budget that does
         tokens = fitting_micro_batch_tokens(inputs)
         if tokens is not None:
             full = inputs["update_tokens"]
@@ -170,7 +171,8 @@ def _check_memory(args, spec, has_critic):
             plan = M.plan_memory(**inputs)
             derived.append(
                 f"--micro-batch-tokens {tokens} (passes of --micro-batch-size {args.micro_batch_size} samples of "
-                f"up to {full // args.micro_batch_size} tokens would need more memory than the GPU has in the update)"
+                f"up to {full // args.micro_batch_size} tokens would need more than {M.WARN_AT:.0%} of the GPU in "
+                f"the {' and '.join(sorted({phase for _, phase, _ in _pass_problems(first)}))} phase)"
             )
     if plan.engine_share_derived:
         args.gpu_memory_utilization = plan.engine_share / scale
@@ -188,7 +190,7 @@ def _check_memory(args, spec, has_critic):
             f"({args.gpu_memory_utilization * real / M.GB:.1f} GB); mem_*_gb show what the phases used"
         )
     if plan.on_gpu:  # what the run's mem_*_gb metrics should read, in its config.json record
-        predicted = {p: plan.total(p) for p in PHASE_METRICS}
+        predicted = {p: plan.total(p) for p in PHASE_METRICS if p in plan.phases}
         predicted["sync"] = max(predicted["sync"], predicted["rollout"])  # it ends after the KV cache wakes
         args.memory_plan_gb = {PHASE_METRICS[p]: round(v / M.GB, 1) for p, v in predicted.items()}
     master = launcher_rank() == 0
@@ -294,7 +296,7 @@ def fitting_micro_batch_tokens(inputs):
     stays within the plan's margin (WARN_AT of the GPU: the plan is an estimate), else the largest with
     which none is refused (the forward-only passes capped alike); None if neither exists."""
     top = 2 ** int(math.log2(max(inputs["update_tokens"] - 1, 1)))
-    for acceptable in (lambda plan: not plan.problems(), lambda plan: not _refused(plan)):
+    for acceptable in (lambda plan: not _pass_problems(plan), lambda plan: not _refused(plan)):
         tokens = top
         while tokens >= 1024:
             smaller = dict(inputs, update_tokens=tokens, logprob_tokens=min(inputs["logprob_tokens"], tokens))
@@ -302,6 +304,11 @@ def fitting_micro_batch_tokens(inputs):
                 return tokens
             tokens //= 2
     return None
+
+
+def _pass_problems(plan):
+    """The plan's problems in the phases whose size the tokens per pass set."""
+    return [problem for problem in plan.problems() if problem[1] in ("logprob", "critic", "update")]
 
 
 def _refused(plan):
@@ -376,7 +383,7 @@ def host_refusal(plan, what, need, have):
             "without a message; use fewer GPUs per node, free host memory, or keep the state on the GPUs where "
             "the plan allows (--no-offload-optimizer, --no-offload-params)"
         )
-    gather = n * plan.shown.host_save
+    gather = n * plan.host_stage.host_save
     return (
         f"a checkpoint save would need {need / M.GB:.1f} GB of host memory on each node of {have / M.GB:.1f} GB "
         f"available: the pinned buffers and the distributed optimizer's gather of --save-any-layout "
@@ -399,8 +406,8 @@ def format_summary(plan):
     """The few lines a GPU run prints at start-up (nothing for a CPU run)."""
     if not plan.on_gpu:
         return ""
-    totals = ", ".join(f"{p} {plan.total(p) / M.GB:.1f}" for p in M.PHASES)
-    host = plan.shown.host
+    totals = ", ".join(f"{p} {plan.total(p) / M.GB:.1f}" for p in plan.phases)
+    host = plan.host_stage.host
     node = f", {plan.ranks_per_node * host / M.GB:.1f} per node" if plan.ranks_per_node > 1 else ""
     return (
         f"memory plan, GB per GPU of {plan.device_bytes / M.GB:.1f}: {totals}; pinned host memory "
@@ -422,24 +429,24 @@ def format_plan(plan, inputs):
     )
     if plan.on_gpu:
         where = f"GB per rank, on GPUs of {plan.device_bytes / M.GB:.1f} GB"
-        columns = list(M.PHASES) + ["pinned host"]
+        columns = list(plan.phases) + ["pinned host"]
     else:
         where = "GB of host memory per rank (a CPU run: no GPU found; --gpu-memory-gb plans for one)"
-        columns = list(M.PHASES)
+        columns = list(plan.phases)
     if len(plan.stages) > 1:
         where += f"; pipeline stage {plan.shown.stage} of {len(plan.stages)}, the fullest"
     width = max(len(i.name) for i in plan.shown.items) + 2
     lines = [title, where, " " * width + "".join(f"{c:>12}" for c in columns)]
     for item in plan.shown.items:
-        values = [item.device.get(p, 0) for p in M.PHASES] + ([item.host] if plan.on_gpu else [])
+        values = [item.device.get(p, 0) for p in plan.phases] + ([item.host] if plan.on_gpu else [])
         if any(v >= 0.005 * M.GB for v in values):
             lines.append(f"{item.name:<{width}}" + "".join(_cell(v) for v in values))
-    totals = [plan.total(p) for p in M.PHASES] + ([plan.shown.host] if plan.on_gpu else [])
+    totals = [plan.total(p) for p in plan.phases] + ([plan.shown.host] if plan.on_gpu else [])
     lines.append(f"{'total':<{width}}" + "".join(f"{v / M.GB:>12.1f}" for v in totals))
     if plan.capacity:
-        lines.append(f"{'of':<{width}}" + "".join(f"{plan.capacity / M.GB:>12.1f}" for _ in M.PHASES))
+        lines.append(f"{'of':<{width}}" + "".join(f"{plan.capacity / M.GB:>12.1f}" for _ in plan.phases))
     if plan.on_gpu:
-        lines.append("  the run's metrics: " + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items()))
+        lines.append("  the run's metrics: " + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items() if p in plan.phases))
         lines.append("  (mem_sync_gb ends after the KV cache wakes: the larger of sync and rollout)")
     if plan.engine_share is not None:
         share, sequences = plan.engine_share * plan.device_bytes, plan.kv_tokens // max(plan.max_model_len, 1)
@@ -455,10 +462,13 @@ def node_lines(plan):
     n = plan.ranks_per_node
     have = f"{plan.node_bytes / M.GB:.1f} GB available" if plan.node_bytes else "unknown available memory"
     if not plan.on_gpu:
-        peak = max(plan.total(p) for p in M.PHASES)
+        peak = max(plan.total(p) for p in plan.phases)
         return [f"node: {n} rank(s) x {peak / M.GB:.1f} GB = {n * peak / M.GB:.1f} GB of {have}"]
-    pinned, save = plan.shown.host, plan.shown.host_save
+    stage = plan.host_stage
+    pinned, save = stage.host, stage.host_save
     line = f"node: {n} rank(s) x {pinned / M.GB:.1f} GB pinned = {n * pinned / M.GB:.1f} GB"
+    if stage is not plan.shown:
+        line += f" (pipeline stage {stage.stage}'s, which pins the most)"
     if save:
         line += f", + {n * save / M.GB:.1f} GB at a save (the optimizer's gather)"
     line += f", + ~{n * M.PROCESS_HOST / M.GB:.0f} GB for the processes; of {have}"
@@ -477,6 +487,6 @@ def other_machine_line(inputs, world, gpus_per_node, gpu_bytes):
     if not _layout_check(inputs)(new):
         return f"on {what}: this layout does not divide {world} ranks"
     plan = M.plan_memory(**new)
-    totals = ", ".join(f"{p} {max(s.total(p) for s in plan.stages) / M.GB:.1f}" for p in M.PHASES)
+    totals = ", ".join(f"{p} {max(s.total(p) for s in plan.stages) / M.GB:.1f}" for p in plan.phases)
     over = [p for level, p, _ in plan.problems() if level == "refuse"]
     return f"on {what}: {totals} GB per GPU: " + (f"{', '.join(over)} over" if over else "fits")

@@ -15,6 +15,8 @@ Phases and what they hold on the GPU (the scripts' order; the columns compare wi
            trainer keeps on the GPU (nothing with both offloads on): mem_rollout_gb
   logprob  the engine asleep; forward-only passes (old/reference logprobs, PPO's values) keep no
            activations, only one micro-batch's logits: mem_logprob_gb
+  critic   PPO with the optimizers offloaded: the critic's update first, only its optimizer state on
+           the GPU (the actor's in host memory, its gradients freed): mem_critic_gb
   update   weights, fp32 gradients, the optimizer and one micro-batch's saved activations (times
            the micro-batches a pipeline stage holds at once), the logits and their gradient:
            mem_train_gb
@@ -24,7 +26,8 @@ common/train/setup.py), fp32 main weights + Adam's two moments (12 B) sharded ov
 (and context) parallel ranks by the distributed optimizer, routed experts over expert-data-parallel.
 
 Where several pipeline stages differ (embedding, output layer, uneven layer counts, the micro-
-batches a stage keeps in flight), every stage is planned and the fullest one is shown.
+batches a stage keeps in flight), every stage is planned and the fullest one is shown; the host
+checks count the stage that pins the most.
 """
 
 import math
@@ -44,6 +47,7 @@ from common.model.sizes import (
 
 GB = 1e9
 PHASES = ("sync", "rollout", "logprob", "update", "save")
+TURN_PHASES = ("sync", "rollout", "logprob", "critic", "update", "save")  # PPO's two updates in turn
 # Per process, outside the tensors counted here: the CUDA context with cuBLAS's workspaces (~0.6
 # GB on an H100) and NCCL's buffers for megatron's process groups (~1-1.5 GB at 8 ranks). An
 # estimate from those components, not a measurement.
@@ -108,6 +112,7 @@ class Plan:
     `stages`), the device and node it is planned for, and what was derived."""
 
     stages: list
+    phases: tuple  # PHASES, or TURN_PHASES (PPO's critic and actor updating in turn)
     device_bytes: float | None  # per GPU; None: a CPU run (the phases are then host memory)
     node_bytes: float | None  # host memory per node; None: unknown
     ranks_per_node: int
@@ -127,14 +132,20 @@ class Plan:
 
     @property
     def shown(self):
-        return max(self.stages, key=lambda s: max(s.total(p) for p in PHASES))
+        return max(self.stages, key=lambda s: max(s.total(p) for p in self.phases))
 
     def total(self, phase):
         return self.shown.total(phase)
 
+    @property
+    def host_stage(self):
+        """The pipeline stage that pins the most host memory (at a save included): the host checks count
+        every rank of a node as this one (the stages a node holds are not known from the flags)."""
+        return max(self.stages, key=lambda s: (s.host + s.host_save, s.host))
+
     def host_parts(self):
         """This rank's pinned host memory in common/run/host_memory.py check_host_memory's form."""
-        items = self.shown.items
+        items = self.host_stage.items
         staging = sum(i.host for i in items if i.name.startswith("checkpoint staging"))
         return {"offload buffers": sum(i.host for i in items) - staging, "checkpoint staging": staging}
 
@@ -144,7 +155,7 @@ class Plan:
         ("kv cache"), "warn" above WARN_AT of the device."""
         found, capacity = [], self.capacity
         if capacity:
-            for phase in PHASES:
+            for phase in self.phases:
                 stage = max(self.stages, key=lambda s: s.total(phase))
                 need = stage.total(phase)
                 if need > capacity or need > WARN_AT * capacity:
@@ -159,7 +170,8 @@ class Plan:
         if not self.on_gpu or self.node_bytes is None:
             return []
         n, have = self.ranks_per_node, self.node_bytes
-        pinned, at_save = n * self.shown.host, n * (self.shown.host + self.shown.host_save)
+        stage = self.host_stage
+        pinned, at_save = n * stage.host, n * (stage.host + stage.host_save)
         everything = at_save + n * PROCESS_HOST
         if pinned > have:
             return [("refuse", "pinned", pinned, have)]
@@ -249,7 +261,12 @@ def plan_memory(
     layer_kw = dict(tp=tp, sp=sp, cp=cp, etp=etp, dtype_bytes=b, device=device)
     recompute_kw = dict(recompute=recompute, recompute_modules=recompute_modules, recompute_layers=recompute_layers)
     padded_vocab = padded_vocab_size(spec.vocab_size, tp) // tp
-    everywhere = " ".join(PHASES)
+    # PPO with the optimizer state offloaded updates the critic, then the actor, each with only its own
+    # optimizer state (and gradients) on the GPU (common/train/colocation.py turn): two phases
+    turns = critic is not None and offload_optimizer and on_gpu
+    phases = TURN_PHASES if turns else PHASES
+    everywhere = " ".join(phases)
+    critic_turn = " critic" if turns else ""
 
     stages = []
     for s in range(pp):
@@ -273,7 +290,7 @@ def plan_memory(
         add(
             f"policy weights ({dtype_name(b)})",
             weights,
-            when(keep_params, "sync logprob update save"),
+            when(keep_params, "sync logprob update save" + critic_turn),
             host=weights * offload_params,
         )
         # (the optimizer's offload frees them before the sync, the policy's after it)
@@ -290,20 +307,27 @@ def plan_memory(
             frozen[f"reward model weights ({dtype_name(b)})"] = counts(reward_model, s, True, False).total * b
         one_pass = max(frozen, key=frozen.get, default=None)
         for name, nbytes in frozen.items():
-            phases = everywhere if keep_params else "logprob" if name == one_pass else ""
-            add(name, nbytes, phases, host=nbytes * offload_params)
+            frozen_phases = everywhere if keep_params else "logprob" if name == one_pass else ""
+            add(name, nbytes, frozen_phases, host=nbytes * offload_params)
         if critic is not None:  # PPO's critic: idle from the rollout until its values pass, then trained
             c = counts(critic, s, value_head=True)
             cw, cg, co = c.total * b, c.total * FP32, optimizer_bytes(c, main_bytes + 2 * FP32)
             add(
                 f"critic weights ({dtype_name(b)})",
                 cw,
-                everywhere if keep_params else "logprob update save",
+                everywhere if keep_params else "logprob update save" + critic_turn,
                 host=cw * offload_params,
             )
             grad_phases = everywhere if keep_grads else "logprob update save" if keep_opt else "update save"
-            add("critic gradients (fp32)", cg, grad_phases)
-            add("critic optimizer (main + Adam)", co, optimizer_phases, host=co * offload_optimizer)
+            # in turns: on the GPU for the critic's update only (a save brings them back after the actor's
+            # part, with the actor's freed: less than the critic phase, which also holds activations)
+            add("critic gradients (fp32)", cg, "critic" if turns else grad_phases)
+            add(
+                "critic optimizer (main + Adam)",
+                co,
+                "critic" if turns else optimizer_phases,
+                host=co * offload_optimizer,
+            )
 
         # -- the rollout engine: vLLM's share of the GPU while awake (weights, KV cache,
         # workspace), asleep (level 2: nothing but the overhead) in the trainer's phases
@@ -317,14 +341,16 @@ def plan_memory(
 
         # -- activations and logits of one micro-batch (per rank: CP splits the tokens)
         saved, recomputed = stage_activation_bytes(spec, layers[s], **layer_kw, **recompute_kw)
-        if critic is not None:  # the critic's update runs after the actor's, on the same micro-batches
-            critic_layers = stage_layer_indices(critic.num_layers, pp, vpp, first_stage_layers, last_stage_layers)[s]
-            critic_saved, critic_recomputed = stage_activation_bytes(critic, critic_layers, **layer_kw, **recompute_kw)
-            if critic_saved + critic_recomputed > saved + recomputed:
-                saved, recomputed = critic_saved, critic_recomputed
         in_flight = in_flight_micro_batches(s, pp, vpp, update_micro_batches)
         tokens, lp_tokens = update_tokens / cp, logprob_tokens / cp
         name = f"activations ({update_tokens} tokens" + (f" x {in_flight:g} in flight)" if pp > 1 else ")")
+        if critic is not None:  # the critic's update runs before the actor's, on the same micro-batches
+            critic_layers = stage_layer_indices(critic.num_layers, pp, vpp, first_stage_layers, last_stage_layers)[s]
+            critic_saved, critic_recomputed = stage_activation_bytes(critic, critic_layers, **layer_kw, **recompute_kw)
+            if turns:
+                add(f"critic {name}", tokens * (critic_saved * in_flight + critic_recomputed), "critic")
+            elif critic_saved + critic_recomputed > saved + recomputed:
+                saved, recomputed = critic_saved, critic_recomputed
         add(name, tokens * (saved * in_flight + recomputed), "update")
         add("forward-only pass (one layer's working set)", layer_working_bytes(spec, layer_kw) * lp_tokens, "logprob")
         if s == pp - 1:  # only the last stage computes logits (T, V/tp); on a GPU the fused
@@ -338,7 +364,7 @@ def plan_memory(
 
         # -- fixed: the allocator's slack over the tensors, the process's own
         if on_gpu:
-            slack = {p: FRAGMENTATION * sum(i.device.get(p, 0) for i in items.values() if i.torch) for p in PHASES}
+            slack = {p: FRAGMENTATION * sum(i.device.get(p, 0) for i in items.values() if i.torch) for p in phases}
             items["allocator slack"] = Item("allocator slack", slack, torch=False)
             add("fixed overhead (CUDA context, NCCL)", PROCESS_OVERHEAD, everywhere, torch=False)
             if engine == "vllm":
@@ -377,6 +403,7 @@ def plan_memory(
                     item.device = {"rollout": max(kv, 0)}
     return Plan(
         stages=stages,
+        phases=phases,
         device_bytes=gpu_bytes,
         node_bytes=node_bytes,
         ranks_per_node=ranks,

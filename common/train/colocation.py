@@ -29,6 +29,7 @@ class Colocation:
         with colo.frozen_model(reference): ...        # back for its logprob pass only
         colo.reload_idle(); colo.reload_optimizers(timer)   # copies overlap the passes up to...
         schedule.train_step(..., before_step=lambda: colo.wait_optimizers(timer))  # ...the optimizer step
+        colo.turn(critic_optimizer, timer); ...; colo.turn(optimizer, timer)   # PPO: one optimizer at a time
 
     params: the models' parameters (and DDP grad buffers) go to host memory while unused: the
     policy once its weights are in the engine, idle models (PPO's critic) from the rollout
@@ -139,6 +140,23 @@ class Colocation:
         with timer("reload"):
             for off in self.optimizers:
                 off.reload(stream=self._copies)
+
+    def turn(self, optimizer, timer):
+        """Two trained models (PPO's policy and critic) update in turn: only `optimizer`'s state is on
+        the GPU from here, the other optimizers' (main weights, Adam, gradients freed) go to host
+        memory, and `optimizer`'s copies start back as reload_optimizers' do (wait_optimizers()
+        before its step). A state a checkpoint save just staged moves without a copy (its host
+        buffers hold it). Without the optimizer offload everything stays where it is."""
+        if not self.optimizer_state:
+            return
+        with timer("offload"):
+            for off in self.optimizers:
+                if off.optimizer is not optimizer:
+                    off.offload()
+        with timer("reload"):
+            for off in self.optimizers:
+                if off.optimizer is optimizer and off.offloaded:
+                    off.reload(stream=self._copies)
 
     def wait_optimizers(self, timer):
         """Block until reload_optimizers' copies have landed; the wait (the part of the copies

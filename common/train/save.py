@@ -159,9 +159,11 @@ def _start_save(
     extra_models,
     background,
     staging=None,
+    before_model=None,
 ):
     """Everything of a save up to the writing of the tensor files (started, or done when not
-    background). Collective."""
+    background). Collective. before_model(name): called before each model's part ("" the policy,
+    then extra_models' names), e.g. to bring that model's optimizer state onto the GPU."""
     if optimizer_sharding not in OPTIMIZER_SHARDINGS:
         raise ValueError(f"optimizer_sharding must be one of {OPTIMIZER_SHARDINGS}, not {optimizer_sharding!r}")
     extra_models = check_extra_models(extra_models)
@@ -170,13 +172,15 @@ def _start_save(
     rank = dist.get_rank()
     rng_state = checkpoint_dirs.rng_state()  # first: nothing below may advance a generator before
     models = {"": (ddp_chunks, optimizer, scheduler), **extra_models}  # "": the step directory itself
-    # A diverged run must not overwrite good checkpoints with NaNs (keep_last would prune them).
-    named = [
-        (f"{model_name}/{name}" if model_name else name, t)
-        for model_name, (chunks, opt, _) in models.items()
-        for name, t in _training_tensors(chunks, opt)[0]
-    ]
-    checkpoint_io.check_finite(named, f"the training checkpoint of step {step}")  # collective
+
+    def check_finite(model_name):  # a diverged run must not overwrite good checkpoints with NaNs (keep_last)
+        chunks, opt, _ = models[model_name]
+        named = [(f"{model_name}/{name}" if model_name else name, t) for name, t in _training_tensors(chunks, opt)[0]]
+        checkpoint_io.check_finite(named, f"the training checkpoint of step {step}")  # collective
+
+    if before_model is None:  # every model on the device: all checked before anything is written
+        for model_name in models:
+            check_finite(model_name)
     save = _PendingSave(ckpt_root, step, keep_last)
     if rank == 0:
         if os.path.exists(save.tmp_dir):  # left by an interrupted save of this same step
@@ -187,6 +191,9 @@ def _start_save(
     # Each further model in its own subdirectory, by its own save: one save of both would
     # collide (the critic's sharded keys, decoder.layers.0..., are the policy's).
     for model_name, (chunks, model_optimizer, _) in models.items():
+        if before_model is not None:
+            before_model(model_name)
+            check_finite(model_name)
         if model_name:
             if rank == 0:
                 os.makedirs(os.path.join(save.tmp_dir, model_name))
@@ -355,9 +362,10 @@ class CheckpointWriter:
         hf_source_dir=None,
         optimizer_sharding=DEFAULT_OPTIMIZER_SHARDING,
         extra_models=None,
+        before_model=None,
     ):
-        """save_training_checkpoint's arguments; returns once the files are being written.
-        self.wait_s: the seconds it first waited for the previous save's files."""
+        """save_training_checkpoint's arguments (+ before_model: _start_save's); returns once the files
+        are being written. self.wait_s: the seconds it first waited for the previous save's files."""
         started = time.perf_counter()
         self.wait()
         self.wait_s = time.perf_counter() - started
@@ -376,6 +384,7 @@ class CheckpointWriter:
             extra_models=extra_models,
             background=True,
             staging=self.staging,
+            before_model=before_model,
         )
         self.pending.blocking_s = time.perf_counter() - self.pending.started
         self.pending.stage_s = sum(write.stage_s for write in self.pending.writes)
