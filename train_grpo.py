@@ -202,8 +202,10 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new
 
 def main():
     from common.run.log import quiet_known_warnings, quiet_third_party_logging
+    from common.run.startup import StartupClock
     from common.run.user_code import load_reward
 
+    clock = StartupClock()  # where the start-up goes, said in one line before the first step
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
     quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
@@ -254,6 +256,7 @@ def main():
         write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])
     dist.barrier()
     spec = load_hf_spec(hf_dir)
+    clock.mark("set-up")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
@@ -304,6 +307,7 @@ def main():
     )
     if engine is not None:
         engine.sleep()
+    clock.mark("engine")
 
     # ---- policy (trained), reference (frozen) ----------------------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
@@ -343,11 +347,13 @@ def main():
             decay_style=args.lr_decay,
             use_distributed_optimizer=args.distributed_optimizer,
         )
+    clock.mark("policy")
     reference = None
     if args.kl_coef > 0 and not args.eval_only:
         reference = load_model()
         for chunk in reference:
             chunk.eval().requires_grad_(False)
+    clock.mark("reference")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
@@ -421,6 +427,7 @@ def main():
         if args.reward_model
         else None
     )
+    clock.mark("reward model")
 
     # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
     checkpointed = [(model, optimizer)]
@@ -432,7 +439,9 @@ def main():
             "checkpoint staging": CheckpointWriter.host_bytes(checkpointed, colo.host_buffers),
         }
     )
+    clock.mark("set-up")
     colo.allocate()  # the pinned pool now (the first steps would pay seconds for it); the reference moves there
+    clock.mark("pinned host memory")
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -444,6 +453,7 @@ def main():
         print0(f"resumed from step {start_step}")
         for line in changed_flags(extra.get("flags", {}), F.schedule_flags(args), start_step):
             print0(line)  # the schedule follows this run's flags, from the resumed step on
+        clock.mark("resume")
     logger = MetricsLogger(
         args.out,
         # the arguments as resolved (what ran: dtype, engine, offloads, wandb), + the command line as given
@@ -501,6 +511,8 @@ def main():
         steps=None if args.bench_response_lengths else args.steps,  # a benchmark saves no last checkpoint
     )
     writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
+    clock.mark("pinned host memory")
+    print0(clock.line())
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
     warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:

@@ -189,8 +189,10 @@ EMBEDDED_DEFAULTS = dict(
 
 def main():
     from common.run.log import quiet_known_warnings, quiet_third_party_logging
+    from common.run.startup import StartupClock
     from common.run.user_code import load_reward
 
+    clock = StartupClock()  # where the start-up goes, said in one line before the first step
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
     quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
@@ -250,6 +252,7 @@ def main():
         write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])
     dist.barrier()
     spec = load_hf_spec(hf_dir)
+    clock.mark("set-up")
     critic_dir = args.critic_model or hf_dir  # vocabulary checked in common/run/preflight.py
     critic_spec = load_hf_spec(critic_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -302,6 +305,7 @@ def main():
     )
     if engine is not None:
         engine.sleep()
+    clock.mark("engine")
 
     # ---- actor (trained), critic (trained), reference (frozen) ------------------------
     # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
@@ -342,6 +346,7 @@ def main():
         total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step,
         **lr_schedule,
     )
+    clock.mark("policy")
     # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
     # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
     critic_chunks = build_critic(critic_spec, dtype=dtype, **model_args)
@@ -349,11 +354,13 @@ def main():
     critic, critic_optimizer, critic_scheduler = setup_training(
         critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **lr_schedule
     )
+    clock.mark("critic")
     reference = None
     if args.kl_coef > 0:
         reference = load_model()
         for chunk in reference:
             chunk.eval().requires_grad_(False)
+    clock.mark("reference")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
@@ -412,6 +419,7 @@ def main():
         if args.reward_model
         else None
     )
+    clock.mark("reward model")
 
     # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
     checkpointed = [(model, optimizer), (critic, critic_optimizer)]
@@ -423,7 +431,9 @@ def main():
             "checkpoint staging": CheckpointWriter.host_bytes(checkpointed, colo.host_buffers),
         }
     )
+    clock.mark("set-up")
     colo.allocate()  # the pinned pool now (the first steps would pay seconds for it); the reference moves there
+    clock.mark("pinned host memory")
 
     # ---- logging, resume (the critic is saved in the actor's step directory) -------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
@@ -436,6 +446,7 @@ def main():
         print0(f"resumed from step {start_step}")
         for line in changed_flags(extra.get("flags", {}), F.schedule_flags(args), start_step):
             print0(line)  # the schedule follows this run's flags, from the resumed step on
+        clock.mark("resume")
     logger = MetricsLogger(
         args.out,
         # the arguments as resolved (what ran: dtype, engine, offloads, wandb), + the command line as given
@@ -492,10 +503,13 @@ def main():
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
     control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
     writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
+    clock.mark("pinned host memory")
+    print0(clock.line())
 
     def save_turn(name):  # before each model's part of a save ("": the actor, then "critic")
         colo.turn(critic_optimizer if name else optimizer, timer)
         colo.wait_optimizers(timer)
+
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
@@ -670,7 +684,6 @@ def main():
                 "vf_clip_frac": masked_sum(clipped.float(), mb_mask),
                 "vf_clip_frac__n": n,
             }
-
 
         def optimizer_steps(chunks, opt, sched, loss_fn, lrs_seen, norms_seen):
             """One model's optimizer steps: one per mini-batch of each PPO epoch."""

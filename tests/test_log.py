@@ -492,3 +492,20 @@ def test_real_third_party_warnings_filtered(tmp_path):
         assert any(m.startswith(start) for m in loud), (start, loud)
     grad_message = [m for m in loud if m.startswith("The .grad attribute")][0]
     assert quiet == ["something new went wrong", grad_message]
+
+
+def test_startup_clock_says_where_the_start_up_went(monkeypatch):
+    """common/run/startup.py: seconds between marks go to the stage marked, repeated stages add up,
+    stages under half a second are left out of the line."""
+    from common.run import startup
+
+    now = [100.0]
+    monkeypatch.setattr(startup.time, "time", lambda: now[0])
+    clock = startup.StartupClock()
+    for stage, seconds in [("engine", 46.2), ("policy", 38.0), ("set-up", 0.2), ("pinned host memory", 20.4)]:
+        now[0] += seconds
+        clock.mark(stage)
+    now[0] += 3.6
+    clock.mark("pinned host memory")
+    assert clock.parts["pinned host memory"] == pytest.approx(24.0)
+    assert clock.line() == "start-up 108 s: engine 46, policy 38, pinned host memory 24"

@@ -258,7 +258,9 @@ def test_ppo_updates_critic_then_actor_in_turns():
     slack, fixed = 1 + M.FRAGMENTATION, M.PROCESS_OVERHEAD + M.ENGINE_RESIDENT
     critic_acts = items["critic activations (1024 tokens)"].device["critic"]
     assert critic_acts > 0 and set(items["critic activations (1024 tokens)"].device) == {"critic"}
-    assert plan.total("critic") == pytest.approx((WEIGHTS + cw + cg["critic"] + co["critic"] + critic_acts) * slack + fixed)
+    assert plan.total("critic") == pytest.approx(
+        (WEIGHTS + cw + cg["critic"] + co["critic"] + critic_acts) * slack + fixed
+    )
     state = WEIGHTS + GRADS + MAIN + ADAM
     assert plan.total("update") == pytest.approx((state + cw + ACTIVATIONS + LOGITS_UPDATE) * slack + fixed)
     assert plan.total("save") == pytest.approx((state + cw) * slack + fixed)

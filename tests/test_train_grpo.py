@@ -86,6 +86,7 @@ def test_embedded_default_learns(tmp_path):
     step_dir = tmp_path / "checkpoints" / "step_000060"
     command = f"python merge_to_hf.py --ckpt {step_dir} --out {tmp_path / 'hf-step_000060'}"
     assert proc.stdout.strip().splitlines()[-1] == f"last checkpoint: {step_dir}; export it: {command}"
+    assert len(re.findall(r"^start-up \d+ s", proc.stdout, re.M)) == 1  # where the start-up went (StartupClock)
     run_script(*command.split()[1:])
     assert (tmp_path / "hf-step_000060" / "model.safetensors.index.json").is_file()
 

@@ -9,6 +9,7 @@
     hub.py          HF hub ids resolved through the HF cache
     embedded.py     the embedded tiny model and task of `python train_grpo.py`
     log.py          metrics.jsonl, wandb, the console (warnings, third-party logging)
+    startup.py      where a run's start-up goes: seconds per stage, in one line
     plots.py        curves.png, each panel in one unit
     user_code.py    the user's --reward FILE.py:NAME, loaded and checked
     dist.py         torchrun / Slurm -> torch.distributed and megatron's parallel groups

@@ -446,7 +446,9 @@ def format_plan(plan, inputs):
     if plan.capacity:
         lines.append(f"{'of':<{width}}" + "".join(f"{plan.capacity / M.GB:>12.1f}" for _ in plan.phases))
     if plan.on_gpu:
-        lines.append("  the run's metrics: " + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items() if p in plan.phases))
+        lines.append(
+            "  the run's metrics: " + ", ".join(f"{m} ~ {p}" for p, m in PHASE_METRICS.items() if p in plan.phases)
+        )
         lines.append("  (mem_sync_gb ends after the KV cache wakes: the larger of sync and rollout)")
     if plan.engine_share is not None:
         share, sequences = plan.engine_share * plan.device_bytes, plan.kv_tokens // max(plan.max_model_len, 1)

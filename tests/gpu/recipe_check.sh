@@ -31,11 +31,12 @@ phase() {  # phase LABEL flags...: one launch of the script
   "${TR[@]}" "$SCRIPT" --model "$MODEL" --out "$RUN" "$@" > "$RESULTS/$NAME.$label.log" 2>&1
   local rc=$? t1; t1=$(date +%s.%N)
   kill $sampler; wait $sampler 2>/dev/null
+  local startup; startup=$(grep -m1 -o "start-up [0-9]* s[^\r]*" "$RESULTS/$NAME.$label.log" | tr -d '"')
   local last saved; last=$(stat -c %Y "$RUN/metrics.jsonl" 2>/dev/null || echo "$t1")
   saved=$(stat -c %Y "$RUN/checkpoints" 2>/dev/null || echo "$t1")  # the last save's rename into place
-  printf '{"run": "%s", "phase": "%s", "rc": %s, "wall_s": %.0f, "host_before_gb": %s, "host_peak_gb": %s, "exit_after_last_step_s": %.1f, "exit_after_save_s": %.1f}\n' \
+  printf '{"run": "%s", "phase": "%s", "rc": %s, "wall_s": %.0f, "host_before_gb": %s, "host_peak_gb": %s, "exit_after_last_step_s": %.1f, "exit_after_save_s": %.1f, "startup": "%s"}\n' \
     "$NAME" "$label" "$rc" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')" "$base" "$(cat "$RESULTS/$NAME.$label.host")" \
-    "$(awk -v a="$last" -v b="$t1" 'BEGIN{print b-a}')" "$(awk -v a="$saved" -v b="$t1" 'BEGIN{print b-a}')" \
+    "$(awk -v a="$last" -v b="$t1" 'BEGIN{print b-a}')" "$(awk -v a="$saved" -v b="$t1" 'BEGIN{print b-a}')" "$startup" \
     | tee -a "$RESULTS/$NAME.json"
   [ "$rc" = 0 ] || tail -30 "$RESULTS/$NAME.$label.log"
   return "$rc"
