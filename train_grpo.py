@@ -218,8 +218,9 @@ def main():
     from common.rl import batch as B
     from common.rl import dapo
     from common.rl.advantages import group_advantages
+    from common.rl.corrections import truncated_is_weights
     from common.rl.logprobs import vocab_parallel_logprobs
-    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss, truncated_is_weights
+    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout.engines import make_engine, vllm_available
     from common.rollout.evaluate import Evaluator, evaluate_once

@@ -205,6 +205,7 @@ def main():
     from common.model.weights import export_hf_weights, load_hf_weights
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
+    from common.rl.corrections import truncated_is_weights
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import (
         aggregate_loss,
@@ -213,7 +214,6 @@ def main():
         masked_mean,
         masked_sum,
         policy_loss,
-        truncated_is_weights,
         value_loss,
     )
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
