@@ -128,12 +128,7 @@ def build_parser():
     )
     a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
-    a.add_argument(
-        "--tis-cap",
-        type=float,
-        default=0.0,
-        help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)",
-    )
+    F.correction_flags(p)
     F.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
@@ -162,7 +157,8 @@ def parse_args(argv=None):
     )
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
-        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
+        F.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
+        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
         if args.bench_response_lengths:  # checked now, drawn every step
             parse_lengths(args.bench_response_lengths, max_tokens=args.max_new_tokens)
             if args.load_rollouts:
@@ -220,8 +216,9 @@ def main():
     from common.rl import batch as B
     from common.rl import dapo
     from common.rl.advantages import group_advantages
+    from common.rl.corrections import correction_weights, loss_weights, uses_old_logprobs
     from common.rl.logprobs import vocab_parallel_logprobs
-    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss, truncated_is_weights
+    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout.engines import make_engine, vllm_available
     from common.rollout.evaluate import Evaluator, evaluate_once
@@ -233,7 +230,7 @@ def main():
     from common.train import schedule
     from common.train.checkpoint import checkpoint_step, load_model_checkpoint
     from common.train.colocation import Colocation, PhaseMemory, Timer
-    from common.train.guard import RunControl, check_finite
+    from common.train.guard import OffPolicyError, RunControl, check_finite, on_policy_failure
     from common.train.resume import changed_flags, load_training_checkpoint
     from common.train.reward_model import RewardModel
     from common.train.save import CheckpointWriter
@@ -646,9 +643,11 @@ def main():
             for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
             for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
         ]
-        # On-policy (one epoch, one mini-batch, no TIS): the old logprobs are the update's own forward
-        # (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B step)
-        on_policy = args.ppo_epochs == 1 and mini_batch == rollout_batch and args.tis_cap == 0
+        # On-policy (one epoch, one mini-batch, no correction that weighs old against engine logprobs): the old
+        # logprobs are the update's own forward (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B step)
+        on_policy = (
+            args.ppo_epochs == 1 and mini_batch == rollout_batch and not uses_old_logprobs(args.rollout_correction)
+        )
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         if not on_policy:
             with timer("old_logprob"):
@@ -660,10 +659,15 @@ def main():
                 logprob_pass(reference, all_mine, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         memory.end("logprob")
-        batch["is_weights"] = (
-            truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
-            if args.tis_cap > 0
-            else torch.ones(num_rows, seq_len)
+        # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics
+        batch["is_weights"], correction = correction_weights(
+            args.rollout_correction,
+            None if on_policy else batch["old_logprobs"],
+            batch["rollout_logprobs"],
+            batch["rollout_mask"],
+            batch["mask"],
+            low=args.correction_low,
+            high=args.correction_high,
         )
 
         # ---- 6. policy update: PPO epochs over mini-batches, one optimizer step each
@@ -688,13 +692,17 @@ def main():
                         logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
                     )
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
+                    # seq-offpolicy-mask: DeepSeek-V3.2's mask against this pass's policy (+ its metrics)
+                    is_weights, masked = loss_weights(
+                        args.rollout_correction, mb, logprobs, args.correction_delta, cp_group
+                    )
                     per_token, clipped = policy_loss(
                         logprobs,
                         old,
                         mb["advantages"],
                         args.clip_low,
                         args.clip_high,
-                        is_weights=mb["is_weights"],
+                        is_weights=is_weights,
                         dual_clip=args.dual_clip,
                         sequence_mask=mask if args.gspo else None,
                         seq_ids=mb.get("seq"),
@@ -716,6 +724,7 @@ def main():
                         "clip_frac__n": n,
                         "ppo_kl": masked_sum(old - logprobs.detach(), mask),
                         "ppo_kl__n": n,
+                        **masked,
                     }  # mean old - new
                     if reference is not None:
                         metrics.update(kl=masked_sum(kl.detach(), mask), kl__n=n)
@@ -751,6 +760,7 @@ def main():
                 {
                     "logprob_mismatch": masked_sum((batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), has_lp),
                     "logprob_mismatch__n": has_lp.sum(),
+                    **correction,  # the same on every DP rank: their mean is the number
                 }
             )
 
@@ -807,6 +817,12 @@ def main():
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
+        if args.check_on_policy is not None and step == start_step:  # slime's CI gate on the run's first update
+            failed = on_policy_failure(metrics, args.check_on_policy, step)
+            if failed:  # exit 5 once the step's checkpoint and metrics are written
+                writer.wait()
+                logger.close()
+                raise OffPolicyError(failed)
         if stop:
             print0(control.stop_message(step))
             break

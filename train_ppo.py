@@ -129,17 +129,12 @@ def build_parser():
     )
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     a.add_argument(
-        "--tis-cap",
-        type=float,
-        default=0.0,
-        help="truncated importance sampling with rollout logprobs, weights capped here (0 = off)",
-    )
-    a.add_argument(
         "--critic-warmup-steps",
         type=int,
         default=0,
         help="the first N steps update only the critic (the actor is left unchanged)",
     )
+    F.correction_flags(p)
     F.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
@@ -164,7 +159,8 @@ def parse_args(argv=None):
     )
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
-        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.tis_cap)
+        F.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
+        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
     except ValueError as e:
         p.error(str(e))
     spec = check_training_run(p, args, critic_model=args.critic_model)  # every mistake, before anything is built
@@ -207,6 +203,7 @@ def main():
     from common.model.weights import export_hf_weights, load_hf_weights
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
+    from common.rl.corrections import correction_weights, loss_weights
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import (
         aggregate_loss,
@@ -215,7 +212,6 @@ def main():
         masked_mean,
         masked_sum,
         policy_loss,
-        truncated_is_weights,
         value_loss,
     )
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
@@ -229,7 +225,7 @@ def main():
     from common.train import schedule
     from common.train.checkpoint import load_model_checkpoint
     from common.train.colocation import Colocation, PhaseMemory, Timer
-    from common.train.guard import RunControl, check_finite
+    from common.train.guard import OffPolicyError, RunControl, check_finite, on_policy_failure
     from common.train.resume import changed_flags, load_training_checkpoint
     from common.train.reward_model import RewardModel
     from common.train.save import CheckpointWriter
@@ -612,10 +608,15 @@ def main():
             forward_pass(critic, all_mine, lambda mb, values: values.squeeze(-1), batch["old_values"])
         check_finite("critic values", batch["old_values"], batch["mask"], step)
         memory.end("logprob")
-        batch["is_weights"] = (
-            truncated_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], cap=args.tis_cap)
-            if args.tis_cap > 0
-            else torch.ones(num_rows, seq_len)
+        # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics
+        batch["is_weights"], correction = correction_weights(
+            args.rollout_correction,
+            batch["old_logprobs"],
+            batch["rollout_logprobs"],
+            batch["rollout_mask"],
+            mask,
+            low=args.correction_low,
+            high=args.correction_high,
         )
 
         # ---- 5. token rewards and GAE. The score sits on the last response token (the episode's
@@ -633,7 +634,7 @@ def main():
         # ---- 6. PPO epochs over mini-batches: the critic's optimizer steps, then the actor's (the two
         # are independent: the same steps as interleaved), each with only its own optimizer state on
         # the GPU when the optimizers are offloaded (common/train/colocation.py turn)
-        def actor_loss_fn(mb, logits, norm, scale):
+        def actor_loss_fn(mb, logits, norm, scale, first):  # first: this step's first mini-batch
             mb_mask, norm_mb = (
                 mb["mask"],
                 dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
@@ -641,13 +642,15 @@ def main():
             logprobs, entropy = vocab_parallel_logprobs(
                 logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
             )
+            # seq-offpolicy-mask: DeepSeek-V3.2's mask against this pass's policy (+ its metrics)
+            is_weights, masked = loss_weights(args.rollout_correction, mb, logprobs, args.correction_delta, cp_group)
             per_token, clipped = policy_loss(
                 logprobs,
                 mb["old_logprobs"],
                 mb["advantages"],
                 args.clip_low,
                 args.clip_high,
-                is_weights=mb["is_weights"],
+                is_weights=is_weights,
                 dual_clip=args.dual_clip,
                 sequence_mask=mb_mask if args.gspo else None,
                 seq_ids=mb.get("seq"),
@@ -660,18 +663,24 @@ def main():
             if args.entropy_coef:
                 loss = loss - args.entropy_coef * aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
             n = mb_mask.sum()
-            return loss * scale, {
+            drift = mb["old_logprobs"] - logprobs.detach()  # (b, T) old - new
+            metrics = {
                 "policy_loss": loss.detach(),
                 "policy_loss__n": n / norm["num_tokens"],
                 "entropy": masked_sum(entropy.detach(), mb_mask),
                 "entropy__n": n,
                 "clip_frac": masked_sum(clipped.float(), mb_mask),
                 "clip_frac__n": n,
-                "ppo_kl": masked_sum(mb["old_logprobs"] - logprobs.detach(), mb_mask),
+                "ppo_kl": masked_sum(drift, mb_mask),
                 "ppo_kl__n": n,
+                **masked,
             }
+            if first:  # before any update of this step: old = new but for rounding
+                metrics.update(first_update_logprob_err=masked_sum(drift.abs(), mb_mask))
+                metrics.update(first_update_logprob_err__n=n)
+            return loss * scale, metrics
 
-        def critic_loss_fn(mb, values, norm, scale):  # values: (b, T, 1) from the value head
+        def critic_loss_fn(mb, values, norm, scale, first):  # values: (b, T, 1) from the value head
             mb_mask = mb["mask"]
             per_token, clipped = value_loss(
                 values.squeeze(-1).float(), mb["old_values"], mb["returns"], mb_mask, clip=args.vf_clip
@@ -701,7 +710,7 @@ def main():
                         opt,
                         sched,
                         mbs,
-                        functools.partial(loss_fn, norm=norm, scale=scale),
+                        functools.partial(loss_fn, norm=norm, scale=scale, first=epoch == 0 and m == 0),
                         info.device,
                         step=step,
                         before_step=lambda: colo.wait_optimizers(timer),  # the state's copies have landed
@@ -746,6 +755,7 @@ def main():
             metrics["logprob_mismatch"] = masked_mean(
                 (batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), batch["rollout_mask"]
             ).item()
+            metrics.update(correction)  # every rank holds every row: the same numbers everywhere
         if reference is not None:
             metrics["kl"] = masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
         if train_actor:
@@ -793,6 +803,12 @@ def main():
             progress.set_postfix(
                 reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}"
             )
+        if args.check_on_policy is not None and step == max(start_step, args.critic_warmup_steps):  # the first update
+            failed = on_policy_failure(metrics, args.check_on_policy, step)  # slime's CI gate
+            if failed:  # exit 5 once the step's checkpoint and metrics are written
+                writer.wait()
+                logger.close()
+                raise OffPolicyError(failed)
         if stop:
             print0(control.stop_message(step))
             break

@@ -138,7 +138,7 @@ def describe(stats, reps):
 def main():
     args = build_parser().parse_args()
     try:
-        rollout_logprobs_mode(args.rollout_logprobs, args.temperature, tis_cap=0.0)
+        rollout_logprobs_mode(args.rollout_logprobs, args.temperature)
     except ValueError as e:
         raise SystemExit(f"bench/rollout.py: {e}")
     from common.model.gpt import build_model, load_hf_spec

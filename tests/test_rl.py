@@ -19,7 +19,6 @@ from common.rl.losses import (
     masked_mean,
     masked_sum,
     policy_loss,
-    truncated_is_weights,
     value_loss,
 )
 from tests.conftest import run_torchrun
@@ -380,7 +379,7 @@ def test_aggregate_loss_microbatches_and_dp_sum_to_full_batch(mode):
 
 
 # -----------------------------------------------------------------------------
-# KL and importance weights
+# KL
 
 
 def test_kl_penalty_hand_computed():
@@ -409,14 +408,6 @@ def test_kl_penalty_monte_carlo():
     # k2 is biased: E_p[0.5 (log p/q)^2] = 0.5 * 0.7 * ln(2.5)^2 = 0.2938594, not the KL
     assert abs(means["k2"] - 0.5 * 0.7 * math.log(2.5) ** 2) < 0.01
     assert abs(means["k2"] - exact_kl) > 0.015
-
-
-def test_truncated_is_weights():
-    old = torch.tensor([[0.0, math.log(3.0), math.log(0.5)]], requires_grad=True)
-    rollout = torch.zeros(1, 3)
-    w = truncated_is_weights(old, rollout, cap=2.0)
-    close(w, [[1.0, 2.0, 0.5]])  # pi_old / pi_rollout = 1, 3 -> capped at 2, 0.5
-    assert not w.requires_grad
 
 
 # -----------------------------------------------------------------------------

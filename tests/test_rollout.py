@@ -114,14 +114,15 @@ def test_prefill_check_scores_a_bounded_prefix(tiny_models_dir, monkeypatch):
 
 
 def test_rollout_logprobs_defaults():
-    assert rollout_logprobs_mode(None, 1.0, 0.0) == "prefill"
-    assert rollout_logprobs_mode(None, 0.7, 0.0) == "one-per-prompt"  # vLLM's prompt logprobs are at T=1
-    assert rollout_logprobs_mode(None, 1.0, 2.0) == "all"  # TIS weights need every sample's
-    assert rollout_logprobs_mode("none", 0.7, 0.0) == "none"
+    assert rollout_logprobs_mode(None, 1.0) == "prefill"
+    assert rollout_logprobs_mode(None, 0.7, "none") == "one-per-prompt"  # vLLM's prompt logprobs are at T=1
+    assert rollout_logprobs_mode(None, 1.0, "tis") == "all"  # a correction's weights need every sample's
+    assert rollout_logprobs_mode(None, 1.0, "seq-offpolicy-mask") == "all"
+    assert rollout_logprobs_mode("none", 0.7) == "none"
     with pytest.raises(ValueError, match="at temperature 1, not --temperature 0.7"):
-        rollout_logprobs_mode("prefill", 0.7, 0.0)
-    with pytest.raises(ValueError, match="--tis-cap needs"):
-        rollout_logprobs_mode("one-per-prompt", 1.0, 2.0)
+        rollout_logprobs_mode("prefill", 0.7)
+    with pytest.raises(ValueError, match="--rollout-correction icepop .or --tis-cap. needs"):
+        rollout_logprobs_mode("one-per-prompt", 1.0, "icepop")
 
 
 def test_seed_determinism(tiny_models_dir):

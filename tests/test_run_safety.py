@@ -164,9 +164,11 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (
             ["--tis-cap", "2", "--rollout-logprobs", "prefill"],
             1,
-            "--tis-cap needs the rollout logprobs of every sample",
+            "--rollout-correction tis (or --tis-cap) needs the rollout logprobs of every sample",
         ),
         (["--moe-dispatcher", "allgather"], 1, "--moe-dispatcher allgather: Qwen2ForCausalLM has no experts"),
+        (["--rollout-correction", "tis", "--correction-delta", "1"], 1, "--correction-delta has no meaning with"),
+        (["--check-on-policy", "--rollout-logprobs", "none"], 1, "--check-on-policy compares the engine's logprobs"),
     ]
     for argv, world, says in cases:
         err = parse_error(capsys, train_grpo.parse_args, argv + out, monkeypatch, world)

@@ -16,6 +16,9 @@
   over two PPO epochs, recomputed with transformers from the saved rollout, the initial weights
   and the weights after one update (a second run's checkpoint, merged to HF), and the saved
   rewards (task reward + DAPO's overlong penalty, by hand);
+- --rollout-correction: each mode, replayed on a saved rollout, reaches the loss (TIS halves it, a band that masks
+  every token leaves none, DeepSeek's mask leaves the positive advantages' term, by hand); --check-on-policy stops
+  a run whose engine and trainer logprobs disagree (exit 5, the step written) and passes a lenient bound;
 - every flag of --help has a help string;
 - everyday mistakes: a small run runs (derived batch sizes), a model with few positions ends
   responses there, config.json records what ran, this step's learning rate is logged and
@@ -741,3 +744,110 @@ def test_overlong_penalty_reaches_the_rewards(first_update):
     assert u["rewards"].tolist() == pytest.approx(expected, abs=1e-6), (
         f"saved rewards {u['rewards'].tolist()} of responses of {lengths} tokens; expected {expected}"
     )
+
+
+# --rollout-correction MODE and its thresholds, each replayed on the "on" run's first rollout (engine logprobs of
+# every sample, at the initial weights): bands that mask every token (the engine and the trainer agree to ~1e-7,
+# so every ratio is ~1), TIS capped at 0.5 (every weight 0.5), DeepSeek's mask with a delta that every sequence's
+# ~0 KL exceeds (it drops exactly the negative-advantage sequences). All with a lenient --check-on-policy.
+CORRECTION_RUNS = {
+    "tis": ["--correction-high", "0.5"],
+    "seq-mask-is": ["--correction-low", "1.5", "--correction-high", "2"],
+    "icepop": ["--correction-low", "1.5", "--correction-high", "2"],
+    "geo-mask": ["--correction-low", "1.5", "--correction-high", "2"],
+    "decoupled": ["--correction-high", "0.5"],
+    "seq-offpolicy-mask": ["--correction-delta", "-1"],
+}
+
+
+def replay_of_on(short_runs, *more):
+    """The "on" run's flags, one step replayed from its saved first rollout."""
+    return [
+        *SMALL,
+        *PLUMBED,
+        "--mini-batch-size",
+        "32",
+        "--steps",
+        1,
+        "--load-rollouts",
+        short_runs["on_rollouts"],
+        *more,
+    ]
+
+
+@pytest.fixture(scope="module")
+def corrections(short_runs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("corrections")
+    run_scripts(
+        *[
+            ("train_grpo.py", *replay_of_on(short_runs, "--rollout-correction", mode, *flags, "--check-on-policy"))
+            + ("--out", root / mode)
+            for mode, flags in CORRECTION_RUNS.items()
+        ]
+    )
+    return {mode: metrics(root / mode)[0] for mode in CORRECTION_RUNS}
+
+
+def test_each_rollout_correction_reaches_the_loss(short_runs, corrections):
+    """The "on" run's step 0 is the baseline: the same samples, weights and (ratio-1) loss, uncorrected. TIS at 0.5
+    halves its policy_loss; a band that masks everything leaves none (and no gradient); DeepSeek's mask leaves the
+    policy term of the positive advantages alone, -sum A_i * tokens_i / tokens over them (ratio exactly 1: one
+    update, no old-logprob pass), by hand from the saved rewards."""
+    import torch
+
+    from common.rl.advantages import group_advantages
+
+    base = metrics(short_runs["on"])[0]
+    assert abs(base["policy_loss"]) > 1e-3 and "correction_masked_frac" not in base  # the default: no correction
+    tis = corrections["tis"]
+    assert tis["correction_weight_mean"] == pytest.approx(0.5) and tis["correction_masked_frac"] == 0.0
+    assert tis["policy_loss"] == pytest.approx(0.5 * base["policy_loss"], rel=1e-4)
+    assert tis["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-4)
+    for mode in ("seq-mask-is", "icepop", "geo-mask", "decoupled"):
+        m = corrections[mode]
+        assert m["correction_masked_frac"] == 1.0 and m["correction_masked_seq_frac"] == 1.0, mode
+        assert m["correction_weight_mean"] == 0.0 and m["grad_norm"] == 0.0, mode
+        assert m["policy_loss"] == pytest.approx(0.0, abs=1e-9), mode  # (the KL term: policy = reference, ~1e-12)
+    for m in corrections.values():  # engine vs trainer: the same weights, ~1e-7 apart
+        assert m["logprob_mismatch"] < 1e-5
+        if "engine_ratio_p50" in m:  # (DeepSeek's mask on an on-policy step: no old-logprob pass to compare)
+            assert m["engine_ratio_p5"] <= m["engine_ratio_p50"] <= m["engine_ratio_p95"]
+            assert m["engine_ratio_p5"] == pytest.approx(1.0, abs=1e-5) == m["engine_ratio_p95"]
+    saved = torch.load(short_runs["on_rollouts"] / "step_000000.pt", weights_only=False)
+    advantages = group_advantages(saved["rewards"], 4).tolist()
+    lengths = [len(s.response_ids) for s in saved["samples"]]
+    assert 0 < sum(a < 0 for a in advantages) < len(advantages)
+    tokens = sum(lengths)
+    deepseek = corrections["seq-offpolicy-mask"]
+    assert deepseek["policy_loss"] == pytest.approx(
+        -sum(a * n for a, n in zip(advantages, lengths) if a > 0) / tokens, rel=1e-4
+    )
+    assert deepseek["correction_masked_frac"] == pytest.approx(
+        sum(n for a, n in zip(advantages, lengths) if a < 0) / tokens
+    )
+    assert deepseek["correction_masked_seq_frac"] == pytest.approx(sum(a < 0 for a in advantages) / len(advantages))
+
+
+def test_on_policy_check_refuses_a_bad_bound(short_runs, corrections, tmp_path):
+    """--check-on-policy: the replays above pass the default bound (0.1). Replayed at --temperature 1 the
+    engine's logprobs (sampled at 0.7) disagree with the trainer's by ~0.05: a bound of 0.01 stops the run after
+    its first step, exit 5, one line naming the number, the step's metrics and last checkpoint written."""
+    assert all("policy_loss" in m for m in corrections.values())  # (they exited 0)
+    proc = run(
+        *replay_of_on(short_runs, "--temperature", "1.0", "--check-on-policy", "0.01", "--save-every", 1),
+        "--out",
+        tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()[-1:]
+    assert re.match(
+        r"train_grpo\.py: stopped: step 1: the first update is not on-policy: logprob_mismatch 0\.0\d+ > "
+        r"--check-on-policy 0\.01\. ",
+        line,
+    ), line
+    (row,) = metrics(tmp_path)
+    assert row["logprob_mismatch"] > 0.01 and row["ppo_kl"] == 0.0
+    assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000001"
+    proc = run(*replay_of_on(short_runs, "--temperature", "1.0", "--check-on-policy", "0.5"), "--out", tmp_path / "ok")
+    assert proc.returncode == 0

@@ -20,6 +20,9 @@
   policy and value losses, grad norms of both models, values, returns, entropy and KL
   as 1 process (rel 1e-4);
 - --reward FILE.py:NAME: the rewards are the function's; an unusable one is refused;
+- --rollout-correction: each mode reaches the actor's loss (TIS halves the gradient, a band that masks every token
+  leaves none, DeepSeek's mask keeps the positive advantages); --check-on-policy checks the first actor update,
+  after the critic warmup (exit 5);
 - every flag of --help has a help string.
 """
 
@@ -241,3 +244,70 @@ def test_layouts_match_single_process(layout, scored, tmp_path):
     assert len(replayed) == 3
     for a, b in zip(expected, replayed):
         assert_same(a, b, rel=1e-4, abs_=1e-5)
+
+
+# --rollout-correction MODE in tiny PPO runs that sample the same first rollout (same seed and weights) with a
+# reward of the response's parity (a signal from the first step: advantages of both signs), no reference and
+# no entropy bonus: the actor's loss is the policy term alone. Bands that mask every token (engine and trainer
+# agree to ~1e-7: every ratio is ~1), TIS capped at 0.5, DeepSeek's mask with a delta every sequence exceeds.
+PPO_CORRECTIONS = {
+    "none": ["--rollout-logprobs", "all"],
+    "tis": ["--correction-high", "0.5"],
+    "seq-mask-is": ["--correction-low", "1.5", "--correction-high", "2"],
+    "icepop": ["--correction-low", "1.5", "--correction-high", "2"],
+    "geo-mask": ["--correction-low", "1.5", "--correction-high", "2"],
+    "decoupled": ["--correction-high", "0.5"],
+    "seq-offpolicy-mask": ["--correction-delta", "-1"],
+}
+TINY = ["--prompts-per-step", 4, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--max-new-tokens", 4]
+TINY += ["--steps", 1, "--eval-every", 0, "--kl-coef", 0, "--entropy-coef", 0, "--check-on-policy"]
+
+
+@pytest.fixture(scope="module")
+def ppo_corrections(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ppo_corrections")
+    (root / "parity.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
+    run_scripts(
+        *[
+            ("train_ppo.py", *TINY, "--reward", f"{root}/parity.py:parity", "--rollout-correction", mode, *flags)
+            + ("--out", root / mode)
+            for mode, flags in PPO_CORRECTIONS.items()
+        ]
+    )
+    return {mode: metrics(root / mode)[0] for mode in PPO_CORRECTIONS}
+
+
+def test_each_rollout_correction_reaches_the_loss(ppo_corrections):
+    """Whitened advantages sum to 0 over the tokens, so the uncorrected loss is ~0 (ratio ~1): the gradient shows
+    the weights. TIS at 0.5 halves the gradient norm; a band that masks everything leaves no loss, no gradient;
+    DeepSeek's mask keeps only the tokens of positive advantage, so the loss, -sum A_t / tokens over them, < 0."""
+    base = ppo_corrections["none"]
+    assert base["grad_norm"] > 1e-3 and "correction_masked_frac" not in base and base["reward_std"] > 0
+    assert base["first_update_logprob_err"] < 1e-6 and base["logprob_mismatch"] < 1e-5
+    tis = ppo_corrections["tis"]
+    assert tis["correction_weight_mean"] == pytest.approx(0.5) and tis["correction_masked_frac"] == 0.0
+    assert tis["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-4)
+    assert tis["policy_loss"] == pytest.approx(0.5 * base["policy_loss"], abs=1e-7)
+    for mode in ("seq-mask-is", "icepop", "geo-mask", "decoupled"):
+        m = ppo_corrections[mode]
+        assert m["correction_masked_frac"] == 1.0 and m["correction_masked_seq_frac"] == 1.0, mode
+        assert m["grad_norm"] == 0.0 and m["policy_loss"] == 0.0, mode
+        assert m["engine_ratio_p5"] == pytest.approx(1.0, abs=1e-5) == m["engine_ratio_p95"]
+        assert m["value_loss"] == pytest.approx(base["value_loss"], rel=1e-5)  # the critic's update is untouched
+    deepseek = ppo_corrections["seq-offpolicy-mask"]
+    assert 0 < deepseek["correction_masked_frac"] < 1 and 0 < deepseek["correction_masked_seq_frac"] < 1
+    assert abs(base["policy_loss"]) < 1e-5 and deepseek["policy_loss"] < -1e-3
+    assert "correction_weight_mean" not in deepseek and "engine_ratio_p50" in deepseek
+
+
+def test_on_policy_check_waits_for_the_first_actor_update(scored, tmp_path):
+    """--check-on-policy runs at the actor's first update: after the critic warmup (step 1 here). The saved
+    rollouts' scored sample (engine logprobs at temperature 1) replayed at --temperature 0.7 disagrees with the
+    trainer's: a bound of 0.01 stops the run after step 2, exit 5, its metrics written."""
+    flags = ["--steps", 3, "--temperature", 0.7, "--check-on-policy", 0.01, "--load-rollouts", scored / "scored"]
+    proc = run_script("train_ppo.py", *SMALL, *GAE, *flags, "--out", tmp_path, check=False)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert "train_ppo.py: stopped: step 2: the first update is not on-policy: logprob_mismatch" in proc.stderr
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1] and "policy_loss" not in records[0]
+    assert records[0]["logprob_mismatch"] > 0.01  # the warmup step: not checked

@@ -2,7 +2,8 @@
 
     logprobs.py     log pi(token) and entropy from tensor-parallel logits, no vocabulary gather
     advantages.py   GRPO group advantages, GAE
-    losses.py       the policy and value losses, their aggregation, KL estimators, TIS
+    losses.py       the policy and value losses, their aggregation, KL estimators
+    corrections.py  off-policy corrections of the engine's samples (TIS, IcePop, sequence masks, ...)
     batch.py        samples -> micro-batches (padded or packed), context-parallel slices
     dapo.py         DAPO's dynamic sampling
     rewards.py      rule-based rewards (math answers)

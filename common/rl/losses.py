@@ -4,14 +4,14 @@ Nothing here knows about models, engines or `args`; a flag reaches these functio
 explicit keyword at the call site. Shapes: B sequences (rows), T response tokens (columns,
 right-padded). `mask` is the (B, T) response mask: 1/True on tokens that count, 0/False on padding.
 
-    masked_sum/mean, sequence_sums   reductions over valid tokens only
-    policy_loss              PPO clipped surrogate with DAPO's asymmetric clip (+ TIS weights)
+    masked_sum/mean, sequence_sums/means   reductions over valid tokens only
+    policy_loss              PPO clipped surrogate with DAPO's asymmetric clip (+ correction weights)
     aggregate_loss           token_mean (DAPO) / seq_mean_token_mean (GRPO) /
                              seq_mean_token_sum_norm (Dr.GRPO), with global normalisers
     kl_penalty               k1 / k2 / k3 estimators of KL(pi || ref)
-    truncated_is_weights     rollout-engine vs trainer mismatch correction (TIS)
     value_loss, explained_variance   the PPO critic side
-Log-probabilities: common/rl/logprobs.py; advantages: common/rl/advantages.py.
+Log-probabilities: common/rl/logprobs.py; advantages: common/rl/advantages.py; the off-policy
+corrections' weights (TIS and others): common/rl/corrections.py.
 """
 
 import torch
@@ -38,6 +38,19 @@ def sequence_sums(x, mask, seq_ids=None):
     mask = mask.to(x.dtype)
     values = torch.where(mask != 0, x * mask, torch.zeros_like(x)).reshape(-1)
     return torch.zeros(values.numel(), dtype=x.dtype, device=x.device).index_add_(0, seq_ids.reshape(-1), values)
+
+
+def sequence_means(x, mask, seq_ids=None, cp_group=None):
+    """Each token's sequence mean of x over mask, detached, (B, T): per row, or per id of seq_ids (packed rows,
+    as sequence_sums); 0 for a sequence with no masked token. cp_group (context parallelism: this rank holds
+    chunks of every sequence): the sums and counts are summed over the group first, so every rank gets the
+    whole sequence's mean; all ranks of cp_group call this, in the same order."""
+    x = x.detach()
+    sums = torch.stack([sequence_sums(x, mask, seq_ids), sequence_sums(torch.ones_like(x), mask, seq_ids)])
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        dist.all_reduce(sums, group=cp_group)  # the other ranks' chunks of the same sequences
+    means = sums[0] / sums[1].clamp(min=1)
+    return means[:, None].expand_as(x) if seq_ids is None else means[seq_ids]
 
 
 def masked_mean(x, mask, dim=None):
@@ -82,8 +95,8 @@ def policy_loss(
     The paper's clip range is tiny, as a sequence ratio moves little: clip_low 3e-4, clip_high 4e-4.
 
     logprobs (B, T) with grad; old_logprobs (B, T); advantages (B,) (one per sequence, GRPO) or
-    (B, T) (per token, PPO/GAE). is_weights: optional (B, T) truncated importance weights
-    (truncated_is_weights), multiplied in detached.
+    (B, T) (per token, PPO/GAE). is_weights: optional (B, T) weights of the off-policy corrections
+    (common/rl/corrections.py: TIS and others), multiplied in detached.
     Returns (per_token_loss (B, T), clipped (B, T) bool): clipped marks tokens where the clipped
     branch was taken, i.e. got no gradient (mean over valid tokens = the clip_frac metric).
     Reduce per_token_loss with aggregate_loss.
@@ -176,7 +189,7 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
 
 
 # -----------------------------------------------------------------------------
-# KL and importance weights
+# KL
 
 
 def kl_penalty(logprobs, ref_logprobs, kind):
@@ -195,16 +208,6 @@ def kl_penalty(logprobs, ref_logprobs, kind):
     if kind == "k3":
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"unknown KL estimator {kind!r}, expected 'k1', 'k2' or 'k3'")
-
-
-def truncated_is_weights(old_logprobs, rollout_logprobs, cap=2.0):
-    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly
-    Brings You Off-Policy RL Training"): the rollout engine (vLLM, other kernels, bf16) samples
-    from pi_rollout, not exactly the trainer's pi_old; reweight each token by
-        w = min(pi_old / pi_rollout, cap)
-    truncated at `cap` to bound the variance. (B, T) in, (B, T) detached weights out.
-    """
-    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
 
 
 # -----------------------------------------------------------------------------

@@ -47,14 +47,17 @@ ROLLOUT_LOGPROBS = {"prefill": 0, "one-per-prompt": 1, "all": None, "none": 0}
 PREFILL_CHECK_TOKENS = 4096
 
 
-def rollout_logprobs_mode(requested, temperature, tis_cap):
-    """The --rollout-logprobs mode of a run (ValueError: what to change). Default: all with
-    --tis-cap (its weights need every sample's), else prefill at temperature 1 (the check
-    costs no decode time), else one-per-prompt (vLLM's prompt logprobs ignore temperature)."""
+def rollout_logprobs_mode(requested, temperature, correction="none"):
+    """The --rollout-logprobs mode of a run (ValueError: what to change). Default: all with a
+    --rollout-correction (its weights need every sample's), else prefill at temperature 1 (the
+    check costs no decode time), else one-per-prompt (vLLM's prompt logprobs ignore temperature)."""
     if requested is None:
-        return "all" if tis_cap > 0 else "prefill" if temperature == 1.0 else "one-per-prompt"
-    if tis_cap > 0 and requested != "all":
-        raise ValueError("--tis-cap needs the rollout logprobs of every sample: --rollout-logprobs all")
+        return "all" if correction != "none" else "prefill" if temperature == 1.0 else "one-per-prompt"
+    if correction != "none" and requested != "all":
+        raise ValueError(
+            f"--rollout-correction {correction} (or --tis-cap) needs the rollout logprobs of every sample: "
+            "--rollout-logprobs all"
+        )
     if requested == "prefill" and temperature != 1.0:
         raise ValueError(
             f"--rollout-logprobs prefill scores a sample with the engine's prompt logprobs, which "
@@ -65,7 +68,7 @@ def rollout_logprobs_mode(requested, temperature, tis_cap):
 
 def generate_checked(engine, prompts, mode, **kwargs):
     """engine.generate(prompts, **kwargs) with --rollout-logprobs `mode`: the samples that carry
-    the engine's logprobs (the others NaN) for logprob_mismatch and --tis-cap.
+    the engine's logprobs (the others NaN) for logprob_mismatch and --rollout-correction.
     prefill: sampling asks for none (vLLM computes the batch's log-softmax at every decode step
     once any request asks: 3% of the 7B rollout, docs/performance.md); afterwards one sample,
     the first that ended on EOS (else the first: --mask-truncated leaves cut-off ones out of

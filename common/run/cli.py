@@ -257,13 +257,14 @@ def run_cli(run, args):
 def run_training(main):
     """Run a training script's main(). A mistake found after start-up (common.preflight's
     UsageError: all prompts too long, ...; NaN weights: common.model.weights' WeightsError), a
-    non-finite loss, gradient or logprob (common.guard's NonFiniteError) or a checkpoint that
-    could not be written (a full disk: common.checkpoint_io's CheckpointWriteError) ends the run
-    with one message from rank 0 and exit code 2, 3 or 4; every rank raises these alike, so
+    non-finite loss, gradient or logprob (common.guard's NonFiniteError), a checkpoint that
+    could not be written (a full disk: common.checkpoint_io's CheckpointWriteError) or a first
+    update that --check-on-policy finds off-policy (common.guard's OffPolicyError) ends the run
+    with one message from rank 0 and exit code 2, 3, 4 or 5; every rank raises these alike, so
     every rank leaves. Bugs keep their traceback."""
     from common.model.weights import WeightsError
     from common.train.checkpoint_io import CheckpointWriteError
-    from common.train.guard import NonFiniteError, UsageError
+    from common.train.guard import NonFiniteError, OffPolicyError, UsageError
 
     prog = os.path.basename(sys.argv[0])
     try:
@@ -275,6 +276,8 @@ def run_training(main):
         code, message = 3, f"{prog}: stopped: {e}"
     except CheckpointWriteError as e:
         code, message = 4, f"{prog}: stopped: {e}"
+    except OffPolicyError as e:  # --check-on-policy, once the step's metrics and checkpoint are written
+        code, message = 5, f"{prog}: stopped: {e}"
     if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()

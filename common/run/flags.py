@@ -7,6 +7,7 @@ import argparse
 import os
 
 from common.model.bridge import RECOMPUTE_MODULES
+from common.rl.corrections import CORRECTIONS, resolve_correction
 from common.rollout.engine import ROLLOUT_LOGPROBS
 
 # --micro-batch-size when not given: the largest size up to this that divides each data-parallel
@@ -230,10 +231,10 @@ def rollout_flags(p, group_help, models):
         default=None,
         help=(
             "which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and "
-            "--tis-cap: prefill scores one sample per replica after sampling in a prefill pass (T=1 only; costs no "
-            "decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of vLLM's time at 7B), "
-            "all for every sample, none (no logprob_mismatch) (default: all with --tis-cap, else prefill at "
-            "--temperature 1, else one-per-prompt)"
+            "--rollout-correction: prefill scores one sample per replica after sampling in a prefill pass (T=1 "
+            "only; costs no decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of "
+            "vLLM's time at 7B), all for every sample, none (no logprob_mismatch) (default: all with a "
+            "--rollout-correction, else prefill at --temperature 1, else one-per-prompt)"
         ),
     )
     g.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
@@ -253,6 +254,85 @@ def rollout_flags(p, group_help, models):
         ),
     )
     return g
+
+
+def correction_flags(p):
+    """Off-policy corrections of the engine's samples (common/rl/corrections.py) and the on-policy check."""
+    g = p.add_argument_group("off-policy corrections (docs/algorithms.md#off-policy-corrections)")
+    g.add_argument(
+        "--rollout-correction",
+        choices=CORRECTIONS,
+        default=None,
+        help=(
+            "reweight or mask the loss's tokens by the trainer's old logprobs against the engine's (r = pi_old / "
+            "pi_engine): tis min(r, high); seq-mask-is the sequence's product ratio, 0 outside [low, high]; icepop "
+            "r, 0 outside [low, high]; geo-mask drops sequences whose geometric-mean r leaves [low, high]; decoupled "
+            "(decoupled PPO) r, 0 above high; seq-offpolicy-mask (DeepSeek-V3.2) drops negative-advantage "
+            "sequences whose mean log(pi_engine / pi) exceeds --correction-delta. Needs --rollout-logprobs all "
+            "(the default then). Default: tis with --tis-cap, else none"
+        ),
+    )
+    g.add_argument(
+        "--correction-low",
+        type=float,
+        metavar="LOW",
+        default=None,
+        help="lower end of the accepted ratio band (seq-mask-is, geo-mask: default 1 / --correction-high; icepop: 0.5)",
+    )
+    g.add_argument(
+        "--correction-high",
+        type=float,
+        metavar="HIGH",
+        default=None,
+        help="upper end of the band or the cap (tis 2, seq-mask-is 2, icepop 2, geo-mask 1.001, decoupled 5)",
+    )
+    g.add_argument(
+        "--correction-delta",
+        type=float,
+        metavar="DELTA",
+        default=None,
+        help="seq-offpolicy-mask: the threshold on a sequence's mean log(pi_engine / pi) per token (default 0.5)",
+    )
+    g.add_argument(
+        "--tis-cap",
+        type=float,
+        metavar="C",
+        default=0.0,
+        help="truncated importance sampling with rollout logprobs, weights capped here (0 = off): the same as "
+        "--rollout-correction tis --correction-high C",
+    )
+    g.add_argument(
+        "--check-on-policy",
+        type=float,
+        nargs="?",
+        const=0.1,
+        default=None,
+        metavar="BOUND",
+        help=(
+            "stop the run (exit 5) after the step of its first update, saved and logged, when that update's mean "
+            "abs(old - new) logprob (first_update_logprob_err, else ppo_kl) or logprob_mismatch exceeds BOUND "
+            "(default 0.1: bf16 mismatches are ~0.02, a weight sync that did not happen ~3.4)"
+        ),
+    )
+    return g
+
+
+def resolve_corrections(args):
+    """--rollout-correction and its thresholds as the run uses them (common/rl/corrections.py
+    resolve_correction), --check-on-policy checked. ValueError: what to change."""
+    args.rollout_correction, args.correction_low, args.correction_high, args.correction_delta = resolve_correction(
+        args.rollout_correction,
+        tis_cap=args.tis_cap,
+        low=args.correction_low,
+        high=args.correction_high,
+        delta=args.correction_delta,
+    )
+    if args.check_on_policy is not None and not args.check_on_policy >= 0:
+        raise ValueError(f"--check-on-policy must be >= 0, not {args.check_on_policy}")
+    if args.check_on_policy is not None and args.rollout_logprobs == "none":
+        raise ValueError(
+            "--check-on-policy compares the engine's logprobs with the trainer's: not with --rollout-logprobs none"
+        )
 
 
 def reward_flags(p):

@@ -18,6 +18,10 @@ of a flag: every rank saves and stops after the same step.
 Non-finite numbers. A NaN or Inf in the logprobs, the loss or the gradients stops the run
 with a NonFiniteError naming the step and the quantity, before the optimizer step: the
 weights (and so every checkpoint) stay as they were after the last good step.
+
+On-policy check. --check-on-policy BOUND stops the run (OffPolicyError, exit 5) after the step
+of its first update when that update was not on-policy (on_policy_failure), once the step's
+metrics and checkpoint are written.
 """
 
 import math
@@ -36,6 +40,10 @@ class UsageError(ValueError):
 
 class NonFiniteError(RuntimeError):
     """A NaN/Inf where the training math needs finite numbers; raised on every rank alike."""
+
+
+class OffPolicyError(RuntimeError):
+    """--check-on-policy: the run's first update was not on-policy; raised on every rank alike."""
 
 
 class RunControl:
@@ -120,6 +128,25 @@ def check_finite_update(model_chunks, metric_dicts, device, step=None):
         f"{_at(step)}{what} {'is' if what == 'the loss' else 'are'} NaN/Inf{where}; no optimizer "
         "step was applied: the weights "
         "are as they were before this update. " + HINTS
+    )
+
+
+def on_policy_failure(metrics, bound, step=None):
+    """--check-on-policy BOUND (slime's CI gate, run on the step of the first update): one line saying what
+    exceeds the bound, or None. Checked: the first update's mean abs(old - new) logprob before any optimizer
+    step (first_update_logprob_err; where the update's own forward is the old policy, GRPO's on-policy steps,
+    abs(ppo_kl), exactly 0) and logprob_mismatch, mean abs(engine - trainer) logprob. `metrics` are the step's
+    reduced metrics (equal on every rank, so every rank decides alike); a NaN fails."""
+    found = {k: metrics[k] for k in ("first_update_logprob_err", "logprob_mismatch") if k in metrics}
+    if "first_update_logprob_err" not in found and "ppo_kl" in metrics:
+        found["ppo_kl"] = abs(metrics["ppo_kl"])
+    over = [f"{name} {value:.3g}" for name, value in found.items() if not value <= bound]
+    if not over:
+        return None
+    return (
+        f"{_at(step)}the first update is not on-policy: {', '.join(over)} > --check-on-policy {bound:g}. Usual "
+        "causes: a weight sync that did not reach the engine, logprobs at another --temperature, the trainer's "
+        "passes disagreeing (dropout, another kernel), or a bound below bf16's rounding (~0.02 of logprob_mismatch)"
     )
 
 
