@@ -15,7 +15,8 @@
     dist.py         torchrun / Slurm -> torch.distributed and megatron's parallel groups
     host_memory.py  pinned host memory of a node's ranks against what the node has
     memory_plan.py  GPU and pinned host memory per rank and phase, from the config and flags
-    memory_check.py the plan at start-up: derived defaults, refusals, --dry-run's table
+    memory_check.py the plan at start-up: derived defaults, refusals
+    memory_print.py the plan in words: the start-up summary, --dry-run's table
     convert_io.py   the disk side of convert_hf_to_mcore.py
 
 May import common.train, common.rollout, common.model and common.rl.

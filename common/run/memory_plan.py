@@ -48,6 +48,14 @@ from common.model.sizes import (
 GB = 1e9
 PHASES = ("sync", "rollout", "logprob", "update", "save")
 TURN_PHASES = ("sync", "rollout", "logprob", "critic", "update", "save")  # PPO's two updates in turn
+# the run's metrics (common/train/colocation.py PhaseMemory) that measure a phase
+PHASE_METRICS = {
+    "sync": "mem_sync_gb",
+    "rollout": "mem_rollout_gb",
+    "logprob": "mem_logprob_gb",
+    "critic": "mem_critic_gb",
+    "update": "mem_train_gb",
+}
 # Per process, outside the tensors counted here: the CUDA context with cuBLAS's workspaces (~0.6
 # GB on an H100) and NCCL's buffers for megatron's process groups (~1-1.5 GB at 8 ranks). An
 # estimate from those components, not a measurement.
