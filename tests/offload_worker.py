@@ -345,6 +345,20 @@ def checkpointed_state(models):
     return out
 
 
+def policy_and_critic(spec, hf_dir):
+    """((policy, optimizer, scheduler), (critic, ...)) of train_ppo.py, bf16, from hf_dir's weights."""
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import build_model
+    from common.model.weights import load_hf_weights
+    from common.train.setup import setup_training
+
+    policy_chunks = build_model(spec, dtype=torch.bfloat16)
+    load_hf_weights(policy_chunks, spec, hf_dir)
+    critic_chunks = build_critic(spec, dtype=torch.bfloat16)
+    load_critic_weights(critic_chunks, spec, hf_dir)
+    return setup_training(policy_chunks, lr=1e-2), setup_training(critic_chunks, lr=1e-2)
+
+
 def shared_staging(hf_dir, root):
     """A background save (policy + PPO's critic, as train_ppo.py) staged through the offload's host
     buffers (common/train/offload.py SharedHostBuffers), its writer held (a slow disk) across the
@@ -355,24 +369,17 @@ def shared_staging(hf_dir, root):
 
     from megatron.core import parallel_state as mpu
 
-    from common.model.critic import build_critic, load_critic_weights
-    from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.gpt import load_hf_spec
     from common.train.colocation import Colocation, Timer
     from common.train.resume import load_training_checkpoint
     from common.train.save import CheckpointWriter
-    from common.train.setup import setup_training
     from tests.checkpoint_worker import HELD, hold_writers
 
     spec = load_hf_spec(hf_dir)
     include_cpu = not torch.cuda.is_available()
 
     def build():
-        policy_chunks = build_model(spec, dtype=torch.bfloat16)
-        load_hf_weights(policy_chunks, spec, hf_dir)
-        critic_chunks = build_critic(spec, dtype=torch.bfloat16)
-        load_critic_weights(critic_chunks, spec, hf_dir)
-        return setup_training(policy_chunks, lr=1e-2), setup_training(critic_chunks, lr=1e-2)
+        return policy_and_critic(spec, hf_dir)
 
     (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler) = build()
     models = [(policy, optimizer), (critic, critic_optimizer)]
@@ -449,23 +456,16 @@ def turns(hf_dir, root):
     and the save's turn moves the actor's just-staged state out without copying it."""
     from megatron.core import parallel_state as mpu
 
-    from common.model.critic import build_critic, load_critic_weights
-    from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.gpt import load_hf_spec
     from common.train.colocation import Colocation, Timer
     from common.train.resume import load_training_checkpoint
     from common.train.save import CheckpointWriter
-    from common.train.setup import setup_training
 
     spec = load_hf_spec(hf_dir)
     include_cpu = not torch.cuda.is_available()
 
     def build():
-        policy_chunks = build_model(spec, dtype=torch.bfloat16)
-        load_hf_weights(policy_chunks, spec, hf_dir)
-        critic_chunks = build_critic(spec, dtype=torch.bfloat16)
-        load_critic_weights(critic_chunks, spec, hf_dir)
-        return setup_training(policy_chunks, lr=1e-2), setup_training(critic_chunks, lr=1e-2)
+        return policy_and_critic(spec, hf_dir)
 
     def adam_tensors(opt):
         return [v for s in optimizer_states(opt) for v in s.values() if torch.is_tensor(v) and v.dim()]
