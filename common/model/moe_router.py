@@ -31,9 +31,10 @@ class Router(TopKRouter):
     compiled = True  # False: megatron's routing as it is (bench/train.py --ab compiled-router)
     tokens_per_expert = None  # (E,) float32, summed over the update passes since the last read
     passes = 0  # update (grad-enabled) forward passes since the last read
-    # routing replay, the policy's (training-mode) passes since the last read: (tokens with a
-    # replayed route, of which the router's own top-k differs), float32 device scalars
-    replayed = route_mismatches = None
+    # routing replay, training-mode passes since the last read: (4,) float32 on the device, the tokens
+    # with a replayed route and those of them whose own top-k differs, in forward-only passes, then
+    # in passes with a backward (common/model/moe.py step_metrics)
+    replay_counts = None
 
     def gating(self, input):
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
@@ -94,14 +95,15 @@ class Router(TopKRouter):
             )  # (tokens, E) bool: this router's own choice
             known = target[:, 0] >= 0  # (tokens,) a token's k routes are all recorded or none
             target.copy_(torch.where(known[:, None], target, own.float().topk(self.topk, dim=1).indices))
-            if self.training:  # the policy's and critic's passes (the frozen reference is in eval mode)
+        if self.training:  # the policy's and critic's passes (the frozen reference is in eval mode)
+            update = torch.is_grad_enabled()
+            with torch.no_grad():
                 chosen = torch.zeros_like(own).scatter_(1, target, True)
                 real = known if padding_mask is None else known & ~padding_mask.reshape(-1)
-                differs = ((chosen != own).any(1) & real).sum(dtype=torch.float32)
-                count = real.sum(dtype=torch.float32)
-                first = self.replayed is None
-                self.replayed = count if first else self.replayed + count
-                self.route_mismatches = differs if first else self.route_mismatches + differs
+                counts = torch.zeros(4, device=logits.device)
+                counts[2 * update] = real.sum()
+                counts[2 * update + 1] = ((chosen != own).any(1) & real).sum()
+            self.replay_counts = counts if self.replay_counts is None else self.replay_counts + counts
         return super().routing(logits, padding_mask=padding_mask)
 
     def _topk_routing(self, logits, padding_mask):
