@@ -415,6 +415,7 @@ class VLLMEngine(RolloutEngine):
         assert self._weights_valid, (
             "no weights since start-up (load_format='dummy') or the last sleep: update_weights first"
         )
+        assert not return_routes or self.moe_layers is not None, "routes need VLLMEngine(return_routes=True)"
         if 0 < temperature and top_p < 1.0 and not self._warned_top_p:
             warnings.warn(
                 "VLLMEngine: with top_p < 1 the returned logprobs are renormalised over the "
@@ -451,7 +452,6 @@ class VLLMEngine(RolloutEngine):
             for i, with_lp in enumerate(with_logprobs)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
-        assert not return_routes or self.moe_layers is not None, "routes need VLLMEngine(return_routes=True)"
         samples = []
         for row, out, with_lp in zip(rows, outputs, with_logprobs):  # vLLM keeps the input order
             completion = out.outputs[0]
