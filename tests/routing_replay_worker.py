@@ -15,7 +15,9 @@ gating weights; the others: their router weight), and reports per case the large
   recorded       the perturbed model's own routes recorded in packed passes (--routing-replay
                  old), replayed in padded ones: against its own unreplayed logprobs
 and the router gradient under replay of one router (random hidden states and targets) against
-the hand-derived gradient. Prints RESULT {json} per model.
+the hand-derived gradient; for the first model, an update's gradients under replay with
+activation recomputation (full, and selective of the MoE layers) against none. Prints
+RESULT {json} per model.
 """
 
 import json
@@ -27,6 +29,50 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CPU = torch.device("cpu")
+
+
+def perturb(model, spec):
+    """The routers of the trainer's model moved (seeded): DeepSeek-V3's score-correction bias (the
+    choice of experts moves, their gating weights do not), else the router weight."""
+    from common.model import moe
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for _, router in moe.routers(model):
+            if spec.moe.expert_bias:
+                router.expert_bias.add_(torch.randn_like(router.expert_bias) * 0.5)
+            else:
+                router.weight.add_(torch.randn_like(router.weight) * 0.002)
+
+
+def update_gradients(spec, hf_dir, mbs, recompute):
+    """All gradients of one update (-logprob mean of the response tokens) over the micro-batches
+    (replayed where they carry routes) with the router perturbed, at --recompute `recompute`:
+    megatron re-runs the layers (full) or the MoE layers (selective "moe") inside the backward,
+    where each router takes its micro-batch's targets from RouterReplay's backward queue."""
+    from common.model.bridge_layout import recompute_config
+    from common.model.gpt import build_model
+    from common.model.weights import load_hf_weights
+    from common.rl.logprobs import vocab_parallel_logprobs
+    from common.rl.losses import aggregate_loss
+    from common.train import schedule
+    from common.train.setup import setup_training
+
+    layout = recompute_config(recompute, ("moe",), 1)
+    chunks = build_model(spec, moe_enable_routing_replay=True, moe_aux_loss_coef=0.0, **layout)
+    load_hf_weights(chunks, spec, hf_dir)
+    perturb(chunks, spec)
+    model, _, _ = setup_training(chunks, lr=0.0, use_distributed_optimizer=False)
+    num_tokens = sum(mb["mask"].sum() for mb in mbs)
+
+    def loss_fn(mb, logits):
+        logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size)
+        return aggregate_loss(-logprobs, mb["mask"], "token_mean", num_tokens=num_tokens) * len(mbs), {}
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    schedule.run_micro_batches(model, mbs, loss_fn, forward_only=False, device=CPU)
+    return torch.cat([p.main_grad.flatten().clone() for p in model[0].parameters()])
 
 
 def trainer_logprobs(model, spec, batch, mbs, record=None):
@@ -134,13 +180,7 @@ def main():
         )
         result["exact"] = diff(trainer_logprobs(model, spec, batch, padded))
         result["exact_mismatch"] = moe.step_metrics(model, spec, CPU).get("route_mismatch")
-        with torch.no_grad():  # the trainer's copy only: the engine keeps its weights
-            torch.manual_seed(1)
-            for _, router in moe.routers(model):
-                if spec.moe.expert_bias:  # the choice of experts moves, their gating weights do not
-                    router.expert_bias.add_(torch.randn_like(router.expert_bias) * 0.5)
-                else:
-                    router.weight.add_(torch.randn_like(router.weight) * 0.002)
+        perturb(model, spec)  # the trainer's copy only: the engine keeps its weights
         own = trainer_logprobs(model, spec, batch, plain)
         result["perturbed"] = diff(own)
         result["replayed"] = diff(trainer_logprobs(model, spec, batch, padded))
@@ -162,6 +202,11 @@ def main():
         )
         _, router = moe.routers(model)[0]
         result.update(router_gradient(router, spec.moe.score_function, spec.moe.scaling_factor or 1.0))
+        if name == names[0]:  # activation recomputation inside the backward: the same gradients
+            grads = {mode: update_gradients(spec, hf_dir, padded, mode) for mode in ("none", "full", "selective")}
+            own_grads = update_gradients(spec, hf_dir, plain, "none")
+            result["recompute_grad_diff"] = max(float((grads[m] - grads["none"]).abs().max()) for m in grads)
+            result["replay_changes_grads"] = float((own_grads - grads["none"]).abs().max())
         print("RESULT " + json.dumps(result), flush=True)
 
 

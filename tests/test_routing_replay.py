@@ -9,8 +9,9 @@ logprobs differ from the engine's, with the engine's routes replayed they equal 
 (DeepSeek-V3, whose perturbed score-correction bias moves only the choice of experts) or
 differ by what the perturbed gating weights make (the others), padded and packed alike; the
 routes the trainer records itself (R2) replay to its own logprobs; the router's gradient under
-replay equals the one derived by hand. The scripts' runs with replay (EP=2, CP=2) are in
-tests/test_moe.py, tests/test_deepseek.py and tests/test_long_sequences.py.
+replay equals the one derived by hand; an update's gradients are the same with activation
+recomputation. The scripts' runs with replay (EP=2, CP=2) are in tests/test_moe.py,
+tests/test_deepseek.py and tests/test_long_sequences.py.
 """
 
 import json
@@ -74,6 +75,15 @@ def test_router_stays_differentiable_under_replay(replay_results, name):
     r = replay_results[name]
     assert r["map_is_target"] and r["grad_max"] > 0.1
     assert r["grad_diff"] < 1e-5 * r["grad_max"]
+
+
+def test_recomputation_in_the_backward_replays_the_same_routes(replay_results):
+    """--recompute full / selective (moe): megatron re-runs the routers inside the backward, which
+    take their micro-batch's targets from RouterReplay's backward queue: an update's gradients
+    equal those without recomputation (two micro-batches, the router perturbed), and differ from
+    the unreplayed update's (the check can fail)."""
+    r = replay_results[FAMILIES[0]]
+    assert r["recompute_grad_diff"] < 1e-6 and r["replay_changes_grads"] > 1e-3
 
 
 def _samples_with_routes(layers=2, topk=2):
