@@ -269,7 +269,9 @@ def test_fp8_checkpoints_are_refused_with_the_way_out():
 def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir, tmp_path):
     """The 3-layer tiny DeepSeek-V3 at --pp 2 (stages of 2 + 1 layers, chosen automatically)
     and EP=2: two GRPO steps run, and the trainer's logprobs of the first step's samples equal
-    the CPU engine's (transformers) on the same weights."""
+    the CPU engine's (transformers) on the same weights. With --routing-replay old each stage
+    records its MoE layers' routes in the old-logprob pass, all four ranks' are gathered, and the
+    first update, replaying them, computes the old pass's logprobs."""
     run_torchrun(
         "train_grpo.py",
         4,
@@ -279,6 +281,8 @@ def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir
         2,
         "--ep",
         2,
+        "--routing-replay",
+        "old",
         "--steps",
         2,
         "--max-new-tokens",
@@ -291,8 +295,9 @@ def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir
         tmp_path,
     )
     rows = read_metrics(tmp_path)
-    print("logprob_mismatch", [m["logprob_mismatch"] for m in rows])
+    print("logprob_mismatch", [m["logprob_mismatch"] for m in rows], rows[0]["first_update_logprob_err"])
     assert len(rows) == 2 and rows[0]["logprob_mismatch"] < 1e-5
+    assert rows[0]["first_update_logprob_err"] < 1e-5 and "route_mismatch_update" in rows[0]
 
 
 def test_router_bias_update_is_off_by_default_and_synced_when_on(tmp_path):
