@@ -141,6 +141,22 @@ def test_samples_without_routes_are_refused():
         B.pack_sequences(samples, pad_id=0, routes=True)
 
 
+def test_saved_rollouts_without_routes_are_refused(tmp_path):
+    """--load-rollouts with --routing-replay rollout: rollouts saved without routes are refused at
+    start-up (exit 2, one line), before anything is built."""
+    from tests.conftest import run_script
+
+    samples = _samples_with_routes()
+    for s in samples:
+        s.routes = None
+    (tmp_path / "rollouts").mkdir()
+    torch.save({"samples": samples, "rewards": torch.zeros(4)}, tmp_path / "rollouts" / "step_000000.pt")
+    args = ("--embedded-model", "moe", "--steps", 1, "--load-rollouts", tmp_path / "rollouts", "--out", tmp_path / "o")
+    proc = run_script("train_grpo.py", *args, "--routing-replay", "rollout", check=False)
+    assert proc.returncode == 2 and "carry no MoE routes" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_routes_from_vllm_finds_the_moe_layers():
     """vLLM's routed_experts (tokens, num_hidden_layers, k): the MoE layers read at their decoder
     indices or first, whichever vLLM wrote (a written layer has k distinct experts per token)."""

@@ -411,6 +411,14 @@ def _check_inputs(args):
                 f"--load-rollouts {args.load_rollouts} has {have} saved steps, not the {args.steps} "
                 f"--steps asks for (no {os.path.basename(last)})"
             )
+        if getattr(args, "routing_replay", "none") == "rollout":  # the engine's routes are part of each sample
+            import torch
+
+            if any(getattr(s, "routes", None) is None for s in torch.load(last, weights_only=False)["samples"]):
+                raise UsageError(
+                    f"--routing-replay rollout: the rollouts in {args.load_rollouts} carry no MoE routes (saved by a "
+                    "run without it); replay the old-logprob pass's routes (--routing-replay old) or none"
+                )
 
 
 def _check_resumed_model(args, ckpt_root, spec):
