@@ -56,6 +56,9 @@ class HFEngine(RolloutEngine):
     max_model_len: prompt + response tokens per request, as VLLMEngine's: capped at the
     model's max_position_embeddings (None: that), a response that reaches it ends with
     finish_reason "length", a prompt that fills it is refused.
+    generate(return_routes=True), MoE models: forward hooks on the routers record the experts of
+    every token fed (common/rollout/routes.py): the prompt's (its columns of the prefill) and
+    each sampled token's but the last (the decode steps that fed them), as Sample.routes.
     """
 
     def __init__(self, hf_dir, dtype=torch.float32, eos_token_ids=None, device="cpu", max_model_len=None):
