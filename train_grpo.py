@@ -210,6 +210,7 @@ def main():
     from transformers import AutoTokenizer
 
     from common.model import moe
+    from common.model import routing_replay as RR
     from common.model.flops import step_throughput
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights import export_hf_weights, load_hf_weights
@@ -300,6 +301,7 @@ def main():
             max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
             seed=args.seed,
             device=info.device,
+            return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
         )
     )
     if engine is not None:
@@ -481,8 +483,9 @@ def main():
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
-    def logprob_pass(chunks, mbs, store):
-        """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only)."""
+    def logprob_pass(chunks, mbs, store, routes=None):
+        """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only);
+        routes: a routing_replay.route_store that takes the pass's MoE routes."""
         # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
         on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
 
@@ -492,7 +495,9 @@ def main():
             return logprobs.sum() * 0, {}
 
         with torch.no_grad():
-            schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
+            schedule.run_micro_batches(
+                chunks, mbs, loss_fn, forward_only=True, device=info.device, record_routes=routes
+            )
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
         store.copy_(
             schedule.all_reduce_sum(
@@ -538,6 +543,7 @@ def main():
                     max_tokens=args.max_new_tokens,
                     seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_,
                     response_lengths=exact,
+                    return_routes=args.routing_replay == "rollout",
                 )
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
             answers = [
@@ -609,7 +615,8 @@ def main():
 
         # ---- 4. advantages: group-normalised reward, the same for every token of a sample
         advantages = group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)
-        batch = B.pack_sequences(samples, pad_id, length_multiple=multiple)  # (N, T) tensors
+        # (N, T) tensors; --routing-replay rollout: + the engine's routes (N, T, MoE layers, top-k)
+        batch = B.pack_sequences(samples, pad_id, length_multiple=multiple, routes=args.routing_replay == "rollout")
         if args.mask_truncated:  # DAPO's overlong filtering: a cut-off response says nothing of its answer
             batch["mask"][torch.tensor([s.finish_reason == "length" for s in samples])] = 0.0
             batch["rollout_mask"] *= batch["mask"]  # logprob_mismatch: the trainer's passes skip those rows
@@ -638,20 +645,31 @@ def main():
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
         identity = torch.arange(num_rows)
-        all_mine = [
-            mb
-            for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
-            for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
-        ]
+
+        def forward_only_micro_batches():
+            return [
+                mb
+                for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
+                for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
+            ]
+
+        all_mine = forward_only_micro_batches()
         # On-policy (one epoch, one mini-batch, no correction that weighs old against engine logprobs): the old
-        # logprobs are the update's own forward (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B step)
+        # logprobs are the update's own forward (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B
+        # step); not when --routing-replay old must record the routes the reference pass replays
+        record_routes = args.routing_replay == "old"
         on_policy = (
             args.ppo_epochs == 1 and mini_batch == rollout_batch and not uses_old_logprobs(args.rollout_correction)
         )
+        on_policy = on_policy and not (record_routes and reference is not None)
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         if not on_policy:
             with timer("old_logprob"):
-                logprob_pass(model, all_mine, batch["old_logprobs"])
+                routes = RR.route_store(num_rows, seq_len, spec, info.device) if record_routes else None
+                logprob_pass(model, all_mine, batch["old_logprobs"], routes)
+                if routes is not None:  # R2: the reference pass and the updates route as this pass did
+                    batch["routes"] = RR.gathered_routes(routes)
+                    all_mine = forward_only_micro_batches()
             check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:

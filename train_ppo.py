@@ -197,6 +197,7 @@ def main():
     from transformers import AutoTokenizer
 
     from common.model import moe
+    from common.model import routing_replay as RR
     from common.model.critic import build_critic, load_critic_weights
     from common.model.flops import step_throughput
     from common.model.gpt import build_model, load_hf_spec
@@ -297,6 +298,7 @@ def main():
             max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
             seed=args.seed,
             device=info.device,
+            return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
         )
     )
     if engine is not None:
@@ -473,11 +475,12 @@ def main():
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
-    def forward_pass(chunks, mbs, per_token_fn, store):
+    def forward_pass(chunks, mbs, per_token_fn, store, routes=None):
         """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY
         rank (token rewards, GAE and the logged statistics are computed everywhere): TP rank 0
         of each last pipeline stage writes its DP rank's rows, then a sum over all ranks (one
-        writer per row: exact) gives every rank all rows."""
+        writer per row: exact) gives every rank all rows. routes: a routing_replay.route_store
+        that takes the pass's MoE routes."""
         tp_first = mpu.get_tensor_model_parallel_rank() == 0
         # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
         on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
@@ -489,7 +492,9 @@ def main():
             return per_token.sum() * 0, {}
 
         with torch.no_grad():
-            schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=info.device)
+            schedule.run_micro_batches(
+                chunks, mbs, loss_fn, forward_only=True, device=info.device, record_routes=routes
+            )
         store.copy_(schedule.all_reduce_sum(on_device[:-1], None, info.device))
 
     def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
@@ -528,6 +533,7 @@ def main():
                         top_p=args.top_p,
                         max_tokens=args.max_new_tokens,
                         seed=args.seed * 100_003 + step * 1009 + replica,
+                        return_routes=args.routing_replay == "rollout",
                     )
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
@@ -562,7 +568,8 @@ def main():
                 {"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt")
             )
 
-        batch = B.pack_sequences(samples, pad_id, length_multiple=multiple)  # (N, T) tensors
+        # (N, T) tensors; --routing-replay rollout: + the engine's routes (N, T, MoE layers, top-k)
+        batch = B.pack_sequences(samples, pad_id, length_multiple=multiple, routes=args.routing_replay == "rollout")
         batch["row"] = torch.arange(len(samples))
         num_rows, seq_len = batch["tokens"].shape
         mask = batch["mask"]  # (N, T): 1 where the target is a response token
@@ -588,14 +595,22 @@ def main():
         # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
         identity = torch.arange(num_rows)
-        all_mine = [
-            mb
-            for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
-            for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
-        ]
+
+        def forward_only_micro_batches():
+            return [
+                mb
+                for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
+                for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
+            ]
+
+        all_mine = forward_only_micro_batches()
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         with timer("old_logprob"):
-            forward_pass(model, all_mine, logprobs_of, batch["old_logprobs"])
+            routes = RR.route_store(num_rows, seq_len, spec, info.device) if args.routing_replay == "old" else None
+            forward_pass(model, all_mine, logprobs_of, batch["old_logprobs"], routes)
+            if routes is not None:  # R2: the reference, values and update passes route as this pass did
+                batch["routes"] = RR.gathered_routes(routes)
+                all_mine = forward_only_micro_batches()
         check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if reference is not None:

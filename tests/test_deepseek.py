@@ -167,7 +167,10 @@ def test_grpo_learns_with_the_embedded_deepseek_at_ep2(tmp_path):
 def test_deepseek_at_cp2_ep2_matches_transformers(tmp_path):
     """Context parallelism with multi-latent attention (megatron rotates each CP rank's chunks,
     SDPAttention all-gathers keys and values) and the experts' all-to-all across the two CP
-    ranks: the trainer's logprobs agree with transformers' on 16-token responses."""
+    ranks: the trainer's logprobs agree with transformers' on 16-token responses. With the
+    engine's routes replayed (--routing-replay rollout: the experts transformers chose after the
+    score-correction bias and the group limit, sliced for each CP rank): the trainer's own
+    choice at the same weights is the replayed one."""
     run_torchrun(
         "train_grpo.py",
         2,
@@ -177,6 +180,8 @@ def test_deepseek_at_cp2_ep2_matches_transformers(tmp_path):
         2,
         "--ep",
         2,
+        "--routing-replay",
+        "rollout",
         "--steps",
         1,
         "--max-new-tokens",
@@ -190,7 +195,9 @@ def test_deepseek_at_cp2_ep2_matches_transformers(tmp_path):
     )
     (row,) = read_metrics(tmp_path)
     print("logprob_mismatch", row["logprob_mismatch"], "response_len_mean", row["response_len_mean"])
+    print("route_mismatch", row["route_mismatch"], row["route_mismatch_update"])
     assert row["response_len_mean"] > 8 and row["logprob_mismatch"] < 1e-5  # measured 1.0e-7
+    assert row["route_mismatch"] <= 0.01
 
 
 # the released DeepSeek-V3 config.json (transformers-4 style rope_scaling, 1 MTP layer)
@@ -262,7 +269,9 @@ def test_fp8_checkpoints_are_refused_with_the_way_out():
 def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir, tmp_path):
     """The 3-layer tiny DeepSeek-V3 at --pp 2 (stages of 2 + 1 layers, chosen automatically)
     and EP=2: two GRPO steps run, and the trainer's logprobs of the first step's samples equal
-    the CPU engine's (transformers) on the same weights."""
+    the CPU engine's (transformers) on the same weights. With --routing-replay old each stage
+    records its MoE layers' routes in the old-logprob pass, all four ranks' are gathered, and the
+    first update, replaying them, computes the old pass's logprobs."""
     run_torchrun(
         "train_grpo.py",
         4,
@@ -272,6 +281,8 @@ def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir
         2,
         "--ep",
         2,
+        "--routing-replay",
+        "old",
         "--steps",
         2,
         "--max-new-tokens",
@@ -284,8 +295,9 @@ def test_grpo_on_uneven_pipeline_stages_matches_transformers(tiny_moe_models_dir
         tmp_path,
     )
     rows = read_metrics(tmp_path)
-    print("logprob_mismatch", [m["logprob_mismatch"] for m in rows])
+    print("logprob_mismatch", [m["logprob_mismatch"] for m in rows], rows[0]["first_update_logprob_err"])
     assert len(rows) == 2 and rows[0]["logprob_mismatch"] < 1e-5
+    assert rows[0]["first_update_logprob_err"] < 1e-5 and "route_mismatch_update" in rows[0]
 
 
 def test_router_bias_update_is_off_by_default_and_synced_when_on(tmp_path):

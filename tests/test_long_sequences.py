@@ -386,7 +386,9 @@ def test_grpo_at_cp2_equals_one_process(flags, one_process_run, tmp_path):
 
 def test_moe_at_cp2_ep2_matches_transformers(tmp_path):
     """The embedded MoE at --cp 2 --ep 2 (experts' all-to-all across the two CP ranks): the
-    trainer's logprobs agree with the CPU engine's (transformers, fp32) on the sampled tokens."""
+    trainer's logprobs agree with the CPU engine's (transformers, fp32) on the sampled tokens.
+    With --routing-replay old the old-logprob pass's routes, recorded on each CP rank's chunks
+    and gathered, are what the first update replays: its logprobs are the old pass's."""
     run_torchrun(
         "train_grpo.py",
         2,
@@ -396,6 +398,8 @@ def test_moe_at_cp2_ep2_matches_transformers(tmp_path):
         2,
         "--ep",
         2,
+        "--routing-replay",
+        "old",
         "--steps",
         1,
         "--max-new-tokens",
@@ -408,5 +412,6 @@ def test_moe_at_cp2_ep2_matches_transformers(tmp_path):
         tmp_path,
     )
     (row,) = read_metrics(tmp_path)
-    print("logprob_mismatch", row["logprob_mismatch"])
+    print("logprob_mismatch", row["logprob_mismatch"], "first_update_logprob_err", row["first_update_logprob_err"])
     assert row["logprob_mismatch"] < 1e-5  # measured 1.4e-7; a subtly wrong CP mask gave 0.019
+    assert row["first_update_logprob_err"] < 1e-5 and "route_mismatch_update" in row

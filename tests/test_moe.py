@@ -300,9 +300,12 @@ def test_router_functions_compiled_equal_eager():
 
 
 def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
-    """train_grpo.py --embedded-model moe at EP=2 (gloo; megatron's all-to-all dispatcher): the
-    embedded task is learned (greedy validation), and the expert-load and aux-loss metrics are
-    logged."""
+    """train_grpo.py --embedded-model moe at EP=2 (gloo; megatron's all-to-all dispatcher) with
+    the rollout's routes replayed (--routing-replay rollout): the embedded task is learned
+    (greedy validation), and the expert-load and aux-loss metrics are logged. The CPU engine's
+    routes reach the trainer's passes token for token (the saved rollouts hold them): at the
+    weights the engine sampled with, the trainer's own top-k is the replayed one (misaligned
+    routes would differ on most (token, layer) pairs)."""
     from tests.conftest import read_metrics
 
     run_torchrun(
@@ -312,6 +315,8 @@ def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
         "moe",
         "--ep",
         2,
+        "--routing-replay",
+        "rollout",
         "--kl-coef",
         0,  # no reference pass: -20% time
         "--steps",
@@ -322,18 +327,25 @@ def test_grpo_learns_with_the_embedded_moe_at_ep2(tmp_path):
         0,
         "--out",
         tmp_path,
+        "--save-rollouts",
+        tmp_path / "rollouts",
     )
     rows = read_metrics(tmp_path)
     evals = {m["step"]: m["eval_accuracy"] for m in rows if "eval_accuracy" in m}
     print(f"eval accuracy {evals}; last moe_load_max {rows[-1]['moe_load_max']:.2f} aux {rows[-1]['moe_aux_loss']:.3f}")
+    print("route_mismatch", [m["route_mismatch"] for m in rows][:5], rows[-1]["route_mismatch_update"])
     assert evals[49] >= evals[0] + 0.5
     for m in rows:  # 8 experts, top-2: 1.0 is balanced, 4.0 is one expert taking every token
         assert 1.0 <= m["moe_load_mean"] <= m["moe_load_max"] <= 4.0
         assert 0.5 < m["moe_aux_loss"] < 8.0  # 2 layers, each ~1 when balanced
+        assert m["route_mismatch"] <= 0.01 and 0.0 <= m["route_mismatch_update"] <= 1.0
+    saved = torch.load(tmp_path / "rollouts" / "step_000000.pt", weights_only=False)["samples"]
+    assert all(s.routes.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2) for s in saved)
 
 
 def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
-    """train_ppo.py's actor and critic share the MoE body at EP=2: both log their expert load.
+    """train_ppo.py's actor and critic share the MoE body at EP=2: both log their expert load,
+    and both replay the old-logprob pass's routes (--routing-replay old) through the padding.
     With --pack and --micro-batch-tokens the two ranks' pass counts and lengths depend on their
     samples. The all-to-all needs equal counts (else it hangs); --moe-dispatcher allgather
     needs each pass to hold as many tokens on both ranks (unequal sizes crash or, on gloo,
@@ -374,6 +386,8 @@ def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
             12,
             "--moe-aux-loss-coef",
             0,
+            "--routing-replay",
+            "old",
             "--log-samples-every",
             0,
             "--out",
@@ -385,6 +399,9 @@ def test_ppo_runs_with_the_embedded_moe_at_ep2(tmp_path):
         for m in rows:
             assert 1.0 <= m["moe_load_max"] <= 4.0 and 1.0 <= m["critic_moe_load_max"] <= 4.0
             assert m["value_loss"] == m["value_loss"]  # finite: the guard would have stopped the run
+            # --routing-replay old: the critic's values pass (its body the actor's before any update)
+            # replays the actor's old-pass routes, its own choice; the updates replay them too
+            assert m["critic_route_mismatch"] <= 0.01 and 0.0 <= m["route_mismatch_update"] < 0.5
     first, second = runs["alltoall"][0], runs["allgather"][0]
     compared = ("policy_loss", "ppo_kl", "entropy", "grad_norm", "critic_grad_norm", "response_len_mean")
     print({k: (first[k], second[k]) for k in compared})

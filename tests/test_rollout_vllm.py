@@ -88,8 +88,24 @@ class FakeLLM:
                 start_indices=[0, 1], end_indices=[1, 2], token_ids=tokens, logprobs=[-0.5, -0.25]
             )
             done = types.SimpleNamespace(token_ids=tokens, logprobs=flat, finish_reason="stop")
+            if self.kwargs.get("enable_return_routed_experts"):
+                done.routed_experts = fake_routed_experts(len(prompts[len(outs)]["prompt_token_ids"]) + len(tokens) - 1)
             outs.append(types.SimpleNamespace(outputs=[done]))
         return outs
+
+
+def fake_routed_experts(tokens, moe_layers=(True, False, True, True), topk=2, experts=8):
+    """vLLM's routed_experts for `tokens` tokens: (tokens, num_hidden_layers, k) int32, token t's
+    experts in MoE layer l (t + l) % E, (t + l + 1) % E at the layer's decoder index, dense
+    layers never written (zeros)."""
+    import numpy as np
+
+    ids = np.zeros((tokens, len(moe_layers), topk), dtype=np.int32)
+    for t in range(tokens):
+        for layer, moe in enumerate(moe_layers):
+            if moe:
+                ids[t, layer] = [(t + layer + j) % experts for j in range(topk)]
+    return ids
 
 
 @pytest.fixture
@@ -266,6 +282,33 @@ def test_no_eos_ids_ignore_eos(engine, tmp_path):
     no_eos.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
     params = no_eos.llm.requests[-1][1]
     assert len(params) == 2 and all(p.stop_token_ids == [] and p.ignore_eos for p in params)
+
+
+def test_routes_of_an_moe_model(engine, tmp_path):
+    """return_routes (--routing-replay rollout): vLLM started with enable_return_routed_experts,
+    each sample's routes the MoE layers' ids of routed_experts, one row per token vLLM ran
+    (prompt + response - 1); an engine started without it refuses to return routes."""
+    from common.rollout.vllm_engine import VLLMEngine
+    from tests.tiny_models import MOE_CONFIGS
+
+    arch, config = MOE_CONFIGS["qwen3_moe"]  # 4 layers, layer 1 dense; 8 experts, top-2
+    moe_dir = tmp_path / "moe"
+    moe_dir.mkdir()
+    (moe_dir / "config.json").write_text(json.dumps(dict(config, architectures=[arch], eos_token_id=2)))
+    with_routes = VLLMEngine(str(moe_dir), rollout_tp=1, return_routes=True)
+    assert with_routes.llm.kwargs["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in engine.llm.kwargs  # off unless asked: it costs vLLM time
+    with_routes.update_weights([("a", torch.ones(2)), ("b", torch.ones(3))])
+    samples = with_routes.generate(
+        [[1, 2, 3], [4, 5]], n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0, return_routes=True
+    )
+    for s in samples:
+        ran = len(s.prompt_ids) + len(s.response_ids) - 1
+        expected = torch.as_tensor(fake_routed_experts(ran))[:, [0, 2, 3]].to(torch.int16)
+        assert s.routes.dtype == torch.int16 and torch.equal(s.routes, expected)
+    engine.update_weights([("a", torch.ones(2)), ("b", torch.ones(3))])
+    with pytest.raises(AssertionError, match="return_routes=True"):
+        engine.generate([[1, 2, 3]], n=1, temperature=1.0, top_p=1.0, max_tokens=4, seed=0, return_routes=True)
 
 
 @pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])

@@ -593,9 +593,9 @@ def test_empty_responses_and_a_missing_chat_template_are_warned_of(tmp_path):
 
 
 def test_flags_that_would_be_ignored_are_refused(tmp_path):
-    """A file has no splits, raw prompts take no system prompt, the synthetic task is no chat:
-    exit 2 with one line naming the flag, before anything is built; so is an --eval-data that
-    cannot be read, named as such (not as --data)."""
+    """A file has no splits, raw prompts take no system prompt, the synthetic task is no chat, a
+    dense model has no routes to replay: exit 2 with one line naming the flag, before anything is
+    built; so is an --eval-data that cannot be read, named as such (not as --data)."""
     data, odd = tmp_path / "data.jsonl", tmp_path / "odd.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     odd.write_text('{"text": "1+1", "label": "2"}\n')
@@ -604,6 +604,7 @@ def test_flags_that_would_be_ignored_are_refused(tmp_path):
         (["--data", data, "--system-prompt", "Think.", "--raw-prompts"], "--system-prompt goes into the chat"),
         (["--system-prompt", "Think."], "--system-prompt applies to --data's prompts"),
         (["--data", data, "--eval-data", odd], f"--eval-data {odd}: no prompt field found"),
+        (["--routing-replay", "rollout"], "--routing-replay rollout: Qwen2ForCausalLM has no MoE routers"),
     ):
         proc = run(*args, "--out", tmp_path / "out", check=False)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (

@@ -9,6 +9,7 @@
     critic.py           the GPTModel body with a value head (PPO's critic, reward models)
     attention.py, attention_cp.py   core attention: SDPA, packed (varlen), context parallel
     moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
+    routing_replay.py   MoE routing replay: routers sent to recorded experts, or recording their own
     swiglu.py, linear.py   the MLPs' activation kernel, the QKV bias in the GEMM
     flops.py            model FLOPs per token (MFU)
     sizes.py            parameters, activations and KV cache per rank of a layout (the memory plan's arithmetic)

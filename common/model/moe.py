@@ -257,6 +257,16 @@ def step_metrics(chunks, spec, device, prefix="", aux=True):
                                     --moe-aux-loss-coef multiplies); when the aux loss is on and
                                     aux (megatron tracks one value per layer for all models: PPO's
                                     actor and critic steps would mix)
+      route_mismatch                under routing replay (common/model/routing_replay.py): of the
+                                    (token, MoE layer) pairs the step's forward-only passes
+                                    replayed (the old logprobs; PPO's critic values), the share
+                                    where the router's own top-k would have chosen other experts
+                                    (1 - router agreement; padding and tokens without a recorded
+                                    route left out): with the rollout's routes, the engine's and
+                                    the trainer's disagreement at the same weights
+      route_mismatch_update         the same over the update passes, whose weights move after
+                                    each optimizer step (the only number when GRPO skips the old
+                                    pass: then its one update pass comes before any step)
     prefix: put before each name (the critic's: "critic_").
     """
     from megatron.core import parallel_state as mpu
@@ -265,27 +275,35 @@ def step_metrics(chunks, spec, device, prefix="", aux=True):
     num_layers, num_experts = spec.num_layers, spec.moe.num_experts
     counts = torch.zeros(num_layers, num_experts, device=device)  # (L, E), this rank's layers filled
     passes = torch.zeros(1, device=device)
+    replay = torch.zeros(4, device=device)  # (replayed pairs, of which the own top-k differs) x (forward-only, update)
     for layer, router in routers(chunks):
         if router.tokens_per_expert is not None:
             counts[layer] += router.tokens_per_expert.to(device)
             passes = torch.maximum(passes, torch.full_like(passes, router.passes))
-        router.tokens_per_expert, router.passes = None, 0
+        if router.replay_counts is not None:
+            replay += router.replay_counts.to(device)
+        router.tokens_per_expert, router.passes, router.replay_counts = None, 0, None
     tracker = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     aux_loss = tracker["values"].to(device).float().clone() if tracker else torch.zeros(num_layers, device=device)
     if tracker:
         moe_utils.clear_aux_losses_tracker()
-    flat = torch.cat([counts.flatten(), aux_loss])
+    flat = torch.cat([counts.flatten(), aux_loss, replay])
     if dist.is_initialized() and dist.get_world_size() > 1:
         # sums: DP ranks add their tokens and losses, PP stages their layers, SP ranks their
-        # partial losses; TP copies of the counts scale every expert alike
+        # partial losses and their tokens' routes; TP copies of the counts scale every expert alike
         dist.all_reduce(flat)
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)  # the same on every rank with an MoE layer
-    counts, aux_loss = flat[:-num_layers].view(num_layers, num_experts), flat[-num_layers:]
+    counts, aux_loss = flat[: num_layers * num_experts].view(num_layers, num_experts), flat[-num_layers - 4 : -4]
+    metrics = {
+        f"{prefix}{name}": (pairs[1] / pairs[0]).item()
+        for name, pairs in (("route_mismatch", flat[-4:-2]), ("route_mismatch_update", flat[-2:]))
+        if pairs[0] > 0
+    }
     used = counts.sum(1) > 0
     if not used.any():
-        return {}
+        return metrics
     load = counts[used].max(1).values / counts[used].mean(1)
-    metrics = {f"{prefix}moe_load_max": load.max().item(), f"{prefix}moe_load_mean": load.mean().item()}
+    metrics.update({f"{prefix}moe_load_max": load.max().item(), f"{prefix}moe_load_mean": load.mean().item()})
     if aux and (tracker or aux_loss.any()):
         # megatron's logged value: summed over layers, averaged over DP ranks and micro-batches
         metrics[f"{prefix}moe_aux_loss"] = (

@@ -9,13 +9,16 @@ routing (top-k over softmax/sigmoid scores, the scores and load-balancing loss o
 is ~90 small eager kernels per layer and pass without TE's fused router kernels; here the same
 megatron functions run inside three compiled functions on a GPU (eager, thus megatron's own
 code, elsewhere). Router settings this does not cover (sinkhorn, token capacity, TE's router
-fusion, router replay) keep megatron's routing.
+fusion) keep megatron's routing. Under routing replay (common/model/routing_replay.py) megatron's
+routing runs with its RouterReplay, and the Router fills the tokens without a recorded route with
+its own top-k and counts how often its own top-k differs from the replayed one.
 """
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from common.rl.fused import on_gpu_compiled
 
@@ -28,6 +31,10 @@ class Router(TopKRouter):
     compiled = True  # False: megatron's routing as it is (bench/train.py --ab compiled-router)
     tokens_per_expert = None  # (E,) float32, summed over the update passes since the last read
     passes = 0  # update (grad-enabled) forward passes since the last read
+    # routing replay, training-mode passes since the last read: (4,) float32 on the device, the tokens
+    # with a replayed route and those of them whose own top-k differs, in forward-only passes, then
+    # in passes with a backward (common/model/moe.py step_metrics)
+    replay_counts = None
 
     def gating(self, input):
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
@@ -35,7 +42,10 @@ class Router(TopKRouter):
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)  # (S, B, E) logits
 
     def routing(self, logits, padding_mask=None):
-        if self.compiled and self._plain_topk():
+        action = None if self.router_replay is None else self.router_replay.router_replay_action
+        if action is RouterReplayAction.REPLAY_FORWARD:
+            probs, routing_map = self._replayed_routing(logits, padding_mask)
+        elif self.compiled and action is None and self._plain_topk():
             probs, routing_map = self._topk_routing(logits, padding_mask)
         else:
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)  # routing_map: (tokens, E) bool
@@ -51,8 +61,50 @@ class Router(TopKRouter):
             self.routing_type != "sinkhorn"
             and config.moe_expert_capacity_factor is None
             and not config.moe_router_fusion
-            and self.router_replay is None
         )
+
+    def _replayed_routing(self, logits, padding_mask):
+        """megatron's routing to the target experts of RouterReplay (common/model/routing_replay.py):
+        the target's -1 rows (no recorded route) take this router's own top-k, and in training-mode
+        passes the real tokens whose own top-k differs are counted. A recomputation inside the
+        backward (activation checkpointing; the autograd engine runs it) takes the next target of
+        RouterReplay's backward queue instead: the same tensor, already filled."""
+        replayer = self.router_replay
+        if torch._C._current_graph_task_id() != -1:  # inside a backward
+            replayer.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            try:
+                return super().routing(logits, padding_mask=padding_mask)
+            finally:
+                replayer.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        target = replayer.target_topk_idx  # (tokens, k) int64, -1 where none was recorded
+        num_experts = self.config.num_moe_experts
+        if target.shape != (logits.numel() // num_experts, self.topk):
+            raise ValueError(
+                f"replayed routes {tuple(target.shape)} for {logits.numel() // num_experts} tokens x top-{self.topk}"
+            )
+        with torch.no_grad():
+            _, own = topk_routing(
+                logits.reshape(-1, num_experts).detach(),
+                self.expert_bias,
+                self.topk,
+                self.config.moe_router_pre_softmax,
+                self.config.moe_router_num_groups,
+                self.config.moe_router_group_topk,
+                self.config.moe_router_topk_scaling_factor,
+                self.score_function,
+            )  # (tokens, E) bool: this router's own choice
+            known = target[:, 0] >= 0  # (tokens,) a token's k routes are all recorded or none
+            target.copy_(torch.where(known[:, None], target, own.float().topk(self.topk, dim=1).indices))
+        if self.training:  # the policy's and critic's passes (the frozen reference is in eval mode)
+            update = torch.is_grad_enabled()
+            with torch.no_grad():
+                chosen = torch.zeros_like(own).scatter_(1, target, True)
+                real = known if padding_mask is None else known & ~padding_mask.reshape(-1)
+                counts = torch.zeros(4, device=logits.device)
+                counts[2 * update] = real.sum()
+                counts[2 * update + 1] = ((chosen != own).any(1) & real).sum()
+            self.replay_counts = counts if self.replay_counts is None else self.replay_counts + counts
+        return super().routing(logits, padding_mask=padding_mask)
 
     def _topk_routing(self, logits, padding_mask):
         """megatron-core 0.16.1's TopKRouter.routing for top-k routing without token capacity,

@@ -18,7 +18,9 @@ Sequence layout (one row per sample, right-padded to a common length T):
 
 Right padding means real tokens never attend to padding, so the plain causal mask is
 exact; padded positions are excluded by the mask. Per-token tensors (logprobs, advantages,
-masks) are all aligned on this "target" axis, shape (B, T).
+masks) are all aligned on this "target" axis, shape (B, T). MoE routing replay adds
+routes (B, T, M, k) on the "tokens" axis (the experts token t went to in each of M MoE
+layers, -1 where none was recorded), cut, packed and sliced like the (B, T) tensors.
 """
 
 import torch
@@ -34,7 +36,7 @@ def gather_samples(local_samples, group=None):
     return [s for part in parts for s in part]
 
 
-def pack_sequences(samples, pad_id, length=None, length_multiple=8):
+def pack_sequences(samples, pad_id, length=None, length_multiple=8, routes=False):
     """Right-pad prompt+response of each sample into (B, T) tensors.
 
     Returns dict(tokens, positions, targets, mask, rollout_logprobs, rollout_mask, valid), all
@@ -46,6 +48,9 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8):
     elsewhere rollout_mask == mask. T is `length` if given, else the longest sequence rounded up
     to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
     T for all micro-batches of a step).
+    routes: also routes (B, T, M, k) int16 from each sample's Sample.routes (routing replay,
+    common/model/routing_replay.py): the experts of the tokens the engine ran, -1 elsewhere
+    (the last token, the padding); ValueError if a sample has none.
     """
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if length is None:
@@ -64,7 +69,7 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8):
     targets = torch.roll(tokens, shifts=-1, dims=1)
     positions = torch.arange(length).expand(batch, length)
     rollout_mask = mask * torch.isfinite(rollout_logprobs)
-    return dict(
+    packed = dict(
         tokens=tokens,
         positions=positions,
         targets=targets,
@@ -74,6 +79,24 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8):
         valid=valid,
         response_len=mask.sum(1),
     )
+    if routes:
+        packed["routes"] = _pack_routes(samples, length)
+    return packed
+
+
+def _pack_routes(samples, length):
+    """(B, T, M, k) int16: each sample's routes (tokens it ran, M, k) from position 0, -1 after."""
+    missing = [i for i, s in enumerate(samples) if getattr(s, "routes", None) is None]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of {len(samples)} samples carry no MoE routes (e.g. sample {missing[0]}): routing replay "
+            "needs an engine that returns them (--routing-replay rollout), or rollouts saved by such a run"
+        )
+    first = samples[0].routes
+    packed = torch.full((len(samples), length, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        packed[i, : len(s.routes)] = s.routes
+    return packed
 
 
 def split_micro_batches(batch: dict, micro_batch_size):
@@ -180,14 +203,19 @@ def micro_batches(
         result.append(
             {
                 k: _extend(
-                    (v[picked, :cut] if v.dim() == 2 and v.shape[1] == width else v[picked]),
+                    (v[picked, :cut] if v.dim() >= 2 and v.shape[1] == width else v[picked]),
                     extra,
-                    len(mask) if k == "row" else 0,
+                    len(mask) if k == "row" else _fill(k),
                 )
                 for k, v in batch.items()
             }
         )
     return result
+
+
+def _fill(key):
+    """What a position without a token of its own holds: routes -1 (the router's own choice), else 0."""
+    return -1 if key == "routes" else 0
 
 
 def _extend(value, extra, fill):
@@ -249,8 +277,8 @@ def packed_micro_batches(
     its segment (context parallelism: megatron's THD + CP convention cuts EVERY sample into
     2 * cp chunks, context_parallel_slice; padding after a sample's last token changes none
     of its outputs, attention being causal). Its budget counts the padded lengths.
-    Every (N, T) tensor of `batch` is gathered into this layout (0 at the tail and at the
-    samples' padding), (N,) tensors become one entry per sample (k,), and src_row / src_col
+    Every (N, T, ...) tensor of `batch` is gathered into this layout (0 at the tail and at the
+    samples' padding; routes -1), (N,) tensors become one entry per sample (k,), and src_row / src_col
     say where each token came from (padding: row N, a spare row for scatter_tokens). The math
     of every per-token term is unchanged; per-sequence terms (rl.aggregate_loss's seq modes,
     GSPO) take `seq`. same_count_group, same_tokens: as micro_batches'."""
@@ -294,9 +322,10 @@ def packed_micro_batches(
         src_col = torch.where(real, positions, 0)
         mb = {}
         for key, value in batch.items():
-            if value.dim() == 2 and value.shape == mask.shape:
-                gathered = value[src_row.clamp(max=num_rows - 1), src_col]
-                mb[key] = torch.where(real, gathered, torch.zeros((), dtype=value.dtype))[None]  # (1, length)
+            if value.dim() >= 2 and value.shape[:2] == mask.shape:
+                gathered = value[src_row.clamp(max=num_rows - 1), src_col]  # (length, ...)
+                keep = real.view(-1, *[1] * (value.dim() - 2))
+                mb[key] = torch.where(keep, gathered, torch.tensor(_fill(key), dtype=value.dtype))[None]  # (1, length)
             elif value.dim() >= 1 and value.shape[0] == num_rows:
                 mb[key] = value[members]
         mb.update(
@@ -344,7 +373,7 @@ def context_parallel_slice(mb, cp_size, cp_rank):
         ]
     )
     local = {
-        k: (v[:, cols] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width else v) for k, v in mb.items()
+        k: (v[:, cols] if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == width else v) for k, v in mb.items()
     }
     local.update(
         src_row=mb["row"][:, None].expand(b, len(cols)), src_col=cols.expand(b, len(cols)), seq_counts=mb["mask"].sum(1)
@@ -385,7 +414,7 @@ def _packed_context_parallel_slice(mb, cp_size, cp_rank):
     sample, position = thd_context_parallel_layout(cu, cp_size, cp_rank, width // cp_size)
     cols = cu[sample] + position  # (T/cp,) where each of this rank's tokens sits in the whole row
     local = {
-        k: (v[:, cols] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width else v) for k, v in mb.items()
+        k: (v[:, cols] if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == width else v) for k, v in mb.items()
     }
     # each sample's valid tokens in the whole row, indexed by sample id as rl.sequence_sums' result is
     # (one entry per local token; a row has fewer samples than that)

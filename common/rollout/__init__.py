@@ -4,6 +4,7 @@
     hf_engine.py      the CPU engine: transformers with a batched sampling loop
     vllm_engine.py    vLLM colocated in the torchrun processes (GPUs); in-place weight updates
     engines.py        make_engine: which engine a run gets
+    routes.py         the MoE routes of a rollout: router hooks on the CPU engine, vLLM's routed experts
     lengths.py        a benchmark's response lengths, drawn from a distribution (fixed, uniform, lognormal)
     weight_replay.py  a weight loader's writes recorded once and replayed each sync
     evaluate.py       validation: greedy or sampled answers on held-out prompts, scored

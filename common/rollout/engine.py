@@ -26,7 +26,7 @@ Logprob semantics (the trainer must recompute the same quantity, see rl.py):
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,10 @@ class Sample:
     response_ids: list[int]  # ends with (and includes) eos when finish_reason == "stop"
     response_logprobs: list[float]  # one per response token, see the module docstring
     finish_reason: str  # "stop" (eos sampled) | "length" (max_tokens reached)
+    # generate(return_routes=True), MoE models: (prompt + response - 1, M, k) int16, the top-k experts
+    # each token the engine ran went to in each of the model's M MoE layers (all but the last
+    # token, which it sampled and never ran); for routing replay (common/rollout/routes.py)
+    routes: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 # --rollout-logprobs: which samples bring the engine's own logprobs (generate's logprob_samples)
@@ -135,6 +139,7 @@ class RolloutEngine:
         seed: int,
         logprob_samples: int | None = None,
         response_lengths: list[int] | None = None,
+        return_routes: bool = False,
     ) -> list[Sample]:
         """Sample n responses per prompt (token ids). Returns len(prompts) * n Samples in
         prompt-major order: samples[i * n + j] is the j-th sample of prompt i.
@@ -144,7 +149,8 @@ class RolloutEngine:
         logprobs cost it time (vLLM: ~20% of its throughput at 1.5B, docs/performance.md).
         response_lengths: a benchmark's lengths (common/rollout/lengths.py), one per sample in
         the same prompt-major order: sample k gets exactly response_lengths[k] tokens, EOS
-        ignored, max_tokens unused; finish_reason "length"."""
+        ignored, max_tokens unused; finish_reason "length".
+        return_routes: each Sample also carries its MoE routes (Sample.routes)."""
         raise NotImplementedError
 
     def score(self, samples: list[Sample]) -> list[list[float]]:

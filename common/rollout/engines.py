@@ -7,10 +7,22 @@ vllm_available()   whether vLLM can be imported here, without importing it
 import torch
 
 
-def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, max_model_len=4096, seed=0, device=None):
+def make_engine(
+    use_vllm,
+    hf_dir,
+    *,
+    rollout_tp=1,
+    gpu_memory_utilization=0.5,
+    max_model_len=4096,
+    seed=0,
+    device=None,
+    return_routes=False,
+):
     """(engine, rollout TP size): a VLLMEngine (one per vLLM TP group of `rollout_tp` ranks)
     or, on CPUs, an HFEngine in fp32 (each rank its own replica: rollout TP 1). Both cap
-    max_model_len at the model's positions and end a response that reaches it."""
+    max_model_len at the model's positions and end a response that reaches it.
+    return_routes: the engine can return MoE routes (generate(return_routes=True); vLLM turns
+    on its route capture at start-up, the HF engine hooks its routers per call)."""
     if use_vllm:
         from common.rollout.vllm_engine import VLLMEngine
 
@@ -20,6 +32,7 @@ def make_engine(use_vllm, hf_dir, *, rollout_tp=1, gpu_memory_utilization=0.5, m
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             seed=seed,
+            return_routes=return_routes,
         ), rollout_tp
     from common.rollout.hf_engine import HFEngine
 

@@ -7,12 +7,14 @@ It serves the embedded tiny default (`python train_grpo.py`) and the tests; it i
 real models. Logprob semantics: common/rollout/engine.py.
 """
 
+import contextlib
 import re
 
 import torch
 
 from common.model.bridge_moe import EXPERT_BLOCKS, EXPERT_HALF, EXPERT_NAME
 from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
+from common.rollout.routes import RouteRecorder
 
 
 def sample_tokens(logits, temperature, top_p, generator):
@@ -54,6 +56,9 @@ class HFEngine(RolloutEngine):
     max_model_len: prompt + response tokens per request, as VLLMEngine's: capped at the
     model's max_position_embeddings (None: that), a response that reaches it ends with
     finish_reason "length", a prompt that fills it is refused.
+    generate(return_routes=True), MoE models: forward hooks on the routers record the experts of
+    every token fed (common/rollout/routes.py): the prompt's (its columns of the prefill) and
+    each sampled token's but the last (the decode steps that fed them), as Sample.routes.
     """
 
     def __init__(self, hf_dir, dtype=torch.float32, eos_token_ids=None, device="cpu", max_model_len=None):
@@ -75,7 +80,18 @@ class HFEngine(RolloutEngine):
         self.pad_id = self.eos_token_ids[0] if self.eos_token_ids else 0
 
     @torch.inference_mode()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, response_lengths=None):
+    def generate(
+        self,
+        prompts,
+        n,
+        temperature,
+        top_p,
+        max_tokens,
+        seed,
+        logprob_samples=None,
+        response_lengths=None,
+        return_routes=False,
+    ):
         # logprob_samples is ignored: the logprobs are a by-product of the sampling here
         from transformers import DynamicCache
 
@@ -111,42 +127,47 @@ class HFEngine(RolloutEngine):
         budget_left = torch.tensor(budgets, device=dev)  # (B,) tokens each row may still sample
         out_tokens, out_logprobs = [], []  # steps x (B,)
         tokens = input_ids
-        for step in range(max(budgets)):
-            logits = (
-                self.model(
+        # MoE routes (common/rollout/routes.py): the experts of every token fed, the prompt's columns then one per step
+        recorder = RouteRecorder(self.model) if return_routes else contextlib.nullcontext()
+        with recorder:
+            for step in range(max(budgets)):
+                logits = self.model(
                     input_ids=tokens,
                     attention_mask=attn_mask,
                     position_ids=position_ids,
                     past_key_values=cache,
                     use_cache=True,
-                )
-                .logits[:, -1]
-                .float()
-            )  # (B, V)
-            new, logprobs = sample_tokens(logits, temperature, top_p, generator)
-            new = torch.where(done, self.pad_id, new)
-            out_tokens.append(new)
-            out_logprobs.append(logprobs)
-            budget_left -= 1
-            done = done | (budget_left == 0) | (torch.isin(new, eos) & (not exact))  # a benchmark ignores EOS
-            if bool(done.all()):
-                break
-            # Feed the new token: one more mask column, position = previous length.
-            tokens, position_ids = new[:, None], next_pos
-            attn_mask = torch.cat([attn_mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
-            next_pos = next_pos + 1
+                ).logits[:, -1]  # (B, V)
+                if return_routes:
+                    recorder.step(*tokens.shape)
+                new, logprobs = sample_tokens(logits.float(), temperature, top_p, generator)
+                new = torch.where(done, self.pad_id, new)
+                out_tokens.append(new)
+                out_logprobs.append(logprobs)
+                budget_left -= 1
+                done = done | (budget_left == 0) | (torch.isin(new, eos) & (not exact))  # a benchmark ignores EOS
+                if bool(done.all()):
+                    break
+                # Feed the new token: one more mask column, position = previous length.
+                tokens, position_ids = new[:, None], next_pos
+                attn_mask = torch.cat([attn_mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
+                next_pos = next_pos + 1
 
         samples = []
         all_tokens = torch.stack(out_tokens, 1).tolist() if out_tokens else [[] for _ in rows]
         all_logprobs = torch.stack(out_logprobs, 1).tolist() if out_logprobs else [[] for _ in rows]
         eos_set = set() if exact else set(self.eos_token_ids)
-        for r, budget, toks, lps in zip(rows, budgets, all_tokens, all_logprobs):
+        routes = recorder.routes() if return_routes else None  # (B, L + steps fed, M, k)
+        for i, (r, budget, toks, lps) in enumerate(zip(rows, budgets, all_tokens, all_logprobs)):
             toks, lps = toks[:budget], lps[:budget]
             stop = next((t for t, tok in enumerate(toks) if tok in eos_set), None)
             if stop is not None:
                 samples.append(Sample(r, toks[: stop + 1], lps[: stop + 1], "stop"))
             else:
                 samples.append(Sample(r, toks, lps, "length"))
+            if return_routes:  # the prompt (left-padded to L columns), then response tokens 0..n-2 fed at L..
+                n = len(samples[-1].response_ids)
+                samples[-1].routes = torch.cat([routes[i, L - len(r) : L], routes[i, L : L + n - 1]])
         return samples
 
     @torch.inference_mode()

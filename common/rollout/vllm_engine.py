@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from common.model.bridge_moe import EXPERT_HALF, EXPERT_NAME
 from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
+from common.rollout.routes import routes_from_vllm
 from common.rollout.weight_replay import WritePlan
 
 
@@ -93,6 +94,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep=True,
         load_format="dummy",
         eos_token_ids=None,
+        return_routes=False,
         **llm_kwargs,
     ):
         """hf_dir: config.json (+ generation_config.json); with load_format="dummy" (default)
@@ -108,6 +110,8 @@ class VLLMEngine(RolloutEngine):
         at none, every sample gets max_tokens tokens (the benchmarks on random weights, where
         EOS comes by chance: generate then also sets vLLM's ignore_eos, without which vLLM adds
         the model's generation-config eos to the stop tokens).
+        return_routes: an MoE model's routes for generate(return_routes=True), through vLLM's
+        enable_return_routed_experts (routing replay, common/rollout/routes.py; not yet run on a GPU).
         llm_kwargs reach vllm.LLM unchanged (e.g. max_num_seqs, enable_prefix_caching)."""
         # flashinfer is not shipped with our GPU stack, and vLLM's sampler probes for it
         # unless told not to (shared/device/README.md). Must be set before vllm is imported.
@@ -125,7 +129,14 @@ class VLLMEngine(RolloutEngine):
         self.eos_token_ids = eos_token_ids_of(hf_dir) if eos_token_ids is None else list(eos_token_ids)
         self.enable_sleep = enable_sleep
         with open(os.path.join(hf_dir, "config.json")) as f:
-            max_positions = json.load(f).get("max_position_embeddings")
+            config = json.load(f)
+        max_positions = config.get("max_position_embeddings")
+        self.moe_layers = None  # return_routes: which decoder layers are MoE (routes_from_vllm)
+        if return_routes:
+            from common.model.bridge import parse_hf_config
+
+            self.moe_layers = parse_hf_config(config).moe.moe_layers
+            llm_kwargs["enable_return_routed_experts"] = True
         self.max_model_len = max_model_len = cap_max_model_len(max_model_len, max_positions, self.rank)
         self.llm = LLM(
             model=hf_dir,
@@ -370,7 +381,18 @@ class VLLMEngine(RolloutEngine):
             scores.append(got + [math.nan] * (len(s.response_ids) - len(got)))
         return scores
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, response_lengths=None):
+    def generate(
+        self,
+        prompts,
+        n,
+        temperature,
+        top_p,
+        max_tokens,
+        seed,
+        logprob_samples=None,
+        response_lengths=None,
+        return_routes=False,
+    ):
         """Sample n responses per prompt; prompt-major, as RolloutEngine.generate says.
 
         Every (prompt, sample) is its own request with n=1 and its own seed (vLLM rejects
@@ -384,6 +406,8 @@ class VLLMEngine(RolloutEngine):
         tokens and ignore_eos (without it vLLM adds the generation config's EOS to the stops), so
         it ends after exactly that many tokens, unless prompt + length passes max_model_len:
         refused here, as vLLM would cut it short.
+        return_routes (an engine made with return_routes): each completion's routed_experts, the
+        MoE layers' (routes_from_vllm), as Sample.routes.
         """
         from vllm import SamplingParams
 
@@ -391,6 +415,7 @@ class VLLMEngine(RolloutEngine):
         assert self._weights_valid, (
             "no weights since start-up (load_format='dummy') or the last sleep: update_weights first"
         )
+        assert not return_routes or self.moe_layers is not None, "routes need VLLMEngine(return_routes=True)"
         if 0 < temperature and top_p < 1.0 and not self._warned_top_p:
             warnings.warn(
                 "VLLMEngine: with top_p < 1 the returned logprobs are renormalised over the "
@@ -433,9 +458,13 @@ class VLLMEngine(RolloutEngine):
             tokens = list(completion.token_ids)
             if not with_lp:
                 samples.append(Sample(row, tokens, [math.nan] * len(tokens), completion.finish_reason))
-                continue
-            flat = completion.logprobs  # FlatLogprobs: the sampled token comes first
-            starts = flat.start_indices
-            assert [flat.token_ids[s] for s in starts] == tokens, "logprobs do not follow the tokens"
-            samples.append(Sample(row, tokens, [flat.logprobs[s] for s in starts], completion.finish_reason))
+            else:
+                flat = completion.logprobs  # FlatLogprobs: the sampled token comes first
+                starts = flat.start_indices
+                assert [flat.token_ids[s] for s in starts] == tokens, "logprobs do not follow the tokens"
+                samples.append(Sample(row, tokens, [flat.logprobs[s] for s in starts], completion.finish_reason))
+            if return_routes:  # (prompt + response - 1, layers, k): every token vLLM ran
+                routes = routes_from_vllm(completion.routed_experts, self.moe_layers)
+                assert len(routes) == len(row) + len(tokens) - 1, f"{len(routes)} routes for {len(row) + len(tokens)}"
+                samples[-1].routes = routes
         return samples

@@ -191,6 +191,17 @@ def parallel_flags(p):
             "0.001); 0: the loaded bias stays frozen"
         ),
     )
+    g.add_argument(
+        "--routing-replay",
+        choices=["none", "rollout", "old"],
+        default="none",
+        help=(
+            "MoE models: which experts the trainer's passes send each token to. rollout (R3): the ones the rollout "
+            "engine chose, recorded per token and MoE layer and carried with the samples; old (R2): the ones of the "
+            "old-logprob pass, replayed by the reference pass and the updates; none: each pass routes on its own. "
+            "The gating weights of the chosen experts still come from the current router (docs/models.md)"
+        ),
+    )
     return g
 
 
@@ -622,8 +633,11 @@ def plan_flags(p):
 
 def moe_overrides(args):
     """The TransformerConfig fields the MoE flags change from the model's (build_model's
-    config overrides): the router bias update, the token dispatcher."""
+    config overrides): the router bias update, the token dispatcher, routing replay (megatron's
+    RouterReplay, common/model/routing_replay.py)."""
     overrides = {}
+    if args.routing_replay != "none":
+        overrides["moe_enable_routing_replay"] = True
     if args.moe_router_bias_update_rate:
         overrides["moe_router_bias_update_rate"] = args.moe_router_bias_update_rate
     if args.moe_dispatcher:

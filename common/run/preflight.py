@@ -251,6 +251,11 @@ def _check_model(args, critic_model):
     return spec, critic
 
 
+def _routes(spec):
+    """What a model's MoE routes are made of: its MoE layers, experts and top-k."""
+    return spec.moe.moe_layers, spec.moe.num_experts, spec.moe.topk
+
+
 def _check_layout(args, spec, critic=None):
     """The parallel layout against the world size and the shapes of the model (and of
     --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
@@ -276,6 +281,14 @@ def _check_layout(args, spec, critic=None):
         raise UsageError(
             f"--moe-router-bias-update-rate {rate}: needs a rate >= 0 and a model whose router has a "
             f"score-correction bias (DeepSeek-V3); {spec.architecture} has none"
+        )
+    replay = getattr(args, "routing_replay", "none")
+    if replay != "none" and spec.moe is None:
+        raise UsageError(f"--routing-replay {replay}: {spec.architecture} has no MoE routers; drop the flag")
+    if replay != "none" and critic is not None and critic.moe is not None and _routes(critic) != _routes(spec):
+        raise UsageError(
+            f"--routing-replay {replay}: the critic replays the actor's routes, so --critic-model needs the actor's "
+            "MoE layers, experts and top-k (or no experts)"
         )
     if getattr(args, "moe_dispatcher", None) and spec.moe is None:
         raise UsageError(
@@ -398,6 +411,14 @@ def _check_inputs(args):
                 f"--load-rollouts {args.load_rollouts} has {have} saved steps, not the {args.steps} "
                 f"--steps asks for (no {os.path.basename(last)})"
             )
+        if getattr(args, "routing_replay", "none") == "rollout":  # the engine's routes are part of each sample
+            import torch
+
+            if any(getattr(s, "routes", None) is None for s in torch.load(last, weights_only=False)["samples"]):
+                raise UsageError(
+                    f"--routing-replay rollout: the rollouts in {args.load_rollouts} carry no MoE routes (saved by a "
+                    "run without it); replay the old-logprob pass's routes (--routing-replay old) or none"
+                )
 
 
 def _check_resumed_model(args, ckpt_root, spec):

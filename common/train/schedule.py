@@ -13,18 +13,22 @@ from common.rl.batch import context_parallel_slice, packed_seq_params
 from common.train.guard import check_finite_update
 
 
-def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device):
+def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device, record_routes=None):
     """Run megatron's pipeline schedule (1F1B / interleaved / no-pipelining) over micro-batches.
 
     loss_fn(micro_batch, logits) -> (loss, metrics dict of scalar sums); it runs on the last
     pipeline stage only, with logits (B, T, V_padded/tp) of that micro-batch. megatron
     divides each returned loss by the number of micro-batches (and DDP averages gradients
     over data-parallel ranks): the caller's normaliser accounts for both.
+    MoE routing replay (common/model/routing_replay.py): micro-batches with "routes" route
+    every token to them; record_routes, a routing_replay.route_store, takes this rank's routes
+    of the pass instead.
     Returns the list of metrics dicts (last pipeline stage; empty elsewhere).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from common.model import routing_replay
     from common.model.moe import moe_padding_mask
 
     cp_size = mpu.get_context_parallel_world_size()
@@ -50,22 +54,31 @@ def run_micro_batches(model_chunks, micro_batches, loss_fn, forward_only, device
         padding = moe_padding_mask(model, mb.get("valid"))  # MoE: routing statistics without the padding
         if padding is not None:
             extra["padding_mask"] = padding
+        if "routes" in mb:  # each token to its recorded experts (the router's gating weights stay its own)
+            routing_replay.replay(model, mb)
+        elif record_routes is not None:
+            routing_replay.record(model)
         logits = model(mb["tokens"], mb["positions"], None, **extra)
+        if record_routes is not None:
+            routing_replay.store_recorded(model, mb, record_routes)
         return logits, lambda output: loss_fn(mb, output)
 
     # the pipeline schedules need one shape (micro_batches(same_length=True)); without a
     # pipeline every micro-batch may have its own length
     seq_length = max(mb.get("full_length", mb["tokens"].shape[1]) for mb in micro_batches)
     micro_batch_size = micro_batches[0]["tokens"].shape[0]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(micro_batches) for _ in model_chunks],  # one iterator per virtual stage
-        model=model_chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro_batches) for _ in model_chunks],  # one iterator per virtual stage
+            model=model_chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    finally:  # the routers route on their own again, the replayed targets freed
+        routing_replay.finish(model_chunks)
 
 
 def train_step(model_chunks, optimizer, scheduler, micro_batches, loss_fn, device, step=None, before_step=None):
