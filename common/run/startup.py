@@ -4,7 +4,7 @@
     engine = make_engine(...); clock.mark("engine")
     model = load_model(); clock.mark("policy")
     ...
-    print0(clock.line())      # "start-up 141 s: engine 46, policy 38, reference 31, host memory 24, ..."
+    print0(clock.line())      # "start-up N s: engine .., policy .., ..." (seconds)
 
 At 7B a start-up takes minutes (the engine's compile and CUDA graphs, reading the weights, pinning
 tens of GB of host memory); the line says which part to look at.
