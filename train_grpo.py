@@ -40,6 +40,7 @@ from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.rollout.lengths import draw_lengths, parse_lengths
 from common.run import flags as F
+from common.run import flags_rollout as FR
 from common.run.cli import Parser, finish_evaluation, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
@@ -60,7 +61,7 @@ def build_parser():
     )
     F.data_flags(p)
     F.parallel_flags(p)
-    F.rollout_flags(p, group_help="group size G", models="policy, reference")
+    FR.rollout_flags(p, group_help="group size G", models="policy, reference")
     a = p.add_argument_group("algorithm (GRPO)")
     a.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
     a.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
@@ -128,8 +129,8 @@ def build_parser():
     )
     a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
-    F.correction_flags(p)
-    F.reward_flags(p)
+    FR.correction_flags(p)
+    FR.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
@@ -157,7 +158,7 @@ def parse_args(argv=None):
     )
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
-        F.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
+        FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
         if args.bench_response_lengths:  # checked now, drawn every step
             parse_lengths(args.bench_response_lengths, max_tokens=args.max_new_tokens)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.run import flags as F
+from common.run import flags_rollout as FR
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
@@ -69,7 +70,7 @@ def build_parser():
     )
     F.data_flags(p)
     F.parallel_flags(p)  # the critic is sharded like the actor
-    F.rollout_flags(p, group_help="responses sampled per prompt", models="actor, critic, reference")
+    FR.rollout_flags(p, group_help="responses sampled per prompt", models="actor, critic, reference")
     a = p.add_argument_group("algorithm (PPO)")
     # advantages
     a.add_argument("--gamma", type=float, default=1.0, help="GAE discount (1: no discount within a response)")
@@ -134,8 +135,8 @@ def build_parser():
         default=0,
         help="the first N steps update only the critic (the actor is left unchanged)",
     )
-    F.correction_flags(p)
-    F.reward_flags(p)
+    FR.correction_flags(p)
+    FR.reward_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
     o = F.optim_flags(
@@ -159,7 +160,7 @@ def parse_args(argv=None):
     )
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
-        F.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
+        FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
     except ValueError as e:
         p.error(str(e))

@@ -1,14 +1,13 @@
 """The command-line flags train_grpo.py and train_ppo.py share, in groups (what --help shows
 under each title). Each script adds its own algorithm and optimisation flags between them,
 so what an experiment edits stays in the script; everything here means the same in both.
-Each function returns its group, for a script's own flags of that kind."""
+Each function returns its group, for a script's own flags of that kind. The rollout side's
+groups (engine and sampling, off-policy corrections, reward) are in common/run/flags_rollout.py."""
 
 import argparse
 import os
 
 from common.model.bridge import RECOMPUTE_MODULES
-from common.rl.corrections import CORRECTIONS, resolve_correction
-from common.rollout.engine import ROLLOUT_LOGPROBS
 
 # --micro-batch-size when not given: the largest size up to this that divides each data-parallel
 # rank's share of a mini-batch (common/run/preflight.py derives it)
@@ -201,181 +200,6 @@ def parallel_flags(p):
             "old-logprob pass, replayed by the reference pass and the updates; none: each pass routes on its own. "
             "The gating weights of the chosen experts still come from the current router (docs/models.md)"
         ),
-    )
-    return g
-
-
-def rollout_flags(p, group_help, models):
-    """The rollout engine, sampling, weight sync and what idles in host memory meanwhile."""
-    g = p.add_argument_group("rollout")
-    g.add_argument(
-        "--rollout",
-        choices=["auto", "vllm", "cpu"],
-        default="auto",
-        help="rollout engine; auto = vllm when a GPU and vllm are present, else the CPU engine",
-    )
-    g.add_argument(
-        "--rollout-tp",
-        type=int,
-        default=1,
-        help="vLLM tensor parallel size (independent of --tp); world/rollout-tp replicas get different prompts",
-    )
-    g.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step, global")
-    g.add_argument("--samples-per-prompt", type=int, default=8, help=group_help)
-    g.add_argument("--max-new-tokens", type=int, default=1024, help="response length budget")
-    g.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature (logprobs are of logits / temperature)"
-    )
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help=(
-            "vLLM's share of each GPU (weights + KV cache + its workspace); default: derived from the memory plan, "
-            "what the trainer leaves on the GPU during the rollout (at most 0.9; --dry-run shows it)"
-        ),
-    )
-    g.add_argument(
-        "--rollout-logprobs",
-        choices=list(ROLLOUT_LOGPROBS),
-        default=None,
-        help=(
-            "which samples bring the rollout engine's logprobs, for logprob_mismatch (the weight-sync check) and "
-            "--rollout-correction: prefill scores one sample per replica after sampling in a prefill pass (T=1 "
-            "only; costs no decode time), one-per-prompt asks the sampler for one sample per prompt (~3%% of "
-            "vLLM's time at 7B), all for every sample, none (no logprob_mismatch) (default: all with a "
-            "--rollout-correction, else prefill at --temperature 1, else one-per-prompt)"
-        ),
-    )
-    g.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
-    g.add_argument(
-        "--offload-params",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=f"move Megatron's params ({models}) to host memory while they idle (default: on with vLLM)",
-    )
-    g.add_argument(
-        "--offload-optimizer",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=(
-            "move the optimizer state (Adam moments, fp32 main params) to host memory and free the grad buffers "
-            "between updates (default: on with vLLM)"
-        ),
-    )
-    return g
-
-
-def correction_flags(p):
-    """Off-policy corrections of the engine's samples (common/rl/corrections.py) and the on-policy check."""
-    g = p.add_argument_group("off-policy corrections (docs/algorithms.md#off-policy-corrections)")
-    g.add_argument(
-        "--rollout-correction",
-        choices=CORRECTIONS,
-        default=None,
-        help=(
-            "reweight or mask the loss's tokens by the trainer's old logprobs against the engine's (r = pi_old / "
-            "pi_engine): tis min(r, high); seq-mask-is the sequence's product ratio, 0 outside [low, high]; icepop "
-            "r, 0 outside [low, high]; geo-mask drops sequences whose geometric-mean r leaves [low, high]; decoupled "
-            "(decoupled PPO) r, 0 above high; seq-offpolicy-mask (DeepSeek-V3.2) drops negative-advantage "
-            "sequences whose mean log(pi_engine / pi) exceeds --correction-delta. Needs --rollout-logprobs all "
-            "(the default then). Default: tis with --tis-cap, else none"
-        ),
-    )
-    g.add_argument(
-        "--correction-low",
-        type=float,
-        metavar="LOW",
-        default=None,
-        help="lower end of the accepted ratio band (seq-mask-is, geo-mask: default 1 / --correction-high; icepop: 0.5)",
-    )
-    g.add_argument(
-        "--correction-high",
-        type=float,
-        metavar="HIGH",
-        default=None,
-        help="upper end of the band or the cap (tis 2, seq-mask-is 2, icepop 2, geo-mask 1.001, decoupled 5)",
-    )
-    g.add_argument(
-        "--correction-delta",
-        type=float,
-        metavar="DELTA",
-        default=None,
-        help="seq-offpolicy-mask: the threshold on a sequence's mean log(pi_engine / pi) per token (default 0.5)",
-    )
-    g.add_argument(
-        "--tis-cap",
-        type=float,
-        metavar="C",
-        default=0.0,
-        help="truncated importance sampling with rollout logprobs, weights capped here (0 = off): the same as "
-        "--rollout-correction tis --correction-high C",
-    )
-    g.add_argument(
-        "--check-on-policy",
-        type=float,
-        nargs="?",
-        const=0.1,
-        default=None,
-        metavar="BOUND",
-        help=(
-            "stop the run (exit 5) after the step of its first update, saved and logged, when that update's mean "
-            "abs(old - new) logprob (first_update_logprob_err, else ppo_kl) or logprob_mismatch exceeds BOUND "
-            "(default 0.1: bf16 mismatches are ~0.02, a weight sync that did not happen ~3.4)"
-        ),
-    )
-    return g
-
-
-def resolve_corrections(args):
-    """--rollout-correction and its thresholds as the run uses them (common/rl/corrections.py
-    resolve_correction), --check-on-policy checked. ValueError: what to change."""
-    args.rollout_correction, args.correction_low, args.correction_high, args.correction_delta = resolve_correction(
-        args.rollout_correction,
-        tis_cap=args.tis_cap,
-        low=args.correction_low,
-        high=args.correction_high,
-        delta=args.correction_delta,
-    )
-    if args.check_on_policy is not None and not args.check_on_policy >= 0:
-        raise ValueError(f"--check-on-policy must be >= 0, not {args.check_on_policy}")
-    if args.check_on_policy is not None and args.rollout_logprobs == "none":
-        raise ValueError(
-            "--check-on-policy compares the engine's logprobs with the trainer's: not with --rollout-logprobs none"
-        )
-
-
-def reward_flags(p):
-    """The rule-based reward (built in, or the user's --reward), and a reward model next to (or instead of) it."""
-    g = p.add_argument_group("reward")
-    g.add_argument(
-        "--reward",
-        default=None,
-        metavar="FILE.py:NAME",
-        help=(
-            "your own rule-based reward instead of the built-in one (math_reward with --data, else the embedded "
-            "task's): NAME(response: str, answer: str) -> float, called once per sample with the decoded response "
-            "and the prompt's reference answer; also decides validation (correct: >= 1). Checked at start-up "
-            "(common/run/user_code.py)"
-        ),
-    )
-    g.add_argument(
-        "--reward-model",
-        default=None,
-        help=(
-            "HF *ForSequenceClassification reward model dir or hub id (frozen, sharded like the policy, its own "
-            "tokenizer and chat template): reward = --rule-reward-weight x rule + --reward-model-weight x score"
-        ),
-    )
-    g.add_argument(
-        "--reward-model-weight", type=float, default=1.0, help="weight of the reward model's score in the reward"
-    )
-    g.add_argument(
-        "--rule-reward-weight",
-        type=float,
-        default=1.0,
-        help="weight of the rule-based reward (0: the reward model alone)",
     )
     return g
 
