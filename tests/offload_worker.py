@@ -359,6 +359,20 @@ def policy_and_critic(spec, hf_dir):
     return setup_training(policy_chunks, lr=1e-2), setup_training(critic_chunks, lr=1e-2)
 
 
+def ppo_colocation(policy, optimizer, critic, critic_optimizer, include_cpu):
+    """train_ppo.py's Colocation of these models, its engine a RecordingEngine that syncs nothing."""
+    from common.train.colocation import Colocation
+
+    return Colocation(
+        RecordingEngine(lambda weights: None),
+        policy,
+        [(optimizer, policy), (critic_optimizer, critic)],
+        idle=[critic],
+        weights=lambda: iter(()),
+        include_cpu=include_cpu,
+    )
+
+
 def shared_staging(hf_dir, root):
     """A background save (policy + PPO's critic, as train_ppo.py) staged through the offload's host
     buffers (common/train/offload.py SharedHostBuffers), its writer held (a slow disk) across the
@@ -370,7 +384,7 @@ def shared_staging(hf_dir, root):
     from megatron.core import parallel_state as mpu
 
     from common.model.gpt import load_hf_spec
-    from common.train.colocation import Colocation, Timer
+    from common.train.colocation import Timer
     from common.train.resume import load_training_checkpoint
     from common.train.save import CheckpointWriter
     from tests.checkpoint_worker import HELD, hold_writers
@@ -383,14 +397,7 @@ def shared_staging(hf_dir, root):
 
     (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler) = build()
     models = [(policy, optimizer), (critic, critic_optimizer)]
-    colo = Colocation(
-        RecordingEngine(lambda weights: None),
-        policy,
-        [(optimizer, policy), (critic_optimizer, critic)],
-        idle=[critic],
-        weights=lambda: iter(()),
-        include_cpu=include_cpu,
-    )
+    colo = ppo_colocation(policy, optimizer, critic, critic_optimizer, include_cpu)
     seen = dict(staging_reserve=CheckpointWriter.host_bytes(models, colo.host_buffers))
     colo.allocate()
     writer = CheckpointWriter(models=models, shared=colo.host_buffers)
@@ -457,7 +464,7 @@ def turns(hf_dir, root):
     from megatron.core import parallel_state as mpu
 
     from common.model.gpt import load_hf_spec
-    from common.train.colocation import Colocation, Timer
+    from common.train.colocation import Timer
     from common.train.resume import load_training_checkpoint
     from common.train.save import CheckpointWriter
 
@@ -479,14 +486,7 @@ def turns(hf_dir, root):
     plain_models = build()
     (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler) = build()
     models = [(policy, optimizer), (critic, critic_optimizer)]
-    colo = Colocation(
-        RecordingEngine(lambda weights: None),
-        policy,
-        [(optimizer, policy), (critic_optimizer, critic)],
-        idle=[critic],
-        weights=lambda: iter(()),
-        include_cpu=include_cpu,
-    )
+    colo = ppo_colocation(policy, optimizer, critic, critic_optimizer, include_cpu)
     colo.allocate()
     writer = CheckpointWriter(models=models, shared=colo.host_buffers)
     timer, seen = Timer({}), dict(critic_turn=[], actor_turn=[])

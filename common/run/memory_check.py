@@ -60,8 +60,9 @@ def _vllm_available():
     return vllm_available()
 
 
-def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None, reward_model=None):
-    """plan_memory's keywords for the scripts' flags on this machine."""
+def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None, reward_model=None, share_scale=1.0):
+    """plan_memory's keywords for the scripts' flags on this machine. share_scale: the real GPU's memory over
+    the planned one's (--gpu-memory-gb on a larger card): vLLM's share of the whole card, in the plan's unit."""
     on_gpu = gpu_bytes is not None
     if args.load_rollouts:
         engine = None
@@ -98,7 +99,7 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
         reward_model=reward_model,
         engine=engine,
         rollout_tp=args.rollout_tp if engine == "vllm" else 1,
-        engine_share=args.gpu_memory_utilization,
+        engine_share=None if args.gpu_memory_utilization is None else args.gpu_memory_utilization * share_scale,
         max_model_len=max_len,
         update_tokens=update_tokens,
         update_micro_batches=max(micro_batches, 1),
@@ -150,10 +151,8 @@ def _check_memory(args, spec, has_critic):
     # that size and vLLM's share, a fraction of the whole card (vLLM's meaning), is scaled to keep within it
     real = None if args.dry_run else visible_gpu_bytes()
     scale = real / gpu_bytes if args.gpu_memory_gb and real and real > gpu_bytes else 1.0
-    given_share = args.gpu_memory_utilization
-    if given_share is not None:
-        args.gpu_memory_utilization = given_share * scale  # the plan's unit: a fraction of --gpu-memory-gb
-    inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
+    machine = (world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
+    inputs = plan_inputs(args, spec, *machine, share_scale=scale)
     plan = first = M.plan_memory(**inputs)
     if _pass_problems(plan) and getattr(args, "micro_batch_size_derived", False) and not args.micro_batch_tokens:
         # the default micro-batches do not fit (or only without the plan's margin): a token budget that does
@@ -161,7 +160,7 @@ def _check_memory(args, spec, has_critic):
         if tokens is not None:
             full = inputs["update_tokens"]
             args.micro_batch_tokens = tokens
-            inputs = plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
+            inputs = plan_inputs(args, spec, *machine, share_scale=scale)
             plan = M.plan_memory(**inputs)
             derived.append(
                 f"--micro-batch-tokens {tokens} (passes of --micro-batch-size {args.micro_batch_size} samples of "
@@ -175,8 +174,6 @@ def _check_memory(args, spec, has_critic):
             f"--gpu-memory-utilization {plan.engine_share / scale:.2f} (the engine's share of what the trainer "
             f"leaves on each GPU during the rollout: {plan.kv_tokens} tokens of KV cache per rank)",
         )
-    elif given_share is not None:
-        args.gpu_memory_utilization = given_share
     if scale != 1.0:
         derived.append(
             f"the plan is for GPUs of {gpu_bytes / M.GB:.1f} GB (--gpu-memory-gb) on this {real / M.GB:.1f} GB GPU: "
