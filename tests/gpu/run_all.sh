@@ -52,6 +52,8 @@ run "moe 1 GPU"              400 python -m torch.distributed.run --standalone --
 run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
+# MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
+run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = quick ] || [ "$MODE" = exit ]; then
 # exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU); then
@@ -70,6 +72,7 @@ if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   # experts over EP) against one vLLM engine over both GPUs (experts TP-sharded there)
   run "moe EP=2, rollout TP=2"           400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2
   run "deepseek EP=2, rollout TP=2"      400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2
+  run "routing replay EP=2"              600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-2 or deepseek-2"
   # the other token dispatcher (common/model/moe.py DeviceSortDispatcher; the tests' batches have equal
   # sizes on both ranks, which it needs: bench/train.py --ab allgather measures it)
   run "moe EP=2 allgather, rollout TP=2" 400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher allgather
