@@ -56,3 +56,15 @@ def error_step(message):
     """The observation that tells the model its turn could not be handled (a tool that raised or
     hung): the episode goes on and the model may read it and retry."""
     return Step(observation=[{"role": "user", "content": f"error: {message}"}], tool_errors=1)
+
+
+def configured(cls, *, tool_timeout_s, tool_output_chars):
+    """A factory of cls's episodes with the run's tool limits (--tool-timeout, --tool-output-chars)
+    set on each instance, for the environments that run tools."""
+
+    def make():
+        env = cls()
+        env.tool_timeout_s, env.tool_output_chars = tool_timeout_s, tool_output_chars
+        return env
+
+    return make

@@ -72,8 +72,8 @@ def call_with_timeout(fn, timeout_s):
     threading.Thread(target=target, daemon=True).start()
     try:
         return future.result(timeout=timeout_s), None, False
-    except TimeoutError:
-        return None, f"timed out after {timeout_s:g} s", True
+    except TimeoutError as e:  # ours, or the tool's own (the sandbox's limit): a timeout either way
+        return None, f"timed out: {e}" if future.done() else f"timed out after {timeout_s:g} s", True
     except Exception as e:
         return None, f"{type(e).__name__}: {e}", False
 
