@@ -9,7 +9,9 @@ The templates are transcribed from the models' public tokenizer_config.json file
   SMOLLM   HuggingFaceTB/SmolLM2-*-Instruct (Apache-2.0, Hugging Face): plain ChatML with a default system
 template_tokenizer(template) is the embedded byte-level tokenizer (common/run/embedded.py) with these
 families' special tokens added, so any text round-trips and the special tokens are single ids.
+The Jinja text is kept as published, long lines included.
 """
+# ruff: noqa: E501
 
 QWEN25 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -266,11 +268,19 @@ def template_tokenizer(name):
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": ["<|im_start|>", "<|begin_of_text|>", "<|start_header_id|>",
-                                       "<|end_header_id|>", "<|eot_id|>"]}
+        {
+            "additional_special_tokens": [
+                "<|im_start|>",
+                "<|begin_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ]
+        }
     )
     tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])  # Qwen's added, non-special
     tokenizer.chat_template = TEMPLATES[name]
+    tokenizer.model_max_length = 1 << 20  # (the embedded model's 256 positions do not apply)
     if name == "llama3":
         tokenizer.bos_token, tokenizer.eos_token = "<|begin_of_text|>", "<|eot_id|>"
     return tokenizer

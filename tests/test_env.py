@@ -38,7 +38,7 @@ def test_tool_calls_parsed_in_the_hermes_format():
     ],
 )
 def test_malformed_tool_calls_become_errors_the_model_reads(body, error):
-    calls = parse_tool_calls(f"<tool_call>{body}</tool_call>" if "code\": " not in body else f"<tool_call>{body}")
+    calls = parse_tool_calls(f"<tool_call>{body}</tool_call>" if 'code": ' not in body else f"<tool_call>{body}")
     assert len(calls) == 1 and error in calls[0].error
     messages, counts = run_tool_calls(calls, {"python": lambda code: code})
     assert messages == [{"role": "tool", "content": f"error: {calls[0].error}"}]
@@ -75,7 +75,8 @@ def test_hanging_crashing_and_unknown_tools_answer_with_errors_within_the_timeou
 OBSERVATIONS = {
     "qwen2.5": "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
     "qwen3": "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
-    "llama3": '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
+    "llama3": '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>'
+    + "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "smollm": "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n",
 }
 

@@ -64,5 +64,7 @@ class PythonMath(Environment):
             return Step(done=True, reward=math_reward(text, self.answer))
         deadline = time.time() + self.tool_timeout_s
         tools = {"python": lambda code: self.python(code, deadline)}
-        messages, counts = run_tool_calls(calls, tools, timeout_s=self.tool_timeout_s + 1, max_chars=self.tool_output_chars)
+        messages, counts = run_tool_calls(
+            calls, tools, timeout_s=self.tool_timeout_s + 1, max_chars=self.tool_output_chars
+        )
         return Step(observation=messages, **{k: v for k, v in counts.items() if k != "tool_s"})

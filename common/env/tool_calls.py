@@ -38,7 +38,9 @@ def parse_tool_calls(text):
         try:
             call = json.loads(body)
         except json.JSONDecodeError as e:
-            calls.append(ToolCall(None, None, f"the tool call is not valid JSON ({e.msg} at char {e.pos}): {body[:200]}"))
+            calls.append(
+                ToolCall(None, None, f"the tool call is not valid JSON ({e.msg} at char {e.pos}): {body[:200]}")
+            )
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(ToolCall(None, None, 'a tool call is a JSON object {"name": ..., "arguments": {...}}'))

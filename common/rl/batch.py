@@ -45,10 +45,10 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8, routes=False
     counts and router-bias updates leave the padding out (schedule.run_micro_batches passes it to
     megatron as padding_mask). A sample whose engine returned no logprobs (NaN, see
     RolloutEngine.generate's logprob_samples) has rollout_logprobs 0 and rollout_mask 0;
-    elsewhere rollout_mask == mask. An agentic episode's Sample.response_mask (common/rollout/episodes.py)
-    zeroes its observations' tokens in mask (so in the loss, KL, entropy, the critic's values and
-    rollout_mask) and response_len counts the model's tokens only. T is `length` if given, else the longest sequence rounded up
-    to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
+    elsewhere rollout_mask == mask. An agentic episode's Sample.response_mask
+    (common/rollout/episodes.py) zeroes its observations' tokens in mask (so in the loss, KL,
+    entropy, the critic's values and rollout_mask) and response_len counts the model's tokens
+    only. T is `length` if given, else the longest sequence rounded up to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
     T for all micro-batches of a step).
     routes: also routes (B, T, M, k) int16 from each sample's Sample.routes (routing replay,
     common/model/routing_replay.py): the experts of the tokens the engine ran, -1 elsewhere

@@ -167,7 +167,9 @@ class RolloutEngine:
 
     def add_turn(self, key, prompt_ids, max_tokens, temperature, top_p, seed):
         """Queue one turn: sample at most max_tokens after prompt_ids (ids, not text), with logprobs."""
-        self.__dict__.setdefault("_queued_turns", []).append((key, list(prompt_ids), max_tokens, temperature, top_p, seed))
+        self.__dict__.setdefault("_queued_turns", []).append(
+            (key, list(prompt_ids), max_tokens, temperature, top_p, seed)
+        )
 
     def finished_turns(self):
         """[(key, Sample)] of turns done (the Sample's prompt_ids are the turn's prompt); blocks until
