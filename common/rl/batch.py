@@ -48,8 +48,9 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8, routes=False
     elsewhere rollout_mask == mask. An agentic episode's Sample.response_mask
     (common/rollout/episodes.py) zeroes its observations' tokens in mask (so in the loss, KL,
     entropy, the critic's values and rollout_mask) and response_len counts the model's tokens
-    only. T is `length` if given, else the longest sequence rounded up to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
-    T for all micro-batches of a step).
+    only. T is `length` if given, else the longest sequence rounded up to length_multiple
+    (sequence parallelism needs T % tp == 0; the pipeline needs one T for all micro-batches
+    of a step).
     routes: also routes (B, T, M, k) int16 from each sample's Sample.routes (routing replay,
     common/model/routing_replay.py): the experts of the tokens the engine ran, -1 elsewhere
     (the last token, the padding); ValueError if a sample has none.
