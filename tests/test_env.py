@@ -114,12 +114,12 @@ def test_guess_game():
     assert items == GuessGame.make_items(50, seed=3) and {it["answer"] for it in items} <= set("0123456789")
     game = GuessGame()
     assert game.reset({"prompt": "guess", "answer": "7"}) == [{"role": "user", "content": "guess"}]
-    assert game.step("x").observation == [{"role": "user", "content": "a digit"}]
+    assert game.step("x").observation == [{"role": "user", "content": "no, 7"}]
     assert game.step("3").observation == [{"role": "user", "content": "no, 7"}]
     assert game.step(" 7") == Step(done=True, reward=1.0)
     game = DirectionGame()
     game.reset({"prompt": "guess", "answer": "7"})
-    assert game.step("3").observation[0]["content"] == "higher" and game.step("9").observation[0]["content"] == "lower"
+    assert [game.step(t).observation[0]["content"] for t in ("3", "9", "?")] == ["higher", "lower", "a digit"]
 
 
 def test_python_env_runs_code_and_scores_the_final_answer(monkeypatch):

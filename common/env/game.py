@@ -10,8 +10,8 @@ reward 1 on the hidden digit, and otherwise answers with a user message:
                       embedded model, trained from random weights, learns in a couple of CPU minutes)
     hint="direction"  "higher" / "lower": a real search, for models that can already count
 
-A turn that does not start with a digit is told "a digit"; --max-turns bounds the game (reward 0
-then). The first turn is right 1/10 of the time by chance, so a reward above ~0.1 is read from the
+A miss is any turn that does not start with the hidden digit (with "direction", a turn without a
+digit is told "a digit"); --max-turns bounds the game (reward 0 then). The first turn is right 1/10 of the time by chance, so a reward above ~0.1 is read from the
 feedback.
 """
 
@@ -34,15 +34,13 @@ class GuessGame(Environment):
 
     def step(self, text):
         text = text.strip()
-        if not text[:1].isdigit():
-            return Step(observation=[{"role": "user", "content": "a digit"}])
-        guess = int(text[0])
+        guess = int(text[0]) if text[:1].isdigit() else None
         if guess == self.answer:
             return Step(done=True, reward=1.0)
-        if self.hint == "direction":
-            feedback = "higher" if self.answer > guess else "lower"
-        else:
+        if self.hint == "reveal":
             feedback = f"no, {self.answer}"
+        else:
+            feedback = "a digit" if guess is None else "higher" if self.answer > guess else "lower"
         return Step(observation=[{"role": "user", "content": feedback}])
 
 

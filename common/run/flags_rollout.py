@@ -241,7 +241,7 @@ def check_env_flags(args):
     for flag, value in (
         ("--reward", args.reward),
         ("--overlong-buffer", getattr(args, "overlong_buffer", 0)),
-        ("--bench-response-lengths", args.bench_response_lengths),
+        ("--bench-response-lengths", getattr(args, "bench_response_lengths", None)),
     ):
         if value:
             raise ValueError(f"{flag} applies to single-turn responses: the environment of --env gives the reward")
