@@ -221,8 +221,8 @@ def main():
     )
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout.engines import make_engine, vllm_available
-    from common.rollout.evaluate import Evaluator
     from common.rollout.episodes import episode_metrics, run_episodes
+    from common.rollout.evaluate import Evaluator
     from common.run.data import PromptSampler, env_prompts, task_prompts
     from common.run.dist import init_distributed, print0
     from common.run.embedded import EMBEDDED_MODELS, write_embedded_model

@@ -11,8 +11,8 @@ reward 1 on the hidden digit, and otherwise answers with a user message:
     hint="direction"  "higher" / "lower": a real search, for models that can already count
 
 A miss is any turn that does not start with the hidden digit (with "direction", a turn without a
-digit is told "a digit"); --max-turns bounds the game (reward 0 then). The first turn is right 1/10 of the time by chance, so a reward above ~0.1 is read from the
-feedback.
+digit is told "a digit"); --max-turns bounds the game (reward 0 then). The first turn is right
+1/10 of the time by chance, so a reward above ~0.1 is read from the feedback.
 """
 
 import random
