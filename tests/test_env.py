@@ -167,3 +167,21 @@ def test_env_loading(tmp_path):
         load_env(f"{tmp_path}/my_env.py:not_env")
     with pytest.raises(UsageError, match="the built-in environments are game"):
         load_env("gmae")
+
+
+def test_the_documented_example_environment():
+    """docs/agentic.md's example is examples/counter_env.py, and it works through --env's loader."""
+    from common.run.user_code import load_env
+    from tests.conftest import ROOT
+
+    path = f"{ROOT}/examples/counter_env.py"
+    assert f"```python\n{open(path).read()}```" in open(f"{ROOT}/docs/agentic.md").read()
+    counter = load_env(f"{path}:Counter")()
+    item = counter.make_items(3, seed=1)[0]
+    counter.reset(item)
+    read = counter.step('<tool_call>{"name": "read", "arguments": {}}</tool_call>')
+    assert read.observation == [{"role": "tool", "content": "0"}] and read.tool_calls == 1
+    assert counter.step("3").observation == [{"role": "user", "content": "now 3"}]
+    assert counter.step("x").observation[0]["content"] == "say 1, 2 or 3"
+    steps = [counter.step("1") for _ in range(int(item["answer"]) - 3)]
+    assert steps[-1] == Step(done=True, reward=1.0) and not any(s.done for s in steps[:-1])

@@ -1,4 +1,5 @@
-"""The one door for user code: a reward function named on the command line as FILE.py:NAME.
+"""The one door for user code: a reward function (--reward FILE.py:NAME) or an environment of agentic
+episodes (--env FILE.py:CLASS, or a built-in's name: load_env; docs/agentic.md) named on the command line.
 
     reward_fn = load_reward("my_rewards.py:short_answers")   # at start-up; UsageError (exit 2) if unusable
     reward = reward_fn(response, answer)                      # per sample, a float
