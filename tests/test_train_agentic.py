@@ -1,0 +1,85 @@
+"""--env through the entry scripts on the CPU (embedded tiny model): multi-turn episodes learn, the
+observations are masked, PPO's critic sees the model's tokens only, a resumed run is exact, bad
+--env values are refused.
+
+    .venv/bin/python -m pytest -x -q tests/test_train_agentic.py
+"""
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, read_metrics, run_script, run_scripts
+
+SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-turns", "3"]
+
+
+def test_grpo_learns_the_game_from_its_feedback(tmp_path):
+    """The first guess is right 1/10 of the time by chance; the reward rises above the first steps'
+    as the model learns to read the feedback of its second turn."""
+    run_script("train_grpo.py", "--env", "game", "--max-turns", "2", "--steps", 30, "--out", tmp_path)
+    metrics = read_metrics(tmp_path)
+    rewards = [m["env_reward"] for m in metrics]
+    assert rewards == [m["reward_mean"] for m in metrics]  # the environment's reward is the reward
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"env reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert last >= first + 0.08
+    # multi-turn: most episodes take 2 turns of one token each; every other token is an observation's, masked
+    step = metrics[0]
+    assert 1.5 < step["turns_per_episode"] <= 2 and step["response_len_mean"] == pytest.approx(
+        step["turns_per_episode"]
+    )
+    assert step["episode_tokens"] > 40  # prompt (~30) + turns + the observation (~30 tokens)
+    assert step["logprob_mismatch"] < 1e-4  # the engine's logprob of every model token, as single-turn
+    assert step["tool_calls"] == 0 and step["tool_errors"] == 0
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory):
+    """PPO with examples/counter_env.py (--env FILE.py:CLASS, tools): 3 steps saving their rollouts, and
+    beside it 2 steps then resumed to 3 (test_resume_is_exact)."""
+    root = tmp_path_factory.mktemp("agentic_ppo")
+    env = ["--env", f"{ROOT}/examples/counter_env.py:Counter", "--max-new-tokens", "2", *SMALL]
+    run_scripts(
+        ("train_ppo.py", *env, "--steps", 3, "--out", root / "straight", "--save-rollouts", root / "rollouts"),
+        ("train_ppo.py", *env, "--steps", 2, "--out", root / "resumed"),
+    )
+    run_script("train_ppo.py", *env, "--steps", 3, "--out", root / "resumed", "--resume")
+    return root
+
+
+def test_ppo_critic_values_model_tokens_only(ppo_runs):
+    from common.rl.batch import pack_sequences
+
+    saved = torch.load(ppo_runs / "rollouts" / "step_000000.pt", weights_only=False)
+    samples = saved["samples"]
+    assert all(s.response_mask is not None and len(s.response_mask) == len(s.response_ids) for s in samples)
+    assert any(0 in s.response_mask for s in samples)  # observations
+    assert saved["rewards"].tolist() == [s.episode["reward"] for s in samples]
+    batch = pack_sequences(samples, pad_id=0, length_multiple=1)
+    model_tokens = [sum(s.response_mask) for s in samples]
+    assert batch["mask"].sum(1).tolist() == model_tokens  # the loss, GAE and the value loss use this mask
+    step = read_metrics(ppo_runs / "straight")[0]
+    # the script's batch: its response_len_mean is the mean of the model's tokens, not of all response ids
+    assert step["response_len_mean"] == pytest.approx(sum(model_tokens) / len(samples), rel=1e-4)
+    assert sum(map(len, (s.response_ids for s in samples))) > sum(model_tokens)
+    assert step["turns_per_episode"] > 1 and "value_loss" in step
+
+
+def test_resume_is_exact(ppo_runs):
+    straight, resumed = read_metrics(ppo_runs / "straight"), read_metrics(ppo_runs / "resumed")
+    assert [m["step"] for m in resumed] == [0, 1, 2]
+    for key in ["policy_loss", "value_loss", "grad_norm", "reward_mean", "turns_per_episode", "episode_tokens"]:
+        assert straight[2][key] == pytest.approx(resumed[2][key], rel=1e-6, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env", "gmae"], "the built-in environments are game, game-direction, python"),
+        (["--env", "game", "--max-turns", "0"], "must be positive"),
+        (["--env", "game", "--overlong-buffer", "2"], "--overlong-buffer applies to single-turn responses"),
+    ],
+)
+def test_bad_env_flags_are_refused(flags, message, tmp_path):
+    proc = run_script("train_grpo.py", *flags, "--out", tmp_path, check=False)
+    assert proc.returncode == 2 and message in proc.stderr + proc.stdout, proc.stderr[-2000:]
