@@ -185,3 +185,15 @@ def test_the_documented_example_environment():
     assert counter.step("x").observation[0]["content"] == "say 1, 2 or 3"
     steps = [counter.step("1") for _ in range(int(item["answer"]) - 3)]
     assert steps[-1] == Step(done=True, reward=1.0) and not any(s.done for s in steps[:-1])
+
+
+def test_python_env_needs_the_sandbox(monkeypatch):
+    """--env python is refused at start-up, saying why, when common/env/sandbox.py cannot be imported."""
+    import sys
+
+    from common.run.user_code import load_env
+    from common.train.guard import UsageError
+
+    monkeypatch.setitem(sys.modules, "common.env.sandbox", None)  # an import of it raises ImportError
+    with pytest.raises(UsageError, match="--env python runs the model's code in common/env/sandbox.py"):
+        load_env("python")

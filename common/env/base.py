@@ -51,6 +51,10 @@ class Environment:
         """The model's turn `text` (decoded without special tokens) -> an observation or the end."""
         raise NotImplementedError
 
+    @classmethod
+    def check(cls):
+        """Called once at start-up (--env): raise ValueError saying what the environment lacks."""
+
 
 def error_step(message):
     """The observation that tells the model its turn could not be handled (a tool that raised or

@@ -41,6 +41,13 @@ class PythonMath(Environment):
     tool_timeout_s = 10.0  # set per run from --tool-timeout / --tool-output-chars (common/env/base.py configured)
     tool_output_chars = 4096
 
+    @classmethod
+    def check(cls):
+        try:
+            import common.env.sandbox  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--env python runs the model's code in common/env/sandbox.py, which fails to import: {e}")
+
     def reset(self, item):
         self.answer = str(item["answer"])
         messages = super().reset(item)

@@ -105,13 +105,18 @@ def load_env(spec):
 
     if spec in BUILTIN_ENVS:
         module, name = BUILTIN_ENVS[spec]
-        return getattr(importlib.import_module(module), name)
-    if ":" not in spec:
+        cls = getattr(importlib.import_module(module), name)
+    elif ":" not in spec:
         raise UsageError(f"--env {spec!r}: the built-in environments are {', '.join(BUILTIN_ENVS)}; or FILE.py:CLASS")
-    cls = load_user_function(spec, "--env", ())
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise UsageError(
-            f"--env {spec}: {spec.rpartition(':')[2]} is not a subclass of common.env.base.Environment "
-            "(docs/agentic.md shows one)"
-        )
+    else:
+        cls = load_user_function(spec, "--env", ())
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise UsageError(
+                f"--env {spec}: {spec.rpartition(':')[2]} is not a subclass of common.env.base.Environment "
+                "(docs/agentic.md shows one)"
+            )
+    try:
+        cls.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return cls
