@@ -55,6 +55,7 @@ def test_ppo_critic_values_model_tokens_only(ppo_runs):
     assert all(s.response_mask is not None and len(s.response_mask) == len(s.response_ids) for s in samples)
     assert any(0 in s.response_mask for s in samples)  # observations
     assert saved["rewards"].tolist() == [s.episode["reward"] for s in samples]
+    assert max(s.episode["turns"] for s in samples) == 3  # --max-turns 3 reached, never passed
     batch = pack_sequences(samples, pad_id=0, length_multiple=1)
     model_tokens = [sum(s.response_mask) for s in samples]
     assert batch["mask"].sum(1).tolist() == model_tokens  # the loss, GAE and the value loss use this mask
@@ -83,3 +84,50 @@ def test_resume_is_exact(ppo_runs):
 def test_bad_env_flags_are_refused(flags, message, tmp_path):
     proc = run_script("train_grpo.py", *flags, "--out", tmp_path, check=False)
     assert proc.returncode == 2 and message in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+PROBE = """
+from common.env.base import Environment, Step
+
+
+class Probe(Environment):  # tells the model the run's tool limits, never ends an episode by itself
+    def reset(self, item):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, text):
+        return Step(observation=[{"role": "tool", "content": f"{self.tool_timeout_s}/{self.tool_output_chars}"}])
+
+    @staticmethod
+    def make_items(num_items, seed=0):
+        return [{"prompt": "go", "answer": ""}] * num_items
+"""
+
+
+def test_budget_and_tool_flags_reach_the_episodes(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    flags = ["--env", f"{tmp_path}/probe.py:Probe", "--max-new-tokens", "3", "--tool-timeout", "3.5"]
+    flags += ["--tool-output-chars", "7", "--max-episode-tokens", "90", "--max-turns", "5"]
+    run_script(
+        "train_grpo.py",
+        *flags,
+        "--prompts-per-step",
+        2,
+        "--samples-per-prompt",
+        2,
+        "--steps",
+        1,
+        "--out",
+        tmp_path / "run",
+        "--save-rollouts",
+        tmp_path / "rollouts",
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "embedded_model")
+    samples = torch.load(tmp_path / "rollouts" / "step_000000.pt", weights_only=False)["samples"]
+    for s in samples:
+        text = tokenizer.decode(s.response_ids)
+        assert "3.5/7" in text  # the environment got --tool-timeout and --tool-output-chars
+        # ~30 prompt tokens, turns of 3 and observations of ~20 tokens: 90 tokens end it before --max-turns 5
+        assert len(s.prompt_ids) + len(s.response_ids) <= 90 and s.episode["turns"] < 5
+        assert s.finish_reason == "length" and s.episode["episode_tokens"] == len(s.prompt_ids) + len(s.response_ids)
