@@ -492,7 +492,8 @@ def main():
     # row and packed-sample length multiples of SP and CP; GSPO's ratio sums each sample's CP chunks
     multiple, sample_multiple = B.length_multiples(args.tp, args.cp)
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
-    norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
+    # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
+    norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
 
     def forward_pass(chunks, mbs, per_token_fn, store, routes=None):
         """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY
