@@ -133,6 +133,9 @@ def main():
             + ("" if equal else "; UNEQUAL token counts, no ratio")
         )
     print0("BENCH_JSON " + json.dumps(result))
+    sys.stdout.flush()
+    unequal = result["episodes_over_single"] is None or result["lockstep_over_single"] is None
+    os._exit(1 if unequal else 0)  # os._exit: vLLM's in-process engine can block interpreter exit
 
 
 if __name__ == "__main__":
