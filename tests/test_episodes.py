@@ -261,3 +261,22 @@ def test_an_episode_waiting_for_its_environment_holds_up_no_other():
     assert [s.episode["turns"] for s in samples] == [3, 3, 3]
     # the other episodes ran all their turns while episode 0 waited for its first observation
     assert engine.added == [0, 1, 2, 1, 2, 1, 2, 0, 0]
+
+
+def test_the_cpu_engine_runs_queued_turns_as_one_generate_call(tmp_path):
+    """RolloutEngine's default add_turn / finished_turns on HFEngine: a wave is one generate call seeded
+    by its first turn, each turn cut at its own max_tokens (a prefix of what the wave sampled)."""
+    from common.rollout.hf_engine import HFEngine
+    from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
+
+    write_embedded_model(str(tmp_path), **EMBEDDED_MODELS["dense"])
+    engine = HFEngine(str(tmp_path), eos_token_ids=[])  # no stop token: every turn runs to its budget
+    prompts = [[257, 49, 50], [257, 51]]
+    engine.add_turn("a", prompts[0], 3, 1.0, 1.0, seed=11)
+    engine.add_turn("b", prompts[1], 5, 1.0, 1.0, seed=12)
+    done = dict(engine.finished_turns())
+    whole = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=5, seed=11)
+    assert done["a"].response_ids == whole[0].response_ids[:3] and done["a"].finish_reason == "length"
+    assert done["a"].response_logprobs == whole[0].response_logprobs[:3]
+    assert done["b"].response_ids == whole[1].response_ids and done["b"].prompt_ids == prompts[1]
+    assert engine.finished_turns() == []  # nothing queued

@@ -14,6 +14,7 @@ in a worker thread, so other episodes keep generating, and turns a step that rai
 Class attributes an environment may set:
     tools          JSON schemas of its tools (OpenAI function format), given to the chat template (`tools=`)
     make_items     a static/class method (num_items, seed) -> items, for runs without --data
+and read: tool_timeout_s, tool_output_chars (the run's --tool-timeout, --tool-output-chars).
 """
 
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class Environment:
     """Subclass and write reset and step (docs/agentic.md has a worked example)."""
 
     tools: list[dict] | None = None
+    # the run's tool limits (--tool-timeout, --tool-output-chars), set on each episode's instance
+    tool_timeout_s: float = 10.0
+    tool_output_chars: int = 4096
 
     def reset(self, item: dict) -> list[dict]:
         """The first prompt's messages. Default: item["prompt"], a string (one user message) or a

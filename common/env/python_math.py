@@ -38,8 +38,6 @@ INSTRUCTION = "Use the python tool to compute when it helps. Put the final answe
 
 class PythonMath(Environment):
     tools = [PYTHON_TOOL]
-    tool_timeout_s = 10.0  # set per run from --tool-timeout / --tool-output-chars (common/env/base.py configured)
-    tool_output_chars = 4096
 
     @classmethod
     def check(cls):
