@@ -567,6 +567,7 @@ def main():
                         max_turns=args.max_turns,
                         max_episode_tokens=args.max_episode_tokens,
                         step_timeout_s=args.tool_timeout + 2,
+                        max_workers=args.tool_workers,
                         seed=seed,
                     )
                 else:

@@ -557,6 +557,7 @@ def main():
                             max_turns=args.max_turns,
                             max_episode_tokens=args.max_episode_tokens,
                             step_timeout_s=args.tool_timeout + 2,
+                            max_workers=args.tool_workers,
                             seed=args.seed * 100_003 + step * 1009 + replica,
                         )
                     else:

@@ -280,3 +280,21 @@ def test_the_cpu_engine_runs_queued_turns_as_one_generate_call(tmp_path):
     assert done["a"].response_logprobs == whole[0].response_logprobs[:3]
     assert done["b"].response_ids == whole[1].response_ids and done["b"].prompt_ids == prompts[1]
     assert engine.finished_turns() == []  # nothing queued
+
+
+class Slow(Environment):
+    def step(self, text):
+        time.sleep(0.4)
+        return Step(done=True, reward=1.0)
+
+
+def test_at_most_max_workers_steps_run_at_once_and_the_timeout_counts_from_a_steps_start():
+    tokenizer = template_tokenizer("smollm")
+    engine = RequestEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    start = time.time()
+    samples = run_episodes(
+        engine, ChatCodec(tokenizer), Slow, [{"prompt": "a"}] * 3, n=1, temperature=1.0, top_p=1.0, max_tokens=8,
+        max_turns=2, max_episode_tokens=500, step_timeout_s=0.7, seed=0, max_workers=1,
+    )  # fmt: skip
+    assert time.time() - start >= 1.2  # one after the other
+    assert [s.episode["reward"] for s in samples] == [1.0] * 3 and sum(s.episode["tool_timeouts"] for s in samples) == 0

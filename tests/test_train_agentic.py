@@ -88,14 +88,24 @@ def test_bad_env_flags_are_refused(flags, message, tmp_path):
 
 
 PROBE = """
+import threading
+import time
+
 from common.env.base import Environment, Step
 
+LOCK, RUNNING = threading.Lock(), [0, 0]  # steps running now, the most at once
 
-class Probe(Environment):  # tells the model the run's tool limits, never ends an episode by itself
 
+class Probe(Environment):  # tells the model the run's tool limits and steps at once; never ends an episode
     def step(self, text):
-        return Step(observation=[{"role": "tool", "content": f"{self.tool_timeout_s}/{self.tool_output_chars}"}])
-
+        with LOCK:
+            RUNNING[0] += 1
+            RUNNING[1] = max(RUNNING)
+        time.sleep(0.02)
+        with LOCK:
+            RUNNING[0] -= 1
+        limits = f"{self.tool_timeout_s}/{self.tool_output_chars}/{RUNNING[1]}"
+        return Step(observation=[{"role": "tool", "content": limits}])
 """
 
 
@@ -112,7 +122,7 @@ def test_budget_and_tool_flags_reach_the_episodes(tmp_path):
         "--tool-timeout",
         "3.5",
     ]
-    flags += ["--tool-output-chars", "7", "--max-episode-tokens", "90", "--max-turns", "5"]
+    flags += ["--tool-output-chars", "7", "--max-episode-tokens", "90", "--max-turns", "5", "--tool-workers", "1"]
     run_script(
         "train_grpo.py",
         *flags,
@@ -134,7 +144,7 @@ def test_budget_and_tool_flags_reach_the_episodes(tmp_path):
     for s in samples:
         text = tokenizer.decode(s.response_ids)
         assert tokenizer.decode(s.prompt_ids) == "<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"  # --data's
-        assert "3.5/7" in text  # the environment got --tool-timeout and --tool-output-chars
+        assert "3.5/7/1" in text  # --tool-timeout and --tool-output-chars reached it; one step at a time
         # ~30 prompt tokens, turns of 3 and observations of ~20 tokens: 90 tokens end it before --max-turns 5
         assert len(s.prompt_ids) + len(s.response_ids) <= 90 and s.episode["turns"] < 5
         assert s.finish_reason == "length" and s.episode["episode_tokens"] == len(s.prompt_ids) + len(s.response_ids)

@@ -21,6 +21,7 @@ An environment step that raises or outlives step_timeout_s answers with an error
 model reads it; the run goes on). A budget that ends an episode keeps its last reward.
 """
 
+import collections
 import math
 import threading
 import time
@@ -72,9 +73,12 @@ def run_episodes(
     max_episode_tokens,
     step_timeout_s,
     seed,
+    max_workers=32,
 ):
     """Run len(items) * n episodes to their ends -> Samples (module docstring). make_env() -> a new
-    Environment per episode; codec: a common.env.chat.ChatCodec of the engine's tokenizer."""
+    Environment per episode; codec: a common.env.chat.ChatCodec of the engine's tokenizer;
+    max_workers: environment steps running at once (threads; the others wait their turn, and
+    step_timeout_s counts from a step's start)."""
     tokenizer = codec.tokenizer
     episodes = []
     for i, item in enumerate(items):
@@ -89,6 +93,7 @@ def run_episodes(
             episodes.append(_Episode(env, prompt_ids, seed * 100_003 + 7919 * (i * n + j)))
     turn = [0] * len(episodes)  # turns sampled so far, per episode (the turn's seed)
     in_engine = set()  # episodes whose turn the engine has
+    waiting, running = collections.deque(), set()  # episodes whose environment step waits for a worker / runs
 
     def queue(k):
         e = episodes[k]
@@ -107,11 +112,20 @@ def run_episodes(
             return e.end("length")  # the episode's context is full: no room for an observation and a turn
         stop_id = s.response_ids[-1] if s.finish_reason == "stop" else None
         text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        e.pending = (_start_step(e.env, text), time.time() + step_timeout_s, stop_id, s.finish_reason, time.time())
+        e.pending = dict(future=None, text=text, stop_id=stop_id, finish=s.finish_reason)
+        waiting.append(k)  # its environment step starts when a worker is free
+        start_steps()
+
+    def start_steps():
+        while waiting and len(running) < max_workers:
+            k = waiting.popleft()
+            e, now = episodes[k], time.time()
+            e.pending.update(future=_start_step(e.env, e.pending["text"]), started=now, deadline=now + step_timeout_s)
+            running.add(k)
 
     def step_done(k, step, seconds):
         e = episodes[k]
-        stop_id, finish = e.pending[2], e.pending[3]
+        stop_id, finish = e.pending["stop_id"], e.pending["finish"]
         e.pending = None
         e.counts["tool_s"] += seconds
         for name in ("tool_calls", "tool_errors", "tool_timeouts"):
@@ -130,23 +144,27 @@ def run_episodes(
         queue(k)
 
     def poll_steps(wait_all):
-        """Handle the environment steps that finished (or timed out); with wait_all, wait for all."""
-        for k, e in enumerate(episodes):
-            if e.pending is None:
-                continue
-            future, deadline, _, _, started = e.pending
-            if not wait_all and not future.done() and time.time() < deadline:
-                continue
-            try:
-                step = future.result(timeout=max(0.0, deadline - time.time()))
-            except TimeoutError:
-                step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
-                step.tool_errors, step.tool_timeouts = 0, 1
-            except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
-                step = error_step(f"{type(e_).__name__}: {e_}")
-            if not isinstance(step, Step):
-                step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
-            step_done(k, step, time.time() - started)
+        """Handle the environment steps that finished (or timed out), start waiting ones in the freed
+        workers; with wait_all, until none is left."""
+        while running:
+            for k in sorted(running):
+                future, deadline = episodes[k].pending["future"], episodes[k].pending["deadline"]
+                if not wait_all and not future.done() and time.time() < deadline:
+                    continue
+                try:
+                    step = future.result(timeout=max(0.0, deadline - time.time()))
+                except TimeoutError:  # the thread is left behind (daemon); its worker is given to another step
+                    step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
+                    step.tool_errors, step.tool_timeouts = 0, 1
+                except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
+                    step = error_step(f"{type(e_).__name__}: {e_}")
+                if not isinstance(step, Step):
+                    step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
+                running.discard(k)
+                step_done(k, step, time.time() - episodes[k].pending["started"])
+                start_steps()
+            if not wait_all:
+                return
 
     for k in range(len(episodes)):
         queue(k)

@@ -219,6 +219,15 @@ def env_flags(p):
         ),
     )
     g.add_argument(
+        "--tool-workers",
+        type=int,
+        default=32,
+        help=(
+            "--env: environment steps (tool calls) running at once, each in a thread; the others wait for a free "
+            "one (--tool-timeout counts from a step's start)"
+        ),
+    )
+    g.add_argument(
         "--tool-output-chars",
         type=int,
         default=4096,
@@ -231,10 +240,10 @@ def check_env_flags(args):
     """--env's flags against the rest (ValueError: what to change)."""
     if not args.env:
         return
-    if args.max_turns < 1 or args.tool_timeout <= 0 or args.tool_output_chars < 1:
+    if min(args.max_turns, args.tool_timeout, args.tool_output_chars, args.tool_workers) <= 0:
         raise ValueError(
             f"--max-turns {args.max_turns}, --tool-timeout {args.tool_timeout}, --tool-output-chars "
-            f"{args.tool_output_chars}: each must be positive"
+            f"{args.tool_output_chars}, --tool-workers {args.tool_workers}: each must be positive"
         )
     if args.max_episode_tokens is not None and args.max_episode_tokens < 2:
         raise ValueError(f"--max-episode-tokens {args.max_episode_tokens} leaves no room for a prompt and a turn")
