@@ -38,7 +38,7 @@ class GuessGame(Environment):
         if guess == self.answer:
             return Step(done=True, reward=1.0)
         if self.hint == "reveal":
-            feedback = f"no, {self.answer}"
+            feedback = f"no, {str(self.answer) * 8}"
         else:
             feedback = "a digit" if guess is None else "higher" if self.answer > guess else "lower"
         return Step(observation=[{"role": "user", "content": feedback}])

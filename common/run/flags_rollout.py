@@ -254,3 +254,8 @@ def check_env_flags(args):
     ):
         if value:
             raise ValueError(f"{flag} applies to single-turn responses: the environment of --env gives the reward")
+    if getattr(args, "routing_replay", "none") == "rollout":
+        raise ValueError(
+            "--routing-replay rollout replays the engine's routes of single-turn samples; with --env use "
+            "--routing-replay old (or none)"
+        )
