@@ -114,8 +114,8 @@ def test_guess_game():
     assert items == GuessGame.make_items(50, seed=3) and {it["answer"] for it in items} <= set("0123456789")
     game = GuessGame()
     assert game.reset({"prompt": "guess", "answer": "7"}) == [{"role": "user", "content": "guess"}]
-    assert game.step("x").observation == [{"role": "user", "content": "no, 7"}]
-    assert game.step("3").observation == [{"role": "user", "content": "no, 7"}]
+    assert game.step("x").observation == [{"role": "user", "content": "no, 77777777"}]
+    assert game.step("3").observation == [{"role": "user", "content": "no, 77777777"}]
     assert game.step(" 7") == Step(done=True, reward=1.0)
     game = DirectionGame()
     game.reset({"prompt": "guess", "answer": "7"})

@@ -15,20 +15,19 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-turns", 
 
 
 def test_grpo_learns_the_game_from_its_feedback(tmp_path):
-    """The first guess is right 1/10 of the time by chance; the reward rises above the first steps'
-    as the model learns to read the feedback of its second turn."""
-    run_script("train_grpo.py", "--env", "game", "--max-turns", "2", "--steps", 30, "--out", tmp_path)
+    """Guessing digits blindly earns 0.19 over two turns; above that the model reads the feedback of its
+    first miss (common/env/game.py). Measured: 0.012 over the first 5 steps, 0.59 over the last 5."""
+    run_script("train_grpo.py", "--env", "game", "--max-turns", "2", "--steps", 60, "--out", tmp_path)
     metrics = read_metrics(tmp_path)
     rewards = [m["env_reward"] for m in metrics]
     assert rewards == [m["reward_mean"] for m in metrics]  # the environment's reward is the reward
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"env reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
-    assert last >= first + 0.08
+    assert first < 0.05 and last >= 0.35
     # multi-turn: most episodes take 2 turns of one token each; every other token is an observation's, masked
     step = metrics[0]
-    assert 1.5 < step["turns_per_episode"] <= 2 and step["response_len_mean"] == pytest.approx(
-        step["turns_per_episode"]
-    )
+    assert 1.5 < step["turns_per_episode"] <= 2
+    assert step["response_len_mean"] == pytest.approx(step["turns_per_episode"])
     assert step["episode_tokens"] > 40  # prompt (~30) + turns + the observation (~30 tokens)
     assert step["logprob_mismatch"] < 1e-4  # the engine's logprob of every model token, as single-turn
     assert step["tool_calls"] == 0 and step["tool_errors"] == 0

@@ -1,18 +1,22 @@
 """The built-in guessing game: find a hidden digit in a few turns, with feedback after each guess.
 
-    python train_grpo.py --env game          # the embedded tiny model learns it on a CPU in minutes
+    python train_grpo.py --env game --max-turns 2 --steps 60   # the embedded tiny model, a few CPU minutes
 
 An item is {"prompt": "guess", "answer": "7"} (GuessGame.make_items draws them, seeded, so the game
 needs no --data). Each turn the model answers with a digit; the environment ends the episode with
 reward 1 on the hidden digit, and otherwise answers with a user message:
 
-    hint="reveal"     "no, N" (the hidden digit): the model learns to read its observation (what the
-                      embedded model, trained from random weights, learns in a couple of CPU minutes)
+    hint="reveal"     "no, NNNNNNNN" (the hidden digit, 8 times): the model learns to read its
+                      observation. The embedded model (random init, 2 layers) finds a digit written 8
+                      times beside its own one-digit guess far sooner than a single one, 13 tokens back
+                      behind the chat template's turn header: reward 0.02 -> 0.59 over 60 steps with
+                      --max-turns 2 (tests/test_train_agentic.py), where a single digit stayed at the
+                      0.19 of guessing digits blindly
     hint="direction"  "higher" / "lower": a real search, for models that can already count
 
 A miss is any turn that does not start with the hidden digit (with "direction", a turn without a
-digit is told "a digit"); --max-turns bounds the game (reward 0 then). The first turn is right
-1/10 of the time by chance, so a reward above ~0.1 is read from the feedback.
+digit is told "a digit"); --max-turns bounds the game (reward 0 then). Guessing digits blindly
+earns 0.1 + 0.9 x 0.1 = 0.19 over two turns; above that the model reads the feedback.
 """
 
 import random
