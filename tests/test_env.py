@@ -122,28 +122,28 @@ def test_guess_game():
     assert [game.step(t).observation[0]["content"] for t in ("3", "9", "?")] == ["higher", "lower", "a digit"]
 
 
-def test_python_env_runs_code_and_scores_the_final_answer(monkeypatch):
-    """The sandbox stands in as a function here (its own tests are tests/test_sandbox.py)."""
-    import types
-
+def test_python_env_runs_code_in_the_sandbox_and_scores_the_final_answer():
     from common.env import python_math
 
-    calls = []
-
-    def run_python(code, *, timeout_s, cpu_s, max_output_chars):
-        calls.append((code, timeout_s <= 2, max_output_chars))
-        timed_out = "while True" in code
-        return types.SimpleNamespace(output="1024\n", exit_code=0, timed_out=timed_out, error=None, seconds=0.0)
-
-    monkeypatch.setitem(__import__("sys").modules, "common.env.sandbox", types.SimpleNamespace(run_python=run_python))
-    env = configured(python_math.PythonMath, tool_timeout_s=2.0, tool_output_chars=100)()
+    env = configured(python_math.PythonMath, tool_timeout_s=1.5, tool_output_chars=400)()
     messages = env.reset({"prompt": "What is 2**10?", "answer": "1024"})
     assert messages[0]["role"] == "user" and "\\boxed{}" in messages[0]["content"]
-    step = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(2**10)"}}</tool_call>')
-    assert step.observation == [{"role": "tool", "content": "1024\n"}] and not step.done
-    assert calls == [("print(2**10)", True, 100)]
-    step = env.step('<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')
-    assert step.tool_timeouts == 1 and step.observation[0]["content"].startswith("error: timed out")
+
+    def call(code):
+        return env.step(f'<tool_call>{{"name": "python", "arguments": {{"code": "{code}"}}}}</tool_call>')
+
+    step = call("print(2**10)")
+    assert step.observation == [{"role": "tool", "content": "1024\n"}] and not step.done and step.tool_calls == 1
+    step = call("print(1); 1/0")  # the code fails: what it printed, the traceback and how it ended
+    content = step.observation[0]["content"]
+    assert content.startswith("error: 1\nTraceback") and "ZeroDivisionError" in content
+    assert content.endswith("(exit code 1)") and (step.tool_errors, step.tool_timeouts) == (1, 0)
+    start = time.time()
+    step = call("while True: pass")  # killed at the turn's --tool-timeout
+    assert time.time() - start < 5 and (step.tool_errors, step.tool_timeouts) == (1, 1)
+    assert step.observation[0]["content"].startswith("error: (timed out after")
+    step = call("print('x' * 1000)")  # cut at --tool-output-chars, the model told
+    assert step.observation[0]["content"].startswith("x" * 400) and "truncated" in step.observation[0]["content"]
     assert env.step("The answer is \\boxed{1024}.") == Step(done=True, reward=1.0)
     assert env.step("\\boxed{1000}").reward == 0.0
 

@@ -168,3 +168,13 @@ def test_layouts_match_single_process(layout, env_rollouts, tmp_path):
     for a, b in zip(reference, replayed):
         for key in ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "logprob_mismatch", "response_len_mean"]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
+
+
+def test_python_env_runs_through_the_script(tmp_path):
+    """--env python with --data: the embedded model writes no tool calls, so each episode is one turn
+    scored by the math reward; the run goes through (the sandbox imports, the tool is in the prompt)."""
+    (tmp_path / "math.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n' * 4)
+    flags = ["--env", "python", "--data", tmp_path / "math.jsonl", "--max-new-tokens", 4, "--steps", 1]
+    run_script("train_grpo.py", *flags, "--prompts-per-step", 2, "--samples-per-prompt", 2, "--out", tmp_path / "run")
+    step = read_metrics(tmp_path / "run")[0]
+    assert step["turns_per_episode"] == 1 and step["tool_calls"] == 0 and step["env_reward"] == 0.0

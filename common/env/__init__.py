@@ -8,6 +8,7 @@
     game.py        the built-in guessing game with feedback (the embedded tiny model learns it on a CPU)
     python_math.py the built-in Python interpreter for math: model-written code runs in the sandbox
     sandbox.py     run_python: untrusted code in a separate, limited process (docs/sandbox.md)
+    sandbox_child.py  the sandbox's side inside that process (standard library only)
 
 The episode driver that runs many episodes on a rollout engine is common/rollout/episodes.py.
 May import common.rl, the standard library, torch and transformers (not common.rollout, common.train,

@@ -17,7 +17,7 @@ Every call of a turn shares the turn's --tool-timeout.
 import time
 
 from common.env.base import Environment, Step
-from common.env.tool_calls import parse_tool_calls, run_tool_calls
+from common.env.tool_calls import ToolError, parse_tool_calls, run_tool_calls
 from common.rl.rewards import math_reward
 
 PYTHON_TOOL = {
@@ -53,15 +53,18 @@ class PythonMath(Environment):
         return messages
 
     def python(self, code, deadline):
+        """Run code in the sandbox: what it printed; a TimeoutError or ToolError (with what it printed)
+        when it ran past the turn's time or failed."""
         from common.env.sandbox import run_python
 
         left = max(0.1, deadline - time.time())
         result = run_python(str(code), timeout_s=left, cpu_s=left, max_output_chars=self.tool_output_chars)
+        said = f"{result.output}\n({result.error})" if result.output else f"({result.error})"
         if result.timed_out:
-            raise TimeoutError(f"the code ran past its {left:.1f} s")
+            raise TimeoutError(said)
         if result.error:
-            raise RuntimeError(result.error)
-        return result.output if result.exit_code == 0 else f"{result.output}\n(exit code {result.exit_code})"
+            raise ToolError(said)
+        return result.output
 
     def step(self, text):
         calls = parse_tool_calls(text)
@@ -69,7 +72,6 @@ class PythonMath(Environment):
             return Step(done=True, reward=math_reward(text, self.answer))
         deadline = time.time() + self.tool_timeout_s
         tools = {"python": lambda code: self.python(code, deadline)}
-        messages, counts = run_tool_calls(
-            calls, tools, timeout_s=self.tool_timeout_s + 1, max_chars=self.tool_output_chars
-        )
+        # (the sandbox cuts the output at tool_output_chars itself, and says so)
+        messages, counts = run_tool_calls(calls, tools, timeout_s=self.tool_timeout_s + 1, max_chars=None)
         return Step(observation=messages, **{k: v for k, v in counts.items() if k != "tool_s"})

@@ -58,6 +58,10 @@ def parse_tool_calls(text):
     return calls
 
 
+class ToolError(Exception):
+    """A tool's failure, told to the model as this message alone (without an exception type)."""
+
+
 def call_with_timeout(fn, timeout_s):
     """fn() in a daemon thread, waited for at most timeout_s seconds: (value, error text or None,
     timed_out). A Python thread cannot be killed: one that hangs is left behind (daemon: it does
@@ -75,7 +79,9 @@ def call_with_timeout(fn, timeout_s):
     try:
         return future.result(timeout=timeout_s), None, False
     except TimeoutError as e:  # ours, or the tool's own (the sandbox's limit): a timeout either way
-        return None, f"timed out: {e}" if future.done() else f"timed out after {timeout_s:g} s", True
+        return None, str(e) if future.done() else f"timed out after {timeout_s:g} s", True
+    except ToolError as e:
+        return None, str(e), False
     except Exception as e:
         return None, f"{type(e).__name__}: {e}", False
 
