@@ -10,7 +10,7 @@ reward 1 on the hidden digit, and otherwise answers with a user message:
                       observation. The embedded model (random init, 2 layers) finds a digit written 8
                       times beside its own one-digit guess far sooner than a single one, 13 tokens back
                       behind the chat template's turn header: reward 0.02 -> 0.59 over 60 steps with
-                      --max-turns 2 (tests/test_train_agentic.py), where a single digit stayed at the
+                      --max-turns 2 (tests/test_agentic_learns.py), where a single digit stayed at the
                       blind level (0.15-0.2) for the 48 steps it was run
     hint="direction"  "higher" / "lower": a real search, for models that can already count
 
