@@ -18,6 +18,7 @@ logprobs -> PPO epochs of forward-backward + optimizer step -> log -> checkpoint
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic arithmetic task):
       python train_grpo.py
+      python train_grpo.py --env game --max-turns 2 --steps 60   # multi-turn episodes (docs/agentic.md)
   1 GPU:
       python train_grpo.py --model Qwen/Qwen2-1.5B --data openai/gsm8k --data-config main   # hub ids, or local paths
   8 GPUs (Megatron TP=4 x DP=2; vLLM TP=2 x 4 replicas):

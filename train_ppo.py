@@ -17,6 +17,7 @@ The first --critic-warmup-steps steps train only the critic.
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic task):
       python train_ppo.py
+      python train_ppo.py --env game --max-turns 2 --steps 60   # multi-turn episodes (docs/agentic.md)
   1 GPU:
       python train_ppo.py --model Qwen/Qwen2-1.5B --data openai/gsm8k --data-config main   # hub ids, or local paths
   8 GPUs (Megatron TP=4 x DP=2 for actor and critic; vLLM TP=2 x 4 replicas):
