@@ -5,10 +5,11 @@
 Each of the len(items) * n episodes (prompt-major, as RolloutEngine.generate orders samples) starts
 from its item's messages (env.reset), and then, turn after turn: the engine samples a turn after
 the episode's ids so far; the environment answers the decoded turn (env.step, in a worker thread,
-at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once as the chat template continues
-(common/env/chat.py), or ends the episode with its reward. An episode whose environment is busy
-holds up no other: its next turn is queued when its observation is ready (engine.add_turn /
-finished_turns; the CPU engine runs the queued turns in waves, vLLM request by request).
+at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once
+as the chat template continues (common/env/chat.py), or ends the episode with its reward. An
+episode whose environment is busy holds up no other: its next turn is queued when its observation
+is ready (engine.add_turn / finished_turns; the CPU engine runs the queued turns in waves, vLLM
+request by request).
 
 The Sample of an episode: prompt_ids = the first prompt; response_ids = every id after it (model
 turns and observations, exactly as the engine was given and produced them); response_mask 1 on
