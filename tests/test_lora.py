@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from common.model import lora
+from common.model import sizes as S
+from common.model.gpt import load_hf_spec
 from tests.conftest import run_torchrun
 
 
@@ -21,12 +23,9 @@ def qwen2_dir(tmp_path_factory):
     return path
 
 
-def adapter_count(hidden=64, inter=96, heads=4, kv_heads=2, layers=4, r=4):
-    """r x (in + out) per adapted linear of tests/tiny_models.py's qwen2, by hand."""
-    head_dim = hidden // heads
-    qkv = (hidden, hidden + 2 * kv_heads * head_dim)
-    per_layer = [qkv, (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]  # qkv, proj, fc1 (gate+up), fc2
-    return layers * sum(r * (i + o) for i, o in per_layer)
+# r x (in + out) per adapted linear of tests/tiny_models.py's qwen2 at r = 4, by hand: qkv 4 x (64 + 128),
+# proj 4 x (64 + 64), fc1 4 x (64 + 192), fc2 4 x (96 + 64): 2944 per layer, 4 layers
+ADAPTERS = 4 * 2944
 
 
 def test_b0_is_the_base_and_gradients_are_the_chain_rule(qwen2_dir, tmp_path):
@@ -42,8 +41,10 @@ def test_b0_is_the_base_and_gradients_are_the_chain_rule(qwen2_dir, tmp_path):
     assert r["b0_equal"] and r["disabled_equal"] and r["trainable_only_adapters"]
     assert r["grad_tensors"] == 32 and r["grad_max_rel_err"] < 1e-5
     assert r["merged_logits_err"] < 1e-5
-    n = adapter_count()
-    assert r["adapter_numel"] == n == 11776
+    n = ADAPTERS
+    assert r["adapter_numel"] == n  # and the memory plan's count (common/model/sizes.py)
+    spec = load_hf_spec(qwen2_dir)
+    assert S.count_lora_parameters(spec, range(4), rank=4, targets=("attention", "mlp")) == n
     assert r["lora"] == dict(grad=4 * n, main=4 * n, moments=8 * n)  # no padding at this size
     assert r["full"]["main"] == 4 * r["model_numel"] and r["full"]["moments"] == 8 * r["model_numel"]
     assert r["full"]["grad"] >= 4 * r["model_numel"]  # (megatron pads its buffer)

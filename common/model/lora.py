@@ -201,3 +201,32 @@ def adapter_bytes(chunks):
     """(adapter parameters, their bytes) on this rank."""
     params = [p for chunk in chunks for n, p in chunk.named_parameters() if is_adapter(n)]
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def adapter_sharded_state_dict(model):
+    """The adapters' part of a GPTModel's sharded_state_dict (what a LoRA checkpoint holds), loadable at any
+    TP layout. megatron's linears save every tensor but weight and bias as replicated over TP: the factors
+    sharded like W are given W's sharding here (B of a gated fc1 split into its gate and up halves as
+    megatron does for W), the replicated ones keep megatron's entries."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    modules = dict(model.named_modules())
+    state = {}
+    for name, entry in model.sharded_state_dict().items():
+        if not is_adapter(name):
+            continue
+        module_name, factor = name.rsplit(".", 1)
+        module = modules[module_name]
+        row = isinstance(module, RowParallelLinear)
+        if (factor == "lora_a") == row:  # A of a row-parallel linear, B of a column-parallel one: sharded like W
+            prepend = tuple(
+                (i, entry.global_offset[i], entry.axis_fragmentations[i]) for i in range(entry.prepend_axis_num)
+            )
+            param = getattr(module, factor)
+            entry = make_tp_sharded_tensor_for_checkpoint(param, entry.key, 1 if row else 0, prepend_offsets=prepend)
+            if not row and module.config.gated_linear_unit and module_name.endswith("linear_fc1"):
+                entry = apply_swiglu_sharded_factory(entry, prepend)
+        state[name] = entry
+    return state

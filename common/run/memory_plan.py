@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from common.model.bridge import padded_vocab_size
 from common.model.sizes import (
     FP32,
+    ParamCount,
+    count_lora_parameters,
     count_parameters,
     hf_parameter_count,
     in_flight_micro_batches,
@@ -206,6 +208,7 @@ def plan_memory(
     dtype_bytes=2,
     distributed_optimizer=True,
     reference=False,
+    lora=None,
     critic=None,
     reward_model=None,
     engine="vllm",
@@ -234,7 +237,8 @@ def plan_memory(
     of one micro-batch per rank before CP splits them; update_micro_batches: how many a rank
     runs per optimizer step (bounds what a pipeline holds in flight). gpu_bytes: memory of one
     GPU, None for a CPU run (then every phase is host memory, compared with node_bytes /
-    gpus_per_node). node_bytes: host memory of a node, None if unknown."""
+    gpus_per_node). node_bytes: host memory of a node, None if unknown. lora: dict(rank=, targets=) of
+    --lora-rank: gradients and the optimizer for the adapters alone, the reference is the policy itself."""
     on_gpu = gpu_bytes is not None
     device = "cuda" if on_gpu else "cpu"
     b = dtype_bytes
@@ -291,8 +295,13 @@ def plan_memory(
         # -- each model's state. Offloaded (common/train/offload.py) it waits in pinned host memory:
         # the policy's weights once synced into the engine, until the rollout ends; the optimizer
         # (fp32 main weights, Adam) from the rollout to the update; gradients are freed, not moved
-        weights, grads = policy.total * b, policy.total * FP32
-        main, adam = optimizer_bytes(policy, main_bytes), optimizer_bytes(policy, 2 * FP32)
+        trained = policy  # LoRA: the adapters (dense, sharded as common/model/lora.py says), the base frozen
+        if lora:
+            trained = ParamCount(
+                dense=count_lora_parameters(spec, layers[s], rank=lora["rank"], targets=lora["targets"], tp=tp)
+            )
+        weights, grads = (policy.total + trained.total * bool(lora)) * b, trained.total * FP32
+        main, adam = optimizer_bytes(trained, main_bytes), optimizer_bytes(trained, 2 * FP32)
         keep_params, keep_opt = not offload_params, not offload_optimizer
         keep_grads = keep_params and keep_opt  # either offload frees the gradient buffers
         add(
@@ -309,7 +318,7 @@ def plan_memory(
         # frozen models: offloaded, each is on the device for its own pass only, and those passes
         # run one at a time (the reward model's scoring, the reference's logprobs): the largest counts
         frozen = {}
-        if reference:
+        if reference and not lora:  # (LoRA's reference: the policy with its adapters off)
             frozen[f"reference weights ({dtype_name(b)})"] = weights
         if reward_model is not None:
             frozen[f"reward model weights ({dtype_name(b)})"] = counts(reward_model, s, True, False).total * b
