@@ -24,6 +24,11 @@ is full. Host memory: this rank's part of the model + one shard + two export buc
 The HF side files (config.json, tokenizer, generation_config.json) come from the first of:
 --hf-files DIR, <ckpt>/hf, <ckpt>/../hf, <ckpt>/../../hf (the run directory of a training step).
 
+A LoRA run's checkpoint (--lora-rank) holds the adapters alone and names its base in rl_meta.json: the
+base is loaded from there (or --lora-base DIR), the adapters on it, and --lora merged (default) writes the
+merged model (W + alpha/r B A), --lora peft a PEFT adapter directory (adapter_config.json +
+adapter_model.safetensors, PEFT's names) that peft and vLLM load on the base (docs/lora.md).
+
 Exit codes: 0 done, 2 bad input or disk full (a one-paragraph message, no traceback), 130
 interrupted. The output is written to <out>.incomplete and renamed to <out> at the end.
 """
@@ -95,10 +100,16 @@ def find_hf_files(ckpt, explicit):
 
 
 def stored_dtype(ckpt):
-    """The dtype the checkpoint stores the model in (read from DCP's .metadata)."""
+    """The dtype the checkpoint stores the model in (read from DCP's .metadata; a LoRA checkpoint's:
+    its adapters', the base's own)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from common.model.lora import is_adapter
+
     tensors = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    adapters = [meta for name, meta in tensors.items() if is_adapter(name)]
+    if adapters and "embedding.word_embeddings.weight" not in tensors:
+        return adapters[0].properties.dtype
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"--ckpt {ckpt} holds no GPT model weights (no embedding.word_embeddings.weight).")
     return tensors["embedding.word_embeddings.weight"].properties.dtype
@@ -109,6 +120,79 @@ def source_dtype(hf_config):
     transformers 5) when it is one this tool writes (bfloat16, float32), else None."""
     name = hf_config.get("torch_dtype") or hf_config.get("dtype")
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
+
+
+def lora_settings(ckpt, base=None):
+    """rl_meta.json's "lora" of a LoRA training checkpoint (rank, alpha, targets, base), the base replaced by
+    `base` if given; None for a whole model. ConversionError if the base is not there."""
+    from common.train.checkpoint import read_meta
+
+    try:
+        lora = read_meta(ckpt).get("lora")
+    except FileNotFoundError:
+        return None
+    if not lora:
+        return None
+    lora = dict(lora, base=base or lora.get("base_mcore") or lora["base"])
+    if not os.path.isdir(lora["base"]):
+        raise ConversionError(
+            f"--ckpt {ckpt} holds LoRA adapters of the base {lora['base']}, which is not a directory here: pass "
+            "--lora-base DIR (that model's HF directory or converted megatron checkpoint)"
+        )
+    return lora
+
+
+def load_lora_base(chunks, spec, lora):
+    """The base model into the chunks (HF weights or a converted checkpoint), then its adapters (B = 0)."""
+    from common.model.lora import add_lora
+    from common.model.weights import load_hf_weights
+    from common.train.checkpoint import is_model_checkpoint, load_model_checkpoint
+
+    if is_model_checkpoint(lora["base"]):
+        load_model_checkpoint(lora["base"], chunks)
+    else:
+        load_hf_weights(chunks, spec, lora["base"])
+    add_lora(chunks, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+
+
+def write_peft_adapter(chunks, spec, lora, out_dir, dtype, rank):
+    """PEFT's LoRA layout (adapter_config.json, adapter_model.safetensors): per HF linear
+    base_model.model.<module>.lora_A.weight (r, in) and .lora_B.weight (out, r). Megatron's fused linears
+    are split as their weights are (common/model/bridge.py): q, k and v (gate and up) share the fused A and
+    take their rows of B. TP = PP = 1 (the adapters are small): every factor here is whole."""
+    from common.model.bridge import hf_from_shards, param_rule
+    from common.model.lora import lora_modules
+
+    if torch.distributed.get_world_size() != 1:
+        raise ConversionError("--lora peft runs in one process (the adapters are small): drop torchrun and --tp/--pp")
+    tensors, modules = {}, set()
+    for name, module in lora_modules(chunks).items():
+        kind, hf_names = param_rule(f"{name}.weight", spec)
+        for hf_name, b in hf_from_shards(kind, hf_names, [module.lora_b.detach()], spec):
+            prefix = "base_model.model." + hf_name.removesuffix(".weight")
+            tensors[f"{prefix}.lora_A.weight"] = module.lora_a.detach().to("cpu", dtype, copy=True).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = b.to("cpu", dtype, copy=True).contiguous()
+            modules.add(hf_name.removesuffix(".weight").rsplit(".", 1)[1])
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": lora["base"],
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": 0.0,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    if rank == 0:
+        write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), dict(sorted(tensors.items())))
+        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def parse_size(text):
@@ -201,6 +285,23 @@ def parse_args(argv=None):
         "--etp", type=int, default=1, help="expert tensor-parallel size to load the checkpoint at (MoE models)"
     )
     ap.add_argument("--bucket-mb", type=int, default=256, help="export bucket size (MB of full tensors)")
+    ap.add_argument(
+        "--lora",
+        choices=["merged", "peft"],
+        default="merged",
+        help=(
+            "a LoRA checkpoint: merged = the base with W + alpha/r B A written as a full HF model; peft = a PEFT "
+            "adapter directory (adapter_config.json, adapter_model.safetensors) for peft / vLLM on the base"
+        ),
+    )
+    ap.add_argument(
+        "--lora-base",
+        default=None,
+        help=(
+            "a LoRA checkpoint's base model: HF dir or converted megatron checkpoint (default: the one its "
+            "rl_meta.json names)"
+        ),
+    )
     return ap.parse_args(argv)
 
 
@@ -210,6 +311,9 @@ def run(args, created):
     ckpt = resolve_checkpoint(args.ckpt)
     hf_files = find_hf_files(ckpt, args.hf_files)
     spec = read_hf_spec(hf_files)
+    lora = lora_settings(ckpt, args.lora_base)  # None: a whole model
+    if args.lora == "peft" and not lora:
+        raise ConversionError(f"--lora peft: {ckpt} holds a whole model, not LoRA adapters; drop --lora peft")
     out = check_output_dir(
         args.out,
         args.force,
@@ -217,6 +321,7 @@ def run(args, created):
         lambda d: (
             os.path.isfile(os.path.join(d, "model.safetensors.index.json"))
             or os.path.isfile(os.path.join(d, "model.safetensors"))
+            or os.path.isfile(os.path.join(d, "adapter_config.json"))
         ),
     )
     max_shard_bytes = parse_size(args.max_shard_size)
@@ -255,6 +360,8 @@ def run(args, created):
     )  # (megatron: MoE + TP needs SP)
     print0(f"layers per pipeline stage: {stage_layers(chunks[0].config)}")
     try:
+        if lora:  # the base first, then the adapters on it (the checkpoint holds those alone)
+            load_lora_base(chunks, spec, lora)
         load_model_checkpoint(ckpt, chunks)  # the model part only, at this layout
     except BaseException as e:  # torch's DCP wraps the loader's errors in a BaseException
         cause = root_cause(e)
@@ -263,6 +370,14 @@ def run(args, created):
         raise
     tmp = temporary_output(out, created)
     dist.barrier()
+    if lora and args.lora == "peft":
+        write_peft_adapter(chunks, spec, lora, tmp, dtype, rank)
+        if rank == 0:
+            finish_output(tmp, out)
+            print0(f"done: {out}  (a PEFT adapter of rank {lora['rank']} on {lora['base']})")
+        created.clear()
+        dist.barrier()
+        return 0
 
     # -- stream every HF tensor; rank 0 writes a shard whenever the next tensor would overflow it
     shard, shard_bytes, files, weight_map, total_bytes, non_finite = {}, 0, [], {}, 0, []
