@@ -4,6 +4,7 @@
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -86,28 +87,31 @@ LORA = ["--lora-rank", 8, "--lr", 1e-2, "--max-new-tokens", 4]
 
 def test_grpo_resume_is_exact_and_the_engine_gets_merged_weights(tmp_path):
     """train_grpo.py --lora-rank: 4 steps in one go equal 2 steps + --resume to 4 (the checkpoint holds the
-    adapters, their optimizer state and the base's name); after each update the CPU engine samples with the
-    merged weights: its logprobs equal the trainer's (logprob_mismatch ~ 0, while the weights moved: kl > 0).
-    Without a reference copy the KL is to the base (the adapters off)."""
+    adapters, their optimizer state and the base's name), and so does a resume at TP=2 under torchrun (the
+    same rollouts replayed): the adapters' checkpoint reshards (B of fc1 split into gate and up as megatron
+    splits W). After each update the CPU engine samples with the merged weights: its logprobs equal the
+    trainer's (logprob_mismatch ~ 0, while the policy left the base: kl > 0)."""
+    straight, resumed, tp2 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "tp2"
     run_scripts(
-        ("train_grpo.py", *SMALL, *LORA, "--steps", 4, "--out", tmp_path / "straight"),
-        ("train_grpo.py", *SMALL, *LORA, "--steps", 2, "--out", tmp_path / "resumed"),
+        ("train_grpo.py", *SMALL, *LORA, "--steps", 4, "--out", straight, "--save-rollouts", tmp_path / "rollouts"),
+        ("train_grpo.py", *SMALL, *LORA, "--steps", 2, "--out", resumed),
     )
-    run_script("train_grpo.py", *SMALL, *LORA, "--steps", 4, "--out", tmp_path / "resumed", "--resume")
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3]
-    for a, b in zip(straight, resumed, strict=True):
+    shutil.copytree(resumed, tp2)
+    run_script("train_grpo.py", *SMALL, *LORA, "--steps", 4, "--out", resumed, "--resume")
+    resume_tp2 = ["--steps", 4, "--tp", 2, "--out", tp2, "--resume", "--load-rollouts", tmp_path / "rollouts"]
+    run_torchrun("train_grpo.py", 2, *SMALL, *LORA, *resume_tp2)
+    straight_m, resumed_m, tp2_m = read_metrics(straight), read_metrics(resumed), read_metrics(tp2)
+    assert [m["step"] for m in resumed_m] == [m["step"] for m in tp2_m] == [0, 1, 2, 3]
+    for a, b, c in zip(straight_m, resumed_m, tp2_m, strict=True):
         for key in ("policy_loss", "grad_norm", "kl", "entropy", "reward_mean", "logprob_mismatch"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    assert straight[-1]["kl"] > 1e-4  # the policy left the base (the reference: the adapters off)
-    assert max(m["logprob_mismatch"] for m in straight) < 1e-5
-    meta = json.loads((tmp_path / "straight" / "checkpoints" / "step_000004" / "rl_meta.json").read_text())
+        for key in ("policy_loss", "grad_norm", "kl", "entropy", "reward_mean"):
+            assert a[key] == pytest.approx(c[key], rel=1e-4, abs=1e-5), ("tp2", a["step"], key)
+    assert straight_m[-1]["kl"] > 1e-4  # the policy left the base (the reference: the adapters off)
+    assert max(m["logprob_mismatch"] for m in straight_m) < 1e-5
+    meta = json.loads((straight / "checkpoints" / "step_000004" / "rl_meta.json").read_text())
     assert meta["lora"] == dict(
-        rank=8,
-        alpha=16.0,
-        targets=["attention", "mlp"],
-        base=str(tmp_path / "straight" / "embedded_model"),
-        base_mcore=None,
+        rank=8, alpha=16.0, targets=["attention", "mlp"], base=str(straight / "embedded_model"), base_mcore=None
     )
 
 
@@ -178,3 +182,23 @@ def test_grpo_with_lora_learns_and_merges(learnable_base, tmp_path):
         assert torch.equal(merged[name], (w.float() + 2.0 * (b.float() @ a.float())).to(w.dtype)), name
         adapted += 1
     assert adapted == 2 * 7 == len(factors) // 2  # 2 layers x q, k, v, o, gate, up, down
+
+
+def test_ppo_with_lora_trains_the_actor_adapters(tmp_path):
+    """train_ppo.py --lora-rank: the actor's checkpoint holds its adapters (and their Adam state) alone, the
+    critic's its whole model; the actor leaves the base (kl > 0, the reference being the adapters off) and
+    the CPU engine samples with the merged weights (logprob_mismatch ~ 0)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    small = [*SMALL, "--max-new-tokens", 4, "--critic-warmup-steps", 1]
+    run_script("train_ppo.py", *small, "--lora-rank", 8, "--lr", 1e-2, "--steps", 3, "--out", tmp_path)
+    steps = read_metrics(tmp_path)
+    assert steps[-1]["kl"] > 1e-4 and max(m["logprob_mismatch"] for m in steps) < 1e-5
+    ckpt = tmp_path / "checkpoints" / "step_000003"
+    actor = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    critic = FileSystemReader(ckpt / "critic").read_metadata().state_dict_metadata
+    model_keys = [k for k in actor if not k.startswith("optimizer.")]
+    assert model_keys and all(lora.is_adapter(k) for k in model_keys), model_keys[:5]
+    assert len(model_keys) == 2 * 4  # one stacked entry per factor and linear kind: qkv, proj, fc1, fc2
+    assert "embedding.word_embeddings.weight" in critic
+    assert json.loads((ckpt / "rl_meta.json").read_text())["lora"]["rank"] == 8
