@@ -168,6 +168,11 @@ def parse_args(argv=None):
                 raise ValueError("--bench-response-lengths sets what the engine samples: not with --load-rollouts")
     except ValueError as e:
         p.error(str(e))
+    if args.eval_only and args.lora:  # (a LoRA checkpoint holds adapters, the engine needs whole weights)
+        p.error(
+            "--eval-only with --lora-rank: merge the LoRA checkpoint first (python merge_to_hf.py --ckpt STEP --out "
+            "DIR), then --eval-only --model DIR"
+        )
     if args.eval_only and (args.start_over or args.resume == "auto" or args.load_rollouts):  # (may move --out aside)
         p.error(
             "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "

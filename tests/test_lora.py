@@ -109,6 +109,12 @@ def test_grpo_resume_is_exact_and_the_engine_gets_merged_weights(tmp_path):
             assert a[key] == pytest.approx(c[key], rel=1e-4, abs=1e-5), ("tp2", a["step"], key)
     assert straight_m[-1]["kl"] > 1e-4  # the policy left the base (the reference: the adapters off)
     assert max(m["logprob_mismatch"] for m in straight_m) < 1e-5
+    # resuming with other LoRA flags (or none) is refused in one line, before anything is built
+    proc = run_script("train_grpo.py", *SMALL, "--steps", 5, "--out", resumed, "--resume", check=False)
+    assert (
+        proc.returncode == 2
+        and "written with --lora-rank 8 --lora-alpha 16 --lora-targets attention,mlp" in proc.stderr
+    )
     meta = json.loads((straight / "checkpoints" / "step_000004" / "rl_meta.json").read_text())
     assert meta["lora"] == dict(
         rank=8, alpha=16.0, targets=["attention", "mlp"], base=str(straight / "embedded_model"), base_mcore=None
@@ -150,9 +156,8 @@ def test_grpo_with_lora_learns_and_merges(learnable_base, tmp_path):
     base = learnable_base / "base"
     flags = ["--max-new-tokens", 1, "--mini-batch-size", 64, "--eval-every", 0, "--lr", 1e-2]
     reward = f"{learnable_base / 'reward.py'}:any_digit"
-    run_script(
-        "train_grpo.py", "--model", base, "--lora-rank", 8, *flags, "--steps", 6, "--reward", reward, "--out", out
-    )
+    lora_flags = ["--lora-rank", 8, "--lora-alpha", 32]  # scale 4
+    run_script("train_grpo.py", "--model", base, *lora_flags, *flags, "--steps", 6, "--reward", reward, "--out", out)
     rewards = [m["reward_mean"] for m in read_metrics(out)]
     print("rewards", rewards)
     assert rewards[0] < 0.1 and min(rewards[-2:]) > 0.5
@@ -162,7 +167,7 @@ def test_grpo_with_lora_learns_and_merges(learnable_base, tmp_path):
         ("merge_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "peft", "--lora", "peft"),
     )
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["lora_alpha"] == 16.0
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["lora_alpha"] == 32.0
     assert config["base_model_name_or_path"] == str(base)
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     factors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -179,26 +184,48 @@ def test_grpo_with_lora_learns_and_merges(learnable_base, tmp_path):
             continue
         a, b = factors[f"{prefix}.lora_A.weight"], factors[f"{prefix}.lora_B.weight"]
         assert a.shape == (8, w.shape[1]) and b.shape == (w.shape[0], 8)
-        assert torch.equal(merged[name], (w.float() + 2.0 * (b.float() @ a.float())).to(w.dtype)), name
+        assert torch.equal(merged[name], (w.float() + 4.0 * (b.float() @ a.float())).to(w.dtype)), name
         adapted += 1
     assert adapted == 2 * 7 == len(factors) // 2  # 2 layers x q, k, v, o, gate, up, down
 
 
 def test_ppo_with_lora_trains_the_actor_adapters(tmp_path):
-    """train_ppo.py --lora-rank: the actor's checkpoint holds its adapters (and their Adam state) alone, the
-    critic's its whole model; the actor leaves the base (kl > 0, the reference being the adapters off) and
-    the CPU engine samples with the merged weights (logprob_mismatch ~ 0)."""
+    """train_ppo.py --lora-rank --lora-targets mlp: the actor's checkpoint holds its MLPs' adapters (and their
+    Adam state) alone, the critic's its whole model; the actor leaves the base (kl != 0, the reference being
+    the adapters off) and the CPU engine samples with the merged weights (logprob_mismatch ~ 0)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     small = [*SMALL, "--max-new-tokens", 4, "--critic-warmup-steps", 1]
-    run_script("train_ppo.py", *small, "--lora-rank", 8, "--lr", 1e-2, "--steps", 3, "--out", tmp_path)
+    lora_flags = ["--lora-rank", 8, "--lora-alpha", 4, "--lora-targets", "mlp"]
+    run_script("train_ppo.py", *small, *lora_flags, "--lr", 1e-2, "--steps", 3, "--out", tmp_path)
     steps = read_metrics(tmp_path)
-    assert steps[-1]["kl"] > 1e-4 and max(m["logprob_mismatch"] for m in steps) < 1e-5
+    assert abs(steps[-1]["kl"]) > 1e-4 and max(m["logprob_mismatch"] for m in steps) < 1e-5  # (k1: either sign)
     ckpt = tmp_path / "checkpoints" / "step_000003"
     actor = FileSystemReader(ckpt).read_metadata().state_dict_metadata
     critic = FileSystemReader(ckpt / "critic").read_metadata().state_dict_metadata
     model_keys = [k for k in actor if not k.startswith("optimizer.")]
     assert model_keys and all(lora.is_adapter(k) for k in model_keys), model_keys[:5]
-    assert len(model_keys) == 2 * 4  # one stacked entry per factor and linear kind: qkv, proj, fc1, fc2
+    assert sorted(model_keys) == [
+        f"decoder.layers.mlp.{fc}.{f}" for fc in ("linear_fc1", "linear_fc2") for f in ("lora_a", "lora_b")
+    ]
     assert "embedding.word_embeddings.weight" in critic
-    assert json.loads((ckpt / "rl_meta.json").read_text())["lora"]["rank"] == 8
+    lora_meta = json.loads((ckpt / "rl_meta.json").read_text())["lora"]
+    assert (lora_meta["rank"], lora_meta["alpha"], lora_meta["targets"]) == (8, 4.0, ["mlp"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lora-rank", -1], "--lora-rank must be >= 0"),
+        (["--lora-alpha", 8], "--lora-alpha needs --lora-rank"),
+        (["--lora-rank", 4, "--lora-alpha", 0], "--lora-alpha must be > 0"),
+        (["--lora-rank", 4, "--lora-targets", "attn"], "--lora-targets 'attn': choose a comma-separated subset"),
+        (["--lora-rank", 4, "--lora-targets", "experts"], "routed experts (grouped GEMMs) are not supported"),
+        (["--lora-rank", 4, "--eval-only"], "merge the LoRA checkpoint first"),
+    ],
+)
+def test_bad_lora_flags_are_refused_in_one_line(flags, message, tmp_path):
+    proc = run_script("train_grpo.py", *flags, "--out", tmp_path, check=False)
+    print(proc.stderr[-500:])
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr
