@@ -249,6 +249,9 @@ def test_lora_counts_adapters_alone_and_no_reference():
     update = weights + grads + main + adam + ACTIVATIONS + LOGITS_UPDATE
     assert plan.total("update") == pytest.approx(update * (1 + slack) + fixed, rel=1e-12)
     assert plan.host_parts() == {"offload buffers": weights + main + adam, "checkpoint staging": 0}
+    # kept on the GPU, a save stages what a LoRA checkpoint holds: the adapters and their optimizer state
+    kept = small_plan(lora=dict(rank=8, targets=("attention", "mlp")), offload_params=False, offload_optimizer=False)
+    assert kept.host_parts() == {"offload buffers": 0, "checkpoint staging": 2 * LORA + main + adam}
 
 
 def test_without_offload_the_state_stays_and_staging_pins_it():

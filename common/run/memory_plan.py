@@ -391,14 +391,15 @@ def plan_memory(
 
         # -- host: checkpoint staging beyond the offload buffers, the optimizer's gather at a save
         if on_gpu:
-            checkpointed = weights + main + adam + (cw + co if critic is not None else 0)
-            offloaded = (weights + (cw if critic is not None else 0)) * offload_params
+            saved = trained.total * b if lora else weights  # a LoRA checkpoint holds the adapters alone
+            checkpointed = saved + main + adam + (cw + co if critic is not None else 0)
+            offloaded = (saved + (cw if critic is not None else 0)) * offload_params
             offloaded += (main + adam + (co if critic is not None else 0)) * offload_optimizer
             items["checkpoint staging (beyond the offload buffers)"] = Item(
                 "checkpoint staging (beyond the offload buffers)", host=checkpointed - offloaded
             )
         if save_any_layout and distributed_optimizer and optimizer_dp > 1:  # 12 B/param of the TPxPP slice
-            slice_params = policy.total + (c.total if critic is not None else 0)
+            slice_params = trained.total + (c.total if critic is not None else 0)
             items["optimizer gather at a save (--save-any-layout)"] = Item(
                 "optimizer gather at a save (--save-any-layout)", host_save=12 * slice_params
             )
