@@ -54,6 +54,7 @@ from common.run.cli import (
     temporary_output,
 )
 from common.run.dist import print0
+from common.run.lora_export import load_lora_base, lora_settings, write_peft_adapter
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -120,79 +121,6 @@ def source_dtype(hf_config):
     transformers 5) when it is one this tool writes (bfloat16, float32), else None."""
     name = hf_config.get("torch_dtype") or hf_config.get("dtype")
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
-
-
-def lora_settings(ckpt, base=None):
-    """rl_meta.json's "lora" of a LoRA training checkpoint (rank, alpha, targets, base), the base replaced by
-    `base` if given; None for a whole model. ConversionError if the base is not there."""
-    from common.train.checkpoint import read_meta
-
-    try:
-        lora = read_meta(ckpt).get("lora")
-    except FileNotFoundError:
-        return None
-    if not lora:
-        return None
-    lora = dict(lora, base=base or lora.get("base_mcore") or lora["base"])
-    if not os.path.isdir(lora["base"]):
-        raise ConversionError(
-            f"--ckpt {ckpt} holds LoRA adapters of the base {lora['base']}, which is not a directory here: pass "
-            "--lora-base DIR (that model's HF directory or converted megatron checkpoint)"
-        )
-    return lora
-
-
-def load_lora_base(chunks, spec, lora):
-    """The base model into the chunks (HF weights or a converted checkpoint), then its adapters (B = 0)."""
-    from common.model.lora import add_lora
-    from common.model.weights import load_hf_weights
-    from common.train.checkpoint import is_model_checkpoint, load_model_checkpoint
-
-    if is_model_checkpoint(lora["base"]):
-        load_model_checkpoint(lora["base"], chunks)
-    else:
-        load_hf_weights(chunks, spec, lora["base"])
-    add_lora(chunks, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
-
-
-def write_peft_adapter(chunks, spec, lora, out_dir, dtype, rank):
-    """PEFT's LoRA layout (adapter_config.json, adapter_model.safetensors): per HF linear
-    base_model.model.<module>.lora_A.weight (r, in) and .lora_B.weight (out, r). Megatron's fused linears
-    are split as their weights are (common/model/bridge.py): q, k and v (gate and up) share the fused A and
-    take their rows of B. TP = PP = 1 (the adapters are small): every factor here is whole."""
-    from common.model.bridge import hf_from_shards, param_rule
-    from common.model.lora import lora_modules
-
-    if torch.distributed.get_world_size() != 1:
-        raise ConversionError("--lora peft runs in one process (the adapters are small): drop torchrun and --tp/--pp")
-    tensors, modules = {}, set()
-    for name, module in lora_modules(chunks).items():
-        kind, hf_names = param_rule(f"{name}.weight", spec)
-        for hf_name, b in hf_from_shards(kind, hf_names, [module.lora_b.detach()], spec):
-            prefix = "base_model.model." + hf_name.removesuffix(".weight")
-            tensors[f"{prefix}.lora_A.weight"] = module.lora_a.detach().to("cpu", dtype, copy=True).contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = b.to("cpu", dtype, copy=True).contiguous()
-            modules.add(hf_name.removesuffix(".weight").rsplit(".", 1)[1])
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": lora["base"],
-        "r": lora["rank"],
-        "lora_alpha": lora["alpha"],
-        "lora_dropout": 0.0,
-        "target_modules": sorted(modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
-    if rank == 0:
-        write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), dict(sorted(tensors.items())))
-        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=2)
 
 
 def parse_size(text):

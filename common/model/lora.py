@@ -180,8 +180,8 @@ def adapters_disabled(chunks):
 def merged_weight(module):
     """This rank's shard of W + scale * B A (column: B's rows x full A; row: full B x A's columns), computed
     in fp32 and rounded once to W's dtype. W itself is not modified."""
-    delta = module.lora_b.float() @ module.lora_a.float()
-    return (module.weight.float() + module.lora_scale * delta).to(module.weight.dtype)
+    merged = module.lora_b.float() @ module.lora_a.float()  # the one fp32 temporary (W's shape)
+    return merged.mul_(module.lora_scale).add_(module.weight).to(module.weight.dtype)
 
 
 class MergedTensors(dict):
