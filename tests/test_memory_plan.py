@@ -62,6 +62,12 @@ def test_parameter_count_is_what_build_model_makes(name, world_of_one):
             p.numel() for chunk in build_model(spec) for n, p in chunk.named_parameters() if ".local_experts." in n
         )
         assert S.count_parameters(spec, layers).experts == experts
+    # --lora-rank: the adapters add_lora gives every attention and MLP linear (MLA's, shared experts') of it
+    from common.model.lora import adapter_bytes, add_lora
+
+    chunks = build_model(spec)
+    add_lora(chunks, rank=4, alpha=8.0, targets=("attention", "mlp"))
+    assert S.count_lora_parameters(spec, layers, rank=4, targets=("attention", "mlp")) == adapter_bytes(chunks)[0]
 
 
 def saved_bytes_per_token(spec, tokens, recompute, modules):

@@ -113,6 +113,8 @@ def add_lora(chunks, *, rank, alpha, targets=("attention", "mlp"), seed=0):
             ):
                 continue
             row = isinstance(module, RowParallelLinear)
+            if row and not module.input_is_parallel:  # (every row-parallel linear of a GPTModel takes its shard)
+                raise ValueError(f"LoRA on {name}: a row-parallel linear that scatters its own input is not supported")
             weight = module.weight  # (out/tp, in) column, (out, in/tp) row
             tp_size, tp_rank = module.tp_group.size(), module.tp_group.rank()
             full_in = weight.shape[1] * (tp_size if row else 1)
