@@ -30,8 +30,8 @@ LEVELS = [pytest.param(True, id="namespaces", marks=needs_userns), pytest.param(
 
 def test_kind_names_the_strongest_level():
     kind = sandbox_kind()
-    assert kind.startswith("namespaces: " if USERNS else "rlimits only: NO filesystem or network isolation"), kind
-    assert sandbox_kind(namespaces=False).startswith("rlimits only")
+    assert kind.startswith("namespaces: " if USERNS else "rlimits only: NO filesystem isolation"), kind
+    assert sandbox_kind(namespaces=False).startswith("rlimits only: NO filesystem isolation, no network (seccomp)")
 
 
 @pytest.mark.parametrize("namespaces", LEVELS)
@@ -156,29 +156,45 @@ def test_no_access_to_the_users_files(tmp_path):
     assert not os.path.exists(tmp_path / "escaped.txt")
 
 
-def _tcp_server():
+@pytest.mark.parametrize("namespaces", LEVELS)
+def test_network(namespaces):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
-    return server
-
-
-@pytest.mark.parametrize("namespaces", LEVELS)
-def test_network(namespaces):
-    server = _tcp_server()
     port = server.getsockname()[1]
     code = (
         f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')"
     )
-    code += "\nexcept OSError as e:\n    print(e.strerror)\nprint(socket.if_nameindex())"
+    code += "\nexcept OSError as e:\n    print(e.strerror)"
     try:
+        ground_truth = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
         r = run_python(code, namespaces=namespaces)
     finally:
         server.close()
-    if namespaces:  # its own network namespace: only a loopback device, down
-        assert r.output == "Network is unreachable\n[(1, 'lo')]\n", r.output
-    else:  # the rlimits level does not isolate the network: the host's server is reachable
-        assert r.output.startswith("connected\n"), r.output
+    assert ground_truth == "connected\n"  # the server is there to reach from outside
+    # its own network namespace has only a loopback device, down; without it seccomp refuses the socket
+    assert r.output == ("Network is unreachable\n" if namespaces else "Permission denied\n")
+
+
+def test_seccomp_without_namespaces():
+    # every socket family but AF_UNIX, io_uring (which can open sockets itself) and ptrace
+    code = textwrap.dedent("""
+        import ctypes, os, socket
+        for family in (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK, socket.AF_PACKET, socket.AF_UNIX):
+            try:
+                socket.socket(family, socket.SOCK_RAW if family == socket.AF_PACKET else socket.SOCK_DGRAM).close()
+                print("opened")
+            except OSError as e:
+                print(e.strerror)
+        print(len(socket.socketpair()))
+        libc = ctypes.CDLL(None, use_errno=True)
+        number = {"x86_64": (425, 101), "aarch64": (425, 117)}[os.uname().machine]
+        for nr in number:  # io_uring_setup(8, NULL), ptrace(PTRACE_TRACEME)
+            print(libc.syscall(nr, 0, 0, 0, 0), os.strerror(ctypes.get_errno()))
+    """)
+    r = run_python(code, namespaces=False)
+    denied = ["Permission denied"] * 4 + ["opened", "2"] + ["-1 Operation not permitted"] * 2
+    assert r.output.splitlines() == denied, r.output
 
 
 @needs_userns
@@ -224,9 +240,13 @@ def test_bad_arguments_raise_one_line():
 
 def test_without_namespaces_warns_once_or_refuses(monkeypatch, capsys):
     # as on a node whose kernel refuses user namespaces (the probe found them missing)
-    monkeypatch.setattr(sandbox, "_probe", ("rlimits", "sandbox failed: unshare(...): Operation not permitted"))
+    missing = (False, [], "sandbox failed: unshare(...): Operation not permitted")
+    monkeypatch.setattr(sandbox, "_probes", {"namespaces": missing})
     monkeypatch.setattr(sandbox, "_warned", False)
-    with pytest.raises(SandboxUnavailable, match="rlimits only: NO filesystem or network isolation"):
+    with pytest.raises(
+        SandboxUnavailable,
+        match="rlimits only: NO filesystem isolation, no network .seccomp., as nobody; no namespaces .sandbox failed",
+    ):
         run_python("print(1)", require_isolation=True)
     for _ in range(2):
         r = run_python("import os\nprint(os.getcwd())")

@@ -35,7 +35,7 @@ _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child
 _PYTHON = os.path.realpath(sys.executable)  # the base interpreter, not the venv's wrapper: stdlib only inside
 _GRACE_S = 5.0  # past timeout_s, when this side stops waiting for the sandbox's own supervisor and kills it
 _probe_lock = threading.Lock()
-_probe = None  # (level, details) once probed
+_probes = {}  # level -> (it works, status records, why not), probed once per process
 _warned = False
 
 
@@ -209,32 +209,36 @@ def _result(head, total, records, max_output_chars, timeout_s, cpu_s, memory_mb)
     return RunResult(output=output, exit_code=exit_code, timed_out=timed_out, error=error, seconds=0.0)
 
 
-def _probe_level():
-    """Which level works here, probed once per process by running print('ok') in namespaces."""
-    global _probe
+def _probe(level):
+    """Run print('ok') at `level` once per process: (whether it worked, the status records, why not)."""
     with _probe_lock:
-        if _probe is None:
+        if level not in _probes:
             limits = dict(timeout_s=10.0, cpu_s=10, memory_mb=1024, max_output_chars=100, max_processes=64)
-            result, records = _run("print('ok')", "namespaces", **limits)
-            if result.output == "ok\n" and result.exit_code == 0:
-                proc = next((r["proc"] for r in records if "proc" in r), False)
-                _probe = ("namespaces", "/proc mounted" if proc else "no /proc (the container refuses it)")
-            else:
-                _probe = ("rlimits", result.error or result.output.strip())
-        return _probe
+            result, records = _run("print('ok')", level, **limits)
+            ok = result.output == "ok\n" and result.exit_code == 0
+            _probes[level] = (ok, records, result.error or result.output.strip())
+        return _probes[level]
 
 
-def sandbox_kind(*, namespaces=True) -> str:
-    """One line: the isolation run_python gives on this machine (for the start-up log and the docs)."""
-    level, details = _probe_level() if namespaces else ("rlimits", "namespaces=False")
-    if level == "namespaces":
+def _level(namespaces):
+    return "namespaces" if namespaces and _probe("namespaces")[0] else "rlimits"
+
+
+def sandbox_kind(*, namespaces: bool = True) -> str:
+    """One line: the isolation run_python(namespaces=namespaces) gives on this machine (for the start-up log)."""
+    if _level(namespaces) == "namespaces":
+        proc = any(r.get("proc") for r in _probe("namespaces")[1])
         return (
-            "namespaces: user+mount+pid+net+ipc+uts, read-only minimal root, tmpfs /tmp, no network, "
-            f"uid nobody without capabilities, rlimits ({details})"
+            "namespaces: user+mount+pid+net+ipc+uts, read-only minimal root, tmpfs /tmp, no network, uid nobody "
+            f"without capabilities, rlimits ({'/proc mounted' if proc else 'no /proc: the container refuses it'})"
         )
+    why = _probe("namespaces")[2] if namespaces else "namespaces=False"
+    seccomp = next((r["seccomp"] for r in _probe("rlimits")[1] if "seccomp" in r), "not reported")
+    network = "no network (seccomp)" if seccomp is True else f"NETWORK OPEN (seccomp: {seccomp})"
+    user = "as nobody" if os.geteuid() == 0 else "as YOUR OWN USER (it can read your files and signal your processes)"
     return (
-        f"rlimits only: NO filesystem or network isolation ({details}); enable unprivileged user namespaces "
-        "(sysctl kernel.apparmor_restrict_unprivileged_userns=0 or user.max_user_namespaces>0) to isolate"
+        f"rlimits only: NO filesystem isolation, {network}, {user}; no namespaces ({why}): enable unprivileged "
+        "user namespaces (docs/sandbox.md) or pass require_isolation=True to refuse"
     )
 
 
@@ -272,7 +276,7 @@ def run_python(
     namespaces=False: skip them (the "rlimits" level), e.g. to compare levels.
     """
     _check_args(code, timeout_s, cpu_s, memory_mb, max_output_chars, max_processes, require_isolation, namespaces)
-    level, details = _probe_level() if namespaces else ("rlimits", "namespaces=False")
+    level = _level(namespaces)
     if level != "namespaces" and namespaces:
         if require_isolation:
             raise SandboxUnavailable(f"sandbox: no filesystem/network isolation here: {sandbox_kind()}")

@@ -29,8 +29,14 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 ST_RELATIME, MNT_DETACH = 4096, 2
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 22, 36, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 217, "ppc64le": 203}.get(os.uname().machine)
+# seccomp in the "rlimits" level, per architecture: (AUDIT_ARCH_*, socket, then the calls refused outright:
+# io_uring_setup (its IORING_OP_SOCKET would bypass socket()), ptrace, process_vm_readv, process_vm_writev)
+SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, 41, (425, 101, 310, 311)),
+    "aarch64": (0xC00000B7, 198, (425, 117, 270, 271)),
+}.get(os.uname().machine)
 NOBODY = 65534  # the uid (and gid) the code runs as, inside and, when we are root, outside the namespace
 LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -185,8 +191,36 @@ def _init(job, out_fd, status_fd):
     _supervise(job, out_fd, status_fd, workdir="/tmp", drop_to_nobody=job["euid"] == 0)
 
 
+# ---- the "rlimits" level's network and tracing: seccomp ----
+def _seccomp_filter():
+    """A classic-BPF seccomp program: socket() of any family but AF_UNIX fails with EACCES, the calls in
+    SECCOMP_ARCH fail with EPERM, a foreign ABI (x86's int 0x80, x32) fails with ENOSYS, the rest is allowed."""
+    arch, nr_socket, refused = SECCOMP_ARCH
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, errno = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, errno | 38), (ld, 0, 0, 0), (jge, 0, 1, 0x40000000)]
+    prog += [(ret, 0, 0, errno | 38)]  # 38: ENOSYS
+    for i, nr in enumerate(refused):
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno | 1)]  # 1: EPERM
+    prog += [(jeq, 1, 0, nr_socket), (ret, 0, 0, allow)]
+    prog += [(ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, errno | 13)]  # args[0] == AF_UNIX?
+    return prog
+
+
+def _install_seccomp():
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    prog = _seccomp_filter()
+    filters = (Filter * len(prog))(*[Filter(*ins) for ins in prog])
+    _libc("prctl", PR_SET_SECCOMP, 2, ctypes.byref(Program(len(prog), filters)), 0, 0)  # SECCOMP_MODE_FILTER
+
+
 # ---- both levels: the worker and its supervision ----
-def _worker(job, out_fd, workdir, drop_to_nobody):
+def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
     """In the forked worker: its own session, nobody, no new privileges, rlimits, then exec the code."""
     os.setsid()
     if drop_to_nobody:  # from root: all ids to nobody, which also clears every capability
@@ -194,6 +228,14 @@ def _worker(job, out_fd, workdir, drop_to_nobody):
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
     _libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if job["level"] == "rlimits":  # no network namespace: seccomp stands in for it (when the kernel has it)
+        try:
+            if SECCOMP_ARCH is None:
+                raise OSError(f"no seccomp filter for {os.uname().machine}")
+            _install_seccomp()
+            _report(status_fd, seccomp=True)
+        except OSError as e:
+            _report(status_fd, seccomp=str(e))
     mb = 1 << 20
     limits = {
         resource.RLIMIT_AS: job["memory_mb"] * mb,  # address space: a big allocation fails with MemoryError
@@ -257,7 +299,7 @@ def _supervise(job, out_fd, status_fd, workdir, drop_to_nobody):
     pid = os.fork()
     if pid == 0:
         try:
-            _worker(job, out_fd, workdir, drop_to_nobody)
+            _worker(job, out_fd, status_fd, workdir, drop_to_nobody)
         except BaseException as e:
             _report(status_fd, setup_error=f"starting the code: {e}")
         os._exit(127)
