@@ -63,6 +63,11 @@ def test_wall_clock_and_memory_limits(namespaces):
     assert r.timed_out and r.seconds < 4
     r = run_python("x = bytearray(64 << 30)", namespaces=namespaces)  # 64 GB
     assert (r.exit_code, r.error) == (1, "memory limit (1024 MB) exceeded") and r.seconds < 4
+    # 200 MB to a file: /tmp (a tmpfs of memory_mb) fills up, or RLIMIT_FSIZE stops the file (Python ignores
+    # SIGXFSZ, so the write fails instead of the process dying)
+    code = "f = open('big', 'wb')\nfor i in range(200):\n    f.write(bytes(1 << 20))"
+    r = run_python(code, memory_mb=64, namespaces=namespaces)
+    assert r.output.endswith("OSError: [Errno 28] No space left on device\n" if namespaces else "File too large\n")
 
 
 def test_cpu_limit_and_memory_growth():

@@ -8,9 +8,10 @@ Each call runs the code in a fresh process tree under the strongest isolation th
                 working directory, no network, uid nobody without capabilities, rlimits; the pid namespace
                 takes every process the code started down with it.
   "rlimits"     where user namespaces are refused (Ubuntu's AppArmor restriction, some Slurm containers): a
-                separate process with rlimits, a fresh temporary directory, nobody when run as root, and a
-                subreaper that kills what the code left behind; NO filesystem or network isolation, said
-                loudly once. require_isolation=True refuses to run instead.
+                separate process with rlimits, a fresh temporary directory, nobody when run as root, a seccomp
+                filter instead of the network namespace (AF_UNIX sockets only), and a subreaper that kills what
+                the code left behind; NO filesystem isolation, said loudly once (sandbox_kind() says what is
+                missing). require_isolation=True refuses to run instead.
 The work happens in sandbox_child.py (standard library only), started with this machine's base Python
 interpreter; this side writes the job, reads the output and turns how the process ended into one line.
 Safe to call from many threads at once; never raises for what the code does, only for bad arguments.
