@@ -8,6 +8,7 @@ docs/sandbox.md.
 """
 
 import concurrent.futures
+import ctypes
 import os
 import shutil
 import socket
@@ -26,12 +27,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USERNS = shutil.which("unshare") is not None and subprocess.run(["unshare", "-Ur", "true"]).returncode == 0
 needs_userns = pytest.mark.skipif(not USERNS, reason="`unshare -Ur true` fails here: no user namespaces")
 LEVELS = [pytest.param(True, id="namespaces", marks=needs_userns), pytest.param(False, id="rlimits")]
+# Landlock's ABI version asked of the kernel here (landlock_create_ruleset(NULL, 0, VERSION)); < 1: none
+LANDLOCK = (
+    ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1) if os.uname().machine in ("x86_64", "aarch64") else -1
+)
+needs_landlock = pytest.mark.skipif(LANDLOCK < 1, reason="no Landlock in this kernel")
+ISOLATED = [
+    pytest.param(True, id="namespaces", marks=needs_userns),
+    pytest.param(False, id="landlock", marks=needs_landlock),
+]
 
 
 def test_kind_names_the_strongest_level():
+    fs = f"filesystem by Landlock ABI {LANDLOCK} (" if LANDLOCK >= 1 else "NO filesystem isolation (Landlock: "
     kind = sandbox_kind()
-    assert kind.startswith("namespaces: " if USERNS else "rlimits only: NO filesystem isolation"), kind
-    assert sandbox_kind(namespaces=False).startswith("rlimits only: NO filesystem isolation, no network (seccomp)")
+    assert kind.startswith("namespaces: " if USERNS else f"rlimits only: {fs}"), kind
+    kind = sandbox_kind(namespaces=False)
+    assert kind.startswith(f"rlimits only: {fs}") and "no network (seccomp), as " in kind, kind
 
 
 @pytest.mark.parametrize("namespaces", LEVELS)
@@ -130,8 +142,8 @@ def test_fork_bomb_and_escaped_children_leave_nothing_behind(namespaces):
         assert run_python(code, max_processes=8, namespaces=namespaces).output == "7\n"
 
 
-@needs_userns
-def test_no_access_to_the_users_files(tmp_path):
+@pytest.mark.parametrize("namespaces", ISOLATED)
+def test_no_access_to_the_users_files(tmp_path, namespaces):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET")
     os.chmod(tmp_path, 0o755)
@@ -153,11 +165,13 @@ def test_no_access_to_the_users_files(tmp_path):
     """)
     ground_truth = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True).stdout
     assert ground_truth.count("TOPSECRET") == 1  # outside the sandbox the secret is readable
-    lines = run_python(read + write).output.splitlines()
-    # HOME's ~/.ssh and the repository are not there at all; HOME itself only when the Python install is in it
-    assert lines[0] == lines[2] == lines[3] == lines[4] == "FileNotFoundError", lines
-    assert lines[1] == "FileNotFoundError" or sandbox._python_paths()[0].startswith(paths[1]), lines
-    assert lines[5:] == ["No such file or directory"] + ["Read-only file system"] * 3, lines
+    lines = run_python(read + write, namespaces=namespaces).output.splitlines()
+    if namespaces:  # ~/.ssh and the repository are not there at all; HOME only if the Python install is in it
+        assert lines[0] == lines[2] == lines[3] == lines[4] == "FileNotFoundError", lines
+        assert lines[1] == "FileNotFoundError" or sandbox._python_paths()[0].startswith(paths[1]), lines
+        assert lines[5:] == ["No such file or directory"] + ["Read-only file system"] * 3, lines
+    else:  # Landlock: there, and refused
+        assert lines == ["PermissionError"] * 5 + ["Permission denied"] * 4, lines
     assert not os.path.exists(tmp_path / "escaped.txt")
 
 
@@ -235,7 +249,6 @@ def test_bad_arguments_raise_one_line():
         (dict(memory_mb=10), "memory_mb=10 must be an int >= 64"),
         (dict(max_output_chars=0), "max_output_chars=0"),
         (dict(max_processes=0), "max_processes=0"),
-        (dict(require_isolation=True, namespaces=False), "require_isolation=True needs namespaces=True"),
     ]:
         with pytest.raises(ValueError, match=match):
             run_python("print(1)", **kwargs)
@@ -244,14 +257,12 @@ def test_bad_arguments_raise_one_line():
 
 
 def test_without_namespaces_warns_once_or_refuses(monkeypatch, capsys):
-    # as on a node whose kernel refuses user namespaces (the probe found them missing)
+    # as on a node whose kernel refuses user namespaces and has no Landlock (what the probes would find)
     missing = (False, [], "sandbox failed: unshare(...): Operation not permitted")
-    monkeypatch.setattr(sandbox, "_probes", {"namespaces": missing})
+    no_landlock = (True, [{"seccomp": True}, {"landlock": "Landlock unavailable: Function not implemented"}], "")
+    monkeypatch.setattr(sandbox, "_probes", {"namespaces": missing, "rlimits": no_landlock})
     monkeypatch.setattr(sandbox, "_warned", False)
-    with pytest.raises(
-        SandboxUnavailable,
-        match="rlimits only: NO filesystem isolation, no network .seccomp., as nobody; no namespaces .sandbox failed",
-    ):
+    with pytest.raises(SandboxUnavailable, match=r"rlimits only: NO filesystem isolation \(Landlock: Landlock unavail"):
         run_python("print(1)", require_isolation=True)
     for _ in range(2):
         r = run_python("import os\nprint(os.getcwd())")
@@ -286,3 +297,22 @@ def test_as_an_unprivileged_user():
         return
     root_entries = "['bin', 'dev', 'etc', 'lib', 'lib64', 'proc', 'sbin', 'tmp', 'usr']"
     assert proc.stdout == f"namespaces\n65534 {root_entries}\ntimed out after 0.5 s\n", proc.stdout
+
+
+@needs_landlock
+def test_landlock_without_namespaces(monkeypatch):
+    # With Landlock (and seccomp) the weaker level isolates files and network: require_isolation accepts it
+    monkeypatch.setattr(sandbox, "_probes", {"namespaces": (False, [], "no user namespaces")})
+    monkeypatch.setattr(sandbox, "_warned", True)
+    assert run_python("print(open('/proc/self/status').read().count('CapEff'))", require_isolation=True).output == "1\n"
+    if LANDLOCK < 6 or os.geteuid() != 0:
+        return
+    # Landlock ABI 6 scopes signals: the code (nobody) cannot kill a process of nobody outside its domain
+    victim = subprocess.Popen(["sleep", "30"], user=65534)
+    try:
+        r = run_python(f"import os\nos.kill({victim.pid}, 9)", require_isolation=True)
+        assert r.output.endswith("PermissionError: [Errno 1] Operation not permitted\n"), r.output
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()

@@ -8,10 +8,11 @@ Each call runs the code in a fresh process tree under the strongest isolation th
                 working directory, no network, uid nobody without capabilities, rlimits; the pid namespace
                 takes every process the code started down with it.
   "rlimits"     where user namespaces are refused (Ubuntu's AppArmor restriction, some Slurm containers): a
-                separate process with rlimits, a fresh temporary directory, nobody when run as root, a seccomp
-                filter instead of the network namespace (AF_UNIX sockets only), and a subreaper that kills what
-                the code left behind; NO filesystem isolation, said loudly once (sandbox_kind() says what is
-                missing). require_isolation=True refuses to run instead.
+                separate process with rlimits, a fresh temporary directory, nobody when run as root, Landlock
+                instead of the mount namespace (read-only system dirs, the work dir; no signals out), seccomp
+                instead of the network namespace (AF_UNIX sockets only), and a subreaper that kills what the
+                code left behind; said loudly once, with what is missing (sandbox_kind()). require_isolation=True
+                refuses to run where neither level isolates the filesystem and the network.
 The work happens in sandbox_child.py (standard library only), started with this machine's base Python
 interpreter; this side writes the job, reads the output and turns how the process ended into one line.
 Safe to call from many threads at once; never raises for what the code does, only for bad arguments.
@@ -50,7 +51,7 @@ class RunResult:
 
 
 class SandboxUnavailable(RuntimeError):
-    """require_isolation=True on a machine that cannot give the filesystem/network isolation."""
+    """require_isolation=True on a machine that cannot isolate the filesystem and the network."""
 
 
 def _python_paths():
@@ -225,6 +226,27 @@ def _level(namespaces):
     return "namespaces" if namespaces and _probe("namespaces")[0] else "rlimits"
 
 
+def _layers_without_namespaces():
+    """(filesystem isolated, network closed, the words for each) of the "rlimits" level, as its probe reported."""
+    records = _probe("rlimits")[1]
+    seccomp = next((r["seccomp"] for r in records if "seccomp" in r), "not reported")
+    landlock = next((r["landlock"] for r in records if "landlock" in r), "not reported")
+    if isinstance(landlock, int) and not isinstance(landlock, bool):
+        signals = ", signals scoped" if landlock >= 6 else ", signals NOT scoped (Landlock < 6)"
+        fs = f"filesystem by Landlock ABI {landlock} (read-only system dirs, writable work dir{signals})"
+    else:
+        fs = f"NO filesystem isolation (Landlock: {landlock})"
+    network = "no network (seccomp)" if seccomp is True else f"NETWORK OPEN (seccomp: {seccomp})"
+    return isinstance(landlock, int) and not isinstance(landlock, bool), seccomp is True, f"{fs}, {network}"
+
+
+def _isolated(level):
+    if level == "namespaces":
+        return True
+    fs, net, _ = _layers_without_namespaces()
+    return fs and net
+
+
 def sandbox_kind(*, namespaces: bool = True) -> str:
     """One line: the isolation run_python(namespaces=namespaces) gives on this machine (for the start-up log)."""
     if _level(namespaces) == "namespaces":
@@ -234,12 +256,10 @@ def sandbox_kind(*, namespaces: bool = True) -> str:
             f"without capabilities, rlimits ({'/proc mounted' if proc else 'no /proc: the container refuses it'})"
         )
     why = _probe("namespaces")[2] if namespaces else "namespaces=False"
-    seccomp = next((r["seccomp"] for r in _probe("rlimits")[1] if "seccomp" in r), "not reported")
-    network = "no network (seccomp)" if seccomp is True else f"NETWORK OPEN (seccomp: {seccomp})"
-    user = "as nobody" if os.geteuid() == 0 else "as YOUR OWN USER (it can read your files and signal your processes)"
+    user = "as nobody" if os.geteuid() == 0 else "as YOUR OWN USER"
     return (
-        f"rlimits only: NO filesystem isolation, {network}, {user}; no namespaces ({why}): enable unprivileged "
-        "user namespaces (docs/sandbox.md) or pass require_isolation=True to refuse"
+        f"rlimits only: {_layers_without_namespaces()[2]}, {user}, processes visible; no namespaces ({why}): "
+        "enable unprivileged user namespaces (docs/sandbox.md)"
     )
 
 
@@ -254,8 +274,6 @@ def _check_args(code, timeout_s, cpu_s, memory_mb, max_output_chars, max_process
             raise ValueError(f"run_python: {name}={value!r} must be an int >= {low}")
     if not isinstance(max_processes, int) or max_processes < 1:
         raise ValueError(f"run_python: max_processes={max_processes!r} must be an int >= 1 (1: no child processes)")
-    if require_isolation and not namespaces:
-        raise ValueError("run_python: require_isolation=True needs namespaces=True (the isolation comes from them)")
 
 
 def run_python(
@@ -273,14 +291,17 @@ def run_python(
 
     timeout_s: wall clock; cpu_s: CPU seconds of each process (RLIMIT_CPU, rounded up); memory_mb: address
     space of each process (RLIMIT_AS) and the size of the writable /tmp; max_processes: processes and threads
-    (RLIMIT_NPROC); require_isolation: raise SandboxUnavailable instead of running without namespaces;
+    (RLIMIT_NPROC); require_isolation: raise SandboxUnavailable instead of running where neither namespaces
+    nor Landlock + seccomp isolate the filesystem and the network;
     namespaces=False: skip them (the "rlimits" level), e.g. to compare levels.
     """
     _check_args(code, timeout_s, cpu_s, memory_mb, max_output_chars, max_processes, require_isolation, namespaces)
     level = _level(namespaces)
+    if require_isolation and not _isolated(level):
+        raise SandboxUnavailable(
+            f"sandbox: no filesystem/network isolation here: {sandbox_kind(namespaces=namespaces)}"
+        )
     if level != "namespaces" and namespaces:
-        if require_isolation:
-            raise SandboxUnavailable(f"sandbox: no filesystem/network isolation here: {sandbox_kind()}")
         _warn_once()
     limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
     return _run(code, level, max_processes=max_processes, **limits)[0]

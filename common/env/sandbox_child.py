@@ -219,6 +219,50 @@ def _install_seccomp():
     _libc("prctl", PR_SET_SECCOMP, 2, ctypes.byref(Program(len(prog), filters)), 0, 0)  # SECCOMP_MODE_FILTER
 
 
+# ---- the "rlimits" level's filesystem and signals: Landlock (Linux >= 5.13, unprivileged) ----
+def _install_landlock(job, workdir):
+    """Confine the worker's file access to reading/executing the system and Python directories and everything
+    in its working dir; from ABI 6 (Linux 6.12) also no signals to processes outside. Returns the ABI."""
+    sys_landlock = (444, 445, 446)  # create_ruleset, add_rule, restrict_self: the same on x86_64 and aarch64
+    abi = LIBC.syscall(sys_landlock[0], None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    if abi < 1:
+        raise OSError(ctypes.get_errno(), f"Landlock unavailable: {os.strerror(ctypes.get_errno())}")
+    read = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
+    handled = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # + REFER, TRUNCATE
+    attr = (ctypes.c_uint64 * 3)(handled, 0, 2 if abi >= 6 else 0)  # fs, net (seccomp's job), scoped: SIGNAL
+    ruleset = LIBC.syscall(sys_landlock[0], attr, 8 if abi < 4 else 16 if abi < 6 else 24, 0)
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    dirs = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", *job["ro_paths"]]
+    dirs += [os.path.dirname(os.path.dirname(job["python"]))]
+    rules = [(path, read) for path in dirs] + [(f"/proc/{os.getpid()}", 4 | 8), (workdir, handled)]
+    rules += [(f"/dev/{name}", 2 | 4) for name in ("null", "zero", "full", "random", "urandom")]  # read, write
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine (/lib32)
+            if not os.path.isdir(path):
+                access &= 1 | 2 | 4 | (1 << 14 if abi >= 3 else 0)  # a file takes only the file rights
+            try:
+                rule = PathBeneath(access & handled, fd)
+                if LIBC.syscall(sys_landlock[1], ruleset, 1, ctypes.byref(rule), 0) != 0:  # LANDLOCK_RULE_PATH_BENEATH
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}): {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        if LIBC.syscall(sys_landlock[2], ruleset, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
 # ---- both levels: the worker and its supervision ----
 def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
     """In the forked worker: its own session, nobody, no new privileges, rlimits, then exec the code."""
@@ -228,7 +272,7 @@ def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
     _libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if job["level"] == "rlimits":  # no network namespace: seccomp stands in for it (when the kernel has it)
+    if job["level"] == "rlimits":  # no namespaces: seccomp and Landlock stand in for them where the kernel has them
         try:
             if SECCOMP_ARCH is None:
                 raise OSError(f"no seccomp filter for {os.uname().machine}")
@@ -236,6 +280,10 @@ def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
             _report(status_fd, seccomp=True)
         except OSError as e:
             _report(status_fd, seccomp=str(e))
+        try:
+            _report(status_fd, landlock=_install_landlock(job, workdir))
+        except OSError as e:
+            _report(status_fd, landlock=str(e))
     mb = 1 << 20
     limits = {
         resource.RLIMIT_AS: job["memory_mb"] * mb,  # address space: a big allocation fails with MemoryError
