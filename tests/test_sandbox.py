@@ -11,6 +11,7 @@ import concurrent.futures
 import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -316,3 +317,24 @@ def test_landlock_without_namespaces(monkeypatch):
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_caller_cleans_up_when_the_supervisor_stops(monkeypatch):
+    # Where nothing stops the code from signalling its supervisor (a user's own uid, no Landlock scoping), it
+    # could SIGSTOP it: the caller then kills the supervisor and the code's process group after the grace.
+    monkeypatch.setattr(sandbox, "_GRACE_S", 0.5)
+    marker = f"{time.time_ns() % 10**6 + 2 * 10**6}"
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    code = f"import os\nprint('started', flush=True)\nos.execv('/bin/sleep', ['sleep', '{marker}'])"
+    future = pool.submit(run_python, code, timeout_s=1, namespaces=False)
+    while not _processes_with(marker):
+        time.sleep(0.01)
+    boot = [
+        p for p in _processes_with("sandbox_child.py") if open(f"/proc/{p}/stat").read().split()[3] == str(os.getpid())
+    ]
+    os.kill(int(boot[0]), signal.SIGSTOP)
+    r = future.result(timeout=10)
+    pool.shutdown()
+    error = "timed out after 1 s (the sandbox's supervisor did not answer: killed by the caller)"
+    assert (r.output, r.exit_code, r.timed_out, r.error) == ("started\n", None, True, error)
+    assert r.seconds < 5 and _processes_with(marker) == []

@@ -22,6 +22,7 @@ import ast
 import marshal
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -154,7 +155,12 @@ def _read(proc, status_r, max_output_chars, deadline):
     while sel.get_map():
         left = deadline - time.monotonic()
         if left <= 0 and not killed:  # the supervisor inside did not end it: kill the tree from here
-            proc.kill()
+            proc.kill()  # namespaces: PR_SET_PDEATHSIG takes the pid namespace down with it
+            for worker in re.findall(rb"'worker': (\d+)", status):  # rlimits: the code's process group
+                try:
+                    os.killpg(int(worker), signal.SIGKILL)
+                except OSError:
+                    pass
             killed, deadline = True, time.monotonic() + 2.0
             continue
         if left <= 0:
@@ -170,6 +176,8 @@ def _read(proc, status_r, max_output_chars, deadline):
                 if len(head) < keep:
                     head += data[: keep - len(head)]
     sel.close()
+    if killed:  # as if the supervisor had reported it
+        status += b"{'signal': 9, 'timed_out': True, 'by_caller': True}\n"
     return bytes(head), total, status.decode(errors="replace")
 
 
@@ -191,6 +199,8 @@ def _result(head, total, records, max_output_chars, timeout_s, cpu_s, memory_mb)
     exit_code, error = None, None
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
+        if ended.get("by_caller"):
+            error += " (the sandbox's supervisor did not answer: killed by the caller)"
     elif ended is None or setup is not None:
         error = f"sandbox failed: {setup or 'it ended without reporting a status'}"
     elif "signal" in ended:

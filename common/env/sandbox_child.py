@@ -352,6 +352,8 @@ def _supervise(job, out_fd, status_fd, workdir, drop_to_nobody):
             _report(status_fd, setup_error=f"starting the code: {e}")
         os._exit(127)
     os.close(out_fd)
+    if job["level"] == "rlimits":  # the caller's last resort if we stop (the code may SIGSTOP us as a user)
+        _report(status_fd, worker=pid)
 
     def on_alarm(signum, frame):
         nonlocal timed_out
