@@ -61,6 +61,19 @@ def test_output_exit_codes_and_errors(namespaces):
     # the code runs as nobody without a single capability, in its own fresh directory
     code = "import os\nprint(os.getuid(), os.getgid(), os.listdir('.'))\nopen('left.txt', 'w').write('x')"
     code += "\nprint([l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1])"
+    # everyday things still work: /dev/null, a subprocess, randomness, files and directories in the work dir
+    code2 = textwrap.dedent("""
+        import os, subprocess
+        open('/dev/null', 'w').write('x')
+        print(subprocess.run(['ls', '/usr']).returncode)
+        open('a', 'w').write('y')
+        os.rename('a', 'b')
+        os.mkdir('d')
+        print(len(os.urandom(4)), sorted(os.listdir()))
+        print(open('b').read())
+    """)
+    r = run_python(code2, namespaces=namespaces, max_output_chars=100_000)
+    assert r.output.endswith("\n0\n4 ['b', 'd', 'main.py']\ny\n") and r.error is None, r
     for _ in range(2):  # the second run does not see the first one's file
         r = run_python(code, namespaces=namespaces)
         assert r.output == "65534 65534 ['main.py']\n0000000000000000\n", r

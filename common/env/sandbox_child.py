@@ -83,10 +83,13 @@ def _namespaces(job, out_fd, status_fd):
     """boot: fork the child, map its ids once it has unshared, wait for it. Returns boot's exit status."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
+    boot = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             _die_with_parent()
+            if os.getppid() != boot:  # boot was killed before PR_SET_PDEATHSIG took hold
+                os._exit(1)
             os.close(ready_r), os.close(go_w)
             flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
             _libc("unshare", flags)
@@ -241,7 +244,8 @@ def _install_landlock(job, workdir):
     dirs = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", *job["ro_paths"]]
     dirs += [os.path.dirname(os.path.dirname(job["python"]))]
     rules = [(path, read) for path in dirs] + [(f"/proc/{os.getpid()}", 4 | 8), (workdir, handled)]
-    rules += [(f"/dev/{name}", 2 | 4) for name in ("null", "zero", "full", "random", "urandom")]  # read, write
+    devices = ("null", "zero", "full", "random", "urandom")
+    rules += [(f"/dev/{name}", 2 | 4 | 1 << 14) for name in devices]  # read, write, truncate (open(..., "w"))
     try:
         for path, access in rules:
             try:
@@ -288,7 +292,7 @@ def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
     limits = {
         resource.RLIMIT_AS: job["memory_mb"] * mb,  # address space: a big allocation fails with MemoryError
         resource.RLIMIT_CPU: (job["cpu_s"], job["cpu_s"] + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
-        resource.RLIMIT_FSIZE: job["memory_mb"] * mb,  # a larger file: SIGXFSZ
+        resource.RLIMIT_FSIZE: job["memory_mb"] * mb,  # a larger file: EFBIG (Python ignores SIGXFSZ)
         resource.RLIMIT_CORE: 0,
         resource.RLIMIT_NPROC: job["max_processes"],  # counted per uid (per user namespace in "namespaces")
         resource.RLIMIT_NOFILE: 1024,
