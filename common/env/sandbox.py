@@ -123,9 +123,13 @@ def _run(code, level, *, timeout_s, cpu_s, memory_mb, max_output_chars, max_proc
         except BrokenPipeError:
             pass
         head, total, status_text = _read(proc, status_r, max_output_chars, deadline=start + timeout_s + _GRACE_S)
+        try:  # both pipes closed: boot is exiting
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
     finally:
         if proc is not None:
-            if proc.poll() is None:  # past the grace: the kill reaches the whole tree through PR_SET_PDEATHSIG
+            if proc.poll() is None:  # an exception here, or a stuck boot: PR_SET_PDEATHSIG takes the tree down
                 proc.kill()
             proc.wait()
             proc.stdout.close()
@@ -226,8 +230,11 @@ def _probe(level):
     with _probe_lock:
         if level not in _probes:
             limits = dict(timeout_s=10.0, cpu_s=10, memory_mb=1024, max_output_chars=100, max_processes=64)
-            result, records = _run("print('ok')", level, **limits)
-            ok = result.output == "ok\n" and result.exit_code == 0
+            for _ in range(2):  # twice: one failure may be the machine's load (a fork refused, a timeout)
+                result, records = _run("print('ok')", level, **limits)
+                ok = result.output == "ok\n" and result.exit_code == 0
+                if ok:
+                    break
             _probes[level] = (ok, records, result.error or result.output.strip())
         return _probes[level]
 
