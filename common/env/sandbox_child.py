@@ -288,13 +288,16 @@ def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
             _report(status_fd, landlock=_install_landlock(job, workdir))
         except OSError as e:
             _report(status_fd, landlock=str(e))
+    # RLIMIT_NPROC counts the processes of our uid: per user namespace in "namespaces" (Linux >= 5.14), where
+    # a user's single mapped uid is also that of child and init (root maps them to uid 0 instead)
+    shared = 2 if job["level"] == "namespaces" and job["euid"] != 0 else 0
     mb = 1 << 20
     limits = {
         resource.RLIMIT_AS: job["memory_mb"] * mb,  # address space: a big allocation fails with MemoryError
         resource.RLIMIT_CPU: (job["cpu_s"], job["cpu_s"] + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
         resource.RLIMIT_FSIZE: job["memory_mb"] * mb,  # a larger file: EFBIG (Python ignores SIGXFSZ)
         resource.RLIMIT_CORE: 0,
-        resource.RLIMIT_NPROC: job["max_processes"],  # counted per uid (per user namespace in "namespaces")
+        resource.RLIMIT_NPROC: job["max_processes"] + shared,
         resource.RLIMIT_NOFILE: 1024,
     }
     for which, value in limits.items():
