@@ -320,9 +320,23 @@ def test_landlock_without_namespaces(monkeypatch):
     monkeypatch.setattr(sandbox, "_probes", {"namespaces": (False, [], "no user namespaces")})
     monkeypatch.setattr(sandbox, "_warned", True)
     assert run_python("print(open('/proc/self/status').read().count('CapEff'))", require_isolation=True).output == "1\n"
-    if LANDLOCK < 6 or os.geteuid() != 0:
+    if LANDLOCK < 6:
         return
-    # Landlock ABI 6 scopes signals: the code (nobody) cannot kill a process of nobody outside its domain
+    # Landlock ABI 6 scopes abstract unix sockets: one the host listens on is out of reach
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(f"\0sandbox-test-{os.getpid()}")
+    server.listen(1)
+    code = f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect('\\0sandbox-test-{os.getpid()}')"
+    code += "\n    print('connected')\nexcept OSError as e:\n    print(e.strerror)"
+    try:
+        ground_truth = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+        r = run_python(code, require_isolation=True)
+    finally:
+        server.close()
+    assert (ground_truth, r.output) == ("connected\n", "Operation not permitted\n")
+    if os.geteuid() != 0:
+        return
+    # and signals: the code (nobody) cannot kill a process of nobody outside its domain
     victim = subprocess.Popen(["sleep", "30"], user=65534)
     try:
         r = run_python(f"import os\nos.kill({victim.pid}, 9)", require_isolation=True)

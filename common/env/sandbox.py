@@ -249,7 +249,7 @@ def _layers_without_namespaces():
     seccomp = next((r["seccomp"] for r in records if "seccomp" in r), "not reported")
     landlock = next((r["landlock"] for r in records if "landlock" in r), "not reported")
     if isinstance(landlock, int) and not isinstance(landlock, bool):
-        signals = ", signals scoped" if landlock >= 6 else ", signals NOT scoped (Landlock < 6)"
+        signals = ", signals scoped" if landlock >= 6 else ", signals NOT scoped (Landlock ABI < 6)"
         fs = f"filesystem by Landlock ABI {landlock} (read-only system dirs, writable work dir{signals})"
     else:
         fs = f"NO filesystem isolation (Landlock: {landlock})"

@@ -225,14 +225,16 @@ def _install_seccomp():
 # ---- the "rlimits" level's filesystem and signals: Landlock (Linux >= 5.13, unprivileged) ----
 def _install_landlock(job, workdir):
     """Confine the worker's file access to reading/executing the system and Python directories and everything
-    in its working dir; from ABI 6 (Linux 6.12) also no signals to processes outside. Returns the ABI."""
+    in its working dir; from ABI 6 (Linux 6.12) also no signals to, and no abstract unix sockets of, processes
+    outside. Returns the ABI."""
     sys_landlock = (444, 445, 446)  # create_ruleset, add_rule, restrict_self: the same on x86_64 and aarch64
     abi = LIBC.syscall(sys_landlock[0], None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
     if abi < 1:
         raise OSError(ctypes.get_errno(), f"Landlock unavailable: {os.strerror(ctypes.get_errno())}")
     read = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
     handled = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # + REFER, TRUNCATE
-    attr = (ctypes.c_uint64 * 3)(handled, 0, 2 if abi >= 6 else 0)  # fs, net (seccomp's job), scoped: SIGNAL
+    scoped = 1 | 2 if abi >= 6 else 0  # LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL
+    attr = (ctypes.c_uint64 * 3)(handled, 0, scoped)  # fs, net (seccomp's job), scoped
     ruleset = LIBC.syscall(sys_landlock[0], attr, 8 if abi < 4 else 16 if abi < 6 else 24, 0)
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
