@@ -337,7 +337,8 @@ def _kill_descendants(pgid):
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
-    while True:
+    give_up = time.monotonic() + 2.0  # without a readable children list the caller's process-group kill remains
+    while time.monotonic() < give_up:
         for pid in _children():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -384,7 +385,8 @@ def _supervise(job, out_fd, status_fd, workdir, drop_to_nobody):
         if done == pid:
             break
     signal.setitimer(signal.ITIMER_REAL, 0)
-    _kill_descendants(pid)  # in a pid namespace init's exit would do it too
+    if job["level"] == "rlimits":  # in the pid namespace init's exit kills what is left (no /proc needed)
+        _kill_descendants(pid)
     if status is not None and os.WIFSIGNALED(status):
         _report(status_fd, signal=os.WTERMSIG(status), timed_out=timed_out)
     elif status is not None:
