@@ -203,8 +203,8 @@ def _result(head, total, records, max_output_chars, timeout_s, cpu_s, memory_mb)
     exit_code, error = None, None
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
-        if ended.get("by_caller"):
-            error += " (the sandbox's supervisor did not answer: killed by the caller)"
+        if ended.get("by_caller"):  # no status within _GRACE_S: a stopped supervisor, or an overloaded machine
+            error += " (killed by the caller)"
     elif ended is None or setup is not None:
         error = f"sandbox failed: {setup or 'it ended without reporting a status'}"
     elif "signal" in ended:
