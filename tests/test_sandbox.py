@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -296,7 +297,20 @@ print(run_python("while True: pass", timeout_s=0.5).error)
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"), reason="needs root and python3")
+def _nobody_can_read(path):
+    if not os.stat(path).st_mode & stat.S_IROTH:
+        return False
+    while path != "/":
+        path = os.path.dirname(path)
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not _nobody_can_read(sandbox.__file__),
+    reason="needs root, /usr/bin/python3 and a checkout that nobody can read",
+)
 def test_as_an_unprivileged_user():
     # Outside root the namespace maps the user's own uid to nobody; `su nobody` with the system's Python
     with tempfile.NamedTemporaryFile("w", suffix=".py", dir="/tmp") as script:
