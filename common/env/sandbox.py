@@ -5,8 +5,8 @@
 Each call runs the code in a fresh process tree under the strongest isolation this machine offers, probed once:
   "namespaces"  user + mount + pid + net + ipc + uts namespaces (unprivileged, no root needed), a minimal
                 read-only root (system and Python directories only, no HOME, no repository), a tmpfs /tmp as the
-                working directory, no network, uid nobody without capabilities, rlimits; the pid namespace
-                takes every process the code started down with it.
+                working directory, no network, uid nobody without capabilities, rlimits, seccomp (no io_uring,
+                no ptrace); the pid namespace takes every process the code started down with it.
   "rlimits"     where user namespaces are refused (Ubuntu's AppArmor restriction, some Slurm containers): a
                 separate process with rlimits, a fresh temporary directory, nobody when run as root, Landlock
                 instead of the mount namespace (read-only system dirs, the work dir; no signals out), seccomp
@@ -267,10 +267,13 @@ def _isolated(level):
 def sandbox_kind(*, namespaces: bool = True) -> str:
     """One line: the isolation run_python(namespaces=namespaces) gives on this machine (for the start-up log)."""
     if _level(namespaces) == "namespaces":
-        proc = any(r.get("proc") for r in _probe("namespaces")[1])
+        records = _probe("namespaces")[1]
+        proc = "/proc mounted" if any(r.get("proc") for r in records) else "no /proc: the container refuses it"
+        seccomp = next((r["seccomp"] for r in records if "seccomp" in r), "not reported")
+        seccomp = "seccomp (no io_uring, ptrace)" if seccomp is True else f"NO seccomp ({seccomp})"
         return (
             "namespaces: user+mount+pid+net+ipc+uts, read-only minimal root, tmpfs /tmp, no network, uid nobody "
-            f"without capabilities, rlimits ({'/proc mounted' if proc else 'no /proc: the container refuses it'})"
+            f"without capabilities, rlimits, {seccomp} ({proc})"
         )
     why = _probe("namespaces")[2] if namespaces else "namespaces=False"
     user = "as nobody" if os.geteuid() == 0 else "as YOUR OWN USER"

@@ -31,7 +31,7 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048
 ST_RELATIME, MNT_DETACH = 4096, 2
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 22, 36, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 217, "ppc64le": 203}.get(os.uname().machine)
-# seccomp in the "rlimits" level, per architecture: (AUDIT_ARCH_*, socket, then the calls refused outright:
+# seccomp, per architecture: (AUDIT_ARCH_*, socket (refused in "rlimits" but for AF_UNIX), the calls refused:
 # io_uring_setup (its IORING_OP_SOCKET would bypass socket()), ptrace, process_vm_readv, process_vm_writev)
 SECCOMP_ARCH = {
     "x86_64": (0xC000003E, 41, (425, 101, 310, 311)),
@@ -194,30 +194,32 @@ def _init(job, out_fd, status_fd):
     _supervise(job, out_fd, status_fd, workdir="/tmp", drop_to_nobody=job["euid"] == 0)
 
 
-# ---- the "rlimits" level's network and tracing: seccomp ----
-def _seccomp_filter():
-    """A classic-BPF seccomp program: socket() of any family but AF_UNIX fails with EACCES, the calls in
-    SECCOMP_ARCH fail with EPERM, a foreign ABI (x86's int 0x80, x32) fails with ENOSYS, the rest is allowed."""
+# ---- seccomp: less kernel to attack in both levels; the network in "rlimits" ----
+def _seccomp_filter(sockets):
+    """A classic-BPF seccomp program: the calls in SECCOMP_ARCH fail with EPERM, a foreign ABI (x86's int 0x80,
+    x32) fails with ENOSYS, with `sockets` socket() of any family but AF_UNIX fails with EACCES; the rest runs."""
     arch, nr_socket, refused = SECCOMP_ARCH
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     allow, errno = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, errno | 38), (ld, 0, 0, 0), (jge, 0, 1, 0x40000000)]
     prog += [(ret, 0, 0, errno | 38)]  # 38: ENOSYS
-    for i, nr in enumerate(refused):
+    for nr in refused:
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno | 1)]  # 1: EPERM
+    if not sockets:
+        return prog + [(ret, 0, 0, allow)]
     prog += [(jeq, 1, 0, nr_socket), (ret, 0, 0, allow)]
     prog += [(ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, errno | 13)]  # args[0] == AF_UNIX?
     return prog
 
 
-def _install_seccomp():
+def _install_seccomp(sockets):
     class Filter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
 
     class Program(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
 
-    prog = _seccomp_filter()
+    prog = _seccomp_filter(sockets)
     filters = (Filter * len(prog))(*[Filter(*ins) for ins in prog])
     _libc("prctl", PR_SET_SECCOMP, 2, ctypes.byref(Program(len(prog), filters)), 0, 0)  # SECCOMP_MODE_FILTER
 
@@ -278,14 +280,14 @@ def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
     _libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if job["level"] == "rlimits":  # no namespaces: seccomp and Landlock stand in for them where the kernel has them
-        try:
-            if SECCOMP_ARCH is None:
-                raise OSError(f"no seccomp filter for {os.uname().machine}")
-            _install_seccomp()
-            _report(status_fd, seccomp=True)
-        except OSError as e:
-            _report(status_fd, seccomp=str(e))
+    try:  # in "rlimits", without a network namespace, seccomp also closes the network
+        if SECCOMP_ARCH is None:
+            raise OSError(f"no seccomp filter for {os.uname().machine}")
+        _install_seccomp(sockets=job["level"] == "rlimits")
+        _report(status_fd, seccomp=True)
+    except OSError as e:
+        _report(status_fd, seccomp=str(e))
+    if job["level"] == "rlimits":  # without a mount namespace Landlock keeps the code off the user's files
         try:
             _report(status_fd, landlock=_install_landlock(job, workdir))
         except OSError as e:
