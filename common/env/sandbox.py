@@ -5,12 +5,14 @@
 Each call runs the code in a fresh process tree under the strongest isolation this machine offers, probed once:
   "namespaces"  user + mount + pid + net + ipc + uts namespaces (unprivileged, no root needed), a minimal
                 read-only root (system and Python directories only, no HOME, no repository), a tmpfs /tmp as the
-                working directory, no network, uid nobody without capabilities, rlimits; the pid namespace
-                takes every process the code started down with it.
+                working directory, no network, uid nobody without capabilities, rlimits, seccomp (no io_uring,
+                no ptrace); the pid namespace takes every process the code started down with it.
   "rlimits"     where user namespaces are refused (Ubuntu's AppArmor restriction, some Slurm containers): a
-                separate process with rlimits, a fresh temporary directory, nobody when run as root, and a
-                subreaper that kills what the code left behind; NO filesystem or network isolation, said
-                loudly once. require_isolation=True refuses to run instead.
+                separate process with rlimits, a fresh temporary directory, nobody when run as root, Landlock
+                instead of the mount namespace (read-only system dirs, the work dir; no signals out), seccomp
+                instead of the network namespace (AF_UNIX sockets only), and a subreaper that kills what the
+                code left behind; said loudly once, with what is missing (sandbox_kind()). require_isolation=True
+                refuses to run where neither level isolates the filesystem and the network.
 The work happens in sandbox_child.py (standard library only), started with this machine's base Python
 interpreter; this side writes the job, reads the output and turns how the process ended into one line.
 Safe to call from many threads at once; never raises for what the code does, only for bad arguments.
@@ -20,6 +22,7 @@ import ast
 import marshal
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -35,7 +38,7 @@ _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child
 _PYTHON = os.path.realpath(sys.executable)  # the base interpreter, not the venv's wrapper: stdlib only inside
 _GRACE_S = 5.0  # past timeout_s, when this side stops waiting for the sandbox's own supervisor and kills it
 _probe_lock = threading.Lock()
-_probe = None  # (level, details) once probed
+_probes = {}  # level -> (it works, status records, why not), probed once per process
 _warned = False
 
 
@@ -49,7 +52,7 @@ class RunResult:
 
 
 class SandboxUnavailable(RuntimeError):
-    """require_isolation=True on a machine that cannot give the filesystem/network isolation."""
+    """require_isolation=True on a machine that cannot isolate the filesystem and the network."""
 
 
 def _python_paths():
@@ -120,9 +123,13 @@ def _run(code, level, *, timeout_s, cpu_s, memory_mb, max_output_chars, max_proc
         except BrokenPipeError:
             pass
         head, total, status_text = _read(proc, status_r, max_output_chars, deadline=start + timeout_s + _GRACE_S)
+        try:  # both pipes closed: boot is exiting
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
     finally:
         if proc is not None:
-            if proc.poll() is None:  # past the grace: the kill reaches the whole tree through PR_SET_PDEATHSIG
+            if proc.poll() is None:  # an exception here, or a stuck boot: PR_SET_PDEATHSIG takes the tree down
                 proc.kill()
             proc.wait()
             proc.stdout.close()
@@ -152,7 +159,12 @@ def _read(proc, status_r, max_output_chars, deadline):
     while sel.get_map():
         left = deadline - time.monotonic()
         if left <= 0 and not killed:  # the supervisor inside did not end it: kill the tree from here
-            proc.kill()
+            proc.kill()  # namespaces: PR_SET_PDEATHSIG takes the pid namespace down with it
+            for worker in re.findall(rb"'worker': (\d+)", status):  # rlimits: the code's process group
+                try:
+                    os.killpg(int(worker), signal.SIGKILL)
+                except OSError:
+                    pass
             killed, deadline = True, time.monotonic() + 2.0
             continue
         if left <= 0:
@@ -168,6 +180,8 @@ def _read(proc, status_r, max_output_chars, deadline):
                 if len(head) < keep:
                     head += data[: keep - len(head)]
     sel.close()
+    if killed:  # as if the supervisor had reported it
+        status += b"{'signal': 9, 'timed_out': True, 'by_caller': True}\n"
     return bytes(head), total, status.decode(errors="replace")
 
 
@@ -189,6 +203,8 @@ def _result(head, total, records, max_output_chars, timeout_s, cpu_s, memory_mb)
     exit_code, error = None, None
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
+        if ended.get("by_caller"):  # no status within _GRACE_S: a stopped supervisor, or an overloaded machine
+            error += " (killed by the caller)"
     elif ended is None or setup is not None:
         error = f"sandbox failed: {setup or 'it ended without reporting a status'}"
     elif "signal" in ended:
@@ -209,32 +225,61 @@ def _result(head, total, records, max_output_chars, timeout_s, cpu_s, memory_mb)
     return RunResult(output=output, exit_code=exit_code, timed_out=timed_out, error=error, seconds=0.0)
 
 
-def _probe_level():
-    """Which level works here, probed once per process by running print('ok') in namespaces."""
-    global _probe
+def _probe(level):
+    """Run print('ok') at `level` once per process: (whether it worked, the status records, why not)."""
     with _probe_lock:
-        if _probe is None:
+        if level not in _probes:
             limits = dict(timeout_s=10.0, cpu_s=10, memory_mb=1024, max_output_chars=100, max_processes=64)
-            result, records = _run("print('ok')", "namespaces", **limits)
-            if result.output == "ok\n" and result.exit_code == 0:
-                proc = next((r["proc"] for r in records if "proc" in r), False)
-                _probe = ("namespaces", "/proc mounted" if proc else "no /proc (the container refuses it)")
-            else:
-                _probe = ("rlimits", result.error or result.output.strip())
-        return _probe
+            for _ in range(2):  # twice: one failure may be the machine's load (a fork refused, a timeout)
+                result, records = _run("print('ok')", level, **limits)
+                ok = result.output == "ok\n" and result.exit_code == 0
+                if ok:
+                    break
+            _probes[level] = (ok, records, result.error or result.output.strip())
+        return _probes[level]
 
 
-def sandbox_kind(*, namespaces=True) -> str:
-    """One line: the isolation run_python gives on this machine (for the start-up log and the docs)."""
-    level, details = _probe_level() if namespaces else ("rlimits", "namespaces=False")
+def _level(namespaces):
+    return "namespaces" if namespaces and _probe("namespaces")[0] else "rlimits"
+
+
+def _layers_without_namespaces():
+    """(filesystem isolated, network closed, the words for each) of the "rlimits" level, as its probe reported."""
+    records = _probe("rlimits")[1]
+    seccomp = next((r["seccomp"] for r in records if "seccomp" in r), "not reported")
+    landlock = next((r["landlock"] for r in records if "landlock" in r), "not reported")
+    if isinstance(landlock, int) and not isinstance(landlock, bool):
+        signals = ", signals scoped" if landlock >= 6 else ", signals NOT scoped (Landlock ABI < 6)"
+        fs = f"filesystem by Landlock ABI {landlock} (read-only system dirs, writable work dir{signals})"
+    else:
+        fs = f"NO filesystem isolation (Landlock: {landlock})"
+    network = "no network (seccomp)" if seccomp is True else f"NETWORK OPEN (seccomp: {seccomp})"
+    return isinstance(landlock, int) and not isinstance(landlock, bool), seccomp is True, f"{fs}, {network}"
+
+
+def _isolated(level):
     if level == "namespaces":
+        return True
+    fs, net, _ = _layers_without_namespaces()
+    return fs and net
+
+
+def sandbox_kind(*, namespaces: bool = True) -> str:
+    """One line: the isolation run_python(namespaces=namespaces) gives on this machine (for the start-up log)."""
+    if _level(namespaces) == "namespaces":
+        records = _probe("namespaces")[1]
+        proc = "/proc mounted" if any(r.get("proc") for r in records) else "no /proc: the container refuses it"
+        seccomp = next((r["seccomp"] for r in records if "seccomp" in r), "not reported")
+        seccomp = "seccomp (no io_uring, ptrace)" if seccomp is True else f"NO seccomp ({seccomp})"
         return (
-            "namespaces: user+mount+pid+net+ipc+uts, read-only minimal root, tmpfs /tmp, no network, "
-            f"uid nobody without capabilities, rlimits ({details})"
+            "namespaces: user+mount+pid+net+ipc+uts, read-only minimal root, tmpfs /tmp, no network, uid nobody "
+            f"without capabilities, rlimits, {seccomp} ({proc})"
         )
+    why = _probe("namespaces")[2] if namespaces else "namespaces=False"
+    user = "as nobody" if os.geteuid() == 0 else "as YOUR OWN USER"
     return (
-        f"rlimits only: NO filesystem or network isolation ({details}); enable unprivileged user namespaces "
-        "(sysctl kernel.apparmor_restrict_unprivileged_userns=0 or user.max_user_namespaces>0) to isolate"
+        f"rlimits only: {_layers_without_namespaces()[2]}, {user}, processes visible; no namespaces ({why}): "
+        "enable unprivileged user namespaces (docs/sandbox.md)"
     )
 
 
@@ -249,8 +294,6 @@ def _check_args(code, timeout_s, cpu_s, memory_mb, max_output_chars, max_process
             raise ValueError(f"run_python: {name}={value!r} must be an int >= {low}")
     if not isinstance(max_processes, int) or max_processes < 1:
         raise ValueError(f"run_python: max_processes={max_processes!r} must be an int >= 1 (1: no child processes)")
-    if require_isolation and not namespaces:
-        raise ValueError("run_python: require_isolation=True needs namespaces=True (the isolation comes from them)")
 
 
 def run_python(
@@ -268,14 +311,17 @@ def run_python(
 
     timeout_s: wall clock; cpu_s: CPU seconds of each process (RLIMIT_CPU, rounded up); memory_mb: address
     space of each process (RLIMIT_AS) and the size of the writable /tmp; max_processes: processes and threads
-    (RLIMIT_NPROC); require_isolation: raise SandboxUnavailable instead of running without namespaces;
+    (RLIMIT_NPROC); require_isolation: raise SandboxUnavailable instead of running where neither namespaces
+    nor Landlock + seccomp isolate the filesystem and the network;
     namespaces=False: skip them (the "rlimits" level), e.g. to compare levels.
     """
     _check_args(code, timeout_s, cpu_s, memory_mb, max_output_chars, max_processes, require_isolation, namespaces)
-    level, details = _probe_level() if namespaces else ("rlimits", "namespaces=False")
+    level = _level(namespaces)
+    if require_isolation and not _isolated(level):
+        raise SandboxUnavailable(
+            f"sandbox: no filesystem/network isolation here: {sandbox_kind(namespaces=namespaces)}"
+        )
     if level != "namespaces" and namespaces:
-        if require_isolation:
-            raise SandboxUnavailable(f"sandbox: no filesystem/network isolation here: {sandbox_kind()}")
         _warn_once()
     limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
     return _run(code, level, max_processes=max_processes, **limits)[0]

@@ -29,8 +29,14 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 ST_RELATIME, MNT_DETACH = 4096, 2
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 22, 36, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 217, "ppc64le": 203}.get(os.uname().machine)
+# seccomp, per architecture: (AUDIT_ARCH_*, socket (refused in "rlimits" but for AF_UNIX), the calls refused:
+# io_uring_setup (its IORING_OP_SOCKET would bypass socket()), ptrace, process_vm_readv, process_vm_writev)
+SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, 41, (425, 101, 310, 311)),
+    "aarch64": (0xC00000B7, 198, (425, 117, 270, 271)),
+}.get(os.uname().machine)
 NOBODY = 65534  # the uid (and gid) the code runs as, inside and, when we are root, outside the namespace
 LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -77,10 +83,13 @@ def _namespaces(job, out_fd, status_fd):
     """boot: fork the child, map its ids once it has unshared, wait for it. Returns boot's exit status."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
+    boot = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             _die_with_parent()
+            if os.getppid() != boot:  # boot was killed before PR_SET_PDEATHSIG took hold
+                os._exit(1)
             os.close(ready_r), os.close(go_w)
             flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
             _libc("unshare", flags)
@@ -185,8 +194,85 @@ def _init(job, out_fd, status_fd):
     _supervise(job, out_fd, status_fd, workdir="/tmp", drop_to_nobody=job["euid"] == 0)
 
 
+# ---- seccomp: less kernel to attack in both levels; the network in "rlimits" ----
+def _seccomp_filter(sockets):
+    """A classic-BPF seccomp program: the calls in SECCOMP_ARCH fail with EPERM, a foreign ABI (x86's int 0x80,
+    x32) fails with ENOSYS, with `sockets` socket() of any family but AF_UNIX fails with EACCES; the rest runs."""
+    arch, nr_socket, refused = SECCOMP_ARCH
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, errno = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, errno | 38), (ld, 0, 0, 0), (jge, 0, 1, 0x40000000)]
+    prog += [(ret, 0, 0, errno | 38)]  # 38: ENOSYS
+    for nr in refused:
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno | 1)]  # 1: EPERM
+    if not sockets:
+        return prog + [(ret, 0, 0, allow)]
+    prog += [(jeq, 1, 0, nr_socket), (ret, 0, 0, allow)]
+    prog += [(ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, errno | 13)]  # args[0] == AF_UNIX?
+    return prog
+
+
+def _install_seccomp(sockets):
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    prog = _seccomp_filter(sockets)
+    filters = (Filter * len(prog))(*[Filter(*ins) for ins in prog])
+    _libc("prctl", PR_SET_SECCOMP, 2, ctypes.byref(Program(len(prog), filters)), 0, 0)  # SECCOMP_MODE_FILTER
+
+
+# ---- the "rlimits" level's filesystem and signals: Landlock (Linux >= 5.13, unprivileged) ----
+def _install_landlock(job, workdir):
+    """Confine the worker's file access to reading/executing the system and Python directories and everything
+    in its working dir; from ABI 6 (Linux 6.12) also no signals to, and no abstract unix sockets of, processes
+    outside. Returns the ABI."""
+    sys_landlock = (444, 445, 446)  # create_ruleset, add_rule, restrict_self: the same on x86_64 and aarch64
+    abi = LIBC.syscall(sys_landlock[0], None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    if abi < 1:
+        raise OSError(ctypes.get_errno(), f"Landlock unavailable: {os.strerror(ctypes.get_errno())}")
+    read = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
+    handled = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # + REFER, TRUNCATE
+    scoped = 1 | 2 if abi >= 6 else 0  # LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL
+    attr = (ctypes.c_uint64 * 3)(handled, 0, scoped)  # fs, net (seccomp's job), scoped
+    ruleset = LIBC.syscall(sys_landlock[0], attr, 8 if abi < 4 else 16 if abi < 6 else 24, 0)
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    dirs = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", *job["ro_paths"]]
+    dirs += [os.path.dirname(os.path.dirname(job["python"]))]
+    rules = [(path, read) for path in dirs] + [(f"/proc/{os.getpid()}", 4 | 8), (workdir, handled)]
+    devices = ("null", "zero", "full", "random", "urandom")
+    rules += [(f"/dev/{name}", 2 | 4 | 1 << 14) for name in devices]  # read, write, truncate (open(..., "w"))
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine (/lib32)
+            if not os.path.isdir(path):
+                access &= 1 | 2 | 4 | (1 << 14 if abi >= 3 else 0)  # a file takes only the file rights
+            try:
+                rule = PathBeneath(access & handled, fd)
+                if LIBC.syscall(sys_landlock[1], ruleset, 1, ctypes.byref(rule), 0) != 0:  # LANDLOCK_RULE_PATH_BENEATH
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}): {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        if LIBC.syscall(sys_landlock[2], ruleset, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
 # ---- both levels: the worker and its supervision ----
-def _worker(job, out_fd, workdir, drop_to_nobody):
+def _worker(job, out_fd, status_fd, workdir, drop_to_nobody):
     """In the forked worker: its own session, nobody, no new privileges, rlimits, then exec the code."""
     os.setsid()
     if drop_to_nobody:  # from root: all ids to nobody, which also clears every capability
@@ -194,13 +280,28 @@ def _worker(job, out_fd, workdir, drop_to_nobody):
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
     _libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    try:  # in "rlimits", without a network namespace, seccomp also closes the network
+        if SECCOMP_ARCH is None:
+            raise OSError(f"no seccomp filter for {os.uname().machine}")
+        _install_seccomp(sockets=job["level"] == "rlimits")
+        _report(status_fd, seccomp=True)
+    except OSError as e:
+        _report(status_fd, seccomp=str(e))
+    if job["level"] == "rlimits":  # without a mount namespace Landlock keeps the code off the user's files
+        try:
+            _report(status_fd, landlock=_install_landlock(job, workdir))
+        except OSError as e:
+            _report(status_fd, landlock=str(e))
+    # RLIMIT_NPROC counts the processes of our uid: per user namespace in "namespaces" (Linux >= 5.14), where
+    # a user's single mapped uid is also that of child and init (root maps them to uid 0 instead)
+    shared = 2 if job["level"] == "namespaces" and job["euid"] != 0 else 0
     mb = 1 << 20
     limits = {
         resource.RLIMIT_AS: job["memory_mb"] * mb,  # address space: a big allocation fails with MemoryError
         resource.RLIMIT_CPU: (job["cpu_s"], job["cpu_s"] + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
-        resource.RLIMIT_FSIZE: job["memory_mb"] * mb,  # a larger file: SIGXFSZ
+        resource.RLIMIT_FSIZE: job["memory_mb"] * mb,  # a larger file: EFBIG (Python ignores SIGXFSZ)
         resource.RLIMIT_CORE: 0,
-        resource.RLIMIT_NPROC: job["max_processes"],  # counted per uid (per user namespace in "namespaces")
+        resource.RLIMIT_NPROC: job["max_processes"] + shared,
         resource.RLIMIT_NOFILE: 1024,
     }
     for which, value in limits.items():
@@ -238,7 +339,8 @@ def _kill_descendants(pgid):
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
-    while True:
+    give_up = time.monotonic() + 2.0  # without a readable children list the caller's process-group kill remains
+    while time.monotonic() < give_up:
         for pid in _children():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -257,11 +359,13 @@ def _supervise(job, out_fd, status_fd, workdir, drop_to_nobody):
     pid = os.fork()
     if pid == 0:
         try:
-            _worker(job, out_fd, workdir, drop_to_nobody)
+            _worker(job, out_fd, status_fd, workdir, drop_to_nobody)
         except BaseException as e:
             _report(status_fd, setup_error=f"starting the code: {e}")
         os._exit(127)
     os.close(out_fd)
+    if job["level"] == "rlimits":  # the caller's last resort if we stop (the code may SIGSTOP us as a user)
+        _report(status_fd, worker=pid)
 
     def on_alarm(signum, frame):
         nonlocal timed_out
@@ -283,7 +387,8 @@ def _supervise(job, out_fd, status_fd, workdir, drop_to_nobody):
         if done == pid:
             break
     signal.setitimer(signal.ITIMER_REAL, 0)
-    _kill_descendants(pid)  # in a pid namespace init's exit would do it too
+    if job["level"] == "rlimits":  # in the pid namespace init's exit kills what is left (no /proc needed)
+        _kill_descendants(pid)
     if status is not None and os.WIFSIGNALED(status):
         _report(status_fd, signal=os.WTERMSIG(status), timed_out=timed_out)
     elif status is not None:
