@@ -131,6 +131,7 @@ def build_parser():
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     FR.correction_flags(p)
     FR.reward_flags(p)
+    FR.distill_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
@@ -219,6 +220,7 @@ def main():
     from common.rl import dapo
     from common.rl.advantages import group_advantages
     from common.rl.corrections import correction_weights, loss_weights, uses_old_logprobs
+    from common.rl.distill import distill_advantages, reverse_kl_sum
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
@@ -354,6 +356,16 @@ def main():
         for chunk in reference:
             chunk.eval().requires_grad_(False)
     clock.mark("reference")
+    # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
+    # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
+    teacher = None
+    if args.teacher and not args.eval_only:
+        teacher_spec = load_hf_spec(args.teacher)
+        teacher = build_model(teacher_spec, dtype=dtype, **model_args)
+        load_hf_weights(teacher, teacher_spec, args.teacher)
+        for chunk in teacher:
+            chunk.eval().requires_grad_(False)
+    clock.mark("teacher")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
@@ -399,7 +411,7 @@ def main():
         engine,
         model,
         [(optimizer, model)],
-        frozen=[reference],
+        frozen=[reference, teacher],
         params=offload_params,
         optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
         weights=lambda: export_hf_weights(
@@ -484,14 +496,15 @@ def main():
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
     norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
 
-    def logprob_pass(chunks, mbs, store, routes=None):
+    def logprob_pass(chunks, mbs, store, routes=None, vocab_size=spec.vocab_size):
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only);
-        routes: a routing_replay.route_store that takes the pass's MoE routes."""
+        routes: a routing_replay.route_store that takes the pass's MoE routes; vocab_size: the model's (the
+        teacher's may be padded otherwise)."""
         # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
         on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
 
         def loss_fn(mb, logits):
-            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)
             B.scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
             return logprobs.sum() * 0, {}
 
@@ -554,13 +567,16 @@ def main():
                 for _ in range(group)
             ]
             with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
-                rewards = args.rule_reward_weight * torch.tensor(
+                rule = torch.tensor(
                     [
                         reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
                         for s, a in zip(samples, answers)
                     ],
                     dtype=torch.float32,
                 )
+                rewards = args.rule_reward_weight * rule
+                if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
+                    side_metrics["rule_reward_mean"] = rule.mean().item()
                 if args.overlong_buffer:
                     rewards += dapo.overlong_penalty(
                         [len(s.response_ids) for s in samples],
@@ -677,6 +693,11 @@ def main():
             with timer("ref"), colo.frozen_model(reference):
                 logprob_pass(reference, all_mine, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
+        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+            batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
+            with timer("teacher"), colo.frozen_model(teacher):
+                logprob_pass(teacher, all_mine, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size)
+            check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         memory.end("logprob")
         # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics
         batch["is_weights"], correction = correction_weights(
@@ -711,6 +732,11 @@ def main():
                         logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
                     )
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
+                    advantages = mb["advantages"]  # (b, T): the group-normalised reward on every token
+                    if teacher is not None:  # + coef x (teacher - student) per token, student = behaviour policy
+                        advantages = advantages + distill_advantages(
+                            mb["teacher_logprobs"], old, mask, args.distill_coef
+                        )
                     # seq-offpolicy-mask: DeepSeek-V3.2's mask against this pass's policy (+ its metrics)
                     is_weights, masked = loss_weights(
                         args.rollout_correction, mb, logprobs, args.correction_delta, cp_group
@@ -718,7 +744,7 @@ def main():
                     per_token, clipped = policy_loss(
                         logprobs,
                         old,
-                        mb["advantages"],
+                        advantages,
                         args.clip_low,
                         args.clip_high,
                         is_weights=is_weights,
@@ -747,6 +773,9 @@ def main():
                     }  # mean old - new
                     if reference is not None:
                         metrics.update(kl=masked_sum(kl.detach(), mask), kl__n=n)
+                    if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
+                        rkl = reverse_kl_sum(mb["teacher_logprobs"], old, mask)
+                        metrics.update(distill_reverse_kl=rkl, distill_reverse_kl__n=n)
                     if epoch == 0 and m == 0 and not on_policy:  # before any update: old = new but for rounding
                         drift = (old - logprobs.detach()).abs()  # else the two passes disagree with each other
                         metrics.update(first_update_logprob_err=masked_sum(drift, mask), first_update_logprob_err__n=n)
@@ -825,7 +854,7 @@ def main():
                 spec,
                 samples,
                 times,
-                forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs,
+                forward_passes=1 + (reference is not None) + (teacher is not None) + 3 * args.ppo_epochs,
                 world_size=info.world_size,
                 device=info.device,
             ),

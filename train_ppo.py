@@ -137,6 +137,7 @@ def build_parser():
     )
     FR.correction_flags(p)
     FR.reward_flags(p)
+    FR.distill_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
     o = F.optim_flags(
@@ -206,6 +207,7 @@ def main():
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
     from common.rl.corrections import correction_weights, loss_weights
+    from common.rl.distill import distill_advantages
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import (
         aggregate_loss,
@@ -360,6 +362,16 @@ def main():
         for chunk in reference:
             chunk.eval().requires_grad_(False)
     clock.mark("reference")
+    # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
+    # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
+    teacher = None
+    if args.teacher:
+        teacher_spec = load_hf_spec(args.teacher)
+        teacher = build_model(teacher_spec, dtype=dtype, **model_args)
+        load_hf_weights(teacher, teacher_spec, args.teacher)
+        for chunk in teacher:
+            chunk.eval().requires_grad_(False)
+    clock.mark("teacher")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
@@ -390,7 +402,7 @@ def main():
         model,
         [(optimizer, model), (critic_optimizer, critic)],
         idle=[critic],
-        frozen=[reference],
+        frozen=[reference, teacher],
         params=offload_params,
         optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
         weights=lambda: export_hf_weights(
@@ -498,8 +510,11 @@ def main():
             )
         store.copy_(schedule.all_reduce_sum(on_device[:-1], None, info.device))
 
-    def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
-        return vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
+    def logprobs_of(mb, logits, vocab_size=spec.vocab_size):  # logits (b, T, V/tp) -> (b, T)
+        return vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)[0]
+
+    if teacher is not None:  # its own (padded) vocabulary size
+        teacher_logprobs_of = functools.partial(logprobs_of, vocab_size=teacher_spec.vocab_size)
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -547,9 +562,10 @@ def main():
             # ---- 3. reward: rule-based, on the decoded response (+ a reward model's score)
             with timer("reward"):
                 texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-                rewards = args.rule_reward_weight * torch.tensor(
-                    [reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)]
-                )
+                rule = torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
+                rewards = args.rule_reward_weight * rule
+                if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
+                    eval_metrics["rule_reward_mean"] = rule.mean().item()
             if reward_model is not None:
                 with timer("reward_model"):
                     scores = reward_model.score([items[i]["prompt"] for i in order], texts, info.device)
@@ -618,6 +634,11 @@ def main():
             with timer("ref"), colo.frozen_model(reference):
                 forward_pass(reference, all_mine, logprobs_of, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
+        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+            batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
+            with timer("teacher"), colo.frozen_model(teacher):
+                forward_pass(teacher, all_mine, teacher_logprobs_of, batch["teacher_logprobs"])
+            check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
         with timer("values"):
             colo.reload_idle()  # the critic, back for its values pass and its update
@@ -646,6 +667,12 @@ def main():
                 token_rewards -= args.kl_coef * kl
         advantages, batch["returns"] = gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
         batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
+        if teacher is not None:  # on-policy distillation (common/rl/distill.py), after GAE: each token its own return
+            if args.rule_reward_weight == 0 and reward_model is None:  # pure distillation: no task advantage (the
+                batch["advantages"].zero_()  # whitened values of a critic fitting zero rewards would be noise)
+            batch["advantages"] += distill_advantages(
+                batch["teacher_logprobs"], batch["old_logprobs"], mask, args.distill_coef
+            )
 
         # ---- 6. PPO epochs over mini-batches: the critic's optimizer steps, then the actor's (the two
         # are independent: the same steps as interleaved), each with only its own optimizer state on
@@ -774,6 +801,8 @@ def main():
             metrics.update(correction)  # every rank holds every row: the same numbers everywhere
         if reference is not None:
             metrics["kl"] = masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
+        if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
+            metrics["distill_reverse_kl"] = masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask).item()
         if train_actor:
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
@@ -806,7 +835,7 @@ def main():
                 spec,
                 samples,
                 times,
-                forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs,
+                forward_passes=2 + (reference is not None) + (teacher is not None) + 6 * args.ppo_epochs,
                 world_size=info.world_size,
                 device=info.device,
             ),
