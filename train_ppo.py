@@ -668,8 +668,9 @@ def main():
         advantages, batch["returns"] = gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
         batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
         if teacher is not None:  # on-policy distillation (common/rl/distill.py), after GAE: each token its own return
-            if args.rule_reward_weight == 0 and reward_model is None:  # pure distillation: no task advantage (the
-                batch["advantages"].zero_()  # whitened values of a critic fitting zero rewards would be noise)
+            no_reward = args.rule_reward_weight == 0 and reward_model is None
+            if no_reward and not (reference is not None and args.kl_mode == "reward"):  # pure distillation: no task
+                batch["advantages"].zero_()  # term (whitened values of a critic fitting zero returns are noise)
             batch["advantages"] += distill_advantages(
                 batch["teacher_logprobs"], batch["old_logprobs"], mask, args.distill_coef
             )
