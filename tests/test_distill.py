@@ -6,8 +6,9 @@ the teacher's logprobs against transformers, and a student that learns the task 
 - common/rl/distill.py: per-token advantages coef x (teacher - student) on response tokens only, and the
   clipped policy loss they give, against numbers worked out by hand;
 - preflight (through train_grpo.py / train_ppo.py): a teacher with another tokenizer is refused in one line
-  that gives both sizes; one whose embedding rows are padded further is accepted and planned (--dry-run
-  lists its weights); one with fewer rows than the tokenizer's ids is refused;
+  that gives both sizes; one whose embedding rows are padded further is accepted (a step runs); one with
+  fewer rows than the tokenizer's ids is refused;
+- the memory plan: the teacher's weights by hand (host buffers, the logprob phase); --dry-run prints them;
 - through train_grpo.py, one on-policy step with --distill-coef 2 and no task reward: distill_reverse_kl is
   the mean student - teacher logprob that transformers computes for the saved samples, and the policy loss
   is 2 x that (ratio 1: loss = -mean advantage); the same identity through train_ppo.py;
@@ -122,15 +123,72 @@ def test_teacher_with_another_tokenizer_is_refused(script, tmp_path):
 
 
 def test_teacher_vocabulary_rows(tmp_path):
-    """Padded further (384 embedding rows for the 259 tokens): accepted and planned; fewer rows than token
-    ids: refused."""
+    """Padded further (384 embedding rows for the 259 tokens, twice as wide): accepted, and a step runs with
+    its logprobs over its own rows; fewer rows than token ids: refused."""
     padded = embedded_dir(tmp_path / "padded", vocab_size=384, hidden_size=128)
-    proc = run_script("train_grpo.py", "--teacher", padded, "--dry-run", "--out", tmp_path / "out")
-    assert "teacher weights (fp32)" in proc.stdout, proc.stdout[-3000:]
-    short = embedded_dir(tmp_path / "short", vocab_size=200)
+    out = tmp_path / "out"
+    run_script("train_grpo.py", *SMALL, "--steps", 1, "--teacher", padded, "--out", out)
+    (m,) = read_metrics(out)
+    assert m["distill_reverse_kl"] == pytest.approx(m["distill_reverse_kl"]) and m["teacher_s"] > 0  # finite
+    short = embedded_dir(tmp_path / "short")
+    with open(os.path.join(short, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(short, "config.json"), "w") as f:
+        json.dump(dict(config, vocab_size=200), f)
     proc = run_script("train_grpo.py", "--teacher", short, "--out", tmp_path / "out2", check=False)
     assert proc.returncode == 2
     assert "the teacher has 200 embedding rows" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+# a teacher of 1,444,096 parameters by hand: tied embeddings 1024 x 256; per layer q 256x256 + 256 (bias),
+# k and v 256x128 + 128 each, o 256x256, the MLP 3 x 256x512, two norms of 256; the final norm 256
+TEACHER = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_act="silu",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+TEACHER_PARAMS = 1024 * 256 + 2 * (256 * 256 + 256 + 2 * (256 * 128 + 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256) + 256
+
+
+def test_memory_plan_counts_the_teacher():
+    """On a GPU with the parameters offloaded: the teacher's bf16 weights are pinned in host memory and on
+    the GPU in the logprob phase, where the frozen models take turns (the larger, the teacher, counts)."""
+    from common.model.bridge import parse_hf_config
+    from common.run import memory_plan as M
+    from common.run.embedded import DEFAULT_CONFIG, hf_config
+
+    policy, teacher = parse_hf_config(hf_config(DEFAULT_CONFIG)), parse_hf_config(TEACHER)
+    kw = dict(world=1, reference=True, gpu_bytes=80e9, offload_params=True, offload_optimizer=True)
+    with_teacher, without = M.plan_memory(policy, teacher=teacher, **kw), M.plan_memory(policy, **kw)
+    host = with_teacher.host_parts()["offload buffers"] - without.host_parts()["offload buffers"]
+    assert host == 2 * TEACHER_PARAMS
+    items = {i.name: i for i in with_teacher.shown.items}
+    assert items["teacher weights (bf16)"].device == {"logprob": 2 * TEACHER_PARAMS}
+    assert "logprob" not in items["reference weights (bf16)"].device  # (the smaller frozen model)
+
+
+def test_dry_run_plans_the_teacher(tmp_path):
+    """--dry-run with a Qwen2-7B teacher (config.json alone) for the embedded policy: its weights in the
+    logprob phase, 15.2 GB in bf16 (7.62e9 parameters x 2 bytes)."""
+    path = tmp_path / "teacher"
+    path.mkdir()
+    qwen2_7b = dict(TEACHER, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28)
+    qwen2_7b.update(num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps(qwen2_7b))
+    proc = run_script("train_grpo.py", "--teacher", path, "--dry-run", "--gpu-memory-gb", 80, "--out", tmp_path / "o")
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("teacher weights (bf16)"))
+    assert row.split()[-4:] == ["15.2", "-", "-", "15.2"], row  # logprob (GPU), update, save, pinned host
+    assert "logits (384 vocabulary columns, the teacher's 152064)" in proc.stdout
+    assert not (tmp_path / "o").exists()
 
 
 def hf_logprobs(model_dir, samples):

@@ -371,10 +371,11 @@ def plan_memory(
             # their gradient in the model's dtype; eager (CPU) writes fp32 copies
             element = b + (0 if on_gpu else 2 * FP32)
             lp_vocab = max(padded_vocab, padded_vocab_size(teacher.vocab_size, tp) // tp if teacher else 0)
-            add(f"logits ({padded_vocab} vocabulary columns)", lp_tokens * lp_vocab * element, "logprob")
-            items[f"logits ({padded_vocab} vocabulary columns)"].device["update"] = (
-                tokens * padded_vocab * (b + element)
+            logits = f"logits ({padded_vocab} vocabulary columns" + (
+                f", the teacher's {lp_vocab})" if lp_vocab > padded_vocab else ")"
             )
+            add(logits, lp_tokens * lp_vocab * element, "logprob")
+            items[logits].device["update"] = tokens * padded_vocab * (b + element)
 
         # -- fixed: the allocator's slack over the tensors, the process's own
         if on_gpu:

@@ -130,7 +130,7 @@ def check_teacher(path, policy_dir, policy_spec, dry_run=False):
     None: the embedded model's). Embedding rows may differ by padding (Qwen2.5-0.5B has 151936,
     Qwen2.5-7B 152064 rows for the same 151665 tokens): every row the tokenizer uses must exist in
     both. A dry run reads config.json alone: rows only. Returns the teacher's HFModelSpec."""
-    spec = check_model_dir(path, "--teacher", need_weights=not dry_run, need_tokenizer=not dry_run)
+    spec = check_model_dir(path, "--teacher", need_weights=False, need_tokenizer=not dry_run)
     if dry_run:  # padding or not: the tokenizers (not read) decide
         return spec
     from transformers import AutoTokenizer
@@ -159,4 +159,4 @@ def check_teacher(path, policy_dir, policy_spec, dry_run=False):
                 f"{used} token ids of the shared tokenizer (teacher {spec.vocab_size} rows, policy "
                 f"{policy_spec.vocab_size}): its config.json does not match its tokenizer"
             )
-    return spec
+    return check_model_dir(path, "--teacher", need_weights=True, need_tokenizer=True)  # + its weights' headers
