@@ -52,6 +52,8 @@ run "moe 1 GPU"              400 python -m torch.distributed.run --standalone --
 run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
+# on-policy distillation: a 1.5B-shaped student, a 7B-shaped teacher (4.9x), both scripts, phase times and memory
+run "distill 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_distill_gpu.py
 fi
 if [ "$MODE" = all ] || [ "$MODE" = quick ] || [ "$MODE" = exit ]; then
 # exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU); then
