@@ -9,6 +9,8 @@ reference. No value function (that is train_ppo.py). Variants are flags:
                              --overlong-buffer N --mask-truncated (common/rl/dapo.py)
   GSPO (Zheng et al. 2025):  --gspo --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean
   dual-clip PPO (Ye et al. 2020, verl's c = 3): --dual-clip 3
+  on-policy distillation:    --teacher DIR [--rule-reward-weight 0] (per-token teacher - student advantage,
+                             docs/distillation.md)
 
 Every rank runs this same program (SPMD): it builds its shard of the Megatron-Core
 GPTModel from the HF config.json, loads only its slice of the HF weights, hosts a rollout
@@ -854,7 +856,8 @@ def main():
                 spec,
                 samples,
                 times,
-                forward_passes=1 + (reference is not None) + (teacher is not None) + 3 * args.ppo_epochs,
+                forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs,
+                other_models=[teacher_spec] if teacher is not None else [],  # its own size
                 world_size=info.world_size,
                 device=info.device,
             ),

@@ -13,6 +13,8 @@ frozen reference (Megatron-Core GPTModels, sharded alike by TP/PP) from the HF c
 a rollout engine, and each step does: weight sync -> rollout -> reward -> old/ref logprobs and
 values -> token rewards -> GAE -> PPO epochs of actor and critic updates -> log -> checkpoint.
 The first --critic-warmup-steps steps train only the critic.
+On-policy distillation: --teacher DIR adds coef x (teacher - student logprob) to each token's advantage
+after GAE (--rule-reward-weight 0: the teacher alone; docs/distillation.md).
 
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic task):
@@ -836,7 +838,8 @@ def main():
                 spec,
                 samples,
                 times,
-                forward_passes=2 + (reference is not None) + (teacher is not None) + 6 * args.ppo_epochs,
+                forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs,
+                other_models=[teacher_spec] if teacher is not None else [],  # its own size
                 world_size=info.world_size,
                 device=info.device,
             ),
