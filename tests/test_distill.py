@@ -12,6 +12,7 @@ the teacher's logprobs against transformers, and a student that learns the task 
 - through train_grpo.py, one on-policy step with --distill-coef 2 and no task reward: distill_reverse_kl is
   the mean student - teacher logprob that transformers computes for the saved samples, and the policy loss
   is 2 x that (ratio 1: loss = -mean advantage); the same identity through train_ppo.py;
+- prompts without answers (--answer-key none) are distilled with --rule-reward-weight 0, refused without it;
 - an embedded student with --rule-reward-weight 0 learns the embedded task from an embedded teacher (twice
   as wide, trained on the task): the task reward, measured and not optimised, rises.
 """
@@ -225,6 +226,19 @@ def test_one_step_matches_transformers(script, teacher, tmp_path):
     assert m["distill_reverse_kl"] == pytest.approx(expected, abs=2e-3), (m["distill_reverse_kl"], expected)
     assert m["policy_loss"] == pytest.approx(2 * m["distill_reverse_kl"], rel=1e-3, abs=1e-3)
     assert m["teacher_s"] > 0 and m["reward_mean"] == 0.0
+
+
+def test_prompts_without_answers(teacher, tmp_path):
+    """--answer-key none: prompts alone, distilled with --rule-reward-weight 0; refused with a rule reward."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d}="}) + "\n" for d in range(10)))
+    flags = [*SMALL, "--steps", 1, "--data", data, "--answer-key", "none", "--teacher", teacher]
+    proc = run_script("train_grpo.py", *flags, "--out", tmp_path / "refused", check=False)
+    assert proc.returncode == 2
+    assert "--answer-key none: the prompts have no reference answers" in proc.stderr.strip().splitlines()[-1]
+    run_script("train_grpo.py", *flags, "--rule-reward-weight", 0, "--out", tmp_path / "run")
+    (m,) = read_metrics(tmp_path / "run")
+    assert m["reward_mean"] == 0.0 and m["distill_reverse_kl"] > 0 and m["teacher_s"] > 0
 
 
 def test_student_learns_from_the_teacher_alone(teacher, tmp_path):

@@ -160,6 +160,11 @@ def _check_numbers(args, min_group):
         raise UsageError(
             "--dynamic-sampling samples more prompts on the rollout engine, which --load-rollouts does without"
         )
+    if a.get("answer_key") == "none" and args.rule_reward_weight != 0:
+        raise UsageError(
+            "--answer-key none: the prompts have no reference answers for the rule-based reward; pass "
+            "--rule-reward-weight 0 (with --teacher or --reward-model as the signal)"
+        )
     if args.eval_samples < 1:
         raise UsageError(f"--eval-samples must be >= 1, not {args.eval_samples}")
     if args.eval_temperature == 0 and args.eval_samples > 1:
