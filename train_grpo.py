@@ -20,6 +20,7 @@ logprobs -> PPO epochs of forward-backward + optimizer step -> log -> checkpoint
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic arithmetic task):
       python train_grpo.py
+      python train_grpo.py --env game --max-turns 2 --steps 60   # multi-turn episodes (docs/agentic.md)
   1 GPU:
       python train_grpo.py --model Qwen/Qwen2-1.5B --data openai/gsm8k --data-config main   # hub ids, or local paths
   8 GPUs (Megatron TP=4 x DP=2; vLLM TP=2 x 4 replicas):
@@ -134,6 +135,7 @@ def build_parser():
     FR.correction_flags(p)
     FR.reward_flags(p)
     FR.distill_flags(p)
+    FR.env_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
@@ -162,6 +164,7 @@ def parse_args(argv=None):
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
+        FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
         if args.bench_response_lengths:  # checked now, drawn every step
             parse_lengths(args.bench_response_lengths, max_tokens=args.max_new_tokens)
@@ -203,13 +206,14 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new
 def main():
     from common.run.log import quiet_known_warnings, quiet_third_party_logging
     from common.run.startup import StartupClock
-    from common.run.user_code import load_reward
+    from common.run.user_code import load_env, load_reward
 
     clock = StartupClock()  # where the start-up goes, said in one line before the first step
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
     quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
     user_reward = load_reward(args.reward) if args.reward else None  # checked now: exit 2 before anything is built
+    env_class = load_env(args.env) if args.env else None  # --env NAME | FILE.py:CLASS, checked now too
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
@@ -227,8 +231,9 @@ def main():
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout.engines import make_engine, vllm_available
+    from common.rollout.episodes import episode_metrics, run_episodes
     from common.rollout.evaluate import Evaluator, evaluate_once
-    from common.run.data import PromptSampler, task_prompts
+    from common.run.data import PromptSampler, env_prompts, task_prompts
     from common.run.dist import init_distributed, print0
     from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
     from common.run.host_memory import check_host_memory
@@ -280,6 +285,18 @@ def main():
         else ([], [])
     )
     reward_fn = user_reward or (math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0))
+    if env_class is not None:  # --env: episodes of the environment, on --data's items or its own (docs/agentic.md)
+        args.max_episode_tokens = args.max_episode_tokens or spec.max_position_embeddings
+        items, prompt_ids, make_env, codec = env_prompts(
+            env_class,
+            items if args.data else None,
+            tokenizer,
+            seed=args.seed,
+            max_episode_tokens=args.max_episode_tokens,
+            tool_timeout_s=args.tool_timeout,
+            tool_output_chars=args.tool_output_chars,
+        )
+        eval_items, eval_prompt_ids = [], []  # validation is of single-turn answers
 
     # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches
     # (optimizer steps) -> micro-batches
@@ -303,7 +320,9 @@ def main():
             rollout_tp=args.rollout_tp,
             gpu_memory_utilization=args.gpu_memory_utilization,
             # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
-            max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
+            max_model_len=args.max_episode_tokens  # --env: a whole episode's context
+            if env_class
+            else max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
             seed=args.seed,
             device=info.device,
             return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
@@ -496,7 +515,8 @@ def main():
     # row and packed-sample length multiples of SP and CP; GSPO's ratio sums each sample's CP chunks
     multiple, sample_multiple = B.length_multiples(args.tp, args.cp)
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
-    norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
+    # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
+    norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
 
     def logprob_pass(chunks, mbs, store, routes=None, vocab_size=spec.vocab_size):
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only);
@@ -549,18 +569,36 @@ def main():
                 exact = [n for row in lengths[replica::num_replicas] for n in row]  # this replica's prompts
             with timer("rollout"):
                 mine = prompts_idx[replica::num_replicas]
-                local = generate_checked(
-                    engine,
-                    [prompt_ids[i] for i in mine],
-                    args.rollout_logprobs,
-                    n=group,
-                    temperature=args.temperature,
-                    top_p=args.top_p,
-                    max_tokens=args.max_new_tokens,
-                    seed=args.seed * 100_003 + step * 1009 + replica + 7919 * round_,
-                    response_lengths=exact,
-                    return_routes=args.routing_replay == "rollout",
-                )
+                seed = args.seed * 100_003 + step * 1009 + replica + 7919 * round_
+                if env_class:  # --env: multi-turn episodes, observations masked (common/rollout/episodes.py)
+                    local = run_episodes(
+                        engine,
+                        codec,
+                        make_env,
+                        [items[i] for i in mine],
+                        n=group,
+                        temperature=args.temperature,
+                        top_p=args.top_p,
+                        max_tokens=args.max_new_tokens,  # per turn
+                        max_turns=args.max_turns,
+                        max_episode_tokens=args.max_episode_tokens,
+                        step_timeout_s=args.tool_timeout + 2,
+                        max_workers=args.tool_workers,
+                        seed=seed,
+                    )
+                else:
+                    local = generate_checked(
+                        engine,
+                        [prompt_ids[i] for i in mine],
+                        args.rollout_logprobs,
+                        n=group,
+                        temperature=args.temperature,
+                        top_p=args.top_p,
+                        max_tokens=args.max_new_tokens,
+                        seed=seed,
+                        response_lengths=exact,
+                        return_routes=args.routing_replay == "rollout",
+                    )
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
             answers = [
                 items[i]["answer"]
@@ -568,6 +606,8 @@ def main():
                 for i in prompts_idx[r::num_replicas]
                 for _ in range(group)
             ]
+            if env_class:  # the environment's reward of each episode
+                return samples, torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
             with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
                 rule = torch.tensor(
                     [
@@ -622,6 +662,7 @@ def main():
                 )  # (saved with --save-rollouts: replayed as they are)
                 side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
         check_finite("rewards", rewards, step=step)
+        side_metrics.update(episode_metrics(samples))  # --env: turns, tool calls/errors/timeouts, env_reward
         empty = None if warned_empty else empty_responses_warning(samples, step)
         if empty:  # nothing to reward, nothing to learn: what to check
             print0(empty)

@@ -19,6 +19,7 @@ after GAE (--rule-reward-weight 0: the teacher alone; docs/distillation.md).
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic task):
       python train_ppo.py
+      python train_ppo.py --env game --max-turns 2 --steps 60   # multi-turn episodes (docs/agentic.md)
   1 GPU:
       python train_ppo.py --model Qwen/Qwen2-1.5B --data openai/gsm8k --data-config main   # hub ids, or local paths
   8 GPUs (Megatron TP=4 x DP=2 for actor and critic; vLLM TP=2 x 4 replicas):
@@ -140,6 +141,7 @@ def build_parser():
     FR.correction_flags(p)
     FR.reward_flags(p)
     FR.distill_flags(p)
+    FR.env_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
     o = F.optim_flags(
@@ -164,6 +166,7 @@ def parse_args(argv=None):
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
+        FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
     except ValueError as e:
         p.error(str(e))
@@ -190,13 +193,14 @@ EMBEDDED_DEFAULTS = dict(
 def main():
     from common.run.log import quiet_known_warnings, quiet_third_party_logging
     from common.run.startup import StartupClock
-    from common.run.user_code import load_reward
+    from common.run.user_code import load_env, load_reward
 
     clock = StartupClock()  # where the start-up goes, said in one line before the first step
     quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
     args = parse_args()
     quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
     user_reward = load_reward(args.reward) if args.reward else None  # checked now: exit 2 before anything is built
+    env_class = load_env(args.env) if args.env else None  # --env NAME | FILE.py:CLASS, checked now too
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
@@ -222,8 +226,9 @@ def main():
     )
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
     from common.rollout.engines import make_engine, vllm_available
+    from common.rollout.episodes import episode_metrics, run_episodes
     from common.rollout.evaluate import Evaluator
-    from common.run.data import PromptSampler, task_prompts
+    from common.run.data import PromptSampler, env_prompts, task_prompts
     from common.run.dist import init_distributed, print0
     from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
     from common.run.host_memory import check_host_memory
@@ -277,6 +282,18 @@ def main():
         else ([], [])
     )
     reward_fn = user_reward or (math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0))
+    if env_class is not None:  # --env: episodes of the environment, on --data's items or its own (docs/agentic.md)
+        args.max_episode_tokens = args.max_episode_tokens or spec.max_position_embeddings
+        items, prompt_ids, make_env, codec = env_prompts(
+            env_class,
+            items if args.data else None,
+            tokenizer,
+            seed=args.seed,
+            max_episode_tokens=args.max_episode_tokens,
+            tool_timeout_s=args.tool_timeout,
+            tool_output_chars=args.tool_output_chars,
+        )
+        eval_items, eval_prompt_ids = [], []  # validation is of single-turn answers
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
     group = args.samples_per_prompt
@@ -300,7 +317,9 @@ def main():
             rollout_tp=args.rollout_tp,
             gpu_memory_utilization=args.gpu_memory_utilization,
             # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
-            max_model_len=max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
+            max_model_len=args.max_episode_tokens  # --env: a whole episode's context
+            if env_class
+            else max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
             seed=args.seed,
             device=info.device,
             return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
@@ -488,7 +507,8 @@ def main():
     # row and packed-sample length multiples of SP and CP; GSPO's ratio sums each sample's CP chunks
     multiple, sample_multiple = B.length_multiples(args.tp, args.cp)
     cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
-    norm_len = args.max_new_tokens  # Dr.GRPO's constant length normaliser
+    # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
+    norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
 
     def forward_pass(chunks, mbs, per_token_fn, store, routes=None):
         """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY
@@ -542,17 +562,34 @@ def main():
             with colo.rollout(timer, memory):  # optimizer states, critic and actor out, weights in, then the KV cache
                 with timer("rollout"):
                     mine = prompts_idx[replica::num_replicas]
-                    local = generate_checked(
-                        engine,
-                        [prompt_ids[i] for i in mine],
-                        args.rollout_logprobs,
-                        n=group,
-                        temperature=args.temperature,
-                        top_p=args.top_p,
-                        max_tokens=args.max_new_tokens,
-                        seed=args.seed * 100_003 + step * 1009 + replica,
-                        return_routes=args.routing_replay == "rollout",
-                    )
+                    if env_class:  # --env: multi-turn episodes; the critic values the model's tokens only
+                        local = run_episodes(
+                            engine,
+                            codec,
+                            make_env,
+                            [items[i] for i in mine],
+                            n=group,
+                            temperature=args.temperature,
+                            top_p=args.top_p,
+                            max_tokens=args.max_new_tokens,  # per turn
+                            max_turns=args.max_turns,
+                            max_episode_tokens=args.max_episode_tokens,
+                            step_timeout_s=args.tool_timeout + 2,
+                            max_workers=args.tool_workers,
+                            seed=args.seed * 100_003 + step * 1009 + replica,
+                        )
+                    else:
+                        local = generate_checked(
+                            engine,
+                            [prompt_ids[i] for i in mine],
+                            args.rollout_logprobs,
+                            n=group,
+                            temperature=args.temperature,
+                            top_p=args.top_p,
+                            max_tokens=args.max_new_tokens,
+                            seed=args.seed * 100_003 + step * 1009 + replica,
+                            return_routes=args.routing_replay == "rollout",
+                        )
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
                         eval_metrics = evaluator.run(engine, step)
@@ -564,10 +601,13 @@ def main():
             # ---- 3. reward: rule-based, on the decoded response (+ a reward model's score)
             with timer("reward"):
                 texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-                rule = torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
-                rewards = args.rule_reward_weight * rule
-                if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
-                    eval_metrics["rule_reward_mean"] = rule.mean().item()
+                if env_class:  # the environment's reward of each episode
+                    rewards = torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
+                else:
+                    rule = torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
+                    rewards = args.rule_reward_weight * rule
+                    if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
+                        eval_metrics["rule_reward_mean"] = rule.mean().item()
             if reward_model is not None:
                 with timer("reward_model"):
                     scores = reward_model.score([items[i]["prompt"] for i in order], texts, info.device)
@@ -577,6 +617,7 @@ def main():
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
         check_finite("rewards", rewards, step=step)
+        eval_metrics.update(episode_metrics(samples))  # --env: turns, tool calls/errors/timeouts, env_reward
         empty = None if warned_empty else empty_responses_warning(samples, step)
         if empty:  # nothing to reward, nothing to learn: what to check
             print0(empty)
@@ -670,7 +711,7 @@ def main():
         advantages, batch["returns"] = gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
         batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
         if teacher is not None:  # on-policy distillation (common/rl/distill.py), after GAE: each token its own return
-            no_reward = args.rule_reward_weight == 0 and reward_model is None
+            no_reward = args.rule_reward_weight == 0 and reward_model is None and not env_class
             if no_reward and not (reference is not None and args.kl_mode == "reward"):  # pure distillation: no task
                 batch["advantages"].zero_()  # term (whitened values of a critic fitting zero returns are noise)
             batch["advantages"] += distill_advantages(

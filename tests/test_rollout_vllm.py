@@ -7,8 +7,9 @@ shapes of vLLM 0.26's API that VLLMEngine relies on (LLM.generate returning, per
 outputs[0].token_ids / finish_reason / FlatLogprobs with the sampled token first; the
 in-process model handle; sleep / wake_up). It checks our glue, not vLLM:
 replica arithmetic, eos ids (none: ignore_eos), prompt-major order, one request and seed per
-sample, logprob extraction, the sleep/wake/sync state machine, and that a failing weight load
-still drains the producer (whose collectives every rank must finish). Agreement with the real vLLM is
+sample, logprob extraction, the sleep/wake/sync state machine, that a failing weight load
+still drains the producer (whose collectives every rank must finish), and agentic turns as one
+request each (llm_engine.add_request / step) or, lock-step, in waves. Agreement with the real vLLM is
 tests/gpu/test_vllm_agreement.py.
 """
 
@@ -354,3 +355,63 @@ def test_stacked_experts_are_copied_like_single_ones(engine, monkeypatch, tp_ran
     with pytest.raises(RuntimeError):  # FakeMoEModel's loader ignores them: reported as not written
         engine.update_weights([(other, ExpertBlock(other, 0, fc1, fc2, names))])
     assert engine.llm.model.seen == [f"{other}.{e}.{p}.weight" for e in range(3) for p in names]
+
+
+class FakeRequestEngine:
+    """vLLM's LLMEngine as VLLMEngine.add_turn / finished_turns use it: add_request queues; each step()
+    finishes the oldest request (tokens [65, 2], 2 = eos), FINAL_ONLY outputs of finished requests only."""
+
+    def __init__(self, engine_core):
+        self.engine_core, self.added, self.queue = engine_core, [], []
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, prompt["prompt_token_ids"], params))
+        self.queue.append(request_id)
+
+    def step(self):
+        if not self.queue:
+            return []
+        request_id = self.queue.pop(0)
+        flat = types.SimpleNamespace(start_indices=[0, 1], token_ids=[65, 2], logprobs=[-0.5, -0.25])
+        done = types.SimpleNamespace(token_ids=[65, 2], logprobs=flat, finish_reason="stop")
+        return [types.SimpleNamespace(request_id=request_id, finished=True, outputs=[done])]
+
+
+def test_agentic_turns_request_by_request(engine, monkeypatch):
+    """Episodes (common/rollout/episodes.py) on VLLMEngine at rollout TP 1: each turn is one request of
+    the episode's ids so far with the sampled token's logprob; at TP > 1 (or lockstep_turns) turns
+    run in waves through generate."""
+    from common.env.base import Environment, Step
+    from common.env.chat import ChatCodec
+    from common.rollout.episodes import run_episodes
+    from common.run.embedded import build_tokenizer
+
+    monkeypatch.setitem(
+        sys.modules,
+        "vllm.sampling_params",
+        types.SimpleNamespace(RequestOutputKind=types.SimpleNamespace(FINAL_ONLY=2)),
+    )
+    engine.llm.llm_engine = FakeRequestEngine(engine.llm.llm_engine.engine_core)
+    engine.update_weights([("a", torch.ones(2)), ("b", torch.ones(3))])
+
+    class TwoTurns(Environment):
+        def step(self, text):
+            self.turns = getattr(self, "turns", 0) + 1
+            return Step(done=self.turns == 2, reward=1.0, observation=[{"role": "user", "content": "again"}])
+
+    codec = ChatCodec(build_tokenizer())
+    kwargs = dict(n=1, temperature=1.0, top_p=1.0, max_tokens=8, max_turns=4, max_episode_tokens=200, seed=3)
+    samples = run_episodes(engine, codec, TwoTurns, [{"prompt": "a"}, {"prompt": "b"}], step_timeout_s=5, **kwargs)
+    added = engine.llm.llm_engine.added
+    assert len(added) == 4 and len({request_id for request_id, _, _ in added}) == 4
+    assert all(
+        p.logprobs == 0 and p.output_kind == 2 and p.max_tokens == 8 and p.stop_token_ids == [2] for *_, p in added
+    )
+    for s in samples:
+        assert s.episode["turns"] == 2 and s.response_logprobs[:2] == [-0.5, -0.25]
+        turn2 = s.response_mask.index(1, 2)  # the second turn's first token
+        assert (s.prompt_ids + s.response_ids[:turn2]) in [prompt for _, prompt, _ in added]
+    engine.lockstep_turns = True  # the lock-step baseline: waves through llm.generate, no request of its own
+    before = len(engine.llm.requests)
+    run_episodes(engine, codec, TwoTurns, [{"prompt": "a"}], step_timeout_s=5, **kwargs)
+    assert len(added) == 4 and len(engine.llm.requests) == before + 2

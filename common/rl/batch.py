@@ -45,9 +45,12 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8, routes=False
     counts and router-bias updates leave the padding out (schedule.run_micro_batches passes it to
     megatron as padding_mask). A sample whose engine returned no logprobs (NaN, see
     RolloutEngine.generate's logprob_samples) has rollout_logprobs 0 and rollout_mask 0;
-    elsewhere rollout_mask == mask. T is `length` if given, else the longest sequence rounded up
-    to length_multiple (sequence parallelism needs T % tp == 0; the pipeline needs one
-    T for all micro-batches of a step).
+    elsewhere rollout_mask == mask. An agentic episode's Sample.response_mask
+    (common/rollout/episodes.py) zeroes its observations' tokens in mask (so in the loss, KL,
+    entropy, the critic's values and rollout_mask) and response_len counts the model's tokens
+    only. T is `length` if given, else the longest sequence rounded up to length_multiple
+    (sequence parallelism needs T % tp == 0; the pipeline needs one T for all micro-batches
+    of a step).
     routes: also routes (B, T, M, k) int16 from each sample's Sample.routes (routing replay,
     common/model/routing_replay.py): the experts of the tokens the engine ran, -1 elsewhere
     (the last token, the padding); ValueError if a sample has none.
@@ -64,7 +67,8 @@ def pack_sequences(samples, pad_id, length=None, length_multiple=8, routes=False
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         # logits at position t predict token t+1: response token j sits at p+j, predicted at p+j-1
-        mask[i, p - 1 : p + r - 1] = 1.0
+        model_tokens = getattr(s, "response_mask", None)  # None: every response token is the model's
+        mask[i, p - 1 : p + r - 1] = 1.0 if model_tokens is None else torch.tensor(model_tokens, dtype=torch.float)
         rollout_logprobs[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs, dtype=torch.float)
     targets = torch.roll(tokens, shifts=-1, dims=1)
     positions = torch.arange(length).expand(batch, length)

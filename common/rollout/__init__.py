@@ -8,6 +8,7 @@
     lengths.py        a benchmark's response lengths, drawn from a distribution (fixed, uniform, lognormal)
     weight_replay.py  a weight loader's writes recorded once and replayed each sync
     evaluate.py       validation: greedy or sampled answers on held-out prompts, scored
+    episodes.py       agentic episodes: many multi-turn episodes at once on an engine, token-in token-out
 
-May import common.model and common.rl (not common.train or common.run).
+May import common.env, common.model and common.rl (not common.train or common.run).
 """

@@ -41,6 +41,11 @@ class Sample:
     # each token the engine ran went to in each of the model's M MoE layers (all but the last
     # token, which it sampled and never ran); for routing replay (common/rollout/routes.py)
     routes: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # agentic episodes (common/rollout/episodes.py): one per response token, 1 where the model sampled it,
+    # 0 on an observation's tokens (tool output, feedback: out of the loss, the KL and the entropy); None: all 1
+    response_mask: list[int] | None = None
+    # agentic episodes: the episode's reward and counts (turns, tool_calls, ...), for the step's metrics
+    episode: dict | None = field(default=None, compare=False)
 
 
 # --rollout-logprobs: which samples bring the engine's own logprobs (generate's logprob_samples)
@@ -152,6 +157,40 @@ class RolloutEngine:
         ignored, max_tokens unused; finish_reason "length".
         return_routes: each Sample also carries its MoE routes (Sample.routes)."""
         raise NotImplementedError
+
+    # Turns of agentic episodes (common/rollout/episodes.py): add_turn queues one request, finished_turns
+    # returns those done. This default runs the queued turns in one generate call per wave, the
+    # whole wave seeded by its first turn (the driver waits for every pending environment step
+    # first, so a seeded run replays exactly); VLLMEngine overrides both with vLLM's request-level
+    # API, so an episode waiting for its tool holds up no other episode's generation.
+    turns_in_waves = True
+
+    def add_turn(self, key, prompt_ids, max_tokens, temperature, top_p, seed):
+        """Queue one turn: sample at most max_tokens after prompt_ids (ids, not text), with logprobs."""
+        self.__dict__.setdefault("_queued_turns", []).append(
+            (key, list(prompt_ids), max_tokens, temperature, top_p, seed)
+        )
+
+    def finished_turns(self):
+        """[(key, Sample)] of turns done (the Sample's prompt_ids are the turn's prompt); blocks until
+        at least one is done while any is queued; [] when none is."""
+        queued, self._queued_turns = self.__dict__.get("_queued_turns", []), []
+        done = []
+        for params in dict.fromkeys((t, p) for _, _, _, t, p, _ in queued):  # one call per sampling setting
+            wave = [q for q in queued if (q[3], q[4]) == params]
+            samples = self.generate(
+                [q[1] for q in wave],
+                n=1,
+                temperature=params[0],
+                top_p=params[1],
+                max_tokens=max(q[2] for q in wave),
+                seed=wave[0][5],
+            )
+            for (key, _, max_tokens, *_), s in zip(wave, samples):
+                if len(s.response_ids) > max_tokens:  # a shorter budget than the wave's: cut, as the engine would
+                    s = Sample(s.prompt_ids, s.response_ids[:max_tokens], s.response_logprobs[:max_tokens], "length")
+                done.append((key, s))
+        return done
 
     def score(self, samples: list[Sample]) -> list[list[float]]:
         """log_softmax(logits)[token] of every response token of each sample at temperature 1

@@ -382,3 +382,35 @@ class SyntheticArithmetic:
 def synthetic_prompts(num_items=1000, seed=0, **difficulty):
     """The train set of the embedded default: num_items SyntheticArithmetic items."""
     return SyntheticArithmetic(seed, **difficulty).make(num_items)
+
+
+def env_prompts(env_class, items, tokenizer, *, seed, max_episode_tokens, tool_timeout_s, tool_output_chars):
+    """--env's (items, first prompt ids, make_env, codec): `items` (--data's rows), or without them
+    the environment's own (its make_items, seeded); make_env() a new episode's environment with the
+    run's tool limits; codec the chat template with the environment's tools (common/env/chat.py).
+    Items whose first prompt leaves no room for a turn within max_episode_tokens are dropped; none
+    left, or no items at all, is a UsageError."""
+    from common.env.base import configured
+    from common.env.chat import ChatCodec
+    from common.run.dist import print0
+    from common.train.guard import UsageError
+
+    if items is None:
+        if not hasattr(env_class, "make_items"):
+            raise UsageError(f"--env {env_class.__name__} makes no items of its own (no make_items): pass --data")
+        items = env_class.make_items(1000, seed)
+    make_env = configured(env_class, tool_timeout_s=tool_timeout_s, tool_output_chars=tool_output_chars)
+    try:
+        codec = ChatCodec(tokenizer, tools=env_class.tools)
+        prompt_ids = [codec.prompt_ids(make_env().reset(item)) for item in items]
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--env {env_class.__name__}: {type(e).__name__}: {e}") from None
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) < max_episode_tokens]
+    if not keep:
+        raise UsageError(
+            f"--env: every first prompt fills --max-episode-tokens {max_episode_tokens} (the shortest has "
+            f"{min(map(len, prompt_ids))} tokens): raise it"
+        )
+    if len(keep) < len(items):
+        print0(f"--env: dropped {len(items) - len(keep)} of {len(items)} items whose first prompt leaves no room")
+    return [items[i] for i in keep], [prompt_ids[i] for i in keep], make_env, codec

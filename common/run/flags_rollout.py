@@ -205,3 +205,81 @@ def distill_flags(p):
         help="--teacher: weight of the per-token distillation advantage against the task advantage (> 0)",
     )
     return g
+
+
+def env_flags(p):
+    """Agentic episodes: an environment answers the model's turns (docs/agentic.md)."""
+    g = p.add_argument_group("agentic episodes (docs/agentic.md)")
+    g.add_argument(
+        "--env",
+        default=None,
+        metavar="NAME|FILE.py:CLASS",
+        help=(
+            "multi-turn episodes: the environment answers each turn with an observation (tool output, feedback) "
+            "or ends the episode with the reward, which replaces the rule-based one. Built in: game (guess a "
+            "digit, told the digit after a miss; needs no --data), game-direction (told higher / lower), python "
+            "(Python interpreter for math: the model calls a python tool in <tool_call> blocks, its code runs in "
+            "the sandbox, the final answer is scored against --data's answers by the math reward); or your own "
+            "common.env.base.Environment subclass CLASS in FILE.py. --max-new-tokens is then per turn"
+        ),
+    )
+    g.add_argument("--max-turns", type=int, default=4, help="--env: model turns per episode at most")
+    g.add_argument(
+        "--max-episode-tokens",
+        type=int,
+        default=None,
+        help=(
+            "--env: the episode's context at most, first prompt + turns + observations (tokens); an episode that "
+            "reaches it ends, marked truncated (default: the model's max_position_embeddings)"
+        ),
+    )
+    g.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=10.0,
+        help=(
+            "--env: seconds a tool call may run (the sandbox kills the code then); an environment step still "
+            "running 2 s after it is answered with an error observation and the episode goes on"
+        ),
+    )
+    g.add_argument(
+        "--tool-workers",
+        type=int,
+        default=32,
+        help=(
+            "--env: environment steps (tool calls) running at once, each in a thread; the others wait for a free "
+            "one (--tool-timeout counts from a step's start)"
+        ),
+    )
+    g.add_argument(
+        "--tool-output-chars",
+        type=int,
+        default=4096,
+        help="--env: a tool's output is cut to this many characters (the model is told how many were cut)",
+    )
+    return g
+
+
+def check_env_flags(args):
+    """--env's flags against the rest (ValueError: what to change)."""
+    if not args.env:
+        return
+    if min(args.max_turns, args.tool_timeout, args.tool_output_chars, args.tool_workers) <= 0:
+        raise ValueError(
+            f"--max-turns {args.max_turns}, --tool-timeout {args.tool_timeout}, --tool-output-chars "
+            f"{args.tool_output_chars}, --tool-workers {args.tool_workers}: each must be positive"
+        )
+    if args.max_episode_tokens is not None and args.max_episode_tokens < 2:
+        raise ValueError(f"--max-episode-tokens {args.max_episode_tokens} leaves no room for a prompt and a turn")
+    for flag, value in (
+        ("--reward", args.reward),
+        ("--overlong-buffer", getattr(args, "overlong_buffer", 0)),
+        ("--bench-response-lengths", getattr(args, "bench_response_lengths", None)),
+    ):
+        if value:
+            raise ValueError(f"{flag} applies to single-turn responses: the environment of --env gives the reward")
+    if getattr(args, "routing_replay", "none") == "rollout":
+        raise ValueError(
+            "--routing-replay rollout replays the engine's routes of single-turn samples; with --env use "
+            "--routing-replay old (or none)"
+        )

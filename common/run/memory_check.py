@@ -72,6 +72,8 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
     else:
         engine = "hf"
     max_len = args.max_prompt_len + args.max_new_tokens  # prompts longer are dropped (common/run/data.py)
+    if getattr(args, "env", None):  # --env: an episode's whole context (first prompt, turns, observations)
+        max_len = args.max_episode_tokens or spec.max_position_embeddings
     update_tokens = args.micro_batch_tokens or args.micro_batch_size * max_len
     lp_size, lp_tokens = logprob_micro_batching(args)
     dp = world // (args.tp * args.pp * args.cp)

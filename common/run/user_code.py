@@ -1,4 +1,5 @@
-"""The one door for user code: a reward function named on the command line as FILE.py:NAME.
+"""The one door for user code: a reward function (--reward FILE.py:NAME) or an environment of agentic
+episodes (--env FILE.py:CLASS, or a built-in's name: load_env; docs/agentic.md) named on the command line.
 
     reward_fn = load_reward("my_rewards.py:short_answers")   # at start-up; UsageError (exit 2) if unusable
     reward = reward_fn(response, answer)                      # per sample, a float
@@ -20,6 +21,7 @@ to a sandbox or a service): each value it returns is checked instead, and one th
 finite number stops the run with a UsageError saying which.
 """
 
+import importlib
 import importlib.util
 import inspect
 import math
@@ -86,3 +88,35 @@ def load_reward(spec):
         return float(value)
 
     return reward
+
+
+# --env's built-in environments by name: (module, class)
+BUILTIN_ENVS = {
+    "game": ("common.env.game", "GuessGame"),
+    "game-direction": ("common.env.game", "DirectionGame"),
+    "python": ("common.env.python_math", "PythonMath"),
+}
+
+
+def load_env(spec):
+    """--env NAME (built in) or FILE.py:CLASS -> the Environment class (common/env/base.py),
+    constructed once per episode with no arguments. UsageError when it cannot be used."""
+    from common.env.base import Environment
+
+    if spec in BUILTIN_ENVS:
+        module, name = BUILTIN_ENVS[spec]
+        cls = getattr(importlib.import_module(module), name)
+    elif ":" not in spec:
+        raise UsageError(f"--env {spec!r}: the built-in environments are {', '.join(BUILTIN_ENVS)}; or FILE.py:CLASS")
+    else:
+        cls = load_user_function(spec, "--env", ())
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise UsageError(
+                f"--env {spec}: {spec.rpartition(':')[2]} is not a subclass of common.env.base.Environment "
+                "(docs/agentic.md shows one)"
+            )
+    try:
+        cls.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return cls

@@ -54,6 +54,10 @@ run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
 # on-policy distillation: a 1.5B-shaped student, a 7B-shaped teacher (4.9x), both scripts, phase times and memory
 run "distill 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_distill_gpu.py
+# MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
+run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
+# agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py
+run "agentic"                600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_agentic_gpu.py
 fi
 if [ "$MODE" = all ] || [ "$MODE" = quick ] || [ "$MODE" = exit ]; then
 # exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU); then
@@ -72,6 +76,7 @@ if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   # experts over EP) against one vLLM engine over both GPUs (experts TP-sharded there)
   run "moe EP=2, rollout TP=2"           400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2
   run "deepseek EP=2, rollout TP=2"      400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2
+  run "routing replay EP=2"              600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-2 or deepseek-2"
   # the other token dispatcher (common/model/moe.py DeviceSortDispatcher; the tests' batches have equal
   # sizes on both ranks, which it needs: bench/train.py --ab allgather measures it)
   run "moe EP=2 allgather, rollout TP=2" 400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2 --moe-dispatcher allgather

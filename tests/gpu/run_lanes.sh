@@ -5,6 +5,8 @@
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group but one test, in two lanes of two GPUs (~8 min)
 #   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases
 #                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
+# The routing-replay entries (~10 min each) are not in the lanes: a call each,
+#   ONLY=routing bash tests/gpu/run_all.sh 1gpu; ONLY=routing bash tests/gpu/run_all.sh 2gpu
 # Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u

@@ -2,8 +2,11 @@
 
     python -m pytest -q -s tests/gpu/test_routing_replay_gpu.py     (GPU machine, stack of shared/device)
 
+Each launch takes ~2.5 min on an H200 (vLLM start with CUDA graphs ~60 s, the first step, the final
+save): run_all.sh runs the one-GPU cases in one entry and the EP=2 cases in another (~10 min each).
+
 Random Qwen3-MoE- and DeepSeek-V3-shaped models (tests/gpu/test_moe_gpu.py, test_deepseek_gpu.py: bf16,
-their weight scales) with the embedded byte-level tokenizer; two GRPO steps each, every sample's engine
+their weight scales) with the embedded byte-level tokenizer; one GRPO step each, every sample's engine
 logprobs requested (--rollout-logprobs all), with --routing-replay none and rollout, on one GPU and, with
 two, at EP=2 (one vLLM engine per GPU). Read from metrics.jsonl: logprob_mismatch (mean |engine - trainer|
 over the sampled tokens) and, under replay, route_mismatch(_update): the share of (token, MoE layer)
@@ -24,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 ARGS = [
-    "--steps", "2", "--prompts-per-step", "32", "--samples-per-prompt", "4", "--max-new-tokens", "64",
+    "--steps", "1", "--prompts-per-step", "32", "--samples-per-prompt", "4", "--max-new-tokens", "64",
     "--rollout-logprobs", "all", "--save-every", "0",
 ]  # fmt: skip
 RESULTS = {}

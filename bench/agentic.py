@@ -1,0 +1,142 @@
+"""Benchmark multi-turn agentic rollouts against single-turn generation, same engine, same run.
+
+    python bench/agentic.py --shape qwen2-1.5b                       # 1 GPU (vLLM)
+    python bench/agentic.py --shape tiny --episodes 4 --turns 2 --turn-tokens 4 --tool-ms 10 --reps 1   # CPU smoke
+
+Random weights of a Qwen2 shape (bench/harness.py) in the run's engine (VLLMEngine on a GPU, built
+with eos_token_ids=[] so that every turn has exactly --turn-tokens tokens; HFEngine on a CPU).
+--episodes episodes, each --turns turns of --turn-tokens tokens (common/rollout/episodes.py),
+whose environment sleeps --tool-ms before answering each turn with a short tool message, against:
+
+  single     engine.generate of the same first prompts, one sample each, --turns x --turn-tokens
+             tokens, logprobs on (the episodes ask for them too): the same generated tokens in one turn
+  episodes   the episodes as train_grpo.py --env runs them: at rollout TP 1 on vLLM each turn is its
+             own request, added when its observation is ready (tool time hidden behind the others'
+             decoding)
+  lockstep   the same episodes in waves (VLLMEngine.lockstep_turns): every tool waited for, then all
+             the ready turns generate together (the CPU engine always runs so)
+
+tokens/s counts the model's tokens only. Paired rounds (harness.run_pairs), one warm-up pair.
+Reported: episodes / single and lockstep / single, median of the per-pair ratios with min and max.
+Target (docs/agentic.md): episodes >= 0.9x single with 100 ms tools.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir  # noqa: E402
+
+from common.env.base import Environment, Step  # noqa: E402
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen2-1.5b", help="model shape (bench/harness.py)")
+    p.add_argument("--episodes", type=int, default=256, help="episodes per rollout")
+    p.add_argument("--turns", type=int, default=4, help="model turns per episode")
+    p.add_argument("--turn-tokens", type=int, default=128, help="tokens per turn (EOS ignored)")
+    p.add_argument("--prompt-len", type=int, default=64, help="characters of the first user message")
+    p.add_argument("--tool-ms", type=float, default=100.0, help="milliseconds each environment step sleeps")
+    p.add_argument("--reps", type=int, default=3, help="timed pairs per comparison (after one warm-up pair)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share of the GPU")
+    return p
+
+
+class SleepingTool(Environment):
+    """Answers every turn after --tool-ms with a short tool message (the driver's --max-turns ends it)."""
+
+    delay_s = 0.1
+
+    def step(self, text):
+        time.sleep(self.delay_s)
+        return Step(observation=[{"role": "tool", "content": "ok"}], tool_calls=1)
+
+
+def main():
+    args = build_parser().parse_args()
+    import torch
+
+    from common.env.chat import ChatCodec
+    from common.rollout.episodes import run_episodes
+    from common.run.dist import init_distributed, print0
+    from common.run.embedded import build_tokenizer
+
+    info = init_distributed(tp=1)
+    on_gpu = info.device.type == "cuda"
+    hf_dir = shared_config_dir(args.shape, "bench_agentic_", info.master_process, with_weights=True)
+    # the chat template's observation and header tokens: the embedded byte tokenizer (ids < 259 exist in every shape)
+    codec = ChatCodec(build_tokenizer())
+    SleepingTool.delay_s = args.tool_ms / 1000
+    items = [{"prompt": "q" * args.prompt_len} for _ in range(args.episodes)]
+    prompts = [codec.prompt_ids(SleepingTool().reset(item)) for item in items]
+    context = max(map(len, prompts)) + args.turns * (args.turn_tokens + 32)  # (+ the observations)
+    if on_gpu:
+        from common.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(
+            hf_dir,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=context,
+            eos_token_ids=[],
+            load_format="auto",
+        )
+    else:
+        from common.rollout.hf_engine import HFEngine
+
+        engine = HFEngine(hf_dir, dtype=torch.float32, eos_token_ids=[], max_model_len=context)
+    sampling = dict(temperature=1.0, top_p=1.0)
+
+    def single(pair):
+        start = time.perf_counter()
+        samples = engine.generate(prompts, n=1, max_tokens=args.turns * args.turn_tokens, seed=pair, **sampling)
+        return dict(tokens=sum(len(s.response_ids) for s in samples), seconds=time.perf_counter() - start)
+
+    def episodes(pair, lockstep=False):
+        engine.lockstep_turns = lockstep  # (HFEngine: waves either way)
+        start = time.perf_counter()
+        samples = run_episodes(
+            engine,
+            codec,
+            SleepingTool,
+            items,
+            n=1,
+            max_tokens=args.turn_tokens,
+            max_turns=args.turns,
+            max_episode_tokens=context,
+            step_timeout_s=60,
+            seed=pair,
+            **sampling,
+        )
+        seconds = time.perf_counter() - start
+        engine.lockstep_turns = False
+        return dict(tokens=sum(sum(s.response_mask) for s in samples), seconds=seconds)
+
+    result = dict(vars(args), engine="vllm" if on_gpu else "cpu")
+    for name, side in (("episodes", episodes), ("lockstep", lambda pair: episodes(pair, lockstep=True))):
+        multi, base = run_pairs(side, single, args.reps)
+        equal = all(m["tokens"] == b["tokens"] for m, b in zip(multi, base))
+        stats = paired_ratios([m["tokens"] / m["seconds"] for m in multi], [b["tokens"] / b["seconds"] for b in base])
+        result[f"{name}_tokens"] = multi[0]["tokens"]
+        result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
+        result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
+        result[f"{name}_tok_s"], result["single_tok_s"] = stats["a_median"], stats["b_median"]
+        print0(
+            f"{name}: {stats['a_median']:.0f} tok/s, single-turn {stats['b_median']:.0f} tok/s: "
+            f"{stats['median']:.3f}x (min {stats['min']:.3f}, max {stats['max']:.3f})"
+            + ("" if equal else "; UNEQUAL token counts, no ratio")
+        )
+    print0("BENCH_JSON " + json.dumps(result))
+    sys.stdout.flush()
+    unequal = result["episodes_over_single"] is None or result["lockstep_over_single"] is None
+    os._exit(1 if unequal else 0)  # os._exit: vLLM's in-process engine can block interpreter exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Agentic episodes: many multi-turn episodes at once on a rollout engine, token-in token-out.
+
+    samples = run_episodes(engine, codec, make_env, items, n=8, max_tokens=256, max_turns=4, ...)
+
+Each of the len(items) * n episodes (prompt-major, as RolloutEngine.generate orders samples) starts
+from its item's messages (env.reset), and then, turn after turn: the engine samples a turn after
+the episode's ids so far; the environment answers the decoded turn (env.step, in a worker thread,
+at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once
+as the chat template continues (common/env/chat.py), or ends the episode with its reward. An
+episode whose environment is busy holds up no other: its next turn is queued when its observation
+is ready (engine.add_turn / finished_turns; the CPU engine runs the queued turns in waves, vLLM
+request by request).
+
+The Sample of an episode: prompt_ids = the first prompt; response_ids = every id after it (model
+turns and observations, exactly as the engine was given and produced them); response_mask 1 on
+the model's tokens, 0 on the observations'; response_logprobs the engine's logprob of each model
+token (NaN on observations); finish_reason "length" when a budget ended it (--max-turns, the
+episode's tokens, the turn's --max-new-tokens on the last turn), else the last turn's; episode =
+dict(reward, turns, tool_calls, tool_errors, tool_timeouts, tool_s, episode_tokens).
+
+An environment step that raises or outlives step_timeout_s answers with an error observation (the
+model reads it; the run goes on). A budget that ends an episode keeps its last reward.
+"""
+
+import collections
+import math
+import threading
+import time
+from concurrent.futures import Future
+
+from common.env.base import Step, error_step
+from common.rollout.engine import Sample
+
+EPISODE_METRICS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_s", "episode_tokens")
+
+
+class _Episode:
+    def __init__(self, env, prompt_ids, seed):
+        self.env, self.prompt_ids, self.seed = env, prompt_ids, seed
+        self.ids, self.mask, self.logprobs = [], [], []  # everything after the prompt
+        self.counts = dict.fromkeys(EPISODE_METRICS, 0)
+        self.reward, self.finish_reason, self.done = 0.0, "stop", False
+        self.pending = None  # (Future of env.step, deadline, the turn's stop id) while the environment works
+
+    def end(self, finish_reason):
+        self.done, self.finish_reason = True, finish_reason
+
+
+def _start_step(env, text):
+    """env.step(text) in a daemon thread (one that hangs for good is left behind, not joined at exit)."""
+    future = Future()
+
+    def target():
+        try:
+            future.set_result(env.step(text))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=target, daemon=True).start()
+    return future
+
+
+def run_episodes(
+    engine,
+    codec,
+    make_env,
+    items,
+    *,
+    n,
+    temperature,
+    top_p,
+    max_tokens,
+    max_turns,
+    max_episode_tokens,
+    step_timeout_s,
+    seed,
+    max_workers=32,
+):
+    """Run len(items) * n episodes to their ends -> Samples (module docstring). make_env() -> a new
+    Environment per episode; codec: a common.env.chat.ChatCodec of the engine's tokenizer;
+    max_workers: environment steps running at once (threads; the others wait their turn, and
+    step_timeout_s counts from a step's start)."""
+    tokenizer = codec.tokenizer
+    episodes = []
+    for i, item in enumerate(items):
+        for j in range(n):
+            env = make_env()
+            prompt_ids = codec.prompt_ids(env.reset(item))
+            if len(prompt_ids) >= max_episode_tokens:
+                raise ValueError(
+                    f"the first prompt of item {i} has {len(prompt_ids)} tokens, which leaves no room for a turn "
+                    f"within --max-episode-tokens {max_episode_tokens}: raise it"
+                )
+            episodes.append(_Episode(env, prompt_ids, seed * 100_003 + 7919 * (i * n + j)))
+    turn = [0] * len(episodes)  # turns sampled so far, per episode (the turn's seed)
+    in_engine = set()  # episodes whose turn the engine has
+    waiting, running = collections.deque(), set()  # episodes whose environment step waits for a worker / runs
+
+    def queue(k):
+        e = episodes[k]
+        room = max_episode_tokens - len(e.prompt_ids) - len(e.ids)
+        engine.add_turn(k, e.prompt_ids + e.ids, min(max_tokens, room), temperature, top_p, e.seed + turn[k])
+        in_engine.add(k)
+        turn[k] += 1
+
+    def turn_done(k, s):
+        e = episodes[k]
+        e.ids += s.response_ids
+        e.mask += [1] * len(s.response_ids)
+        e.logprobs += list(s.response_logprobs)
+        e.counts["turns"] += 1
+        if s.finish_reason == "length" and len(e.prompt_ids) + len(e.ids) >= max_episode_tokens:
+            return e.end("length")  # the episode's context is full: no room for an observation and a turn
+        stop_id = s.response_ids[-1] if s.finish_reason == "stop" else None
+        text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        e.pending = dict(future=None, text=text, stop_id=stop_id, finish=s.finish_reason)
+        waiting.append(k)  # its environment step starts when a worker is free
+        start_steps()
+
+    def start_steps():
+        while waiting and len(running) < max_workers:
+            k = waiting.popleft()
+            e, now = episodes[k], time.time()
+            e.pending.update(future=_start_step(e.env, e.pending["text"]), started=now, deadline=now + step_timeout_s)
+            running.add(k)
+
+    def step_done(k, step, seconds):
+        e = episodes[k]
+        stop_id, finish = e.pending["stop_id"], e.pending["finish"]
+        e.pending = None
+        e.counts["tool_s"] += seconds
+        for name in ("tool_calls", "tool_errors", "tool_timeouts"):
+            e.counts[name] += getattr(step, name)
+        e.reward = float(step.reward)
+        if step.done or not step.observation:
+            return e.end(finish)
+        if e.counts["turns"] >= max_turns:
+            return e.end("length")
+        obs = codec.observation_ids(step.observation, stop_id)
+        if len(e.prompt_ids) + len(e.ids) + len(obs) >= max_episode_tokens:
+            return e.end("length")  # the observation would leave no room for another turn
+        e.ids += obs
+        e.mask += [0] * len(obs)
+        e.logprobs += [math.nan] * len(obs)
+        queue(k)
+
+    def poll_steps(wait_all):
+        """Handle the environment steps that finished (or timed out), start waiting ones in the freed
+        workers; with wait_all, until none is left."""
+        while running:
+            for k in sorted(running):
+                future, deadline = episodes[k].pending["future"], episodes[k].pending["deadline"]
+                if not wait_all and not future.done() and time.time() < deadline:
+                    continue
+                try:
+                    step = future.result(timeout=max(0.0, deadline - time.time()))
+                except TimeoutError:  # the thread is left behind (daemon); its worker is given to another step
+                    step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
+                    step.tool_errors, step.tool_timeouts = 0, 1
+                except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
+                    step = error_step(f"{type(e_).__name__}: {e_}")
+                if not isinstance(step, Step):
+                    step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
+                running.discard(k)
+                step_done(k, step, time.time() - episodes[k].pending["started"])
+                start_steps()
+            if not wait_all:
+                return
+
+    for k in range(len(episodes)):
+        queue(k)
+    while in_engine or any(e.pending for e in episodes):
+        if engine.turns_in_waves:  # lock-step: every pending environment step first, then one wave
+            poll_steps(wait_all=True)
+        if in_engine:
+            for k, s in engine.finished_turns():  # vLLM: one engine step's finished requests (maybe none)
+                in_engine.discard(k)
+                turn_done(k, s)
+        else:
+            time.sleep(0.001)  # only environments are busy
+        poll_steps(wait_all=False)
+    samples = []
+    for e in episodes:
+        episode = dict(e.counts, reward=e.reward, episode_tokens=len(e.prompt_ids) + len(e.ids))
+        samples.append(Sample(e.prompt_ids, e.ids, e.logprobs, e.finish_reason, response_mask=e.mask, episode=episode))
+    return samples
+
+
+def episode_metrics(samples):
+    """The step's metrics of episodes' Samples: means per episode of turns, tool calls, errors,
+    timeouts, tool seconds, tokens, and the environment's reward."""
+    episodes = [s.episode for s in samples if s.episode is not None]
+    if not episodes:
+        return {}
+    mean = {name: sum(e[name] for e in episodes) / len(episodes) for name in EPISODE_METRICS}
+    return {
+        "turns_per_episode": mean["turns"],
+        "tool_calls": mean["tool_calls"],
+        "tool_errors": mean["tool_errors"],
+        "tool_timeouts": mean["tool_timeouts"],
+        "tool_s": mean["tool_s"],
+        "episode_tokens": mean["episode_tokens"],
+        "env_reward": sum(e["reward"] for e in episodes) / len(episodes),
+    }

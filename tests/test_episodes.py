@@ -1,0 +1,300 @@
+"""The episode driver (common/rollout/episodes.py): token-in token-out on the supported chat templates,
+masks and logprobs through batch packing, budgets, environments that hang or raise, and an episode
+waiting for its environment holding up no other on a request-level engine.
+
+    .venv/bin/python -m pytest -x -q tests/test_episodes.py
+"""
+
+import math
+import time
+
+import pytest
+
+from common.env.base import Environment, Step
+from common.env.chat import ChatCodec
+from common.rl.batch import pack_sequences
+from common.rollout.engine import RolloutEngine, Sample
+from common.rollout.episodes import episode_metrics, run_episodes
+from tests.chat_templates import END_OF_TURN, TEMPLATES, template_tokenizer
+
+LOGPROB = -0.5  # what the scripted engine reports for each token it "samples"
+
+
+class ScriptedEngine(RolloutEngine):
+    """An engine whose turns are `respond(turn) -> text` (turn: prompts given so far), encoded + the stop
+    token; it records every prompt it is given. RolloutEngine's default add_turn / finished_turns run it in waves."""
+
+    def __init__(self, tokenizer, respond, stop_id):
+        self.tokenizer, self.respond, self.stop_id, self.given = tokenizer, respond, stop_id, []
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, **_):
+        samples = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(self.respond(len(self.given)), add_special_tokens=False) + [self.stop_id]
+            self.given.append(list(prompt))
+            finish = "stop" if len(ids) <= max_tokens else "length"
+            ids = ids[:max_tokens]
+            samples.append(Sample(list(prompt), ids, [LOGPROB] * len(ids), finish))
+            self.given[-1] = (self.given[-1], ids)
+        return samples
+
+
+class ToolEnv(Environment):
+    """Two tool results, then the end (reward 1)."""
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+    def reset(self, item):
+        self.turn = 0
+        return [{"role": "user", "content": item["prompt"]}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 3:
+            return Step(done=True, reward=1.0)
+        return Step(observation=[{"role": "tool", "content": f"result {self.turn}"}], tool_calls=1)
+
+
+def turn_text(name, turn, thinking=False):
+    think = f"<think>\nstep {turn}\n</think>\n\n" if thinking else ""
+    if turn < 2:
+        return think + f'<tool_call>\n{{"name": "f", "arguments": {{"x": {turn}}}}}\n</tool_call>'
+    return think + "The answer is 3."
+
+
+def episode(name, env_class, respond, **kwargs):
+    tokenizer = template_tokenizer(name)
+    codec = ChatCodec(tokenizer, tools=env_class.tools, template_kwargs=kwargs.pop("template_kwargs", None))
+    engine = ScriptedEngine(tokenizer, respond, tokenizer.convert_tokens_to_ids(END_OF_TURN[name]))
+    options = dict(temperature=1.0, top_p=1.0, max_tokens=64, max_turns=4, max_episode_tokens=4000, step_timeout_s=5)
+    samples = run_episodes(engine, codec, env_class, [{"prompt": "Find x."}], n=1, seed=0, **dict(options, **kwargs))
+    return tokenizer, engine, samples[0]
+
+
+def turns_of(sample):
+    """[(start, end)] of the model's turns within response_ids (runs of mask 1)."""
+    runs, start = [], None
+    for t, m in enumerate(sample.response_mask + [0]):
+        if m and start is None:
+            start = t
+        if not m and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs
+
+
+def assert_engine_ids_are_the_samples(engine, sample):
+    """Turn by turn: what the engine was given is the first prompt + everything before the turn, and
+    what it produced is the turn's ids in the sample (mask 1, its logprobs; observations NaN)."""
+    runs = turns_of(sample)
+    assert len(runs) == len(engine.given)
+    for (start, end), (given, produced) in zip(runs, engine.given):
+        assert given == sample.prompt_ids + sample.response_ids[:start]
+        assert sample.response_ids[start:end] == produced
+    for t, m in enumerate(sample.response_mask):
+        assert sample.response_logprobs[t] == LOGPROB if m else math.isnan(sample.response_logprobs[t])
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_ids_equal_what_the_engine_was_given_and_produced_and_the_template_renders(name):
+    thinking = name == "qwen3"  # Qwen3 thinks first (its template adds an empty <think> to a last turn without)
+    tokenizer, engine, sample = episode(name, ToolEnv, lambda turn: turn_text(name, turn, thinking))
+    assert_engine_ids_are_the_samples(engine, sample)
+    assert sample.finish_reason == "stop" and sample.episode["turns"] == 3 and sample.episode["reward"] == 1.0
+    # ground truth: the whole conversation rendered by the template (append-only for these turns) starts with
+    # exactly these ids, followed only by what the template writes after the last end-of-turn token
+    messages = [{"role": "user", "content": "Find x."}]
+    for turn in range(3):
+        messages.append({"role": "assistant", "content": turn_text(name, turn, thinking)})
+        if turn < 2:
+            messages.append({"role": "tool", "content": f"result {turn + 1}"})
+    full = tokenizer.apply_chat_template(messages, tools=ToolEnv.tools, tokenize=False)
+    full = tokenizer.encode(full, add_special_tokens=False)
+    ours = sample.prompt_ids + sample.response_ids
+    assert full[: len(ours)] == ours
+    assert tokenizer.decode(full[len(ours) :]) == ("" if name == "llama3" else "\n")
+
+
+def test_qwen3_thinking_turns_stay_as_sampled_where_the_template_would_drop_them():
+    """Game feedback comes as user messages, so Qwen3's template re-renders earlier assistant turns
+    without their <think> blocks: the episode keeps the engine's ids, not that re-rendering."""
+
+    class Feedback(ToolEnv):
+        def step(self, text):
+            step = super().step(text)
+            if step.observation:
+                step.observation = [{"role": "user", "content": f"feedback {self.turn}"}]
+            return step
+
+    tokenizer, engine, sample = episode(
+        "qwen3",
+        Feedback,
+        lambda turn: turn_text("qwen3", turn, thinking=True),
+        template_kwargs=dict(enable_thinking=True),
+    )
+    assert_engine_ids_are_the_samples(engine, sample)
+    text = tokenizer.decode(sample.prompt_ids + sample.response_ids)
+    assert text.count("<think>\nstep") == 3  # every turn's thinking, as sampled
+    messages = [{"role": "user", "content": "Find x."}]
+    for turn in range(3):
+        messages.append({"role": "assistant", "content": turn_text("qwen3", turn, thinking=True)})
+        if turn < 2:
+            messages.append({"role": "user", "content": f"feedback {turn + 1}"})
+    rerendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rerendered.count("<think>\nstep") == 1  # what naive concatenation would have trained on
+
+
+def test_masks_and_logprobs_through_batch_packing():
+    tokenizer, engine, sample = episode("qwen2.5", ToolEnv, lambda turn: turn_text("qwen2.5", turn))
+    plain = Sample([1, 2, 3], [4, 5], [-0.1, -0.2], "stop")  # a single-turn sample in the same batch
+    batch = pack_sequences([sample, plain], pad_id=0, length_multiple=1)
+    p = len(sample.prompt_ids)
+    # target position t predicts token t + 1: response token j is predicted at p + j - 1
+    expected = [0.0] * (p - 1) + [float(m) for m in sample.response_mask]
+    assert batch["mask"][0, : len(expected)].tolist() == expected and batch["mask"][0, len(expected) :].sum() == 0
+    assert batch["rollout_mask"][0].tolist() == batch["mask"][0].tolist()  # observations carry no engine logprob
+    assert batch["rollout_logprobs"][0][batch["mask"][0] == 1].unique().tolist() == [LOGPROB]
+    assert batch["response_len"].tolist() == [sum(sample.response_mask), 2]
+    assert batch["mask"][1].tolist()[:4] == [0, 0, 1, 1]
+
+
+class Forever(Environment):
+    def step(self, text):
+        return Step(observation=[{"role": "user", "content": "again"}], reward=0.25)
+
+
+def test_budgets_end_episodes_marked_truncated():
+    tokenizer, engine, sample = episode("smollm", Forever, lambda turn: "go", max_turns=3)
+    assert sample.episode["turns"] == 3 and sample.finish_reason == "length" and sample.episode["reward"] == 0.25
+    tokenizer, engine, sample = episode("smollm", Forever, lambda turn: "go", max_episode_tokens=150)
+    assert sample.finish_reason == "length" and len(sample.prompt_ids) + len(sample.response_ids) <= 150
+    assert_engine_ids_are_the_samples(engine, sample)
+
+
+class Flaky(Environment):
+    """Turn 1 hangs (hang=True) or raises; turn 2 ends the episode."""
+
+    hang = True
+
+    def reset(self, item):
+        self.turn = 0
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 1 and self.hang:
+            time.sleep(30)
+        if self.turn == 1:
+            raise RuntimeError("tool crashed")
+        return Step(done=True, reward=1.0)
+
+
+@pytest.mark.parametrize("hang", [True, False])
+def test_an_environment_that_hangs_or_raises_answers_with_an_error_and_the_episode_goes_on(hang):
+    env_class = type("F", (Flaky,), {"hang": hang})
+    start = time.time()
+    tokenizer, engine, sample = episode("qwen2.5", env_class, lambda turn: "x", step_timeout_s=0.5)
+    assert time.time() - start < 5
+    observation = tokenizer.decode(sample.response_ids[turns_of(sample)[0][1] :])
+    expected = "did not answer within 0.5 s" if hang else "error: RuntimeError: tool crashed"
+    assert expected in observation
+    assert sample.episode["turns"] == 2 and sample.episode["reward"] == 1.0
+    assert (sample.episode["tool_timeouts"], sample.episode["tool_errors"]) == ((1, 0) if hang else (0, 1))
+    metrics = episode_metrics([sample])
+    assert (
+        metrics["turns_per_episode"] == 2 and metrics["env_reward"] == 1.0 and metrics["tool_s"] >= (0.5 if hang else 0)
+    )
+
+
+class RequestEngine(RolloutEngine):
+    """A request-level engine (as VLLMEngine): each finished_turns call is one engine step that
+    finishes the oldest queued turn; it logs the order in which turns were added."""
+
+    turns_in_waves = False
+
+    def __init__(self, stop_id):
+        self.stop_id, self.queue, self.added = stop_id, [], []
+
+    def add_turn(self, key, prompt_ids, max_tokens, temperature, top_p, seed):
+        self.queue.append((key, list(prompt_ids)))
+        self.added.append(key)
+
+    def finished_turns(self):
+        if not self.queue:
+            return []
+        key, prompt = self.queue.pop(0)
+        return [(key, Sample(prompt, [65, self.stop_id], [LOGPROB] * 2, "stop"))]
+
+
+class SlowFirst(Environment):
+    """Three turns; episode "slow" takes 1 s to answer its first."""
+
+    def reset(self, item):
+        self.slow, self.turn = item["prompt"] == "slow", 0
+        return [{"role": "user", "content": item["prompt"]}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.slow and self.turn == 1:
+            time.sleep(1.0)
+        return Step(done=self.turn == 3, observation=[{"role": "user", "content": "ok"}])
+
+
+def test_an_episode_waiting_for_its_environment_holds_up_no_other():
+    tokenizer = template_tokenizer("smollm")
+    engine = RequestEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    items = [{"prompt": "slow"}, {"prompt": "a"}, {"prompt": "b"}]
+    samples = run_episodes(
+        engine,
+        ChatCodec(tokenizer),
+        SlowFirst,
+        items,
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=8,
+        max_turns=5,
+        max_episode_tokens=500,
+        step_timeout_s=5,
+        seed=0,
+    )
+    assert [s.episode["turns"] for s in samples] == [3, 3, 3]
+    # the other episodes ran all their turns while episode 0 waited for its first observation
+    assert engine.added == [0, 1, 2, 1, 2, 1, 2, 0, 0]
+
+
+def test_the_cpu_engine_runs_queued_turns_as_one_generate_call(tmp_path):
+    """RolloutEngine's default add_turn / finished_turns on HFEngine: a wave is one generate call seeded
+    by its first turn, each turn cut at its own max_tokens (a prefix of what the wave sampled)."""
+    from common.rollout.hf_engine import HFEngine
+    from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
+
+    write_embedded_model(str(tmp_path), **EMBEDDED_MODELS["dense"])
+    engine = HFEngine(str(tmp_path), eos_token_ids=[])  # no stop token: every turn runs to its budget
+    prompts = [[257, 49, 50], [257, 51]]
+    engine.add_turn("a", prompts[0], 3, 1.0, 1.0, seed=11)
+    engine.add_turn("b", prompts[1], 5, 1.0, 1.0, seed=12)
+    done = dict(engine.finished_turns())
+    whole = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=5, seed=11)
+    assert done["a"].response_ids == whole[0].response_ids[:3] and done["a"].finish_reason == "length"
+    assert done["a"].response_logprobs == whole[0].response_logprobs[:3]
+    assert done["b"].response_ids == whole[1].response_ids and done["b"].prompt_ids == prompts[1]
+    assert engine.finished_turns() == []  # nothing queued
+
+
+class Slow(Environment):
+    def step(self, text):
+        time.sleep(0.4)
+        return Step(done=True, reward=1.0)
+
+
+def test_at_most_max_workers_steps_run_at_once_and_the_timeout_counts_from_a_steps_start():
+    tokenizer = template_tokenizer("smollm")
+    engine = RequestEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    start = time.time()
+    samples = run_episodes(
+        engine, ChatCodec(tokenizer), Slow, [{"prompt": "a"}] * 3, n=1, temperature=1.0, top_p=1.0, max_tokens=8,
+        max_turns=2, max_episode_tokens=500, step_timeout_s=0.7, seed=0, max_workers=1,
+    )  # fmt: skip
+    assert time.time() - start >= 1.2  # one after the other
+    assert [s.episode["reward"] for s in samples] == [1.0] * 3 and sum(s.episode["tool_timeouts"] for s in samples) == 0
