@@ -739,7 +739,8 @@ def main():
         if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
             batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
             with timer("teacher"), colo.frozen_model(teacher):
-                logprob_pass(teacher, all_mine, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size)
+                own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
+                logprob_pass(teacher, own_routes, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size)
             check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         memory.end("logprob")
         # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics

@@ -680,7 +680,8 @@ def main():
         if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
             batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
             with timer("teacher"), colo.frozen_model(teacher):
-                forward_pass(teacher, all_mine, teacher_logprobs_of, batch["teacher_logprobs"])
+                own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
+                forward_pass(teacher, own_routes, teacher_logprobs_of, batch["teacher_logprobs"])
             check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
         with timer("values"):
