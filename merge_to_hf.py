@@ -24,6 +24,11 @@ is full. Host memory: this rank's part of the model + one shard + two export buc
 The HF side files (config.json, tokenizer, generation_config.json) come from the first of:
 --hf-files DIR, <ckpt>/hf, <ckpt>/../hf, <ckpt>/../../hf (the run directory of a training step).
 
+A LoRA run's checkpoint (--lora-rank) holds the adapters alone and names its base in rl_meta.json: the
+base is loaded from there (or --lora-base DIR), the adapters on it, and --lora merged (default) writes the
+merged model (W + alpha/r B A), --lora peft a PEFT adapter directory (adapter_config.json +
+adapter_model.safetensors, PEFT's names) that peft and vLLM load on the base (docs/lora.md).
+
 Exit codes: 0 done, 2 bad input or disk full (a one-paragraph message, no traceback), 130
 interrupted. The output is written to <out>.incomplete and renamed to <out> at the end.
 """
@@ -49,6 +54,7 @@ from common.run.cli import (
     temporary_output,
 )
 from common.run.dist import print0
+from common.run.lora_export import load_lora_base, lora_settings, write_peft_adapter
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -95,10 +101,16 @@ def find_hf_files(ckpt, explicit):
 
 
 def stored_dtype(ckpt):
-    """The dtype the checkpoint stores the model in (read from DCP's .metadata)."""
+    """The dtype the checkpoint stores the model in (read from DCP's .metadata; a LoRA checkpoint's:
+    its adapters', the base's own)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from common.model.lora import is_adapter
+
     tensors = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    adapters = [meta for name, meta in tensors.items() if is_adapter(name)]
+    if adapters and "embedding.word_embeddings.weight" not in tensors:
+        return adapters[0].properties.dtype
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"--ckpt {ckpt} holds no GPT model weights (no embedding.word_embeddings.weight).")
     return tensors["embedding.word_embeddings.weight"].properties.dtype
@@ -201,6 +213,23 @@ def parse_args(argv=None):
         "--etp", type=int, default=1, help="expert tensor-parallel size to load the checkpoint at (MoE models)"
     )
     ap.add_argument("--bucket-mb", type=int, default=256, help="export bucket size (MB of full tensors)")
+    ap.add_argument(
+        "--lora",
+        choices=["merged", "peft"],
+        default="merged",
+        help=(
+            "a LoRA checkpoint: merged = the base with W + alpha/r B A written as a full HF model; peft = a PEFT "
+            "adapter directory (adapter_config.json, adapter_model.safetensors) for peft / vLLM on the base"
+        ),
+    )
+    ap.add_argument(
+        "--lora-base",
+        default=None,
+        help=(
+            "a LoRA checkpoint's base model: HF dir or converted megatron checkpoint (default: the one its "
+            "rl_meta.json names)"
+        ),
+    )
     return ap.parse_args(argv)
 
 
@@ -210,6 +239,9 @@ def run(args, created):
     ckpt = resolve_checkpoint(args.ckpt)
     hf_files = find_hf_files(ckpt, args.hf_files)
     spec = read_hf_spec(hf_files)
+    lora = lora_settings(ckpt, args.lora_base)  # None: a whole model
+    if args.lora == "peft" and not lora:
+        raise ConversionError(f"--lora peft: {ckpt} holds a whole model, not LoRA adapters; drop --lora peft")
     out = check_output_dir(
         args.out,
         args.force,
@@ -217,6 +249,7 @@ def run(args, created):
         lambda d: (
             os.path.isfile(os.path.join(d, "model.safetensors.index.json"))
             or os.path.isfile(os.path.join(d, "model.safetensors"))
+            or os.path.isfile(os.path.join(d, "adapter_config.json"))
         ),
     )
     max_shard_bytes = parse_size(args.max_shard_size)
@@ -255,6 +288,8 @@ def run(args, created):
     )  # (megatron: MoE + TP needs SP)
     print0(f"layers per pipeline stage: {stage_layers(chunks[0].config)}")
     try:
+        if lora:  # the base first, then the adapters on it (the checkpoint holds those alone)
+            load_lora_base(chunks, spec, lora)
         load_model_checkpoint(ckpt, chunks)  # the model part only, at this layout
     except BaseException as e:  # torch's DCP wraps the loader's errors in a BaseException
         cause = root_cause(e)
@@ -263,6 +298,14 @@ def run(args, created):
         raise
     tmp = temporary_output(out, created)
     dist.barrier()
+    if lora and args.lora == "peft":
+        write_peft_adapter(chunks, spec, lora, tmp, dtype, rank)
+        if rank == 0:
+            finish_output(tmp, out)
+            print0(f"done: {out}  (a PEFT adapter of rank {lora['rank']} on {lora['base']})")
+        created.clear()
+        dist.barrier()
+        return 0
 
     # -- stream every HF tensor; rank 0 writes a shard whenever the next tensor would overflow it
     shard, shard_bytes, files, weight_map, total_bytes, non_finite = {}, 0, [], {}, 0, []

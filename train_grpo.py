@@ -62,6 +62,7 @@ def build_parser():
         default=None,
         help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model",
     )
+    F.lora_flags(p)
     F.data_flags(p)
     F.parallel_flags(p)
     FR.rollout_flags(p, group_help="group size G", models="policy, reference")
@@ -165,6 +166,7 @@ def parse_args(argv=None):
     try:
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
+        args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
         if args.bench_response_lengths:  # checked now, drawn every step
             parse_lengths(args.bench_response_lengths, max_tokens=args.max_new_tokens)
@@ -172,6 +174,11 @@ def parse_args(argv=None):
                 raise ValueError("--bench-response-lengths sets what the engine samples: not with --load-rollouts")
     except ValueError as e:
         p.error(str(e))
+    if args.eval_only and args.lora:  # (a LoRA checkpoint holds adapters, the engine needs whole weights)
+        p.error(
+            "--eval-only with --lora-rank: merge the LoRA checkpoint first (python merge_to_hf.py --ckpt STEP --out "
+            "DIR), then --eval-only --model DIR"
+        )
     if args.eval_only and (args.start_over or args.resume == "auto" or args.load_rollouts):  # (may move --out aside)
         p.error(
             "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "
@@ -221,6 +228,7 @@ def main():
     from common.model import routing_replay as RR
     from common.model.flops import step_throughput
     from common.model.gpt import build_model, load_hf_spec
+    from common.model.lora import adapters_disabled, add_lora
     from common.model.weights import export_hf_weights, load_hf_weights
     from common.rl import batch as B
     from common.rl import dapo
@@ -358,6 +366,8 @@ def main():
         return chunks
 
     model, optimizer, scheduler = load_model(), None, None  # --eval-only: the weights alone, no optimizer
+    if args.lora:  # the base frozen, adapters (B = 0: the base itself) trained: the optimizer sees only those
+        add_lora(model, **args.lora, seed=args.seed)
     if not args.eval_only:
         model, optimizer, scheduler = setup_training(
             model,
@@ -372,10 +382,12 @@ def main():
         )
     clock.mark("policy")
     reference = None
-    if args.kl_coef > 0 and not args.eval_only:
+    if args.kl_coef > 0 and not args.eval_only and not args.lora:
         reference = load_model()
         for chunk in reference:
             chunk.eval().requires_grad_(False)
+    # with LoRA the reference is the base: the policy itself with its adapters off (no second copy)
+    use_reference = args.kl_coef > 0 and not args.eval_only
     clock.mark("reference")
     # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
     # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
@@ -462,6 +474,8 @@ def main():
     )
     clock.mark("reward model")
 
+    # LoRA's adapters are trained on this base (merge_to_hf.py loads it from here, then the adapters)
+    lora_meta = {"lora": dict(args.lora, base=args.model or hf_dir, base_mcore=args.mcore_ckpt)} if args.lora else {}
     # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
     checkpointed = [(model, optimizer)]
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message): the
@@ -721,7 +735,7 @@ def main():
         on_policy = (
             args.ppo_epochs == 1 and mini_batch == rollout_batch and not uses_old_logprobs(args.rollout_correction)
         )
-        on_policy = on_policy and not (record_routes and reference is not None)
+        on_policy = on_policy and not (record_routes and use_reference)
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         if not on_policy:
             with timer("old_logprob"):
@@ -732,9 +746,9 @@ def main():
                     all_mine = forward_only_micro_batches()
             check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
-        if reference is not None:
-            with timer("ref"), colo.frozen_model(reference):
-                logprob_pass(reference, all_mine, batch["ref_logprobs"])
+        if use_reference:  # LoRA: the policy's own chunks with the adapters off, else the frozen copy
+            with timer("ref"), adapters_disabled(model) if args.lora else colo.frozen_model(reference):
+                logprob_pass(model if args.lora else reference, all_mine, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
             batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
@@ -798,7 +812,7 @@ def main():
                         cp_group=cp_group,
                     )
                     loss = aggregate_loss(per_token, mask, args.loss_agg, **norm_mb)
-                    if reference is not None:
+                    if use_reference:
                         kl = kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
                         loss = loss + args.kl_coef * aggregate_loss(kl, mask, args.loss_agg, **norm_mb)
                     if args.entropy_coef:
@@ -815,7 +829,7 @@ def main():
                         "ppo_kl__n": n,
                         **masked,
                     }  # mean old - new
-                    if reference is not None:
+                    if use_reference:
                         metrics.update(kl=masked_sum(kl.detach(), mask), kl__n=n)
                     if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
                         rkl = reverse_kl_sum(mb["teacher_logprobs"], old, mask)
@@ -884,7 +898,8 @@ def main():
                 extra={"step": step + 1, "sampler": sampler.state_dict(), "flags": F.schedule_flags(args)},
                 keep_last=args.keep_checkpoints,
                 hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
-                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
+                # LoRA: the checkpoint holds the adapters; the base they go with is named here
+                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1, **lora_meta},
                 optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
             )
             times["save_s"] = time.time() - tick
@@ -898,7 +913,7 @@ def main():
                 spec,
                 samples,
                 times,
-                forward_passes=1 + (reference is not None) + 3 * args.ppo_epochs,
+                forward_passes=1 + use_reference + 3 * args.ppo_epochs,
                 other_models=[teacher_spec] if teacher is not None else [],  # its own size
                 world_size=info.world_size,
                 device=info.device,

@@ -63,6 +63,7 @@ def build_parser():
             "the HF weights of --model"
         ),
     )
+    F.lora_flags(p, trained="actor")
     m.add_argument(
         "--critic-model",
         default=None,
@@ -167,6 +168,7 @@ def parse_args(argv=None):
     try:
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
+        args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)
         args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
     except ValueError as e:
         p.error(str(e))
@@ -209,6 +211,7 @@ def main():
     from common.model.critic import build_critic, load_critic_weights
     from common.model.flops import step_throughput
     from common.model.gpt import build_model, load_hf_spec
+    from common.model.lora import adapters_disabled, add_lora
     from common.model.weights import export_hf_weights, load_hf_weights
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
@@ -362,8 +365,11 @@ def main():
         decay_style=args.lr_decay,
         use_distributed_optimizer=args.distributed_optimizer,
     )
+    model = load_model()
+    if args.lora:  # the actor's base frozen, adapters (B = 0: the base itself) trained; the critic is trained whole
+        add_lora(model, **args.lora, seed=args.seed)
     model, optimizer, scheduler = setup_training(
-        load_model(),
+        model,
         lr=args.lr,
         total_steps=max(args.steps - args.critic_warmup_steps, 1) * updates_per_step,
         **lr_schedule,
@@ -378,10 +384,11 @@ def main():
     )
     clock.mark("critic")
     reference = None
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and not args.lora:
         reference = load_model()
         for chunk in reference:
             chunk.eval().requires_grad_(False)
+    use_reference = args.kl_coef > 0  # with LoRA: the actor itself with its adapters off (no second copy)
     clock.mark("reference")
     # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
     # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
@@ -453,6 +460,8 @@ def main():
     )
     clock.mark("reward model")
 
+    # LoRA's adapters are trained on this base (merge_to_hf.py loads it from here, then the adapters)
+    lora_meta = {"lora": dict(args.lora, base=args.model or hf_dir, base_mcore=args.mcore_ckpt)} if args.lora else {}
     # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
     checkpointed = [(model, optimizer), (critic, critic_optimizer)]
     # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message): the
@@ -673,9 +682,9 @@ def main():
                 all_mine = forward_only_micro_batches()
         check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
-        if reference is not None:
-            with timer("ref"), colo.frozen_model(reference):
-                forward_pass(reference, all_mine, logprobs_of, batch["ref_logprobs"])
+        if use_reference:  # LoRA: the actor's own chunks with the adapters off, else the frozen copy
+            with timer("ref"), adapters_disabled(model) if args.lora else colo.frozen_model(reference):
+                forward_pass(model if args.lora else reference, all_mine, logprobs_of, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
             batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
@@ -705,7 +714,7 @@ def main():
         token_rewards = torch.zeros(num_rows, seq_len)
         last = seq_len - 1 - mask.flip(1).argmax(1)  # (N,) position of each row's last response token
         token_rewards[identity, last] = rewards * (mask.sum(1) > 0)
-        if reference is not None:
+        if use_reference:
             kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask  # (N, T)
             if args.kl_mode == "reward":
                 token_rewards -= args.kl_coef * kl
@@ -713,7 +722,7 @@ def main():
         batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
         if teacher is not None:  # on-policy distillation (common/rl/distill.py), after GAE: each token its own return
             no_reward = args.rule_reward_weight == 0 and reward_model is None and not env_class
-            if no_reward and not (reference is not None and args.kl_mode == "reward"):  # pure distillation: no task
+            if no_reward and not (use_reference and args.kl_mode == "reward"):  # pure distillation: no task
                 batch["advantages"].zero_()  # term (whitened values of a critic fitting zero returns are noise)
             batch["advantages"] += distill_advantages(
                 batch["teacher_logprobs"], batch["old_logprobs"], mask, args.distill_coef
@@ -745,7 +754,7 @@ def main():
                 cp_group=cp_group,
             )
             loss = aggregate_loss(per_token, mb_mask, args.loss_agg, **norm_mb)
-            if reference is not None and args.kl_mode == "loss":
+            if use_reference and args.kl_mode == "loss":
                 kl_loss = kl_penalty(logprobs, mb["ref_logprobs"], args.kl_estimator)
                 loss = loss + args.kl_coef * aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
             if args.entropy_coef:
@@ -844,7 +853,7 @@ def main():
                 (batch["rollout_logprobs"] - batch["old_logprobs"]).abs(), batch["rollout_mask"]
             ).item()
             metrics.update(correction)  # every rank holds every row: the same numbers everywhere
-        if reference is not None:
+        if use_reference:
             metrics["kl"] = masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
         if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
             metrics["distill_reverse_kl"] = masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask).item()
@@ -865,7 +874,8 @@ def main():
                 keep_last=args.keep_checkpoints,
                 extra_models=critic_state,
                 hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
-                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1},
+                # LoRA: the checkpoint holds the actor's adapters; the base they go with is named here
+                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1, **lora_meta},
                 optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
                 before_model=save_turn,  # one optimizer state on the GPU at a time, as in the update
             )
@@ -880,7 +890,7 @@ def main():
                 spec,
                 samples,
                 times,
-                forward_passes=2 + (reference is not None) + 6 * args.ppo_epochs,
+                forward_passes=2 + use_reference + 6 * args.ppo_epochs,
                 other_models=[teacher_spec] if teacher is not None else [],  # its own size
                 world_size=info.world_size,
                 device=info.device,

@@ -62,6 +62,12 @@ def test_parameter_count_is_what_build_model_makes(name, world_of_one):
             p.numel() for chunk in build_model(spec) for n, p in chunk.named_parameters() if ".local_experts." in n
         )
         assert S.count_parameters(spec, layers).experts == experts
+    # --lora-rank: the adapters add_lora gives every attention and MLP linear (MLA's, shared experts') of it
+    from common.model.lora import adapter_bytes, add_lora
+
+    chunks = build_model(spec)
+    add_lora(chunks, rank=4, alpha=8.0, targets=("attention", "mlp"))
+    assert S.count_lora_parameters(spec, layers, rank=4, targets=("attention", "mlp")) == adapter_bytes(chunks)[0]
 
 
 def saved_bytes_per_token(spec, tokens, recompute, modules):
@@ -228,6 +234,30 @@ def test_every_phase_counted_by_hand():
     # pinned per rank: the offload buffers (policy, main weights, Adam, reference); staging adds nothing
     assert plan.host_parts() == {"offload buffers": WEIGHTS + MAIN + ADAM + WEIGHTS, "checkpoint staging": 0}
     assert plan.problems() == [] and plan.host_problems() == []
+
+
+# LoRA rank 8 on attention and MLP of SMALL at TP=2, per rank and layer (common/model/lora.py's sharding):
+# qkv (column) A 8 x 64 + B 128/2 x 8 = 1024, proj (row) A 8 x 64/2 + B 64 x 8 = 768, fc1 (column) A 8 x 64
+# + B 256/2 x 8 = 1536, fc2 (row) A 8 x 128/2 + B 64 x 8 = 1024: 4352; 2 layers
+LORA = 2 * 4352
+
+
+def test_lora_counts_adapters_alone_and_no_reference():
+    """--lora-rank: bf16 weights of the base and the adapters; gradients, main weights and Adam of the
+    adapters only; no reference copy (the policy with its adapters off)."""
+    spec = parse_hf_config(SMALL)
+    assert S.count_lora_parameters(spec, range(2), rank=8, targets=("attention", "mlp"), tp=2) == LORA
+    assert S.count_lora_parameters(spec, range(2), rank=8, targets=("mlp",), tp=2) == 2 * (1536 + 1024)
+    plan = small_plan(lora=dict(rank=8, targets=("attention", "mlp")))
+    slack, fixed = M.FRAGMENTATION, M.PROCESS_OVERHEAD + M.ENGINE_RESIDENT
+    weights, grads, main, adam = WEIGHTS + 2 * LORA, 4 * LORA, 4 * LORA / 2, 8 * LORA / 2
+    assert plan.total("logprob") == pytest.approx((weights + WORKING + LOGITS_FWD) * (1 + slack) + fixed, rel=1e-12)
+    update = weights + grads + main + adam + ACTIVATIONS + LOGITS_UPDATE
+    assert plan.total("update") == pytest.approx(update * (1 + slack) + fixed, rel=1e-12)
+    assert plan.host_parts() == {"offload buffers": weights + main + adam, "checkpoint staging": 0}
+    # kept on the GPU, a save stages what a LoRA checkpoint holds: the adapters and their optimizer state
+    kept = small_plan(lora=dict(rank=8, targets=("attention", "mlp")), offload_params=False, offload_optimizer=False)
+    assert kept.host_parts() == {"offload buffers": 0, "checkpoint staging": 2 * LORA + main + adam}
 
 
 def test_without_offload_the_state_stays_and_staging_pins_it():

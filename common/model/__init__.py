@@ -7,6 +7,7 @@
     chunks.py           unwrap a chunk; its tensors under global names
     weights.py          HF weights in (sharded reads) and out (bucketed export for the sync and merge)
     critic.py           the GPTModel body with a value head (PPO's critic, reward models)
+    lora.py             LoRA adapters on the tensor-parallel linears; merged weights for the export
     attention.py, attention_cp.py   core attention: SDPA, packed (varlen), context parallel
     moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
     routing_replay.py   MoE routing replay: routers sent to recorded experts, or recording their own

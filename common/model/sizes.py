@@ -101,6 +101,39 @@ def _attention_params(spec, tp):
     return n
 
 
+def count_lora_parameters(spec, layers, *, rank, targets, tp=1):
+    """LoRA adapters on one rank for these global decoder layers (common/model/lora.py): r x (in + out) per
+    adapted linear, the factor sharded like W divided by tp (column: B, row: A), the other replicated.
+    Multi-latent attention: its projections counted as column-parallel (an estimate within r x in)."""
+    h, heads, n = spec.hidden_size, spec.num_heads, 0
+
+    def column(i, o):
+        return rank * (i + o // tp)
+
+    def row(i, o):
+        return rank * (i // tp + o)
+
+    for layer in layers:
+        if "attention" in targets:
+            if spec.mla is not None:
+                m = spec.mla
+                q = [(h, m.q_lora_rank), (m.q_lora_rank, heads * m.qk_head_dim)] if m.q_lora_rank else []
+                q = q or [(h, heads * m.qk_head_dim)]
+                kv = [
+                    (h, m.kv_lora_rank + m.qk_rope_head_dim),
+                    (m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+                ]
+                n += sum(column(i, o) for i, o in q + kv) + row(heads * m.v_head_dim, h)
+            else:
+                n += column(h, (heads + 2 * spec.num_kv_heads) * spec.head_dim) + row(heads * spec.head_dim, h)
+        if "mlp" in targets:
+            moe = spec.moe
+            ffn = (moe.shared_expert_size if moe is not None and moe.moe_layers[layer] else spec.ffn_hidden_size) or 0
+            if ffn:
+                n += column(h, 2 * ffn) + row(ffn, h)  # fc1 (gate + up), fc2
+    return n
+
+
 def hf_parameter_count(spec):
     """Parameters of the HF checkpoint (unpadded vocabulary, tied embeddings once): the engine's model."""
     return sum(math.prod(expected_hf_shape(name, spec)) for name in expected_hf_names(spec))

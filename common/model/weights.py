@@ -19,6 +19,7 @@ import torch.distributed as dist
 from common.model.bridge import HFModelSpec, expected_hf_shape, hf_from_shards, param_rule, shard_from_hf
 from common.model.bridge_moe import expert_index, global_expert_name
 from common.model.chunks import named_global_tensors
+from common.model.lora import MergedTensors, is_adapter
 from common.model.unsupported import UnsupportedModelError
 
 
@@ -296,8 +297,8 @@ def _export_plan(chunks, spec, tp_size):
     local = []
     for chunk in chunks:
         for name, param in named_global_tensors(chunk, global_experts=False):
-            if name == "output_layer.weight" and spec.tie_word_embeddings:
-                continue
+            if (name == "output_layer.weight" and spec.tie_word_embeddings) or is_adapter(name):
+                continue  # (LoRA's factors: exported inside their merged weights, MergedTensors)
             local.append((name, param))
     pp_size = mpu.get_pipeline_model_parallel_world_size()
     mine = [
@@ -310,7 +311,7 @@ def _export_plan(chunks, spec, tp_size):
     else:
         per_stage = [mine]
     plan = [(stage, *entry) for stage, entries in enumerate(per_stage) for entry in entries]
-    return dict(local), plan
+    return MergedTensors(dict(local), chunks), plan  # LoRA: W + scale * B A where W is read
 
 
 def export_hf_weights(

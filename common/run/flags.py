@@ -38,6 +38,43 @@ def model_flags(p):
     return g
 
 
+def lora_flags(p, trained="policy"):
+    """LoRA (common/model/lora.py): low-rank adapters trained on a frozen base (docs/lora.md)."""
+    g = p.add_argument_group("LoRA")
+    g.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help=(
+            f"train LoRA adapters of this rank r on the frozen base instead of the whole {trained} (0: full "
+            "fine-tuning); the reference is the base (the adapters off), checkpoints hold the adapters"
+        ),
+    )
+    g.add_argument("--lora-alpha", type=float, default=None, help="the adapters' scale is alpha / r (default: 2 r)")
+    g.add_argument(
+        "--lora-targets",
+        default="attention,mlp",
+        help="comma-separated: attention (qkv and output projections), mlp (dense and shared-expert MLPs)",
+    )
+    return g
+
+
+def lora_settings(args):
+    """dict(rank=, alpha=, targets=) of --lora-* (ValueError saying what to fix), or None without --lora-rank."""
+    from common.model.lora import parse_targets
+
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tuning), not {args.lora_rank}")
+    if not args.lora_rank:
+        if args.lora_alpha is not None:
+            raise ValueError("--lora-alpha needs --lora-rank r (> 0)")
+        return None
+    alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    if alpha <= 0:
+        raise ValueError(f"--lora-alpha must be > 0, not {alpha}")
+    return dict(rank=args.lora_rank, alpha=alpha, targets=parse_targets(args.lora_targets))
+
+
 def data_flags(p):
     """Prompts, their format, and held-out validation."""
     g = p.add_argument_group("data")

@@ -98,6 +98,7 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
         dtype_bytes={"bf16": 2, "fp32": 4}[dtype],
         distributed_optimizer=args.distributed_optimizer,
         reference=args.kl_coef > 0,
+        lora=getattr(args, "lora", None),  # --lora-rank: adapters trained, the base frozen
         critic=critic,
         reward_model=reward_model,
         teacher=_teacher_spec(args.teacher) if getattr(args, "teacher", None) else None,

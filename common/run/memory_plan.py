@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from common.model.bridge import padded_vocab_size
 from common.model.sizes import (
     FP32,
+    ParamCount,
+    count_lora_parameters,
     count_parameters,
     hf_parameter_count,
     in_flight_micro_batches,
@@ -206,6 +208,7 @@ def plan_memory(
     dtype_bytes=2,
     distributed_optimizer=True,
     reference=False,
+    lora=None,
     critic=None,
     reward_model=None,
     teacher=None,
@@ -235,7 +238,8 @@ def plan_memory(
     of one micro-batch per rank before CP splits them; update_micro_batches: how many a rank
     runs per optimizer step (bounds what a pipeline holds in flight). gpu_bytes: memory of one
     GPU, None for a CPU run (then every phase is host memory, compared with node_bytes /
-    gpus_per_node). node_bytes: host memory of a node, None if unknown."""
+    gpus_per_node). node_bytes: host memory of a node, None if unknown. lora: dict(rank=, targets=) of
+    --lora-rank: gradients and the optimizer for the adapters alone, the reference is the policy itself."""
     on_gpu = gpu_bytes is not None
     device = "cuda" if on_gpu else "cpu"
     b = dtype_bytes
@@ -292,8 +296,13 @@ def plan_memory(
         # -- each model's state. Offloaded (common/train/offload.py) it waits in pinned host memory:
         # the policy's weights once synced into the engine, until the rollout ends; the optimizer
         # (fp32 main weights, Adam) from the rollout to the update; gradients are freed, not moved
-        weights, grads = policy.total * b, policy.total * FP32
-        main, adam = optimizer_bytes(policy, main_bytes), optimizer_bytes(policy, 2 * FP32)
+        trained = policy  # LoRA: the adapters (dense, sharded as common/model/lora.py says), the base frozen
+        if lora:
+            trained = ParamCount(
+                dense=count_lora_parameters(spec, layers[s], rank=lora["rank"], targets=lora["targets"], tp=tp)
+            )
+        weights, grads = (policy.total + trained.total * bool(lora)) * b, trained.total * FP32
+        main, adam = optimizer_bytes(trained, main_bytes), optimizer_bytes(trained, 2 * FP32)
         keep_params, keep_opt = not offload_params, not offload_optimizer
         keep_grads = keep_params and keep_opt  # either offload frees the gradient buffers
         add(
@@ -310,7 +319,7 @@ def plan_memory(
         # frozen models: offloaded, each is on the device for its own pass only, and those passes
         # run one at a time (the reward model's scoring, the reference's logprobs): the largest counts
         frozen = {}
-        if reference:
+        if reference and not lora:  # (LoRA's reference: the policy with its adapters off)
             frozen[f"reference weights ({dtype_name(b)})"] = weights
         if reward_model is not None:
             frozen[f"reward model weights ({dtype_name(b)})"] = counts(reward_model, s, True, False).total * b
@@ -389,14 +398,15 @@ def plan_memory(
 
         # -- host: checkpoint staging beyond the offload buffers, the optimizer's gather at a save
         if on_gpu:
-            checkpointed = weights + main + adam + (cw + co if critic is not None else 0)
-            offloaded = (weights + (cw if critic is not None else 0)) * offload_params
+            saved = trained.total * b if lora else weights  # a LoRA checkpoint holds the adapters alone
+            checkpointed = saved + main + adam + (cw + co if critic is not None else 0)
+            offloaded = (saved + (cw if critic is not None else 0)) * offload_params
             offloaded += (main + adam + (co if critic is not None else 0)) * offload_optimizer
             items["checkpoint staging (beyond the offload buffers)"] = Item(
                 "checkpoint staging (beyond the offload buffers)", host=checkpointed - offloaded
             )
         if save_any_layout and distributed_optimizer and optimizer_dp > 1:  # 12 B/param of the TPxPP slice
-            slice_params = policy.total + (c.total if critic is not None else 0)
+            slice_params = trained.total + (c.total if critic is not None else 0)
             items["optimizer gather at a save (--save-any-layout)"] = Item(
                 "optimizer gather at a save (--save-any-layout)", host_save=12 * slice_params
             )

@@ -450,6 +450,7 @@ def _check_resumed_model(args, ckpt_root, spec):
     config = os.path.join(ckpt_root, names[0], "hf", "config.json") if names else None
     if config is None or not os.path.isfile(config):
         return  # (none readable: the loader reports the checkpoints it cannot use)
+    _check_resumed_lora(args, os.path.join(ckpt_root, names[0]))
     differ = model_differences(config, spec)
     if not differ:
         return
@@ -464,6 +465,27 @@ def _check_resumed_model(args, ckpt_root, spec):
         f"(their config.json differs: {'; '.join(differ)}; checkpoint vs now). Resume with the model it was "
         "written for, or train this one from the start with --start-over or another --out"
     )
+
+
+def _check_resumed_lora(args, step_dir):
+    """--resume: the checkpoint holds adapters of the same --lora-rank/--lora-alpha/--lora-targets, or a
+    whole model and this run has no --lora-rank (rl_meta.json's "lora" against args.lora)."""
+    try:
+        with open(os.path.join(step_dir, "rl_meta.json")) as f:
+            saved = json.load(f).get("lora")
+    except (OSError, ValueError):
+        return
+    now = getattr(args, "lora", None)
+    saved = saved and (saved["rank"], saved["alpha"], list(saved["targets"]))
+    now = now and (now["rank"], now["alpha"], list(now["targets"]))
+    if saved != now:
+        said = lambda lora: (  # noqa: E731
+            f"--lora-rank {lora[0]} --lora-alpha {lora[1]:g} --lora-targets {','.join(lora[2])}" if lora else "no LoRA"
+        )
+        raise UsageError(
+            f"--resume: the checkpoint {step_dir} was written with {said(saved)}, this run has {said(now)}: resume "
+            "with the same LoRA flags, or start afresh with --start-over or another --out"
+        )
 
 
 def _model_name(args):

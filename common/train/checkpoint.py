@@ -17,6 +17,7 @@ import os
 import shutil
 
 from common.model.chunks import unwrap
+from common.model.lora import adapter_sharded_state_dict, lora_modules
 from common.train.checkpoint_io import in_process_results
 
 META_FILE = "rl_meta.json"
@@ -41,10 +42,16 @@ def model_sharded_state_dict(chunks):
     """One sharded state dict for all of this rank's model chunks. The sharded tensors carry
     global keys (what is on disk); the dict keys are module names, which with virtual
     pipeline stages repeat across chunks (each numbers its layers from 0), so several chunks
-    are nested under chunk{i}."""
+    are nested under chunk{i}. With LoRA adapters (common/model/lora.py) only those: the base is frozen, it
+    is loaded from where rl_meta.json's "lora" names."""
+    lora = bool(lora_modules(chunks))
+
+    def state(chunk):
+        return adapter_sharded_state_dict(unwrap(chunk)) if lora else unwrap(chunk).sharded_state_dict()
+
     if len(chunks) == 1:
-        return unwrap(chunks[0]).sharded_state_dict()
-    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return state(chunks[0])
+    return {f"chunk{i}": state(chunk) for i, chunk in enumerate(chunks)}
 
 
 def load_into_chunks(chunks, loaded):

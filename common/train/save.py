@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from common.model.bridge import stage_layers
 from common.model.chunks import named_global_parameters, unwrap
+from common.model.lora import is_adapter, lora_modules
 from common.train import checkpoint_dirs, checkpoint_io
 from common.train.checkpoint import HF_DIR, model_sharded_state_dict, write_meta
 from common.train.host_pool import HostPool
@@ -95,7 +96,10 @@ def optimizer_metadata(ddp_chunks, optimizer_sharding):
 def _training_tensors(ddp_chunks, optimizer):
     """(name, tensor) of this rank's model weights and the optimizer's fp32 main params, and
     all tensors of the live training state (for checkpoint_io.live_storages)."""
-    named = [(name, p) for chunk in ddp_chunks for name, p in named_global_parameters(chunk)]
+    lora = bool(lora_modules(ddp_chunks))  # a LoRA checkpoint holds the adapters, not the frozen base
+    named = [
+        (name, p) for chunk in ddp_chunks for name, p in named_global_parameters(chunk) if not lora or is_adapter(name)
+    ]
     live = [p for _, p in named]
     for adam in torch_adams(optimizer):
         for group_index, group in enumerate(adam.param_groups):

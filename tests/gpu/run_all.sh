@@ -58,6 +58,8 @@ run "distill 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider test
 run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 # agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py
 run "agentic"                600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_agentic_gpu.py
+# LoRA against full fine-tuning on the vLLM engine (merged-weight sync, memory, step time; TP=2 with 2 GPUs)
+run "lora"                   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_lora_gpu.py
 fi
 if [ "$MODE" = all ] || [ "$MODE" = quick ] || [ "$MODE" = exit ]; then
 # exit within 10 s of the last step with output piped (python, torchrun x1 and x NGPU); then
