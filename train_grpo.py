@@ -9,6 +9,8 @@ reference. No value function (that is train_ppo.py). Variants are flags:
                              --overlong-buffer N --mask-truncated (common/rl/dapo.py)
   GSPO (Zheng et al. 2025):  --gspo --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean
   dual-clip PPO (Ye et al. 2020, verl's c = 3): --dual-clip 3
+  on-policy distillation:    --teacher DIR [--rule-reward-weight 0] (per-token teacher - student advantage,
+                             docs/distillation.md)
 
 Every rank runs this same program (SPMD): it builds its shard of the Megatron-Core
 GPTModel from the HF config.json, loads only its slice of the HF weights, hosts a rollout
@@ -133,6 +135,7 @@ def build_parser():
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     FR.correction_flags(p)
     FR.reward_flags(p)
+    FR.distill_flags(p)
     FR.env_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
@@ -231,6 +234,7 @@ def main():
     from common.rl import dapo
     from common.rl.advantages import group_advantages
     from common.rl.corrections import correction_weights, loss_weights, uses_old_logprobs
+    from common.rl.distill import distill_advantages, reverse_kl_sum
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
@@ -385,6 +389,16 @@ def main():
     # with LoRA the reference is the base: the policy itself with its adapters off (no second copy)
     use_reference = args.kl_coef > 0 and not args.eval_only
     clock.mark("reference")
+    # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
+    # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
+    teacher = None
+    if args.teacher and not args.eval_only:
+        teacher_spec = load_hf_spec(args.teacher)
+        teacher = build_model(teacher_spec, dtype=dtype, **model_args)
+        load_hf_weights(teacher, teacher_spec, args.teacher)
+        for chunk in teacher:
+            chunk.eval().requires_grad_(False)
+    clock.mark("teacher")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
@@ -430,7 +444,7 @@ def main():
         engine,
         model,
         [(optimizer, model)],
-        frozen=[reference],
+        frozen=[reference, teacher],
         params=offload_params,
         optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
         weights=lambda: export_hf_weights(
@@ -518,14 +532,15 @@ def main():
     # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
     norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
 
-    def logprob_pass(chunks, mbs, store, routes=None):
+    def logprob_pass(chunks, mbs, store, routes=None, vocab_size=spec.vocab_size):
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only);
-        routes: a routing_replay.route_store that takes the pass's MoE routes."""
+        routes: a routing_replay.route_store that takes the pass's MoE routes; vocab_size: the model's (the
+        teacher's may be padded otherwise)."""
         # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
         on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
 
         def loss_fn(mb, logits):
-            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)
             B.scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
             return logprobs.sum() * 0, {}
 
@@ -608,13 +623,16 @@ def main():
             if env_class:  # the environment's reward of each episode
                 return samples, torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
             with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
-                rewards = args.rule_reward_weight * torch.tensor(
+                rule = torch.tensor(
                     [
                         reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
                         for s, a in zip(samples, answers)
                     ],
                     dtype=torch.float32,
                 )
+                rewards = args.rule_reward_weight * rule
+                if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
+                    side_metrics["rule_reward_mean"] = rule.mean().item()
                 if args.overlong_buffer:
                     rewards += dapo.overlong_penalty(
                         [len(s.response_ids) for s in samples],
@@ -732,6 +750,12 @@ def main():
             with timer("ref"), adapters_disabled(model) if args.lora else colo.frozen_model(reference):
                 logprob_pass(model if args.lora else reference, all_mine, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
+        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+            batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
+            with timer("teacher"), colo.frozen_model(teacher):
+                own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
+                logprob_pass(teacher, own_routes, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size)
+            check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         memory.end("logprob")
         # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics
         batch["is_weights"], correction = correction_weights(
@@ -766,6 +790,11 @@ def main():
                         logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
                     )
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
+                    advantages = mb["advantages"]  # (b, T): the group-normalised reward on every token
+                    if teacher is not None:  # + coef x (teacher - student) per token, student = behaviour policy
+                        advantages = advantages + distill_advantages(
+                            mb["teacher_logprobs"], old, mask, args.distill_coef
+                        )
                     # seq-offpolicy-mask: DeepSeek-V3.2's mask against this pass's policy (+ its metrics)
                     is_weights, masked = loss_weights(
                         args.rollout_correction, mb, logprobs, args.correction_delta, cp_group
@@ -773,7 +802,7 @@ def main():
                     per_token, clipped = policy_loss(
                         logprobs,
                         old,
-                        mb["advantages"],
+                        advantages,
                         args.clip_low,
                         args.clip_high,
                         is_weights=is_weights,
@@ -802,6 +831,9 @@ def main():
                     }  # mean old - new
                     if use_reference:
                         metrics.update(kl=masked_sum(kl.detach(), mask), kl__n=n)
+                    if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
+                        rkl = reverse_kl_sum(mb["teacher_logprobs"], old, mask)
+                        metrics.update(distill_reverse_kl=rkl, distill_reverse_kl__n=n)
                     if epoch == 0 and m == 0 and not on_policy:  # before any update: old = new but for rounding
                         drift = (old - logprobs.detach()).abs()  # else the two passes disagree with each other
                         metrics.update(first_update_logprob_err=masked_sum(drift, mask), first_update_logprob_err__n=n)
@@ -882,6 +914,7 @@ def main():
                 samples,
                 times,
                 forward_passes=1 + use_reference + 3 * args.ppo_epochs,
+                other_models=[teacher_spec] if teacher is not None else [],  # its own size
                 world_size=info.world_size,
                 device=info.device,
             ),

@@ -13,6 +13,8 @@ frozen reference (Megatron-Core GPTModels, sharded alike by TP/PP) from the HF c
 a rollout engine, and each step does: weight sync -> rollout -> reward -> old/ref logprobs and
 values -> token rewards -> GAE -> PPO epochs of actor and critic updates -> log -> checkpoint.
 The first --critic-warmup-steps steps train only the critic.
+On-policy distillation: --teacher DIR adds coef x (teacher - student logprob) to each token's advantage
+after GAE (--rule-reward-weight 0: the teacher alone; docs/distillation.md).
 
 Launch:
   1 CPU, no downloads (embedded tiny model, synthetic task):
@@ -139,6 +141,7 @@ def build_parser():
     )
     FR.correction_flags(p)
     FR.reward_flags(p)
+    FR.distill_flags(p)
     FR.env_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
@@ -213,6 +216,7 @@ def main():
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
     from common.rl.corrections import correction_weights, loss_weights
+    from common.rl.distill import distill_advantages
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import (
         aggregate_loss,
@@ -386,6 +390,16 @@ def main():
             chunk.eval().requires_grad_(False)
     use_reference = args.kl_coef > 0  # with LoRA: the actor itself with its adapters off (no second copy)
     clock.mark("reference")
+    # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
+    # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
+    teacher = None
+    if args.teacher:
+        teacher_spec = load_hf_spec(args.teacher)
+        teacher = build_model(teacher_spec, dtype=dtype, **model_args)
+        load_hf_weights(teacher, teacher_spec, args.teacher)
+        for chunk in teacher:
+            chunk.eval().requires_grad_(False)
+    clock.mark("teacher")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     # validation on the held-out prompts
@@ -416,7 +430,7 @@ def main():
         model,
         [(optimizer, model), (critic_optimizer, critic)],
         idle=[critic],
-        frozen=[reference],
+        frozen=[reference, teacher],
         params=offload_params,
         optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
         weights=lambda: export_hf_weights(
@@ -527,8 +541,11 @@ def main():
             )
         store.copy_(schedule.all_reduce_sum(on_device[:-1], None, info.device))
 
-    def logprobs_of(mb, logits):  # logits (b, T, V/tp) -> (b, T)
-        return vocab_parallel_logprobs(logits, mb["targets"], spec.vocab_size, tp_group, args.temperature)[0]
+    def logprobs_of(mb, logits, vocab_size=spec.vocab_size):  # logits (b, T, V/tp) -> (b, T)
+        return vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)[0]
+
+    if teacher is not None:  # its own (padded) vocabulary size
+        teacher_logprobs_of = functools.partial(logprobs_of, vocab_size=teacher_spec.vocab_size)
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -596,9 +613,10 @@ def main():
                 if env_class:  # the environment's reward of each episode
                     rewards = torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
                 else:
-                    rewards = args.rule_reward_weight * torch.tensor(
-                        [reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)]
-                    )
+                    rule = torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
+                    rewards = args.rule_reward_weight * rule
+                    if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
+                        eval_metrics["rule_reward_mean"] = rule.mean().item()
             if reward_model is not None:
                 with timer("reward_model"):
                     scores = reward_model.score([items[i]["prompt"] for i in order], texts, info.device)
@@ -668,6 +686,12 @@ def main():
             with timer("ref"), adapters_disabled(model) if args.lora else colo.frozen_model(reference):
                 forward_pass(model if args.lora else reference, all_mine, logprobs_of, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
+        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+            batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
+            with timer("teacher"), colo.frozen_model(teacher):
+                own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
+                forward_pass(teacher, own_routes, teacher_logprobs_of, batch["teacher_logprobs"])
+            check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
         with timer("values"):
             colo.reload_idle()  # the critic, back for its values pass and its update
@@ -696,6 +720,13 @@ def main():
                 token_rewards -= args.kl_coef * kl
         advantages, batch["returns"] = gae(token_rewards, batch["old_values"], mask, gamma=args.gamma, lam=args.lam)
         batch["advantages"] = masked_whiten(advantages, mask)  # over the whole rollout batch: every rank holds all rows
+        if teacher is not None:  # on-policy distillation (common/rl/distill.py), after GAE: each token its own return
+            no_reward = args.rule_reward_weight == 0 and reward_model is None and not env_class
+            if no_reward and not (use_reference and args.kl_mode == "reward"):  # pure distillation: no task
+                batch["advantages"].zero_()  # term (whitened values of a critic fitting zero returns are noise)
+            batch["advantages"] += distill_advantages(
+                batch["teacher_logprobs"], batch["old_logprobs"], mask, args.distill_coef
+            )
 
         # ---- 6. PPO epochs over mini-batches: the critic's optimizer steps, then the actor's (the two
         # are independent: the same steps as interleaved), each with only its own optimizer state on
@@ -824,6 +855,8 @@ def main():
             metrics.update(correction)  # every rank holds every row: the same numbers everywhere
         if use_reference:
             metrics["kl"] = masked_mean(kl, mask).item()  # KL(pi_old || ref) of this rollout
+        if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
+            metrics["distill_reverse_kl"] = masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask).item()
         if train_actor:
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
@@ -858,6 +891,7 @@ def main():
                 samples,
                 times,
                 forward_passes=2 + use_reference + 6 * args.ppo_epochs,
+                other_models=[teacher_spec] if teacher is not None else [],  # its own size
                 world_size=info.world_size,
                 device=info.device,
             ),

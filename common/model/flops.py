@@ -12,7 +12,7 @@ import torch
 # device name wins, so the PCIe/NVL variants come before the SXM parts.
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0), ("H200", 989.0)]
 # the phases in which the trainer runs the model (common/offload.Timer keys of the scripts)
-TRAINER_PHASES = ("old_logprob_s", "ref_s", "values_s", "train_s")
+TRAINER_PHASES = ("old_logprob_s", "ref_s", "teacher_s", "values_s", "train_s")
 
 
 def forward_flops_per_token(spec, seq_len, causal=True):
@@ -56,7 +56,7 @@ def peak_tflops(device_name):
     return None
 
 
-def step_throughput(spec, samples, times, *, forward_passes, world_size, device):
+def step_throughput(spec, samples, times, *, forward_passes, world_size, device, other_models=()):
     """Throughput of one RL step for metrics.jsonl (samples: every sample of the step, all ranks').
 
     tokens, response_tokens     prompt + response tokens of the step's samples; their responses' alone
@@ -69,7 +69,8 @@ def step_throughput(spec, samples, times, *, forward_passes, world_size, device)
                                 bf16 FLOP/s); on a GPU of PEAK_BF16_TFLOPS only
     forward_passes: forward-pass equivalents per token, a backward counting 2 (GRPO with a
     reference model and one PPO epoch: 1 old + 1 ref + 3 update = 5). Padding and recompute are
-    not counted (model FLOPs, as bench/train.py)."""
+    not counted (model FLOPs, as bench/train.py). other_models: specs of other models that ran one
+    forward pass over the step's tokens in the trainer's time (the distillation teacher, its own size)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     response_tokens = sum(len(s.response_ids) for s in samples)
     metrics = dict(tokens=sum(lengths), response_tokens=response_tokens)
@@ -83,5 +84,6 @@ def step_throughput(spec, samples, times, *, forward_passes, world_size, device)
         peak = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         if peak:
             flops = forward_passes * sum(n * forward_flops_per_token(spec, n) for n in lengths)
+            flops += sum(n * forward_flops_per_token(other, n) for other in other_models for n in lengths)
             metrics["train_mfu"] = flops / trainer_s / (world_size * peak * 1e12)
     return metrics

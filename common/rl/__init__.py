@@ -6,6 +6,7 @@
     corrections.py  off-policy corrections of the engine's samples (TIS, IcePop, sequence masks, ...)
     batch.py        samples -> micro-batches (padded or packed), context-parallel slices
     dapo.py         DAPO's dynamic sampling
+    distill.py      on-policy distillation: per-token teacher - student advantages, the reverse KL
     rewards.py      rule-based rewards (math answers)
     fused.py        torch.compile helpers for the elementwise kernels here and in common.model
 

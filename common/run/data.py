@@ -120,7 +120,7 @@ def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="tra
     apply_chat_template. The answer is the raw reference (a GSM8K solution with '#### 42'
     stays whole: the reward extracts the final answer). Keys may be dotted for nested
     fields, e.g. answer_key='reward_model.ground_truth'; without them the first field found
-    of PROMPT_KEYS / ANSWER_KEYS is used.
+    of PROMPT_KEYS / ANSWER_KEYS is used; answer_key "none": no answers (each is "").
     """
     rows = _read_rows(path, config, split, *([flags] if flags else []))
     if not rows:
@@ -128,11 +128,12 @@ def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="tra
     if not isinstance(rows[0], dict):
         raise ValueError(f"rows of {path!r} must be JSON objects / records, got {type(rows[0]).__name__}")
     prompt_key = _pick_key(rows[0], prompt_key, PROMPT_KEYS, "prompt", "--prompt-key")
-    answer_key = _pick_key(rows[0], answer_key, ANSWER_KEYS, "answer", "--answer-key")
+    no_answers = answer_key == "none"  # prompts alone: a reward without references (distillation, a reward model)
+    answer_key = None if no_answers else _pick_key(rows[0], answer_key, ANSWER_KEYS, "answer", "--answer-key")
 
     items = []
     for i, row in enumerate(rows):
-        prompt, answer = _get(row, prompt_key), _get(row, answer_key)
+        prompt, answer = _get(row, prompt_key), "" if no_answers else _get(row, answer_key)
         if prompt is None or answer is None:
             missing = prompt_key if prompt is None else answer_key
             raise ValueError(f"row {i} of {path!r} has no field {missing!r}")

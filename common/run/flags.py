@@ -127,7 +127,14 @@ def data_flags(p):
         help="sampling temperature of validation (0: greedy, with --eval-samples 1)",
     )
     g.add_argument("--prompt-key", default=None, help="prompt field of --data (auto-detected when unset)")
-    g.add_argument("--answer-key", default=None, help="answer field of --data (auto-detected when unset)")
+    g.add_argument(
+        "--answer-key",
+        default=None,
+        help=(
+            "answer field of --data (auto-detected when unset); none: prompts without reference answers, for a "
+            "reward that needs none (--teacher with --rule-reward-weight 0, or --reward-model alone)"
+        ),
+    )
     g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
     g.add_argument(
         "--raw-prompts",

@@ -183,6 +183,30 @@ def reward_flags(p):
     return g
 
 
+def distill_flags(p):
+    """On-policy distillation (common/rl/distill.py): a frozen teacher scores the student's samples."""
+    g = p.add_argument_group("on-policy distillation")
+    g.add_argument(
+        "--teacher",
+        default=None,
+        metavar="DIR|ORG/NAME",
+        help=(
+            "on-policy distillation from this frozen HF causal LM (any supported architecture and size, the "
+            "policy's tokenizer; sharded like the policy, offloaded but for its logprob pass): every response "
+            "token's advantage gains --distill-coef x (teacher logprob - student logprob). Pure distillation, no "
+            "task reward: --rule-reward-weight 0 (the rule reward is still logged as rule_reward_mean). "
+            "docs/distillation.md"
+        ),
+    )
+    g.add_argument(
+        "--distill-coef",
+        type=float,
+        default=1.0,
+        help="--teacher: weight of the per-token distillation advantage against the task advantage (> 0)",
+    )
+    return g
+
+
 def env_flags(p):
     """Agentic episodes: an environment answers the model's turns (docs/agentic.md)."""
     g = p.add_argument_group("agentic episodes (docs/agentic.md)")

@@ -19,6 +19,7 @@ The machine: the visible GPU (torch.cuda, without creating a context) or --gpu-m
 node's available host memory or --host-memory-gb, torchrun's world or --world-size (dry run).
 """
 
+import functools
 import math
 import os
 
@@ -100,6 +101,7 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
         lora=getattr(args, "lora", None),  # --lora-rank: adapters trained, the base frozen
         critic=critic,
         reward_model=reward_model,
+        teacher=_teacher_spec(args.teacher) if getattr(args, "teacher", None) else None,
         engine=engine,
         rollout_tp=args.rollout_tp if engine == "vllm" else 1,
         engine_share=None if args.gpu_memory_utilization is None else args.gpu_memory_utilization * share_scale,
@@ -118,6 +120,14 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
         gpus_per_node=per_node,
         node_bytes=node_bytes,
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _teacher_spec(path):
+    """--teacher's HFModelSpec from its config.json (checked by common/run/preflight.py)."""
+    from common.model.gpt import load_hf_spec
+
+    return load_hf_spec(path)
 
 
 def check_memory(parser, args, spec, *, has_critic=False):

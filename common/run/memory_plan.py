@@ -211,6 +211,7 @@ def plan_memory(
     lora=None,
     critic=None,
     reward_model=None,
+    teacher=None,
     engine="vllm",
     rollout_tp=1,
     engine_share=None,
@@ -230,7 +231,7 @@ def plan_memory(
     node_bytes=None,
 ):
     """The plan of one run. spec / critic / reward_model: HFModelSpecs (critic: PPO's value model,
-    reward_model: --reward-model's, None without). engine: "vllm" (colocated, asleep between
+    reward_model: --reward-model's, teacher: --teacher's, None without). engine: "vllm" (colocated, asleep between
     rollouts), "hf" (the transformers engine: fp32 weights, always resident) or None
     (--load-rollouts). engine_share: vLLM's --gpu-memory-utilization, None to derive it from
     what the trainer keeps on the GPU during the rollout. update_tokens / logprob_tokens: tokens
@@ -322,6 +323,8 @@ def plan_memory(
             frozen[f"reference weights ({dtype_name(b)})"] = weights
         if reward_model is not None:
             frozen[f"reward model weights ({dtype_name(b)})"] = counts(reward_model, s, True, False).total * b
+        if teacher is not None:  # on-policy distillation's teacher: its own size, the policy's layout
+            frozen[f"teacher weights ({dtype_name(b)})"] = counts(teacher, s).total * b
         one_pass = max(frozen, key=frozen.get, default=None)
         for name, nbytes in frozen.items():
             frozen_phases = everywhere if keep_params else "logprob" if name == one_pass else ""
@@ -369,15 +372,19 @@ def plan_memory(
             elif critic_saved + critic_recomputed > saved + recomputed:
                 saved, recomputed = critic_saved, critic_recomputed
         add(name, tokens * (saved * in_flight + recomputed), "update")
-        add("forward-only pass (one layer's working set)", layer_working_bytes(spec, layer_kw) * lp_tokens, "logprob")
+        # the forward-only passes run one at a time: the widest model's (the teacher's may be larger)
+        working = max(layer_working_bytes(m, layer_kw) for m in (spec, teacher) if m is not None)
+        add("forward-only pass (one layer's working set)", working * lp_tokens, "logprob")
         if s == pp - 1:  # only the last stage computes logits (T, V/tp); on a GPU the fused
             # log-softmax (common/rl/logprobs.py) keeps its fp32 math in registers: the logits and
             # their gradient in the model's dtype; eager (CPU) writes fp32 copies
             element = b + (0 if on_gpu else 2 * FP32)
-            add(f"logits ({padded_vocab} vocabulary columns)", lp_tokens * padded_vocab * element, "logprob")
-            items[f"logits ({padded_vocab} vocabulary columns)"].device["update"] = (
-                tokens * padded_vocab * (b + element)
+            lp_vocab = max(padded_vocab, padded_vocab_size(teacher.vocab_size, tp) // tp if teacher else 0)
+            logits = f"logits ({padded_vocab} vocabulary columns" + (
+                f", the teacher's {lp_vocab})" if lp_vocab > padded_vocab else ")"
             )
+            add(logits, lp_tokens * lp_vocab * element, "logprob")
+            items[logits].device["update"] = tokens * padded_vocab * (b + element)
 
         # -- fixed: the allocator's slack over the tensors, the process's own
         if on_gpu:

@@ -122,3 +122,41 @@ def model_differences(config_path, spec):
         for name in fields
         if getattr(saved, name, None) != getattr(spec, name, None)
     ]
+
+
+def check_teacher(path, policy_dir, policy_spec, dry_run=False):
+    """--teacher: a causal LM the bridge maps, whose token ids mean the policy's (it scores the
+    student's samples id by id). Its tokenizer must be the policy's (same tokens, same ids; policy_dir
+    None: the embedded model's). Embedding rows may differ by padding (Qwen2.5-0.5B has 151936,
+    Qwen2.5-7B 152064 rows for the same 151665 tokens): every row the tokenizer uses must exist in
+    both. A dry run reads config.json alone: rows only. Returns the teacher's HFModelSpec."""
+    spec = check_model_dir(path, "--teacher", need_weights=False, need_tokenizer=not dry_run)
+    if dry_run:  # padding or not: the tokenizers (not read) decide
+        return spec
+    from transformers import AutoTokenizer
+
+    if policy_dir is None:
+        from common.run.embedded import build_tokenizer
+
+        policy_tok = build_tokenizer()
+    else:
+        policy_tok = AutoTokenizer.from_pretrained(policy_dir)
+    teacher_tok = AutoTokenizer.from_pretrained(path)
+    policy_vocab, teacher_vocab = policy_tok.get_vocab(), teacher_tok.get_vocab()
+    if policy_vocab != teacher_vocab:
+        moved = sum(teacher_vocab.get(t) != i for t, i in policy_vocab.items())
+        raise UsageError(
+            f"--teacher {path}: its tokenizer has {len(teacher_vocab)} tokens, the policy's {len(policy_vocab)}"
+            + (f" ({moved} of the policy's tokens missing or at other ids)" if moved else "")
+            + ": the teacher scores the student's token ids, so it needs the policy's tokenizer (a model of the "
+            "same family)"
+        )
+    used = max(policy_vocab.values()) + 1  # ids the tokenizer can produce
+    for name, rows in (("the teacher", spec.vocab_size), ("the policy", policy_spec.vocab_size)):
+        if rows < used:
+            raise UsageError(
+                f"--teacher {path}: {name} has {rows} embedding rows (vocab_size in config.json), fewer than the "
+                f"{used} token ids of the shared tokenizer (teacher {spec.vocab_size} rows, policy "
+                f"{policy_spec.vocab_size}): its config.json does not match its tokenizer"
+            )
+    return check_model_dir(path, "--teacher", need_weights=True, need_tokenizer=True)  # + its weights' headers

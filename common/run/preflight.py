@@ -23,6 +23,7 @@ from common.run.model_checks import (
     check_mcore_ckpt,
     check_model_dir,
     check_reward_model,
+    check_teacher,
     model_differences,
 )
 from common.run.out_dir import check_out, has_run, move_aside, requeued_start_over
@@ -41,7 +42,8 @@ def check_training_run(parser, args, *, min_group=1, critic_model=None):
             _check_services(args)
         critic_model = _resolve_hub_names(args, critic_model)
         spec, critic = _check_model(args, critic_model)
-        _check_layout(args, spec, critic)
+        teacher = _check_teacher(args, spec)
+        _check_layout(args, spec, critic, teacher)
         if not dry_run:
             _check_inputs(args)
             check_out(args, critic_model)
@@ -158,6 +160,11 @@ def _check_numbers(args, min_group):
         raise UsageError(
             "--dynamic-sampling samples more prompts on the rollout engine, which --load-rollouts does without"
         )
+    if a.get("answer_key") == "none" and args.rule_reward_weight != 0:
+        raise UsageError(
+            "--answer-key none: the prompts have no reference answers for the rule-based reward; pass "
+            "--rule-reward-weight 0 (with --teacher or --reward-model as the signal)"
+        )
     if args.eval_samples < 1:
         raise UsageError(f"--eval-samples must be >= 1, not {args.eval_samples}")
     if args.eval_temperature == 0 and args.eval_samples > 1:
@@ -213,6 +220,8 @@ def _resolve_hub_names(args, critic_model):
         check_reward_model(args.reward_model, need_tokenizer=files is None)
     if critic_model is not None:
         critic_model = args.critic_model = hub.resolve(critic_model, "--critic-model", files=files)
+    if getattr(args, "teacher", None):
+        args.teacher = hub.resolve(args.teacher, "--teacher", files=files)
     if launcher_rank() == 0:
         for flag, name, path in zip(
             ("--model", "--data", "--critic-model"), given, (args.model, args.data, critic_model)
@@ -251,12 +260,23 @@ def _check_model(args, critic_model):
     return spec, critic
 
 
+def _check_teacher(args, spec):
+    """--teacher's HFModelSpec (None without one) once its directory and vocabulary passed; --distill-coef."""
+    if not getattr(args, "teacher", None):
+        return None
+    if not args.distill_coef > 0:
+        raise UsageError(f"--distill-coef must be > 0, not {args.distill_coef} (drop --teacher to train without one)")
+    if getattr(args, "eval_only", False):
+        raise UsageError("--eval-only validates the policy alone: drop --teacher")
+    return check_teacher(args.teacher, args.model, spec, dry_run=getattr(args, "dry_run", False))
+
+
 def _routes(spec):
     """What a model's MoE routes are made of: its MoE layers, experts and top-k."""
     return spec.moe.moe_layers, spec.moe.num_experts, spec.moe.topk
 
 
-def _check_layout(args, spec, critic=None):
+def _check_layout(args, spec, critic=None, teacher=None):
     """The parallel layout against the world size and the shapes of the model (and of
     --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
     world = getattr(args, "world_size", None) or launcher_world_size()  # --world-size: a dry run's
@@ -304,7 +324,7 @@ def _check_layout(args, spec, critic=None):
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
     )
-    for prefix, model in (("", spec), ("--critic-model: ", critic)):
+    for prefix, model in (("", spec), ("--critic-model: ", critic), ("--teacher: ", teacher)):
         if model is None:
             continue
         try:
