@@ -295,7 +295,8 @@ def transformer_config(
     if spec.mla is not None:
         kwargs.update(mla_config_fields(spec.mla, spec.rope_theta))
     if spec.gdn is not None:  # the full-attention layers' output gate (the delta nets: common/model/gdn.py)
-        kwargs.update(attention_output_gate=True)
+        # layers of two kinds: distributed checkpoints keyed per layer (megatron stacks them otherwise)
+        kwargs.update(attention_output_gate=True, hetereogenous_dist_checkpoint=True)
     kwargs.update(overrides)
     return (MLATransformerConfig if spec.mla is not None else TransformerConfig)(**kwargs)
 

@@ -187,7 +187,9 @@ def gdn_unshard(kind, hf_names, shards, gdn: GDNSpec, num_heads, num_kv_heads, h
     """Inverse of gdn_shard: all TP ranks' shards -> [(hf_name, full tensor)]."""
     tp = len(shards)
     if kind in ("gdn_in", "gdn_conv"):
-        sizes = gdn.in_pieces(tp) if kind == "gdn_in" else gdn.in_pieces(tp)[:3]
+        full = sum(gdn.in_pieces(1)) if kind == "gdn_in" else gdn.conv_dim
+        split = full // shards[0].shape[0]  # the TP size the shards were cut for (one shard: a rank's own pieces)
+        sizes = gdn.in_pieces(split) if kind == "gdn_in" else gdn.in_pieces(split)[:3]
         per_rank = [s.split(sizes, dim=0) for s in shards]
         pieces = [torch.cat([r[i] for r in per_rank], dim=0) if tp > 1 else per_rank[0][i] for i in range(len(sizes))]
         out = [(hf_names[0], torch.cat(pieces[:3], dim=0))]
@@ -196,7 +198,8 @@ def gdn_unshard(kind, hf_names, shards, gdn: GDNSpec, num_heads, num_kv_heads, h
         hpg = num_heads // num_kv_heads
         full = torch.cat(shards, dim=0) if tp > 1 else shards[0]
         hidden = full.shape[1]
-        q, g, k, v = full.reshape(num_kv_heads, -1, hidden).split(
+        groups = full.shape[0] // ((2 * hpg + 2) * head_dim)  # num_kv_heads, or one TP rank's share of them
+        q, g, k, v = full.reshape(groups, -1, hidden).split(
             [hpg * head_dim, hpg * head_dim, head_dim, head_dim], 1
         )
         qg = torch.stack([q.reshape(-1, head_dim, hidden), g.reshape(-1, head_dim, hidden)], dim=1)
