@@ -49,7 +49,10 @@ def test_the_config_maps_to_megatron():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
+        (
+            dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+            "layer_types",
+        ),
         (dict(layer_types=["linear_attention"] * 3), "layer_types"),
         (dict(linear_num_value_heads=3), "linear_num_value_heads"),
         (dict(attn_output_gate=False), "attn_output_gate"),
@@ -105,6 +108,9 @@ def parity(qwen35_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
 def test_logits_match_transformers(layout, parity):
+    from common.model.bridge import parse_hf_config
+    from common.model.sizes import count_parameters
+
     results = parity[layout]
     assert sorted(results) == ["qwen3_5", "qwen3_5_3layers"]
     for name, ranks in results.items():
@@ -115,6 +121,12 @@ def test_logits_match_transformers(layout, parity):
             assert row["control_kv_swapped"] > 1e-3, where
             assert row["export_missing"] == row["export_extra"] == row["export_mismatch"] == [], where
             assert row["pieces_mismatch"] == [] and row["blocks_mismatch"] == [], where
+            if layout in ("tp1", "tp2"):  # the memory plan's parameter count: exactly what megatron built
+                tp = 2 if layout == "tp2" else 1
+                n = len(row["layers"])
+                spec = parse_hf_config(_config(num_hidden_layers=n, layer_types=_config()["layer_types"][:n]))
+                counted = count_parameters(spec, row["layers"], tp=tp)
+                assert counted.total == row["param_count"], where
         if layout == "pp2" and name == "qwen3_5_3layers":
             assert [r["layers"] for r in ranks] == [[0, 1], [2]]  # linear + full | linear
             assert all(r["control_shifted_layers"] > 1e-3 for r in ranks)
@@ -141,7 +153,17 @@ def test_convert_verify_and_merge_round_trip(qwen35_dir, tmp_path):
 
     hf_dir = qwen35_dir / "qwen3_5"
     run_torchrun(
-        "convert_hf_to_mcore.py", 2, "--hf", hf_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32", "--tp", 2, "--verify"
+        "convert_hf_to_mcore.py",
+        2,
+        "--hf",
+        hf_dir,
+        "--out",
+        tmp_path / "ckpt",
+        "--dtype",
+        "fp32",
+        "--tp",
+        2,
+        "--verify",
     )
     run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32")
     original, merged = hf_tensors(hf_dir), hf_tensors(tmp_path / "hf")

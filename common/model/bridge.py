@@ -33,6 +33,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from common.model.bridge_gdn import (
+    GDNSpec,
+    gdn_hf_names,
+    gdn_hf_shape,
+    gdn_param_rule,
+    gdn_shard,
+    gdn_unshard,
+    parse_gdn,
+)
 from common.model.bridge_layout import (  # noqa: F401 (re-exported)
     RECOMPUTE_MODULES,
     check_parallel_layout,
@@ -47,15 +56,6 @@ from common.model.bridge_mla import (
     mla_hf_shape,
     mla_param_rule,
     parse_mla,
-)
-from common.model.bridge_gdn import (
-    GDNSpec,
-    gdn_hf_names,
-    gdn_hf_shape,
-    gdn_param_rule,
-    gdn_shard,
-    gdn_unshard,
-    parse_gdn,
 )
 from common.model.bridge_moe import MoESpec, moe_config_fields, moe_hf_names, moe_hf_shape, moe_param_rule, parse_moe
 from common.model.unsupported import UnsupportedModelError

@@ -199,9 +199,7 @@ def gdn_unshard(kind, hf_names, shards, gdn: GDNSpec, num_heads, num_kv_heads, h
         full = torch.cat(shards, dim=0) if tp > 1 else shards[0]
         hidden = full.shape[1]
         groups = full.shape[0] // ((2 * hpg + 2) * head_dim)  # num_kv_heads, or one TP rank's share of them
-        q, g, k, v = full.reshape(groups, -1, hidden).split(
-            [hpg * head_dim, hpg * head_dim, head_dim, head_dim], 1
-        )
+        q, g, k, v = full.reshape(groups, -1, hidden).split([hpg * head_dim, hpg * head_dim, head_dim, head_dim], 1)
         qg = torch.stack([q.reshape(-1, head_dim, hidden), g.reshape(-1, head_dim, hidden)], dim=1)
         return [
             (hf_names[0], qg.reshape(-1, hidden)),

@@ -23,7 +23,6 @@ once; only the state passes from chunk to chunk.
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer.module import MegatronModule
 
 
