@@ -67,12 +67,14 @@ def test_unrepresentable_configs_are_refused(changes, message):
         parse_hf_config(_config(**changes))
 
 
-def test_tensor_parallel_must_divide_the_delta_net_heads():
-    from common.model.bridge import check_parallel_layout, parse_hf_config
+def test_tensor_parallel_must_divide_the_delta_net_heads_and_cp_is_refused():
+    from common.model.bridge import check_parallel_layout, parse_hf_config, transformer_config
 
     spec = parse_hf_config(_config(linear_num_key_heads=1, linear_num_value_heads=4))
     with pytest.raises(ValueError, match="linear_num_key_heads"):
         check_parallel_layout(spec, tp=2)
+    with pytest.raises(ValueError, match="context parallelism"):
+        transformer_config(spec, cp=2)
 
 
 def test_chunked_recurrence_equals_transformers_token_by_token():

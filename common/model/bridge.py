@@ -195,11 +195,6 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     experts = table.pop("experts")
     table.pop("mla")
     gdn = parse_gdn(cfg, rope) if table.pop("gdn", False) else None
-    if cfg.get("mtp_num_hidden_layers"):  # Qwen3.5's multi-token-prediction block (mtp.*): not a decoder layer
-        print(
-            f"note: the {cfg['mtp_num_hidden_layers']} multi-token-prediction layer(s) of the config (mtp.*) "
-            "are not part of the trained model; their tensors are not read"
-        )
     if arch == "Qwen2MoeForCausalLM":
         table["qkv_bias"] = bool(cfg.get("qkv_bias", True))
     return HFModelSpec(
@@ -253,6 +248,12 @@ def transformer_config(
     MoE models: ep/etp are the expert (tensor) parallel sizes; moe_aux_loss_coef replaces the
     HF config's router_aux_loss_coef (None: keep it)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    if spec.gdn is not None and cp > 1:
+        raise ValueError(
+            f"--cp {cp}: {spec.architecture}'s gated delta nets do not run under context parallelism "
+            "(the recurrent state would have to pass between CP ranks); use --cp 1 (--pack for long batches)"
+        )
 
     fused = torch.cuda.is_available()  # these fusions need CUDA kernels
     kwargs = dict(
