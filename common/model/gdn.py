@@ -119,8 +119,8 @@ class GatedDeltaNet(MegatronModule):
         )
         for p in (self.conv1d.weight, self.dt_bias, self.A_log):  # sharded over TP: counted once per rank
             set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
-        for p in self.out_norm.parameters():  # applied to this rank's heads: the sequence-parallel tag
-            p.sequence_parallel = config.sequence_parallel  # is irrelevant, the TP sum happens in forward
+        for p in self.out_norm.parameters():  # summed over TP in forward (copy_to_...), so never again by
+            p.sequence_parallel = False  # finalize_model_grads' sequence-parallel all-reduce (it would double it)
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, inference_context=None, **unused):
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
