@@ -7,7 +7,8 @@ full; 2 key heads shared by 4 value heads; partial RoPE; zero-centred norms) aga
 (fp32): the recurrence alone against transformers' token-by-token one, including restarts at
 packed samples; the whole model's logits at TP=1, TP=2, TP=2+SP and PP=2 on uneven stages (3
 layers: linear + full on the first stage, linear on the second), the export back to HF names
-bit-identical, and a deliberately wrong mapping (k/v swapped in the gated attention) far off;
+bit-identical, and a deliberately wrong mapping (k/v swapped in the gated attention) far off; every
+tensor's gradient at TP=2+SP against one rank's (tests/gdn_grad_worker.py);
 packed passes equal to padded ones (tests/packing_worker.py); convert_hf_to_mcore.py --verify and
 merge_to_hf.py round trips; GRPO learning the embedded task with the embedded tiny Qwen3.5.
 """
