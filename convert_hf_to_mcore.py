@@ -115,6 +115,11 @@ def chunk_data(chunk: Chunk, files: SafetensorsDir, spec):
         data = torch.empty(chunk.shape, dtype=files.tensors[hf_names[0]].dtype)  # (V_padded, h)
         files.read(hf_names[0], out=data[: spec.vocab_size])
         data[spec.vocab_size :].zero_()  # (the bridge's shard_from_hf would cat: one more copy)
+    elif kind in ("gdn_in", "gdn_conv"):  # Qwen3.5's delta net: one chunk per piece (common/model/gdn.py)
+        full = shard_from_hf(kind, hf_names, files.read, spec, tp_rank=0, tp_size=1)
+        pieces = ["query", "key", "value", "z", "beta", "alpha"]
+        sizes = spec.gdn.in_pieces(1)[: 6 if kind == "gdn_in" else 3]
+        data = full.split(sizes)[pieces.index(chunk.key.rsplit(".", 1)[1])]
     else:  # the bridge's TP-rank-0-of-1 shard is the whole megatron tensor
         data = shard_from_hf(kind, hf_names, files.read, spec, tp_rank=0, tp_size=1)
     if data.numel() != torch.Size(chunk.shape).numel():  # a bridge bug, not a user error

@@ -314,11 +314,15 @@ def run_layout(args):
         # negative control 1: k and v swapped in the fused qkv; with multi-latent attention
         # (no qkv) the router's score-correction bias left at zero instead
         if spec.mla is None:
-            rules = dict(bridge._LAYER_RULES)
+            from common.model import bridge_gdn
+
+            rules, gated = dict(bridge._LAYER_RULES), bridge_gdn._GATED_QKV  # (Qwen3.5's gated q/k/v too)
             kind, names = rules["self_attention.linear_qkv.weight"]
             bridge._LAYER_RULES["self_attention.linear_qkv.weight"] = (kind, [names[0], names[2], names[1]])
+            bridge_gdn._GATED_QKV = (gated[0], [gated[1][0], gated[1][2], gated[1][1]])
             row["control_kv_swapped"] = (logits_with()[1] - reference).abs().max().item()
             bridge._LAYER_RULES.update(rules)
+            bridge_gdn._GATED_QKV = gated
         else:
             chunks_zero_bias, _ = logits_with()
             with torch.no_grad():
@@ -368,7 +372,11 @@ def run_layout(args):
                 for n, p in named_global_parameters(chunk, global_experts):
                     parts = n.split(".", 3)
                     later = parts[1] == "layers" and mpu.get_pipeline_model_parallel_rank() > 0
-                    yield (f"decoder.layers.{int(parts[2]) - 1}.{parts[3]}" if later else n), p
+                    source = int(parts[2]) - 1 if later else 0
+                    if later and spec.gdn is not None:  # Qwen3.5: the layer before of the same type
+                        kinds = spec.gdn.linear_layers
+                        source = max(j for j in range(int(parts[2])) if kinds[j] == kinds[int(parts[2])])
+                    yield (f"decoder.layers.{source}.{parts[3]}" if later else n), p
 
             chunks_module.named_global_parameters = shifted
             row["control_shifted_layers"] = (logits_with()[1] - reference).abs().max().item()

@@ -198,13 +198,47 @@ MOE_CONFIGS["deepseek_v3_small"] = (
 )
 
 
+# Qwen3.5 (tests/test_qwen35.py): gated delta nets and gated full attention alternating (the released
+# models: 3 of 4 layers linear), 2 key heads shared by 4 value heads, key head 16 != value head 8,
+# partial RoPE (a quarter of head_dim 16), zero-centred norms; the multimodal RoPE sections as released
+_QWEN35 = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
+)
+GDN_CONFIGS = {"qwen3_5": ("Qwen3_5ForCausalLM", _QWEN35)}
+_CONFIG_CLASS = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig"}  # not the vision-language Qwen3_5Config
+
+
 def make_tiny_hf_model(name, seed=0, layers=None):
     """layers: another num_hidden_layers (e.g. an odd count for uneven pipeline stages)."""
     import transformers
 
-    arch, kwargs = {**ARCH_CONFIGS, **MOE_CONFIGS}[name]
+    arch, kwargs = {**ARCH_CONFIGS, **MOE_CONFIGS, **GDN_CONFIGS}[name]
     kwargs = dict(kwargs, num_hidden_layers=layers or kwargs["num_hidden_layers"])
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    if layers and "layer_types" in kwargs:  # the pattern repeated to the new depth
+        kwargs["layer_types"] = [kwargs["layer_types"][i % len(kwargs["layer_types"])] for i in range(layers)]
+    config_cls = getattr(transformers, _CONFIG_CLASS.get(arch, arch.replace("ForCausalLM", "Config")))
     config = config_cls(**kwargs)
     config.architectures = [arch]
     torch.manual_seed(seed)

@@ -68,9 +68,12 @@ def apply_rope(t, freqs):
     rounding to t's dtype. Layout of HF and megatron ("rotate_half"): dimension j < d/2 pairs with
     j + d/2, i.e. out = t * cos + cat(-t[d/2:], t[:d/2]) * sin."""
     x = t.float()
-    half = x.shape[-1] // 2
+    d = freqs.shape[-1]  # < head_dim: partial RoPE (Qwen3.5), the dims past d pass unrotated
+    x, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
+    half = d // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * torch.cos(freqs) + rotated * torch.sin(freqs)).to(t.dtype)
+    out = x * torch.cos(freqs) + rotated * torch.sin(freqs)
+    return (out if rest is None else torch.cat((out, rest), dim=-1)).to(t.dtype)
 
 
 @on_gpu_compiled
@@ -138,9 +141,8 @@ class SDPAttention(MegatronModule):
 
             self.rotary = RotaryEmbedding(
                 kv_channels=self.head_dim,
-                rotary_percent=1.0,
                 use_cpu_initialization=config.use_cpu_initialization,
-                **rotary,
+                **{"rotary_percent": 1.0, **rotary},
             )
 
     def forward(

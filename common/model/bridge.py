@@ -33,6 +33,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from common.model.bridge_gdn import (
+    GDNSpec,
+    gdn_hf_names,
+    gdn_hf_shape,
+    gdn_param_rule,
+    gdn_shard,
+    gdn_unshard,
+    parse_gdn,
+)
 from common.model.bridge_layout import (  # noqa: F401 (re-exported)
     RECOMPUTE_MODULES,
     check_parallel_layout,
@@ -66,7 +75,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen", mla=False),
     "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="mixtral", mla=False),
     "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="deepseek", mla=True),  # + sigmoid routing
+    # gdn: gated-delta-net layers mixed with gated full attention (common/model/bridge_gdn.py)
+    "Qwen3_5ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None, mla=False, gdn=True),
 }
+GDN_KINDS = ("gdn_in", "gdn_conv", "qkvg")  # shard kinds of common/model/bridge_gdn.py
 
 # megatron-core hard-codes these llama3 rope-scaling constants
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling);
@@ -95,6 +107,7 @@ class HFModelSpec:
     qk_norm: bool
     moe: MoESpec | None = None  # Mixture-of-Experts layers (common/model/bridge_moe.py), None when dense
     mla: MLASpec | None = None  # multi-latent attention (common/model/bridge_mla.py), None for q/k/v heads
+    gdn: GDNSpec | None = None  # gated-delta-net layers (common/model/bridge_gdn.py), None without
     hf_config: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -181,6 +194,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     table = dict(ARCHITECTURES[arch])
     experts = table.pop("experts")
     table.pop("mla")
+    gdn = parse_gdn(cfg, rope) if table.pop("gdn", False) else None
     if arch == "Qwen2MoeForCausalLM":
         table["qkv_bias"] = bool(cfg.get("qkv_bias", True))
     return HFModelSpec(
@@ -199,6 +213,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         moe=parse_moe(cfg, arch) if experts else None,
         mla=mla,
+        gdn=gdn,
         hf_config=cfg,
         **table,
     )
@@ -233,6 +248,12 @@ def transformer_config(
     MoE models: ep/etp are the expert (tensor) parallel sizes; moe_aux_loss_coef replaces the
     HF config's router_aux_loss_coef (None: keep it)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    if spec.gdn is not None and cp > 1:
+        raise ValueError(
+            f"--cp {cp}: {spec.architecture}'s gated delta nets do not run under context parallelism "
+            "(the recurrent state would have to pass between CP ranks); use --cp 1 (--pack for long batches)"
+        )
 
     fused = torch.cuda.is_available()  # these fusions need CUDA kernels
     kwargs = dict(
@@ -274,6 +295,9 @@ def transformer_config(
         kwargs.update(moe_config_fields(spec.moe, ep=ep, etp=etp, aux_loss_coef=moe_aux_loss_coef))
     if spec.mla is not None:
         kwargs.update(mla_config_fields(spec.mla, spec.rope_theta))
+    if spec.gdn is not None:  # the full-attention layers' output gate (the delta nets: common/model/gdn.py)
+        # layers of two kinds: distributed checkpoints keyed per layer (megatron stacks them otherwise)
+        kwargs.update(attention_output_gate=True, hetereogenous_dist_checkpoint=True)
     kwargs.update(overrides)
     return (MLATransformerConfig if spec.mla is not None else TransformerConfig)(**kwargs)
 
@@ -288,6 +312,7 @@ def gpt_model_kwargs(spec: HFModelSpec, tp=1):
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        rotary_percent=spec.gdn.rotary_fraction if spec.gdn is not None else 1.0,
     )
 
 
@@ -326,6 +351,9 @@ def param_rule(mcore_name, spec: HFModelSpec):
         # With tied embeddings and PP>1 the last stage keeps its own copy of the embedding.
         return "vocab", ["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
     parts = mcore_name.split(".", 3)
+    rule = gdn_param_rule(parts[3], parts[2], spec.gdn) if len(parts) == 4 and spec.gdn else None
+    if rule is not None:
+        return rule
     rule = mla_param_rule(parts[3], parts[2]) if len(parts) == 4 and spec.mla else None
     if rule is not None:
         return rule
@@ -344,17 +372,22 @@ def expected_hf_names(spec: HFModelSpec):
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    if spec.mla is not None:
+    if spec.gdn is not None:
+        per_layer = []  # the layer's token mixer: gdn_hf_names
+    elif spec.mla is not None:
         per_layer += mla_hf_names(spec.mla)
     else:
         per_layer += ["self_attn.o_proj.weight"] + [f"self_attn.{p}_proj.weight" for p in "qkv"]
     if spec.qkv_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if spec.qk_norm:
+    if spec.qk_norm and spec.gdn is None:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     for i in range(spec.num_layers):
         names += [f"model.layers.{i}.{s}" for s in per_layer]
+        if spec.gdn is not None:
+            names += [f"model.layers.{i}.{s}" for s in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+            names += gdn_hf_names(i, spec.gdn)
         if spec.moe is not None and spec.moe.moe_layers[i]:
             names += moe_hf_names(i, spec.moe)
         else:
@@ -385,7 +418,10 @@ def expected_hf_shape(name, spec: HFModelSpec):
         "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
     }
-    if spec.mla is not None and suffix.startswith("self_attn."):
+    gdn = gdn_hf_shape(suffix, h, spec.num_heads, d, spec.gdn) if spec.gdn is not None else None
+    if gdn is not None:
+        shape = gdn
+    elif spec.mla is not None and suffix.startswith("self_attn."):
         shape = mla_hf_shape(suffix, h, spec.num_heads, spec.mla)
     else:
         shape = shapes.get(suffix) or (moe_hf_shape(suffix, h, spec.moe) if spec.moe is not None else None)
@@ -400,6 +436,9 @@ def shard_from_hf(kind, hf_names, read, spec: HFModelSpec, tp_rank, tp_size):
     read(hf_name, row_slice=None, col_slice=None) returns that slice of the HF tensor;
     only the rows/columns this rank owns are ever read (lazy safetensors slices).
     """
+    if kind in GDN_KINDS:
+        heads = (spec.gdn, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        return gdn_shard(kind, hf_names, read, *heads, tp_rank, tp_size)
     if kind == "replicated":
         return read(hf_names[0])
     if kind == "row":
@@ -437,6 +476,8 @@ def hf_from_shards(kind, hf_names, shards, spec: HFModelSpec):
     def cat(parts, dim=0):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
+    if kind in GDN_KINDS:
+        return gdn_unshard(kind, hf_names, shards, spec.gdn, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     if kind == "replicated":
         return [(hf_names[0], shards[0])]
     if kind == "row":

@@ -84,6 +84,8 @@ def check_parallel_layout(spec, tp=1, pp=1, vpp=None, ep=1, etp=1, first_stage_l
             raise ValueError(f"--tp {tp} must divide shared_expert_intermediate_size={spec.moe.shared_expert_size}")
     if spec.mla is not None:
         check_mla_layout(spec.mla, tp)
+    if spec.gdn is not None and spec.gdn.num_key_heads % tp:
+        raise ValueError(f"--tp {tp} must divide linear_num_key_heads={spec.gdn.num_key_heads} (the delta net's heads)")
     if spec.num_kv_heads % tp:
         raise ValueError(
             f"--tp {tp} must divide num_key_value_heads={spec.num_kv_heads} "

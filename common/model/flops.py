@@ -23,6 +23,8 @@ def forward_flops_per_token(spec, seq_len, causal=True):
     head (vocab x hidden; tied or not, the product is computed). Attention: QK^T and
     (softmax)V each cost 2 * seq_len * heads * head_dim per token and layer over the full
     T x T; causal=True counts the useful lower triangle only (half), as Megatron-LM and NeMo do.
+    Gated delta nets (Qwen3.5) count their projections, their depthwise conv and the recurrence
+    (linear in seq_len: 6 dk dv FLOPs per token and value head) instead.
     """
     q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -41,11 +43,25 @@ def forward_flops_per_token(spec, seq_len, causal=True):
     if moe is not None:  # MoE layers count their active weights: router, top-k experts, shared expert
         active = h * moe.num_experts + moe.topk * 3 * h * moe.ffn_hidden_size + 3 * h * moe.shared_expert_size
         mlps = [active if is_moe else dense for is_moe, dense in zip(moe.moe_layers, mlps)]
-    matmul_weights = spec.num_layers * attention_weights + sum(mlps) + spec.vocab_size * h
+    full_layers, recurrence = spec.num_layers, 0
+    gdn = getattr(spec, "gdn", None)
+    if gdn is not None:  # Qwen3.5: gated full attention (a gate row per query row) and gated delta nets
+        linear = sum(gdn.linear_layers)
+        full_layers -= linear
+        attention_weights += h * q_dim
+        gdn_weights = h * sum(gdn.in_pieces(1)) + gdn.value_dim * h  # in_proj, out_proj
+        # per token and value head, the recurrence's three dk x dv products (S^T k, k delta^T, S^T q)
+        # and the depthwise conv
+        recurrence = linear * (2 * 3 * gdn.key_head_dim * gdn.value_head_dim * gdn.num_value_heads)
+        recurrence += linear * 2 * gdn.conv_dim * gdn.conv_kernel
+        matmul_extra = linear * (gdn_weights - attention_weights)
+    else:
+        matmul_extra = 0
+    matmul_weights = spec.num_layers * attention_weights + matmul_extra + sum(mlps) + spec.vocab_size * h
     attention = (
-        2 * spec.num_layers * seq_len * (q_dim + v_dim * spec.num_heads // spec.num_kv_heads) * (0.5 if causal else 1.0)
+        2 * full_layers * seq_len * (q_dim + v_dim * spec.num_heads // spec.num_kv_heads) * (0.5 if causal else 1.0)
     )  # QK^T over the q/k head size, (softmax)V over the value head size
-    return 2 * matmul_weights + attention
+    return 2 * matmul_weights + attention + recurrence
 
 
 def peak_tflops(device_name):

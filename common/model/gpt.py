@@ -52,7 +52,16 @@ class RMSNorm(torch.nn.RMSNorm):
             p.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(spec: HFModelSpec, attention=None, moe=False):
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored zero-centred: x_normed * (1 + w), in fp32 (Qwen3.5's norms,
+    transformers' Qwen3_5RMSNorm; the HF tensors load unchanged)."""
+
+    def forward(self, x):
+        normed = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False):
     """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, the QKV
     projection of models with a QKV bias (common/model/linear.py: the bias added in the GEMM), and
     with moe=True an MoELayer (common/model/moe_router.py's Router and common/model/moe_experts.py's
@@ -65,6 +74,9 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
               fp32 rounding, tests/test_attention.py).
       "local" megatron's local spec as is (DotProductAttention: baddbmm + softmax + bmm).
       "te"    megatron's TransformerEngine spec (fused kernels, needs TE importable).
+    linear=True (Qwen3.5's gated-delta-net layers): common/model/gdn.py's GatedDeltaNet in place of
+    the self-attention. Qwen3.5's norms are ZeroCenteredRMSNorm, its full attention gated
+    (TransformerConfig.attention_output_gate) with partial RoPE.
     The three have the same parameters; "te" names the fused norms differently
     (linear_qkv.layer_norm_weight), which the bridge maps too.
     Multi-latent attention (DeepSeek-V3) takes "sdpa" only: megatron's MLASelfAttention rotates
@@ -79,6 +91,8 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
     mla = spec.mla is not None
     if mla and attention != "sdpa":
         raise ValueError(f"attention={attention!r}: multi-latent attention ({spec.architecture}) runs on 'sdpa'")
+    if spec.gdn is not None and attention == "te":
+        raise ValueError(f"attention='te': {spec.architecture} (gated delta net) runs on 'sdpa' or 'local'")
     if attention == "te":
         try:
             import transformer_engine  # noqa: F401
@@ -113,12 +127,20 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
         if hasattr(sub, "activation_func"):
             sub.activation_func = SwiGLU
     # every norm of the layer (the final one: build_model) is RMSNorm above: SP works without TE/apex
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    norm = RMSNorm if spec.gdn is None else ZeroCenteredRMSNorm
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+    if linear:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from common.model.gdn import GatedDeltaNet
+
+        layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"gdn": spec.gdn})
+        return layer
     attn = layer.submodules.self_attention.submodules
     if mla:  # the norms of the q and kv latents
         attn.q_layernorm = attn.kv_layernorm = RMSNorm
     elif spec.qk_norm:
-        attn.q_layernorm = attn.k_layernorm = RMSNorm
+        attn.q_layernorm = attn.k_layernorm = norm
     if spec.qkv_bias and not mla:
         from common.model.linear import BiasInGemmColumnParallelLinear
 
@@ -134,7 +156,7 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False):
         rope = {
             k: v
             for k, v in gpt_model_kwargs(spec).items()
-            if k in ("rotary_base", "rope_scaling", "rope_scaling_factor")
+            if k in ("rotary_base", "rope_scaling", "rope_scaling_factor", "rotary_percent")
         }
         attn.core_attention = SDPAttention if mla else functools.partial(SDPAttention, rotary=rope)
     return layer
@@ -153,9 +175,15 @@ def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None):
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     moe = layer_spec(spec, attention, moe=True) if spec.moe else None
+    specs = [moe if spec.moe and spec.moe.moe_layers[first + i] else dense for i in range(count)]
+    if spec.gdn is not None:  # Qwen3.5: gated delta nets where the layer types say so
+        linear = layer_spec(spec, attention, moe=False, linear=True)
+        linear_moe = layer_spec(spec, attention, moe=True, linear=True) if spec.moe else None
+        for i in range(count):
+            if spec.gdn.linear_layers[first + i]:
+                specs[i] = linear_moe if spec.moe and spec.moe.moe_layers[first + i] else linear
     return TransformerBlockSubmodules(
-        layer_specs=[moe if spec.moe and spec.moe.moe_layers[first + i] else dense for i in range(count)],
-        layer_norm=RMSNorm,
+        layer_specs=specs, layer_norm=RMSNorm if spec.gdn is None else ZeroCenteredRMSNorm
     )
 
 

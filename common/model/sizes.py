@@ -71,7 +71,7 @@ def count_parameters(spec, layers, *, tp=1, ep=1, etp=1, first_stage=True, last_
         elif not (spec.tie_word_embeddings and pp == 1):  # tied at PP > 1: the last stage keeps its own copy
             n.dense += vocab
     for layer in layers:
-        n.dense += 2 * h + _attention_params(spec, tp)  # input and pre-MLP norms
+        n.dense += 2 * h + _attention_params(spec, tp, layer)  # input and pre-MLP norms
         moe = spec.moe
         if moe is not None and moe.moe_layers[layer]:
             n.dense += moe.num_experts * h  # router (replicated; DeepSeek's expert bias is a buffer)
@@ -83,8 +83,21 @@ def count_parameters(spec, layers, *, tp=1, ep=1, etp=1, first_stage=True, last_
     return n
 
 
-def _attention_params(spec, tp):
+def _attention_params(spec, tp, layer=0):
     h, heads = spec.hidden_size, spec.num_heads
+    g = spec.gdn
+    if (
+        g is not None and g.linear_layers[layer]
+    ):  # common/model/gdn.py: in_proj, conv1d, dt_bias, A_log | norm, out_proj
+        return (
+            sum(g.in_pieces(1)) * h // tp
+            + g.conv_dim * g.conv_kernel // tp
+            + 2 * g.num_value_heads // tp
+            + (g.value_head_dim + g.value_dim * h // tp)
+        )
+    if g is not None:  # gated full attention: q_proj holds a gate row per query row; q/k norms
+        rows = (2 * heads + 2 * spec.num_kv_heads) * spec.head_dim
+        return rows * h // tp + h * heads * spec.head_dim // tp + 2 * spec.head_dim
     if spec.mla is not None:  # common/model/bridge_mla.py: every projection split over TP by rows, norms replicated
         m = spec.mla
         if m.q_lora_rank:
@@ -267,7 +280,9 @@ def kv_cache_bytes_per_token(spec, rollout_tp, dtype_bytes=2):
     if spec.mla is not None:
         return spec.num_layers * (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * dtype_bytes
     heads = max(1, spec.num_kv_heads // rollout_tp)
-    return 2 * spec.num_layers * heads * spec.head_dim * dtype_bytes
+    # gated delta nets (Qwen3.5) keep a fixed-size state per sequence, no per-token cache
+    layers = spec.num_layers - (sum(spec.gdn.linear_layers) if spec.gdn is not None else 0)
+    return 2 * layers * heads * spec.head_dim * dtype_bytes
 
 
 def layer_working_bytes(spec, kw):

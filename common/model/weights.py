@@ -197,6 +197,9 @@ class LocalShard(NamedTuple):
         return self.start + self.tensor.shape[self.dim]
 
 
+UNBOXED_KINDS = ("gdn_in", "gdn_conv")  # a TP rank holds a slice of each of q, k, v of one HF tensor
+
+
 def _local_pieces(kind, hf_names, shard, spec, tp_rank):
     """One TP rank's megatron shard as pieces of its HF tensors (shard_from_hf inverted for
     one rank): [(hf_name, LocalShard)], or [(hf_name, shard)] where the shard is the full tensor."""
@@ -230,9 +233,11 @@ def _local_names(local, plan, spec, local_reads, device):
     names = [entry[1] for entry in plan if not entry[3]]
     fits = []
     for name in names:
-        pieces = _local_pieces(*param_rule(name, spec), torch.empty(local[name].shape, device="meta"), spec, tp_rank)
+        kind, hf_names = param_rule(name, spec)
+        pieces = _local_pieces(kind, hf_names, torch.empty(local[name].shape, device="meta"), spec, tp_rank)
         fits.append(
-            all(
+            kind not in UNBOXED_KINDS  # a rank's shard is no box of its HF tensor: gathered instead
+            and all(
                 not isinstance(p, LocalShard) or local_reads.reads_within(n, p.dim, p.start, p.stop, p.full_shape)
                 for n, p in pieces
             )

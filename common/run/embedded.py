@@ -71,7 +71,8 @@ DEFAULT_CONFIG = dict(
 # the same tiny body with a Qwen3-MoE MLP in every layer, 8 experts of which each token uses
 # 2 (renormalised top-2). "deepseek" is a DeepSeek-V3: multi-latent attention (q LoRA), layer
 # 0 dense, layer 1 with 8 sigmoid-routed experts in 4 groups (top-4 experts of the top-2
-# groups, a score-correction bias) and a shared expert.
+# groups, a score-correction bias) and a shared expert. "qwen3_5" is a Qwen3.5: a gated delta net
+# layer, then a gated full-attention layer.
 EMBEDDED_MODELS = {
     "dense": {},
     "moe": dict(
@@ -105,7 +106,21 @@ EMBEDDED_MODELS = {
         scoring_func="sigmoid",
         tie_word_embeddings=False,
     ),
+    # Qwen3.5: a gated delta net (2 key heads shared by 4 value heads) then gated full attention
+    # with partial RoPE, zero-centred norms
+    "qwen3_5": dict(
+        architecture="Qwen3_5ForCausalLM",
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
 }
+CONFIG_CLASSES = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig"}  # (Qwen3_5Config is the vision-language one)
 
 MARKER = "embedded.json"  # what we wrote (seed + config): makes rewriting idempotent
 FORMAT_VERSION = 1
@@ -153,7 +168,7 @@ def build_model(config_kwargs, seed):
 
     fields = hf_config(config_kwargs)
     arch = fields["architectures"][0]
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
+    config = getattr(transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config")))(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, arch)(config).float().eval()

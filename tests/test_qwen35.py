@@ -1,0 +1,214 @@
+"""Qwen3.5 (gated delta nets mixed with gated full attention) in the bridge.
+
+    .venv/bin/python -m pytest -x -q tests/test_qwen35.py
+
+The tiny Qwen3.5 of tests/tiny_models.py (GDN_CONFIGS "qwen3_5": layers linear, full, linear,
+full; 2 key heads shared by 4 value heads; partial RoPE; zero-centred norms) against transformers
+(fp32): the recurrence alone against transformers' token-by-token one, including restarts at
+packed samples; the whole model's logits at TP=1, TP=2, TP=2+SP and PP=2 on uneven stages (3
+layers: linear + full on the first stage, linear on the second), the export back to HF names
+bit-identical, and a deliberately wrong mapping (k/v swapped in the gated attention) far off; every
+tensor's gradient at TP=2+SP against one rank's (tests/gdn_grad_worker.py);
+packed passes equal to padded ones (tests/packing_worker.py); convert_hf_to_mcore.py --verify and
+merge_to_hf.py round trips; GRPO learning the embedded task with the embedded tiny Qwen3.5.
+"""
+
+import pytest
+import torch
+
+from tests.conftest import LayoutLaunches, read_metrics, run_script, run_torchrun
+from tests.tiny_models import GDN_CONFIGS, save_tiny_hf_model
+
+
+def _config(**changes):
+    arch, kwargs = GDN_CONFIGS["qwen3_5"]
+    return dict(kwargs, architectures=[arch], **changes)
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    """qwen3_5 (4 layers) and qwen3_5_3layers (linear, full, linear: PP=2 stages of 2 + 1)."""
+    root = tmp_path_factory.mktemp("qwen35")
+    save_tiny_hf_model("qwen3_5", str(root / "qwen3_5"))
+    save_tiny_hf_model("qwen3_5", str(root / "qwen3_5_3layers"), layers=3)
+    return root
+
+
+def test_the_config_maps_to_megatron():
+    from common.model.bridge import gpt_model_kwargs, parse_hf_config, transformer_config
+
+    spec = parse_hf_config(_config())
+    assert spec.gdn.linear_layers == [True, False, True, False]
+    assert (spec.gdn.key_dim, spec.gdn.value_dim, spec.gdn.conv_dim, spec.gdn.rotary_fraction) == (32, 32, 96, 0.25)
+    assert transformer_config(spec).attention_output_gate and spec.qk_norm
+    assert gpt_model_kwargs(spec)["rotary_percent"] == 0.25
+    # without layer_types: every full_attention_interval-th layer is full attention, as transformers does
+    kwargs = {k: v for k, v in _config(num_hidden_layers=8).items() if k != "layer_types"}
+    assert parse_hf_config(kwargs).gdn.linear_layers == [True, True, True, False] * 2
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+            "layer_types",
+        ),
+        (dict(layer_types=["linear_attention"] * 3), "layer_types"),
+        (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+        (dict(attn_output_gate=False), "attn_output_gate"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_unrepresentable_configs_are_refused(changes, message):
+    from common.model.bridge import parse_hf_config
+    from common.model.unsupported import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=message):
+        parse_hf_config(_config(**changes))
+
+
+def test_tensor_parallel_must_divide_the_delta_net_heads_and_cp_is_refused():
+    from common.model.bridge import check_parallel_layout, parse_hf_config, transformer_config
+
+    spec = parse_hf_config(_config(linear_num_key_heads=1, linear_num_value_heads=4))
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        check_parallel_layout(spec, tp=2)
+    with pytest.raises(ValueError, match="context parallelism"):
+        transformer_config(spec, cp=2)
+
+
+def test_chunked_recurrence_equals_transformers_token_by_token():
+    """common/model/gdn.py's chunked gated delta rule against transformers' recurrent form (a loop
+    over tokens), chunks of 64, 16 and 7 over 150 tokens; and packed: two samples run separately
+    are not the same as one run over both (the state must restart)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    from common.model.gdn import chunk_gated_delta_rule, l2norm
+
+    torch.manual_seed(0)
+    b, s, h, dk, dv = 2, 150, 3, 16, 8
+    q, k = l2norm(torch.randn(b, s, h, dk)), l2norm(torch.randn(b, s, h, dk))
+    v, g, beta = torch.randn(b, s, h, dv), -torch.rand(b, s, h) * 2, torch.rand(b, s, h)
+    reference, _ = torch_recurrent_gated_delta_rule(q, k, v, g, beta)
+    for chunk in (64, 16, 7):
+        err = (chunk_gated_delta_rule(q, k, v, g, beta, chunk=chunk) - reference).abs().max().item()
+        print(f"chunk {chunk}: max |diff| {err:.1e}")  # measured 3.1e-7, 2.1e-7, 6.0e-8
+        assert err < 1e-5
+    second, _ = torch_recurrent_gated_delta_rule(*(x[:, 100:] for x in (q, k, v, g, beta)))
+    assert (second - reference[:, 100:]).abs().max() > 1e-2  # the state carried over matters
+
+
+PARITY_LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", 2]), "tp2_sp": (2, ["--tp", 2, "--sp"]), "pp2": (2, ["--pp", 2])}
+
+
+@pytest.fixture(scope="module")
+def parity(qwen35_dir, tmp_path_factory):
+    return LayoutLaunches(
+        "tests/parity_worker.py", PARITY_LAYOUTS, ["--models-dir", qwen35_dir], tmp_path_factory.mktemp("parity")
+    )
+
+
+@pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
+def test_logits_match_transformers(layout, parity):
+    from common.model.bridge import parse_hf_config
+    from common.model.sizes import count_parameters
+
+    results = parity[layout]
+    assert sorted(results) == ["qwen3_5", "qwen3_5_3layers"]
+    for name, ranks in results.items():
+        for rank, row in enumerate(ranks):
+            where = f"{name} {layout} rank {rank}"
+            print(f"{where}: max_abs_diff={row['max_abs_diff']:.2e} kv_swapped={row['control_kv_swapped']:.2e}")
+            assert row["max_abs_diff"] <= 1e-5, where
+            assert row["control_kv_swapped"] > 1e-3, where
+            assert row["export_missing"] == row["export_extra"] == row["export_mismatch"] == [], where
+            assert row["pieces_mismatch"] == [] and row["blocks_mismatch"] == [], where
+            if layout in ("tp1", "tp2"):  # the memory plan's parameter count: exactly what megatron built
+                tp = 2 if layout == "tp2" else 1
+                n = len(row["layers"])
+                spec = parse_hf_config(_config(num_hidden_layers=n, layer_types=_config()["layer_types"][:n]))
+                counted = count_parameters(spec, row["layers"], tp=tp)
+                assert counted.total == row["param_count"], where
+        if layout == "pp2" and name == "qwen3_5_3layers":
+            assert [r["layers"] for r in ranks] == [[0, 1], [2]]  # linear + full | linear
+            assert all(r["control_shifted_layers"] > 1e-3 for r in ranks)
+
+
+def test_gradients_at_tp2_sp_equal_one_rank(qwen35_dir, tmp_path):
+    """Every HF tensor's gradient (tests/gdn_grad_worker.py) at TP=2+SP equals one rank's: the
+    delta net's TP-split conv, dt_bias and A_log, and its gated norm's weight, which serves each
+    rank's heads and is summed over TP once (a second, sequence-parallel sum doubled it)."""
+    hf = qwen35_dir / "qwen3_5"
+    run_torchrun("tests/gdn_grad_worker.py", 1, "--hf", hf, "--out", tmp_path / "tp1.pt")
+    run_torchrun("tests/gdn_grad_worker.py", 2, "--hf", hf, "--tp", 2, "--sp", "--out", tmp_path / "tp2.pt")
+    one, two = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    assert sorted(one) == sorted(two)
+    # each tensor's difference against its own largest gradient (+1e-6: the fp32 noise of tiny ones)
+    worst = max((one[n] - two[n]).abs().max().item() / (one[n].abs().max().item() + 1e-6) for n in one)
+    print(f"largest relative gradient difference {worst:.1e}")  # measured 7.8e-5; the norm summed twice: 1.0
+    assert worst < 1e-3
+
+
+def test_packed_passes_equal_padded_ones(qwen35_dir, tmp_path):
+    """tests/packing_worker.py: 24 samples packed into rows of 64 tokens (the conv and the
+    recurrence restart at every sample) against padded micro-batches: logprobs and the gradient
+    of a loss; the control (each packed row scored as one sequence) differs."""
+    import json
+
+    out = tmp_path / "packing.json"
+    run_script("tests/packing_worker.py", "--models-dir", qwen35_dir, "--models", "qwen3_5", "--out", out)
+    r = json.loads(out.read_text())["qwen3_5"]
+    print(r)
+    assert r["logprob_diff"] <= 1e-5 and r["control_diff"] > 1e-2
+    assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_max"])
+
+
+def test_convert_verify_and_merge_round_trip(qwen35_dir, tmp_path):
+    """convert_hf_to_mcore.py --verify (the checkpoint loads at TP=2 and gives transformers' logits)
+    and merge_to_hf.py: the merged safetensors equal the original bit for bit."""
+    from tests.test_convert import hf_tensors
+
+    hf_dir = qwen35_dir / "qwen3_5"
+    run_torchrun(
+        "convert_hf_to_mcore.py",
+        2,
+        "--hf",
+        hf_dir,
+        "--out",
+        tmp_path / "ckpt",
+        "--dtype",
+        "fp32",
+        "--tp",
+        2,
+        "--verify",
+    )
+    run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32")
+    original, merged = hf_tensors(hf_dir), hf_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(merged)
+    assert all(torch.equal(original[n], merged[n]) for n in original)
+
+
+def test_grpo_learns_with_the_embedded_qwen35(tmp_path):
+    """train_grpo.py --embedded-model qwen3_5: the embedded task is being learned, and the
+    trainer's logprobs equal the CPU engine's (transformers)."""
+    run_script(
+        "train_grpo.py",
+        "--embedded-model",
+        "qwen3_5",
+        "--steps",
+        40,
+        "--eval-every",
+        20,
+        "--kl-coef",
+        0,
+        "--log-samples-every",
+        0,
+        "--out",
+        tmp_path,
+    )
+    rows = read_metrics(tmp_path)
+    reward = [m["reward_mean"] for m in rows]
+    print("reward", [round(r, 3) for r in reward], "mismatch", rows[0]["logprob_mismatch"])
+    assert rows[0]["logprob_mismatch"] < 1e-5
+    assert sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.1
