@@ -101,6 +101,9 @@ def _training_tensors(ddp_chunks, optimizer):
         (name, p) for chunk in ddp_chunks for name, p in named_global_parameters(chunk) if not lora or is_adapter(name)
     ]
     live = [p for _, p in named]
+    # + the modules' buffers that training changes in place (DeepSeek-V3's router bias after each
+    # step): on a CPU a save writes them from the live tensor in the background, so they are cloned too
+    live += [b for chunk in ddp_chunks for b in unwrap(chunk).buffers() if b.dim() > 0]
     for adam in torch_adams(optimizer):
         for group_index, group in enumerate(adam.param_groups):
             for index, main in enumerate(group["params"]):
