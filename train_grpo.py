@@ -591,14 +591,8 @@ def main():
                         make_env,
                         [items[i] for i in mine],
                         n=group,
-                        temperature=args.temperature,
-                        top_p=args.top_p,
-                        max_tokens=args.max_new_tokens,  # per turn
-                        max_turns=args.max_turns,
-                        max_episode_tokens=args.max_episode_tokens,
-                        step_timeout_s=args.tool_timeout + 2,
-                        max_workers=args.tool_workers,
                         seed=seed,
+                        **FR.episode_settings(args),
                     )
                 else:
                     local = generate_checked(

@@ -283,3 +283,18 @@ def check_env_flags(args):
             "--routing-replay rollout replays the engine's routes of single-turn samples; with --env use "
             "--routing-replay old (or none)"
         )
+
+
+def episode_settings(args):
+    """run_episodes' keyword arguments (common/rollout/episodes.py) from the run's flags: sampling, the
+    per-turn --max-new-tokens, --max-turns, --max-episode-tokens, the tools' time (a step may run
+    --tool-timeout + 2 s: its sandbox's start and clean-up) and --tool-workers."""
+    return dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_new_tokens,
+        max_turns=args.max_turns,
+        max_episode_tokens=args.max_episode_tokens,
+        step_timeout_s=args.tool_timeout + 2,
+        max_workers=args.tool_workers,
+    )
