@@ -294,15 +294,9 @@ def main():
     )
     reward_fn = user_reward or (math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0))
     if env_class is not None:  # --env: episodes of the environment, on --data's items or its own (docs/agentic.md)
-        args.max_episode_tokens = args.max_episode_tokens or spec.max_position_embeddings
+        data_items = items if args.data else None  # (else the environment's own)
         items, prompt_ids, make_env, codec = env_prompts(
-            env_class,
-            items if args.data else None,
-            tokenizer,
-            seed=args.seed,
-            max_episode_tokens=args.max_episode_tokens,
-            tool_timeout_s=args.tool_timeout,
-            tool_output_chars=args.tool_output_chars,
+            env_class, data_items, tokenizer, args, spec.max_position_embeddings
         )
         eval_items, eval_prompt_ids = [], []  # validation is of single-turn answers
 

@@ -384,22 +384,24 @@ def synthetic_prompts(num_items=1000, seed=0, **difficulty):
     return SyntheticArithmetic(seed, **difficulty).make(num_items)
 
 
-def env_prompts(env_class, items, tokenizer, *, seed, max_episode_tokens, tool_timeout_s, tool_output_chars):
+def env_prompts(env_class, items, tokenizer, args, max_positions):
     """--env's (items, first prompt ids, make_env, codec): `items` (--data's rows), or without them
-    the environment's own (its make_items, seeded); make_env() a new episode's environment with the
-    run's tool limits; codec the chat template with the environment's tools (common/env/chat.py).
-    Items whose first prompt leaves no room for a turn within max_episode_tokens are dropped; none
-    left, or no items at all, is a UsageError."""
+    the environment's own (its make_items, seeded by --seed); make_env() a new episode's environment
+    with the run's tool limits (--tool-timeout, --tool-output-chars); codec the chat template with the
+    environment's tools (common/env/chat.py). --max-episode-tokens defaults to the model's positions
+    (max_positions; set in args). Items whose first prompt leaves no room for a turn within it are
+    dropped; none left, or no items at all, is a UsageError."""
     from common.env.base import configured
     from common.env.chat import ChatCodec
     from common.run.dist import print0
     from common.train.guard import UsageError
 
+    args.max_episode_tokens = max_episode_tokens = args.max_episode_tokens or max_positions
     if items is None:
         if not hasattr(env_class, "make_items"):
             raise UsageError(f"--env {env_class.__name__} makes no items of its own (no make_items): pass --data")
-        items = env_class.make_items(1000, seed)
-    make_env = configured(env_class, tool_timeout_s=tool_timeout_s, tool_output_chars=tool_output_chars)
+        items = env_class.make_items(1000, args.seed)
+    make_env = configured(env_class, tool_timeout_s=args.tool_timeout, tool_output_chars=args.tool_output_chars)
     try:
         codec = ChatCodec(tokenizer, tools=env_class.tools)
         prompt_ids = [codec.prompt_ids(make_env().reset(item)) for item in items]
