@@ -22,26 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-SHAPES = {  # Qwen2.5 configs: hidden, intermediate, layers, heads, kv heads; vocabulary rows and tying
-    "1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-}
 COMMON = ["--steps", "3", "--prompts-per-step", "16", "--samples-per-prompt", "4", "--max-new-tokens", "64"]
 COMMON += ["--rule-reward-weight", "0", "--eval-every", "0", "--lr", "1e-6"]
 
@@ -56,7 +36,9 @@ def random_model(path, shape, seed):
     write_embedded_model(str(path))  # the tokenizer, chat template and generation config
     os.remove(path / "model.safetensors")
     config = transformers.AutoConfig.from_pretrained(path)
-    for key, value in dict(SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6).items():
+    from tests.gpu.make_random_model import FULL_VOCAB, SHAPES  # Qwen2 shapes, vocabulary rows and tying
+
+    for key, value in dict(SHAPES[shape], **FULL_VOCAB[shape], max_position_embeddings=4096, rope_theta=1e6).items():
         setattr(config, key, value)
     torch.manual_seed(seed)
     with torch.device("cuda"):
