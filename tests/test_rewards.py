@@ -159,12 +159,14 @@ def test_math_reward_never_raises_on_garbage():
     assert math_reward(None, "1") == 0.0 and math_reward("1", None) == 0.0
 
 
-def test_math_reward_is_fast_and_guarded():
-    # Plain numbers (all of GSM8K) never reach sympy.
-    t0 = time.perf_counter()
-    for i in range(2000):
-        math_reward(f"step {i}... so #### {i % 97}", GSM8K_SOLUTION)
-    assert time.perf_counter() - t0 < 1.0
+def test_math_reward_is_fast_and_guarded(monkeypatch):
+    # Plain numbers (all of GSM8K) never reach sympy: math_verify is not called for them.
+    import common.rl.rewards as R
+
+    monkeypatch.setattr(R, "_math_verify_equal", lambda *a: pytest.fail("plain numbers reached math_verify"))
+    rewards = [math_reward(f"step {i}... so #### {i % 97}", GSM8K_SOLUTION) for i in range(200)]
+    assert sum(rewards) == sum(i % 97 == 72 for i in range(200)) > 0  # GSM8K_SOLUTION ends in #### 72
+    monkeypatch.undo()
     # A power tower is cut off by math_verify's timeout instead of hanging.
     t0 = time.perf_counter()
     assert math_reward("\\boxed{9^{9^{9^{9}}}}", "10^{10^{10}}") == 0.0
