@@ -35,6 +35,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk=64):
     beta (b, s, h) in (0, 1) -> (b, s, h, dv), computed in fp32, returned in v's dtype."""
     dtype = v.dtype
     b, s, h, dk = k.shape
+    chunk = min(chunk, s)  # short sequences: one chunk of their own length, not zeros up to 64
     q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # heads before time
     q = q * dk**-0.5
     pad = (-s) % chunk  # zero tokens at the end: decay 1, beta 0, no effect on the real ones
@@ -64,6 +65,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk=64):
         )
     o = torch.stack(out, dim=2).reshape(b, h, n * chunk, -1)[:, :, :s]
     return o.transpose(1, 2).to(dtype)
+
+
+def _pack(x, bounds):
+    """The packed samples [x, y) of a (1, s, ...) row as a batch (samples, longest, ...), zeros after each:
+    the conv and the recurrence are causal, so what follows a sample's tokens cannot reach them, and each
+    row starts from a zero state (the restart at every sample), one batched call for all samples."""
+    return torch.nn.utils.rnn.pad_sequence([x[0, a:b] for a, b in bounds], batch_first=True)
+
+
+def _unpack(x, bounds):
+    """_pack's inverse: the samples' own tokens back into one (1, s, ...) row."""
+    return torch.cat([x[i, : b - a] for i, (a, b) in enumerate(bounds)])[None]
 
 
 class GatedDeltaNet(MegatronModule):
@@ -135,7 +148,8 @@ class GatedDeltaNet(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q.tolist()
             if cu[-1] < qkv.shape[1]:
                 cu.append(qkv.shape[1])  # the padding after the last sample: its own (ignored) segment
-            qkv = torch.cat([self._conv(qkv[:, s:e]) for s, e in zip(cu[:-1], cu[1:])], dim=1)
+            bounds = list(zip(cu[:-1], cu[1:]))
+            qkv = _unpack(self._conv(_pack(qkv, bounds)), bounds)
         else:
             qkv = self._conv(qkv)
         b, s = qkv.shape[:2]
@@ -149,13 +163,7 @@ class GatedDeltaNet(MegatronModule):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (b, s, heads/tp)
         beta = beta.sigmoid()
         if packed_seq_params is not None:  # the state restarts at every sample
-            o = torch.cat(
-                [
-                    chunk_gated_delta_rule(q[:, x:y], k[:, x:y], v[:, x:y], g[:, x:y], beta[:, x:y])
-                    for x, y in zip(cu[:-1], cu[1:])
-                ],
-                dim=1,
-            )
+            o = _unpack(chunk_gated_delta_rule(*(_pack(x, bounds) for x in (q, k, v, g, beta))), bounds)
         else:
             o = chunk_gated_delta_rule(q, k, v, g, beta)
         # gated RMSNorm per value head; its weight serves this rank's heads, so its gradient is summed
