@@ -20,8 +20,8 @@ from tests.conftest import LayoutLaunches, read_metrics, run_script, run_torchru
 from tests.tiny_models import GDN_CONFIGS, save_tiny_hf_model
 
 
-def _config(**changes):
-    arch, kwargs = GDN_CONFIGS["qwen3_5"]
+def _config(moe=False, **changes):
+    arch, kwargs = GDN_CONFIGS["qwen3_5_moe" if moe else "qwen3_5"]
     return dict(kwargs, architectures=[arch], **changes)
 
 
@@ -31,6 +31,14 @@ def qwen35_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen35")
     save_tiny_hf_model("qwen3_5", str(root / "qwen3_5"))
     save_tiny_hf_model("qwen3_5", str(root / "qwen3_5_3layers"), layers=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_dir(tmp_path_factory):
+    """qwen3_5_moe: the MoE variant, 3 layers (linear, full, linear)."""
+    root = tmp_path_factory.mktemp("qwen35_moe")
+    save_tiny_hf_model("qwen3_5_moe", str(root / "qwen3_5_moe"), layers=3)
     return root
 
 
@@ -99,14 +107,23 @@ def test_chunked_recurrence_equals_transformers_token_by_token():
     assert (second - reference[:, 100:]).abs().max() > 1e-2  # the state carried over matters
 
 
-PARITY_LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", 2]), "tp2_sp": (2, ["--tp", 2, "--sp"]), "pp2": (2, ["--pp", 2])}
+# the MoE variant joins the layouts it runs in (megatron's MoE layers need SP with TP), and has EP=2 alone
+MOE = ["--model", "{moe}"]
+PARITY_LAYOUTS = {
+    "tp1": (1, MOE),
+    "tp2": (2, ["--tp", 2]),
+    "tp2_sp": (2, ["--tp", 2, "--sp", *MOE]),
+    "pp2": (2, ["--pp", 2, *MOE]),
+    "ep2": (2, ["--ep", 2, "--models-dir", "{moe_only}"]),
+}
 
 
 @pytest.fixture(scope="module")
-def parity(qwen35_dir, tmp_path_factory):
-    return LayoutLaunches(
-        "tests/parity_worker.py", PARITY_LAYOUTS, ["--models-dir", qwen35_dir], tmp_path_factory.mktemp("parity")
-    )
+def parity(qwen35_dir, qwen35_moe_dir, tmp_path_factory):
+    paths = dict(moe=qwen35_moe_dir / "qwen3_5_moe", moe_only=qwen35_moe_dir)
+    layouts = {k: (n, [str(f).format(**paths) for f in flags]) for k, (n, flags) in PARITY_LAYOUTS.items()}
+    base = ["--models-dir", qwen35_dir]
+    return LayoutLaunches("tests/parity_worker.py", layouts, base, tmp_path_factory.mktemp("parity"))
 
 
 @pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
@@ -115,7 +132,8 @@ def test_logits_match_transformers(layout, parity):
     from common.model.sizes import count_parameters
 
     results = parity[layout]
-    assert sorted(results) == ["qwen3_5", "qwen3_5_3layers"]
+    expected = {"ep2": ["qwen3_5_moe"], "tp2": ["qwen3_5", "qwen3_5_3layers"]}
+    assert sorted(results) == expected.get(layout, ["qwen3_5", "qwen3_5_3layers", "qwen3_5_moe"])
     for name, ranks in results.items():
         for rank, row in enumerate(ranks):
             where = f"{name} {layout} rank {rank}"
@@ -124,13 +142,19 @@ def test_logits_match_transformers(layout, parity):
             assert row["control_kv_swapped"] > 1e-3, where
             assert row["export_missing"] == row["export_extra"] == row["export_mismatch"] == [], where
             assert row["pieces_mismatch"] == [] and row["blocks_mismatch"] == [], where
-            if layout in ("tp1", "tp2"):  # the memory plan's parameter count: exactly what megatron built
-                tp = 2 if layout == "tp2" else 1
+            if name == "qwen3_5_moe":  # two experts exchanged; the routers' statistics equal transformers'
+                assert row["control_experts_swapped"] > 1e-3, where
+                for case, (ours, theirs) in row["routing_statistics"].items():
+                    assert all(abs(ours[k] - v) <= 1e-5 * abs(v) for k, v in theirs.items()), f"{where} {case}"
+                assert row["expert_blocks"] > 0, where
+            if layout in ("tp1", "tp2", "tp2_sp", "ep2") and rank == 0:  # the memory plan's parameter count
+                tp, ep = (2 if layout.startswith("tp2") else 1), (2 if layout == "ep2" else 1)
                 n = len(row["layers"])
-                spec = parse_hf_config(_config(num_hidden_layers=n, layer_types=_config()["layer_types"][:n]))
-                counted = count_parameters(spec, row["layers"], tp=tp)
+                config = _config(moe=name.endswith("moe"), num_hidden_layers=n)
+                spec = parse_hf_config(dict(config, layer_types=config["layer_types"][:n]))
+                counted = count_parameters(spec, row["layers"], tp=tp, ep=ep)
                 assert counted.total == row["param_count"], where
-        if layout == "pp2" and name == "qwen3_5_3layers":
+        if layout == "pp2" and name != "qwen3_5":  # (the MoE model has 3 layers too)
             assert [r["layers"] for r in ranks] == [[0, 1], [2]]  # linear + full | linear
             assert all(r["control_shifted_layers"] > 1e-3 for r in ranks)
 

@@ -226,8 +226,13 @@ _QWEN35 = dict(
         "mrope_interleaved": True,
     },
 )
-GDN_CONFIGS = {"qwen3_5": ("Qwen3_5ForCausalLM", _QWEN35)}
-_CONFIG_CLASS = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig"}  # not the vision-language Qwen3_5Config
+# Qwen3.5-MoE: the same layers with a sparse MLP in each (4 experts, top-2, renormalised) and a shared
+# expert behind a sigmoid gate
+_QWEN35_MOE = {k: v for k, v in _QWEN35.items() if k != "intermediate_size"}
+_QWEN35_MOE.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+GDN_CONFIGS = {"qwen3_5": ("Qwen3_5ForCausalLM", _QWEN35), "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", _QWEN35_MOE)}
+# not the vision-language Qwen3_5Config / Qwen3_5MoeConfig
+_CONFIG_CLASS = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig", "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig"}
 
 
 def make_tiny_hf_model(name, seed=0, layers=None):
@@ -247,7 +252,7 @@ def make_tiny_hf_model(name, seed=0, layers=None):
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name in MOE_CONFIGS and ("gate" in pname or "experts" in pname):
+            elif (name in MOE_CONFIGS or name.endswith("_moe")) and ("gate" in pname or "experts" in pname):
                 p.copy_(torch.randn_like(p) * 0.05)  # transformers 5 starts routers at zero: make them route
         for bname, buf in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros would hide a lost bias

@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="deepseek", mla=True),  # + sigmoid routing
     # gdn: gated-delta-net layers mixed with gated full attention (common/model/bridge_gdn.py)
     "Qwen3_5ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None, mla=False, gdn=True),
+    "Qwen3_5MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen", mla=False, gdn=True),  # + gated shared
 }
 GDN_KINDS = ("gdn_in", "gdn_conv", "qkvg")  # shard kinds of common/model/bridge_gdn.py
 
@@ -201,7 +202,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        ffn_hidden_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),  # (all-MoE: unused)
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,

@@ -109,6 +109,14 @@ def parse_moe(cfg: dict, arch: str) -> MoESpec:
                 cfg["router_jitter_noise"],
                 "0.0 (training-time noise would make the trainer's logprobs differ from the rollout's)",
             )
+    elif arch == "Qwen3_5MoeForCausalLM":  # every layer MoE, top-k always renormalised, a gated shared expert
+        num_experts, ffn, layout = int(cfg.get("num_experts") or 0), int(cfg["moe_intermediate_size"]), "qwen"
+        moe_layers, normalize = [True] * num_layers, True
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if not shared:
+            raise _unsupported(
+                "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), "> 0 (always built)"
+            )
     else:  # Qwen2-MoE, Qwen3-MoE: MoE every decoder_sparse_step-th layer, except mlp_only_layers
         # released configs say num_experts; transformers 5 writes num_local_experts
         num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
