@@ -213,6 +213,65 @@ def test_convert_verify_and_merge_round_trip(qwen35_dir, tmp_path):
     assert all(torch.equal(original[n], merged[n]) for n in original)
 
 
+def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35_moe_dir, tmp_path):
+    """The vision-language checkpoints (tests/tiny_models.py save_tiny_vl_model: transformers'
+    ForConditionalGeneration saved, + an mtp.* tensor), dense and MoE, the MoE one with per-expert
+    and with fused (released) expert tensors: both readers (the trainer's HFCheckpointReader,
+    convert_hf_to_mcore.py's SafetensorsDir) give every tensor of the text model bit for bit, as the
+    text CausalLM's own save_pretrained holds it, whole and as row slices; the vision tower and MTP
+    head are named in one notice; a config.json without text_config is refused with one line."""
+    from common.model.bridge import expected_hf_names, parse_hf_config
+    from common.model.gpt import load_hf_spec
+    from common.model.unsupported import UnsupportedModelError
+    from common.model.weights import HFCheckpointReader
+    from common.run.convert_io import SafetensorsDir
+    from tests.test_convert import hf_tensors
+    from tests.tiny_models import save_tiny_vl_model
+
+    cases = [("qwen3_5", None, False), ("qwen3_5_moe", 3, False), ("qwen3_5_moe", 3, True)]
+    for name, layers, fused in cases:
+        vl_dir = tmp_path / f"{name}_{fused}"
+        save_tiny_vl_model(name, str(vl_dir), layers=layers, fused_experts=fused)
+        text = hf_tensors((qwen35_moe_dir if layers else qwen35_dir) / name)  # the same weights, text layout
+        spec = load_hf_spec(vl_dir)
+        assert spec.vision_language and spec.architecture == parse_hf_config(_config(moe=bool(layers))).architecture
+        assert sorted(expected_hf_names(spec)) == sorted(text)
+        reader, files = HFCheckpointReader(vl_dir, spec), SafetensorsDir(vl_dir)
+        assert "model.visual.*" in reader.notice and "mtp.*" in files.as_text_model(spec)
+        for read in (reader.read, files.read):
+            for n, t in text.items():
+                assert torch.equal(read(n), t), (name, fused, n)
+                if t.dim() == 2 and t.shape[0] > 3:
+                    assert torch.equal(read(n, row_slice=slice(1, 3)), t[1:3]), (name, fused, n)
+    with pytest.raises(UnsupportedModelError, match="text_config"):
+        parse_hf_config({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+
+
+def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp_path):
+    """convert_hf_to_mcore.py --verify at EP=2 from the MoE vision-language checkpoint with fused
+    experts (transformers' logits), then merge_to_hf.py: the text model as a Qwen3_5MoeForCausalLM
+    checkpoint, bit for bit what the text model's save_pretrained holds."""
+    import json
+    import re
+
+    from tests.test_convert import hf_tensors
+    from tests.tiny_models import save_tiny_vl_model
+
+    vl_dir = tmp_path / "vl"
+    save_tiny_vl_model("qwen3_5_moe", str(vl_dir), layers=3, fused_experts=True)
+    args = ["--hf", vl_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32", "--ep", 2, "--verify"]
+    convert = run_torchrun("convert_hf_to_mcore.py", 2, *args)
+    output = convert.stdout + convert.stderr
+    assert "the vision tower (model.visual.*)" in output
+    assert float(re.search(r"max_abs_diff=(\S+)", output)[1]) <= 1e-5  # (the script's own bound: 1e-4)
+    run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32")
+    original, merged = hf_tensors(qwen35_moe_dir / "qwen3_5_moe"), hf_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(merged)
+    assert all(torch.equal(original[n], merged[n]) for n in original)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and "text_config" not in config
+
+
 def test_grpo_learns_with_the_embedded_qwen35(tmp_path):
     """train_grpo.py --embedded-model qwen3_5: the embedded task is being learned, and the
     trainer's logprobs equal the CPU engine's (transformers)."""

@@ -270,3 +270,55 @@ def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None, layers=None):
     model.save_pretrained(out_dir, **kwargs)
     build_tokenizer().save_pretrained(out_dir)
     return model
+
+
+VL_ARCHITECTURES = {  # the text CausalLM -> its vision-language checkpoint (common/model/bridge_vl.py)
+    "Qwen3_5ForCausalLM": "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeForConditionalGeneration",
+}
+
+
+def save_tiny_vl_model(name, out_dir, seed=0, layers=None, fused_experts=False):
+    """The vision-language checkpoint of a tiny Qwen3.5 (GDN_CONFIGS): transformers' own
+    ForConditionalGeneration with a one-block vision tower, its language model and LM head those of
+    make_tiny_hf_model(name, seed, layers), saved by save_pretrained (tensors under
+    model.language_model., model.visual.*), plus a multi-token-prediction tensor (mtp.*) as the
+    released checkpoints have; fused_experts: the routed experts as released, one (E, 2I, H)
+    gate_up_proj and one (E, H, I) down_proj per layer. Returns the text model."""
+    import os
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from common.run.embedded import build_tokenizer
+
+    text = make_tiny_hf_model(name, seed, layers)
+    arch = VL_ARCHITECTURES[text.config.architectures[0]]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text.config.hidden_size)
+    config = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))(
+        text_config=text.config.to_dict(), vision_config=vision, tie_word_embeddings=text.config.tie_word_embeddings
+    )
+    config.architectures = [arch]
+    torch.manual_seed(seed + 1)
+    vl = getattr(transformers, arch)(config).float().eval()
+    vl.model.language_model.load_state_dict(text.model.state_dict())
+    vl.lm_head.load_state_dict(text.lm_head.state_dict())
+    vl.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    tensors["mtp.fc.weight"] = torch.randn(text.config.hidden_size, 2 * text.config.hidden_size)
+    if fused_experts:
+        experts = sorted({k.split(".experts.")[0] for k in tensors if ".mlp.experts." in k})
+        for prefix in experts:
+            e = text.config.num_experts
+
+            def pop(i, proj, prefix=prefix):
+                return tensors.pop(f"{prefix}.experts.{i}.{proj}.weight")
+
+            tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([pop(i, "gate_proj"), pop(i, "up_proj")]) for i in range(e)]
+            )
+            tensors[f"{prefix}.experts.down_proj"] = torch.stack([pop(i, "down_proj") for i in range(e)])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return text

@@ -58,6 +58,7 @@ from common.model.bridge_mla import (
     parse_mla,
 )
 from common.model.bridge_moe import MoESpec, moe_config_fields, moe_hf_names, moe_hf_shape, moe_param_rule, parse_moe
+from common.model.bridge_vl import VL_ARCHITECTURES, text_config
 from common.model.unsupported import UnsupportedModelError
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's default make-vocab-size-divisible-by
@@ -109,6 +110,7 @@ class HFModelSpec:
     moe: MoESpec | None = None  # Mixture-of-Experts layers (common/model/bridge_moe.py), None when dense
     mla: MLASpec | None = None  # multi-latent attention (common/model/bridge_mla.py), None for q/k/v heads
     gdn: GDNSpec | None = None  # gated-delta-net layers (common/model/bridge_gdn.py), None without
+    vision_language: bool = False  # the text model of a vision-language checkpoint (common/model/bridge_vl.py)
     hf_config: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -138,9 +140,10 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
 
     Raises UnsupportedModelError for anything the megatron model would get wrong.
     """
+    cfg, vision_language = text_config(cfg)  # a vision-language checkpoint: its language model's config
     archs = cfg.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise _unsupported("architectures", archs, sorted(ARCHITECTURES))
+        raise _unsupported("architectures", archs, sorted(ARCHITECTURES) + sorted(VL_ARCHITECTURES))
     arch = archs[0]
     quantization = (cfg.get("quantization_config") or {}).get("quant_method")
     if quantization:  # e.g. DeepSeek-V3's released fp8 blocks with weight_scale_inv
@@ -215,6 +218,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         moe=parse_moe(cfg, arch) if experts else None,
         mla=mla,
         gdn=gdn,
+        vision_language=vision_language,
         hf_config=cfg,
         **table,
     )
