@@ -11,6 +11,9 @@ bit-identical, and a deliberately wrong mapping (k/v swapped in the gated attent
 tensor's gradient at TP=2+SP against one rank's (tests/gdn_grad_worker.py);
 packed passes equal to padded ones (tests/packing_worker.py); convert_hf_to_mcore.py --verify and
 merge_to_hf.py round trips; GRPO learning the embedded task with the embedded tiny Qwen3.5.
+Qwen3.5-MoE (GDN_CONFIGS "qwen3_5_moe", 3 layers) in the same parity launches, with EP=2; the
+vision-language checkpoints (dense and MoE, experts per expert and fused) read as their text
+model, and converted (--verify at EP=2) and merged back as the text CausalLM.
 """
 
 import pytest
