@@ -24,7 +24,8 @@ Mixture-of-Experts families (the `experts` column of the table) add the rules of
 common/model/bridge_moe.py: routers, per-expert tensors, shared experts. Multi-latent attention
 (the `mla` column: DeepSeek-V3) replaces the q/k/v rules by common/model/bridge_mla.py's.
 How the layers split over pipeline stages, what TP/EP must divide, and activation recompute:
-common/model/bridge_layout.py (its functions are importable from here too).
+common/model/bridge_layout.py (its functions are importable from here too). A vision-language
+checkpoint (the released Qwen3.5s) is read as its language model: common/model/bridge_vl.py.
 """
 
 import math
