@@ -308,6 +308,9 @@ def run(args, created):
         )
     out = check_output_dir(args.out, args.force, [args.hf], lambda d: os.path.isfile(os.path.join(d, "metadata.json")))
     files = SafetensorsDir(args.hf)
+    notice = files.as_text_model(spec)  # a vision-language checkpoint: its language model
+    if notice:
+        print0(notice)
     ignored = check_hf_weights(files, spec, args.hf)
     if ignored:
         print0(f"note: ignoring {len(ignored)} tensors config.json does not use, e.g. {ignored[:3]}")

@@ -130,7 +130,8 @@ def routing_statistics(chunks, spec, layout, hf, seq_len):
     from common.rl import batch as B
     from common.train import schedule
 
-    moe_utils.clear_aux_losses_tracker()  # what earlier models' passes with gradients left there
+    # what earlier models' passes with gradients left there (megatron sizes the tracker by the first model's layers)
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     rng = torch.Generator().manual_seed(5)
     samples = [
         SimpleNamespace(

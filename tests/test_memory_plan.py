@@ -4,7 +4,7 @@ ground truth.
     .venv/bin/python -m pytest -q tests/test_memory_plan.py
 
 - parameters per rank: the plan's count equals the numel of the chunks build_model makes, for
-  every tiny family (dense, MoE, MLA; the critic's value head) at TP=1 (TP=2, PP=2 and VPP:
+  every tiny family (dense, MoE, MLA, Qwen3.5 and its MoE; the critic's value head) at TP=1 (TP=2, PP=2 and VPP:
   tests/test_model_parity.py, on the ranks of its torchrun launches);
 - activations: the formula within 10% of the bytes autograd saves during one forward (fp32, CPU,
   saved_tensors_hooks) for Qwen2, Qwen3-MoE and DeepSeek-V3, with and without recompute; the
@@ -27,9 +27,9 @@ from common.model import sizes as S
 from common.model.bridge import parse_hf_config
 from common.run import memory_plan as M
 from tests.conftest import run_script
-from tests.tiny_models import ARCH_CONFIGS, MOE_CONFIGS
+from tests.tiny_models import ARCH_CONFIGS, GDN_CONFIGS, MOE_CONFIGS
 
-TINY = {**ARCH_CONFIGS, **MOE_CONFIGS}
+TINY = {**ARCH_CONFIGS, **MOE_CONFIGS, **GDN_CONFIGS}
 
 
 def tiny_spec(name):

@@ -10,7 +10,10 @@ layers: linear + full on the first stage, linear on the second), the export back
 bit-identical, and a deliberately wrong mapping (k/v swapped in the gated attention) far off; every
 tensor's gradient at TP=2+SP against one rank's (tests/gdn_grad_worker.py);
 packed passes equal to padded ones (tests/packing_worker.py); convert_hf_to_mcore.py --verify and
-merge_to_hf.py round trips; GRPO learning the embedded task with the embedded tiny Qwen3.5.
+merge_to_hf.py round trips. Qwen3.5-MoE (GDN_CONFIGS "qwen3_5_moe", 3 layers) in the same parity
+launches, with EP=2; the vision-language checkpoints (dense and MoE, experts per expert and fused)
+read as their text model, and converted (--verify at EP=2) and merged back as the text CausalLM;
+GRPO learning the embedded task with the embedded tiny Qwen3.5-MoE.
 """
 
 import pytest
@@ -20,8 +23,8 @@ from tests.conftest import LayoutLaunches, read_metrics, run_script, run_torchru
 from tests.tiny_models import GDN_CONFIGS, save_tiny_hf_model
 
 
-def _config(**changes):
-    arch, kwargs = GDN_CONFIGS["qwen3_5"]
+def _config(moe=False, **changes):
+    arch, kwargs = GDN_CONFIGS["qwen3_5_moe" if moe else "qwen3_5"]
     return dict(kwargs, architectures=[arch], **changes)
 
 
@@ -31,6 +34,14 @@ def qwen35_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen35")
     save_tiny_hf_model("qwen3_5", str(root / "qwen3_5"))
     save_tiny_hf_model("qwen3_5", str(root / "qwen3_5_3layers"), layers=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_dir(tmp_path_factory):
+    """qwen3_5_moe: the MoE variant, 3 layers (linear, full, linear)."""
+    root = tmp_path_factory.mktemp("qwen35_moe")
+    save_tiny_hf_model("qwen3_5_moe", str(root / "qwen3_5_moe"), layers=3)
     return root
 
 
@@ -99,14 +110,23 @@ def test_chunked_recurrence_equals_transformers_token_by_token():
     assert (second - reference[:, 100:]).abs().max() > 1e-2  # the state carried over matters
 
 
-PARITY_LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", 2]), "tp2_sp": (2, ["--tp", 2, "--sp"]), "pp2": (2, ["--pp", 2])}
+# the MoE variant joins the layouts it runs in (megatron's MoE layers need SP with TP), and has EP=2 alone
+MOE = ["--model", "{moe}"]
+PARITY_LAYOUTS = {
+    "tp1": (1, MOE),
+    "tp2": (2, ["--tp", 2]),
+    "tp2_sp": (2, ["--tp", 2, "--sp", *MOE]),
+    "pp2": (2, ["--pp", 2, *MOE]),
+    "ep2": (2, ["--ep", 2, "--models-dir", "{moe_only}"]),
+}
 
 
 @pytest.fixture(scope="module")
-def parity(qwen35_dir, tmp_path_factory):
-    return LayoutLaunches(
-        "tests/parity_worker.py", PARITY_LAYOUTS, ["--models-dir", qwen35_dir], tmp_path_factory.mktemp("parity")
-    )
+def parity(qwen35_dir, qwen35_moe_dir, tmp_path_factory):
+    paths = dict(moe=qwen35_moe_dir / "qwen3_5_moe", moe_only=qwen35_moe_dir)
+    layouts = {k: (n, [str(f).format(**paths) for f in flags]) for k, (n, flags) in PARITY_LAYOUTS.items()}
+    base = ["--models-dir", qwen35_dir]
+    return LayoutLaunches("tests/parity_worker.py", layouts, base, tmp_path_factory.mktemp("parity"))
 
 
 @pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
@@ -115,7 +135,8 @@ def test_logits_match_transformers(layout, parity):
     from common.model.sizes import count_parameters
 
     results = parity[layout]
-    assert sorted(results) == ["qwen3_5", "qwen3_5_3layers"]
+    expected = {"ep2": ["qwen3_5_moe"], "tp2": ["qwen3_5", "qwen3_5_3layers"]}
+    assert sorted(results) == expected.get(layout, ["qwen3_5", "qwen3_5_3layers", "qwen3_5_moe"])
     for name, ranks in results.items():
         for rank, row in enumerate(ranks):
             where = f"{name} {layout} rank {rank}"
@@ -124,13 +145,19 @@ def test_logits_match_transformers(layout, parity):
             assert row["control_kv_swapped"] > 1e-3, where
             assert row["export_missing"] == row["export_extra"] == row["export_mismatch"] == [], where
             assert row["pieces_mismatch"] == [] and row["blocks_mismatch"] == [], where
-            if layout in ("tp1", "tp2"):  # the memory plan's parameter count: exactly what megatron built
-                tp = 2 if layout == "tp2" else 1
+            if name == "qwen3_5_moe":  # two experts exchanged; the routers' statistics equal transformers'
+                assert row["control_experts_swapped"] > 1e-3, where
+                for case, (ours, theirs) in row["routing_statistics"].items():
+                    assert all(abs(ours[k] - v) <= 1e-5 * abs(v) for k, v in theirs.items()), f"{where} {case}"
+                assert row["expert_blocks"] > 0, where
+            if layout in ("tp1", "tp2", "tp2_sp", "ep2") and rank == 0:  # the memory plan's parameter count
+                tp, ep = (2 if layout.startswith("tp2") else 1), (2 if layout == "ep2" else 1)
                 n = len(row["layers"])
-                spec = parse_hf_config(_config(num_hidden_layers=n, layer_types=_config()["layer_types"][:n]))
-                counted = count_parameters(spec, row["layers"], tp=tp)
+                config = _config(moe=name.endswith("moe"), num_hidden_layers=n)
+                spec = parse_hf_config(dict(config, layer_types=config["layer_types"][:n]))
+                counted = count_parameters(spec, row["layers"], tp=tp, ep=ep)
                 assert counted.total == row["param_count"], where
-        if layout == "pp2" and name == "qwen3_5_3layers":
+        if layout == "pp2" and name != "qwen3_5":  # (the MoE model has 3 layers too)
             assert [r["layers"] for r in ranks] == [[0, 1], [2]]  # linear + full | linear
             assert all(r["control_shifted_layers"] > 1e-3 for r in ranks)
 
@@ -189,17 +216,78 @@ def test_convert_verify_and_merge_round_trip(qwen35_dir, tmp_path):
     assert all(torch.equal(original[n], merged[n]) for n in original)
 
 
-def test_grpo_learns_with_the_embedded_qwen35(tmp_path):
-    """train_grpo.py --embedded-model qwen3_5: the embedded task is being learned, and the
-    trainer's logprobs equal the CPU engine's (transformers)."""
+def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35_moe_dir, tmp_path):
+    """The vision-language checkpoints (tests/tiny_models.py save_tiny_vl_model: transformers'
+    ForConditionalGeneration saved, + an mtp.* tensor), dense and MoE, the MoE one with per-expert
+    and with fused (released) expert tensors: both readers (the trainer's HFCheckpointReader,
+    convert_hf_to_mcore.py's SafetensorsDir) give every tensor of the text model bit for bit, as the
+    text CausalLM's own save_pretrained holds it, whole and as row slices; the vision tower and MTP
+    head are named in one notice; a config.json without text_config is refused with one line."""
+    from common.model.bridge import expected_hf_names, parse_hf_config
+    from common.model.gpt import load_hf_spec
+    from common.model.unsupported import UnsupportedModelError
+    from common.model.weights import HFCheckpointReader
+    from common.run.convert_io import SafetensorsDir
+    from tests.test_convert import hf_tensors
+    from tests.tiny_models import save_tiny_vl_model
+
+    cases = [("qwen3_5", None, False), ("qwen3_5_moe", 3, False), ("qwen3_5_moe", 3, True)]
+    for name, layers, fused in cases:
+        vl_dir = tmp_path / f"{name}_{fused}"
+        save_tiny_vl_model(name, str(vl_dir), layers=layers, fused_experts=fused)
+        text = hf_tensors((qwen35_moe_dir if layers else qwen35_dir) / name)  # the same weights, text layout
+        spec = load_hf_spec(vl_dir)
+        assert spec.vision_language and spec.architecture == parse_hf_config(_config(moe=bool(layers))).architecture
+        assert sorted(expected_hf_names(spec)) == sorted(text)
+        reader, files = HFCheckpointReader(vl_dir, spec), SafetensorsDir(vl_dir)
+        assert "model.visual.*" in reader.notice and "mtp.*" in files.as_text_model(spec)
+        for read in (reader.read, files.read):
+            for n, t in text.items():
+                assert torch.equal(read(n), t), (name, fused, n)
+                if t.dim() == 2 and t.shape[0] > 3:
+                    assert torch.equal(read(n, row_slice=slice(1, 3)), t[1:3]), (name, fused, n)
+    with pytest.raises(UnsupportedModelError, match="text_config"):
+        parse_hf_config({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+
+
+def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp_path):
+    """convert_hf_to_mcore.py --verify at EP=2 from the MoE vision-language checkpoint with fused
+    experts (transformers' logits), then merge_to_hf.py: the text model as a Qwen3_5MoeForCausalLM
+    checkpoint, bit for bit what the text model's save_pretrained holds."""
+    import json
+    import re
+
+    from tests.test_convert import hf_tensors
+    from tests.tiny_models import save_tiny_vl_model
+
+    vl_dir = tmp_path / "vl"
+    save_tiny_vl_model("qwen3_5_moe", str(vl_dir), layers=3, fused_experts=True)
+    args = ["--hf", vl_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32", "--ep", 2, "--verify"]
+    convert = run_torchrun("convert_hf_to_mcore.py", 2, *args)
+    output = convert.stdout + convert.stderr
+    assert "the vision tower (model.visual.*)" in output
+    assert float(re.search(r"max_abs_diff=(\S+)", output)[1]) <= 1e-5  # (the script's own bound: 1e-4)
+    run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32")
+    original, merged = hf_tensors(qwen35_moe_dir / "qwen3_5_moe"), hf_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(merged)
+    assert all(torch.equal(original[n], merged[n]) for n in original)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and "text_config" not in config
+
+
+def test_grpo_learns_with_the_embedded_qwen35_moe(tmp_path):
+    """train_grpo.py --embedded-model qwen3_5_moe (the Qwen3.5 layers of --embedded-model qwen3_5, each
+    with an MoE MLP: one run covers both): the embedded task is being learned (measured: reward 0.007
+    over the first 10 steps, 0.29 over the last 10), and the trainer's logprobs equal the CPU
+    engine's (transformers)."""
     run_script(
         "train_grpo.py",
         "--embedded-model",
-        "qwen3_5",
+        "qwen3_5_moe",
         "--steps",
-        40,
+        30,
         "--eval-every",
-        20,
+        15,
         "--kl-coef",
         0,
         "--log-samples-every",
@@ -210,5 +298,5 @@ def test_grpo_learns_with_the_embedded_qwen35(tmp_path):
     rows = read_metrics(tmp_path)
     reward = [m["reward_mean"] for m in rows]
     print("reward", [round(r, 3) for r in reward], "mismatch", rows[0]["logprob_mismatch"])
-    assert rows[0]["logprob_mismatch"] < 1e-5
+    assert rows[0]["logprob_mismatch"] < 1e-5 and "moe_load_max" in rows[0]
     assert sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.1

@@ -233,6 +233,39 @@ class FakeMoEModel(torch.nn.Module):
         return loaded
 
 
+class FakeVLModel(torch.nn.Module):
+    """vLLM's vision-language Qwen3.5: the text model as language_model.*, its loader taking the
+    checkpoint's names (model.language_model.*)."""
+
+    def __init__(self):
+        super().__init__()
+        self.language_model = FakeMoEModel()
+
+    def load_weights(self, weights):
+        self.language_model.seen.extend(name for name, _ in weights)
+        if "model.language_model.norm" in self.language_model.seen:
+            self.language_model.norm.data.fill_(1.0)
+        return {"language_model.norm"}
+
+
+def test_a_vision_language_model_gets_the_checkpoints_names(engine, monkeypatch):
+    """A vision-language Qwen3.5 (vLLM builds the whole model): the text model's tensors reach vLLM's
+    loader under model.language_model., routed experts straight into language_model.model.*'s w13/w2."""
+    dist_module = types.ModuleType("vllm.distributed")
+    dist_module.get_tensor_model_parallel_rank = lambda: 0
+    dist_module.get_tensor_model_parallel_world_size = lambda: 1
+    monkeypatch.setitem(sys.modules, "vllm.distributed", dist_module)
+    model = engine.llm.model = FakeVLModel()
+    engine._vision_language = True  # (what a config.json with text_config sets)
+    gate, up, down = torch.randn(6, 4), torch.randn(6, 4), torch.randn(4, 6)
+    experts = "model.layers.0.mlp.experts.1"
+    ckpt = [(f"{experts}.gate_proj.weight", gate), (f"{experts}.up_proj.weight", up)]
+    engine.update_weights(ckpt + [(f"{experts}.down_proj.weight", down), ("model.norm", torch.ones(4))])
+    assert model.language_model.seen == ["model.language_model.norm"]
+    fused = model.language_model.model.layers[0].mlp.experts
+    assert torch.equal(fused.w13_weight[1], torch.cat([gate, up])) and torch.equal(fused.w2_weight[1], down)
+
+
 @pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
 def test_experts_are_copied_into_vllms_fused_parameters(engine, monkeypatch, tp_rank, tp_size):
     """Routed experts' checkpoint tensors go straight into w13/w2 (this vLLM TP rank's slice of

@@ -226,8 +226,13 @@ _QWEN35 = dict(
         "mrope_interleaved": True,
     },
 )
-GDN_CONFIGS = {"qwen3_5": ("Qwen3_5ForCausalLM", _QWEN35)}
-_CONFIG_CLASS = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig"}  # not the vision-language Qwen3_5Config
+# Qwen3.5-MoE: the same layers with a sparse MLP in each (4 experts, top-2, renormalised) and a shared
+# expert behind a sigmoid gate
+_QWEN35_MOE = {k: v for k, v in _QWEN35.items() if k != "intermediate_size"}
+_QWEN35_MOE.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+GDN_CONFIGS = {"qwen3_5": ("Qwen3_5ForCausalLM", _QWEN35), "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", _QWEN35_MOE)}
+# not the vision-language Qwen3_5Config / Qwen3_5MoeConfig
+_CONFIG_CLASS = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig", "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig"}
 
 
 def make_tiny_hf_model(name, seed=0, layers=None):
@@ -247,7 +252,7 @@ def make_tiny_hf_model(name, seed=0, layers=None):
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name in MOE_CONFIGS and ("gate" in pname or "experts" in pname):
+            elif (name in MOE_CONFIGS or name.endswith("_moe")) and ("gate" in pname or "experts" in pname):
                 p.copy_(torch.randn_like(p) * 0.05)  # transformers 5 starts routers at zero: make them route
         for bname, buf in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros would hide a lost bias
@@ -265,3 +270,55 @@ def save_tiny_hf_model(name, out_dir, seed=0, max_shard_size=None, layers=None):
     model.save_pretrained(out_dir, **kwargs)
     build_tokenizer().save_pretrained(out_dir)
     return model
+
+
+VL_ARCHITECTURES = {  # the text CausalLM -> its vision-language checkpoint (common/model/bridge_vl.py)
+    "Qwen3_5ForCausalLM": "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeForConditionalGeneration",
+}
+
+
+def save_tiny_vl_model(name, out_dir, seed=0, layers=None, fused_experts=False):
+    """The vision-language checkpoint of a tiny Qwen3.5 (GDN_CONFIGS): transformers' own
+    ForConditionalGeneration with a one-block vision tower, its language model and LM head those of
+    make_tiny_hf_model(name, seed, layers), saved by save_pretrained (tensors under
+    model.language_model., model.visual.*), plus a multi-token-prediction tensor (mtp.*) as the
+    released checkpoints have; fused_experts: the routed experts as released, one (E, 2I, H)
+    gate_up_proj and one (E, H, I) down_proj per layer. Returns the text model."""
+    import os
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from common.run.embedded import build_tokenizer
+
+    text = make_tiny_hf_model(name, seed, layers)
+    arch = VL_ARCHITECTURES[text.config.architectures[0]]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text.config.hidden_size)
+    config = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))(
+        text_config=text.config.to_dict(), vision_config=vision, tie_word_embeddings=text.config.tie_word_embeddings
+    )
+    config.architectures = [arch]
+    torch.manual_seed(seed + 1)
+    vl = getattr(transformers, arch)(config).float().eval()
+    vl.model.language_model.load_state_dict(text.model.state_dict())
+    vl.lm_head.load_state_dict(text.lm_head.state_dict())
+    vl.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    tensors["mtp.fc.weight"] = torch.randn(text.config.hidden_size, 2 * text.config.hidden_size)
+    if fused_experts:
+        experts = sorted({k.split(".experts.")[0] for k in tensors if ".mlp.experts." in k})
+        for prefix in experts:
+            e = text.config.num_experts
+
+            def pop(i, proj, prefix=prefix):
+                return tensors.pop(f"{prefix}.experts.{i}.{proj}.weight")
+
+            tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([pop(i, "gate_proj"), pop(i, "up_proj")]) for i in range(e)]
+            )
+            tensors[f"{prefix}.experts.down_proj"] = torch.stack([pop(i, "down_proj") for i in range(e)])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return text

@@ -3,6 +3,7 @@
     bridge.py           the one table of supported architectures; config -> TransformerConfig; tensor mapping
     bridge_moe.py, bridge_mla.py, bridge_layout.py   the rules of MoE, multi-latent attention, pipeline layouts
     bridge_gdn.py       the rules of Qwen3.5's gated delta nets and gated attention
+    bridge_vl.py        vision-language checkpoints (released Qwen3.5): their language model's config and tensors
     unsupported.py      UnsupportedModelError
     gpt.py              build_model: layer specs and the GPTModel chunks
     chunks.py           unwrap a chunk; its tensors under global names

@@ -24,7 +24,8 @@ Mixture-of-Experts families (the `experts` column of the table) add the rules of
 common/model/bridge_moe.py: routers, per-expert tensors, shared experts. Multi-latent attention
 (the `mla` column: DeepSeek-V3) replaces the q/k/v rules by common/model/bridge_mla.py's.
 How the layers split over pipeline stages, what TP/EP must divide, and activation recompute:
-common/model/bridge_layout.py (its functions are importable from here too).
+common/model/bridge_layout.py (its functions are importable from here too). A vision-language
+checkpoint (the released Qwen3.5s) is read as its language model: common/model/bridge_vl.py.
 """
 
 import math
@@ -58,6 +59,7 @@ from common.model.bridge_mla import (
     parse_mla,
 )
 from common.model.bridge_moe import MoESpec, moe_config_fields, moe_hf_names, moe_hf_shape, moe_param_rule, parse_moe
+from common.model.bridge_vl import VL_ARCHITECTURES, text_config
 from common.model.unsupported import UnsupportedModelError
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's default make-vocab-size-divisible-by
@@ -77,6 +79,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False, experts="deepseek", mla=True),  # + sigmoid routing
     # gdn: gated-delta-net layers mixed with gated full attention (common/model/bridge_gdn.py)
     "Qwen3_5ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None, mla=False, gdn=True),
+    "Qwen3_5MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen", mla=False, gdn=True),  # + gated shared
 }
 GDN_KINDS = ("gdn_in", "gdn_conv", "qkvg")  # shard kinds of common/model/bridge_gdn.py
 
@@ -108,6 +111,7 @@ class HFModelSpec:
     moe: MoESpec | None = None  # Mixture-of-Experts layers (common/model/bridge_moe.py), None when dense
     mla: MLASpec | None = None  # multi-latent attention (common/model/bridge_mla.py), None for q/k/v heads
     gdn: GDNSpec | None = None  # gated-delta-net layers (common/model/bridge_gdn.py), None without
+    vision_language: bool = False  # the text model of a vision-language checkpoint (common/model/bridge_vl.py)
     hf_config: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -137,9 +141,10 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
 
     Raises UnsupportedModelError for anything the megatron model would get wrong.
     """
+    cfg, vision_language = text_config(cfg)  # a vision-language checkpoint: its language model's config
     archs = cfg.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise _unsupported("architectures", archs, sorted(ARCHITECTURES))
+        raise _unsupported("architectures", archs, sorted(ARCHITECTURES) + sorted(VL_ARCHITECTURES))
     arch = archs[0]
     quantization = (cfg.get("quantization_config") or {}).get("quant_method")
     if quantization:  # e.g. DeepSeek-V3's released fp8 blocks with weight_scale_inv
@@ -201,7 +206,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        ffn_hidden_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),  # (all-MoE: unused)
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -214,6 +219,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         moe=parse_moe(cfg, arch) if experts else None,
         mla=mla,
         gdn=gdn,
+        vision_language=vision_language,
         hf_config=cfg,
         **table,
     )

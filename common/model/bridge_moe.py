@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts half of the bridge: Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3.
+"""The Mixture-of-Experts half of the bridge: Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE, Mixtral and DeepSeek-V3.
 
 Pure functions, like common/model/bridge.py (which calls these for the rows of its table that
 name an expert layout):
@@ -17,8 +17,8 @@ Experts: HF checkpoints store one tensor per expert and projection (the hub layo
 `mlp.experts.{e}.gate_proj.weight`, Mixtral `block_sparse_moe.experts.{e}.w1.weight`);
 megatron holds expert e = ep_rank * (E / ep) + j as `mlp.experts.local_experts.{j}`, its
 linear_fc1 = [gate; up] split over expert-tensor-parallel ranks like a dense gate_up.
-Qwen2-MoE's shared expert is `mlp.shared_experts` (TP-sharded like a dense MLP) with its
-sigmoid gate `shared_experts.gate_weight` (1, H); DeepSeek-V3's (`mlp.shared_experts.*` on
+Qwen2-MoE's (and Qwen3.5-MoE's) shared expert is `mlp.shared_experts` (TP-sharded like a dense
+MLP) with its sigmoid gate `shared_experts.gate_weight` (1, H); DeepSeek-V3's (`mlp.shared_experts.*` on
 disk, n_shared_experts of them fused into one MLP) has no gate.
 DeepSeek-V3 routing: sigmoid scores plus the score-correction bias choose the experts
 (`mlp.gate.e_score_correction_bias` <-> the router's fp32 buffer `expert_bias`; frozen unless
@@ -108,6 +108,14 @@ def parse_moe(cfg: dict, arch: str) -> MoESpec:
                 "router_jitter_noise",
                 cfg["router_jitter_noise"],
                 "0.0 (training-time noise would make the trainer's logprobs differ from the rollout's)",
+            )
+    elif arch == "Qwen3_5MoeForCausalLM":  # every layer MoE, top-k always renormalised, a gated shared expert
+        num_experts, ffn, layout = int(cfg.get("num_experts") or 0), int(cfg["moe_intermediate_size"]), "qwen"
+        moe_layers, normalize = [True] * num_layers, True
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if not shared:
+            raise _unsupported(
+                "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), "> 0 (always built)"
             )
     else:  # Qwen2-MoE, Qwen3-MoE: MoE every decoder_sparse_step-th layer, except mlp_only_layers
         # released configs say num_experts; transformers 5 writes num_local_experts

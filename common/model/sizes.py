@@ -137,8 +137,11 @@ def count_lora_parameters(spec, layers, *, rank, targets, tp=1):
                     (m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
                 ]
                 n += sum(column(i, o) for i, o in q + kv) + row(heads * m.v_head_dim, h)
-            else:
-                n += column(h, (heads + 2 * spec.num_kv_heads) * spec.head_dim) + row(heads * spec.head_dim, h)
+            elif spec.gdn is not None and spec.gdn.linear_layers[layer]:  # the delta net's in_proj, out_proj
+                n += column(h, sum(spec.gdn.in_pieces(1))) + row(spec.gdn.value_dim, h)
+            else:  # (Qwen3.5's gated attention: a gate row per query row)
+                q_rows = (2 if spec.gdn is not None else 1) * heads
+                n += column(h, (q_rows + 2 * spec.num_kv_heads) * spec.head_dim) + row(heads * spec.head_dim, h)
         if "mlp" in targets:
             moe = spec.moe
             ffn = (moe.shared_expert_size if moe is not None and moe.moe_layers[layer] else spec.ffn_hidden_size) or 0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from common.model.bridge import HFModelSpec, expected_hf_shape, hf_from_shards, param_rule, shard_from_hf
 from common.model.bridge_moe import expert_index, global_expert_name
+from common.model.bridge_vl import checkpoint_aliases, not_trained_notice
 from common.model.chunks import named_global_tensors
 from common.model.lora import MergedTensors, is_adapter
 from common.model.unsupported import UnsupportedModelError
@@ -48,6 +49,11 @@ class HFCheckpointReader:
                 f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json "
                 "(only safetensors checkpoints are supported)"
             )
+        # a vision-language checkpoint (common/model/bridge_vl.py): the text model's names -> where it keeps each
+        self.aliases = checkpoint_aliases(self.weight_map, spec) if spec is not None and spec.vision_language else {}
+        self.notice = not_trained_notice(self.weight_map) if self.aliases else None  # vision tower, MTP head
+        if self.aliases:
+            self.weight_map = {name: self.weight_map[stored] for name, (stored, _, _) in self.aliases.items()}
 
     def _handle(self, filename):
         if filename not in self._files:
@@ -63,15 +69,23 @@ class HFCheckpointReader:
     def names(self):
         return list(self.weight_map)
 
+    def _view(self, name):
+        """(safetensors slice, its shape as the tensor `name`, (expert, first row) of a fused expert tensor)."""
+        stored, expert, row0 = self.aliases.get(name, (name, None, 0))
+        view = self._handle(self.weight_map[name]).get_slice(stored)
+        shape = tuple(view.get_shape())
+        if expert is not None:  # (E, 2I, H) [gate; up] or (E, H, I) down of every expert: one expert's part
+            shape = (shape[1] // 2 if stored.endswith("gate_up_proj") else shape[1],) + shape[2:]
+        return view, shape, (expert, row0)
+
     def shape(self, name):
-        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        return self._view(name)[1]
 
     def read(self, name, row_slice=None, col_slice=None):
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.hf_dir}")
         filename = self.weight_map[name]
-        view = self._handle(filename).get_slice(name)
-        shape = tuple(view.get_shape())
+        view, shape, (expert, row0) = self._view(name)
         if self.spec is not None:
             expected = expected_hf_shape(name, self.spec)
             if shape != expected:
@@ -80,7 +94,12 @@ class HFCheckpointReader:
                     f"{list(expected)}: config.json does not match the weights"
                 )
         index = (row_slice or slice(None),) + ((col_slice,) if col_slice is not None else ())
+        if expert is not None:
+            rows = range(shape[0])[index[0]]
+            index = (slice(expert, expert + 1), slice(row0 + rows.start, row0 + rows.stop)) + index[1:]
         try:
+            if expert is not None:
+                return view[index][0]
             return view[index] if len(shape) else view[:]
         except Exception as e:
             raise OSError(
@@ -108,6 +127,8 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
     # routed experts are split over the expert-TP group (of size etp), not the TP group
     etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
     reader = HFCheckpointReader(hf_dir, spec)
+    if reader.notice and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(reader.notice, flush=True)
     count, finite, loaded = 0, [], []  # finite[i]: a 0-dim bool on the device, of loaded[i] = (name, hf_names)
     for chunk in chunks:
         for name, param in named_global_tensors(chunk):  # this rank's experts only

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge_moe import EXPERT_HALF, EXPERT_NAME
+from common.model.bridge_vl import checkpoint_name, text_config
 from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
 from common.rollout.routes import routes_from_vllm
 from common.rollout.weight_replay import WritePlan
@@ -130,7 +131,10 @@ class VLLMEngine(RolloutEngine):
         self.enable_sleep = enable_sleep
         with open(os.path.join(hf_dir, "config.json")) as f:
             config = json.load(f)
-        max_positions = config.get("max_position_embeddings")
+        # a vision-language checkpoint (Qwen3.5 as released): vLLM builds the whole model, whose language
+        # model takes the checkpoint's names (model.language_model.*: common/model/bridge_vl.py)
+        self._vision_language = text_config(config)[1]
+        max_positions = text_config(config)[0].get("max_position_embeddings")
         self.moe_layers = None  # return_routes: which decoder layers are MoE (routes_from_vllm)
         if return_routes:
             from common.model.bridge import parse_hf_config
@@ -229,10 +233,12 @@ class VLLMEngine(RolloutEngine):
             if self._write_plan is None:  # first sync: vLLM's loader, its writes recorded
                 plan = WritePlan(model)
                 with plan.record(source) as stream:
-                    loaded = model.load_weights(self._copy_experts(stream, written))
+                    loaded = model.load_weights(self._vllm_names(self._copy_experts(stream, written)))
                 self._write_plan = plan
             else:  # later syncs: the recorded writes, the loader only for what they do not cover
-                loaded = model.load_weights(self._copy_experts(self._replayed(source, written), written))
+                loaded = model.load_weights(
+                    self._vllm_names(self._copy_experts(self._replayed(source, written), written))
+                )
         finally:
             leftover = sum(1 for _ in source)  # drain: keep every rank's collectives matched
         if leftover:
@@ -347,6 +353,13 @@ class VLLMEngine(RolloutEngine):
         written.update((w13_name, w2_name))
         return True
 
+    def _vllm_names(self, named_tensors):
+        """The text model's HF names as vLLM's loader of this checkpoint takes them: a vision-language
+        model's under model.language_model. (vLLM maps those to its language_model.model.*)."""
+        if not self._vision_language:
+            return named_tensors
+        return ((checkpoint_name(name), tensor) for name, tensor in named_tensors)
+
     def _fused_experts(self, module_name):
         """((name, w13_weight), (name, w2_weight)) of vLLM's fused MoE module `module_name`
         (e.g. model.layers.3.mlp.experts), or None when it has no such single pair; cached."""
@@ -359,10 +372,12 @@ class VLLMEngine(RolloutEngine):
             )
             self._modules = dict(self.model.named_modules())
         if module_name not in self._fused_cache:
-            module = self._modules.get(module_name)
+            # (vLLM's vision-language Qwen3.5 holds the text model as language_model.model.*)
+            full = ("language_model." if self._vision_language else "") + module_name
+            module = self._modules.get(full)
             params = [] if module is None else list(module.named_parameters())
-            w13 = [(f"{module_name}.{n}", p) for n, p in params if n.endswith("w13_weight") and p.dim() == 3]
-            w2 = [(f"{module_name}.{n}", p) for n, p in params if n.endswith("w2_weight") and p.dim() == 3]
+            w13 = [(f"{full}.{n}", p) for n, p in params if n.endswith("w13_weight") and p.dim() == 3]
+            w2 = [(f"{full}.{n}", p) for n, p in params if n.endswith("w2_weight") and p.dim() == 3]
             self._fused_cache[module_name] = (w13[0], w2[0]) if len(w13) == len(w2) == 1 else None
         return self._fused_cache[module_name]
 

@@ -10,6 +10,7 @@ Megatron-Core torch_dist checkpoint written through PyTorch DCP one tensor at a 
 
 import io
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -69,6 +70,26 @@ class SafetensorsDir:
         for name, filename in (weight_map or {}).items():
             if self.tensors.get(name) is None or os.path.basename(self.tensors[name].path) != filename:
                 raise ConversionError(f"{index} lists {name!r} in {filename}, but that file does not contain it.")
+
+    def as_text_model(self, spec):
+        """For a vision-language checkpoint (common/model/bridge_vl.py): key the tensors by the text
+        model's names (a fused expert tensor's rows of each expert, contiguous, as a tensor of its
+        own), the vision tower and MTP head dropped. Returns the notice line saying so, or None."""
+        from common.model.bridge_vl import checkpoint_aliases, not_trained_notice
+
+        if not spec.vision_language:
+            return None
+        stored, self.tensors = self.tensors, {}
+        for name, (source, expert, row0) in checkpoint_aliases(stored, spec).items():
+            t = stored[source]
+            if expert is None:
+                self.tensors[name] = t
+                continue
+            rows = t.shape[1] // 2 if source.endswith("gate_up_proj") else t.shape[1]
+            row_bytes = math.prod(t.shape[2:]) * t.dtype.itemsize
+            start = t.start + (expert * t.shape[1] + row0) * row_bytes
+            self.tensors[name] = HFTensor(t.path, t.dtype, (rows,) + t.shape[2:], start)
+        return not_trained_notice(stored)
 
     @staticmethod
     def _read_header(path):

@@ -72,7 +72,7 @@ DEFAULT_CONFIG = dict(
 # 2 (renormalised top-2). "deepseek" is a DeepSeek-V3: multi-latent attention (q LoRA), layer
 # 0 dense, layer 1 with 8 sigmoid-routed experts in 4 groups (top-4 experts of the top-2
 # groups, a score-correction bias) and a shared expert. "qwen3_5" is a Qwen3.5: a gated delta net
-# layer, then a gated full-attention layer.
+# layer, then a gated full-attention layer; "qwen3_5_moe" the same with an MoE MLP in each.
 EMBEDDED_MODELS = {
     "dense": {},
     "moe": dict(
@@ -120,7 +120,19 @@ EMBEDDED_MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     ),
 }
-CONFIG_CLASSES = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig"}  # (Qwen3_5Config is the vision-language one)
+# Qwen3.5-MoE: the same two layers, each with 8 experts (top-2, renormalised) and a gated shared expert
+# (its config has no intermediate_size: None leaves a field out)
+EMBEDDED_MODELS["qwen3_5_moe"] = dict(
+    EMBEDDED_MODELS["qwen3_5"],
+    architecture="Qwen3_5MoeForCausalLM",
+    intermediate_size=None,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+)
+# (Qwen3_5Config, Qwen3_5MoeConfig are the vision-language ones)
+CONFIG_CLASSES = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig", "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig"}
 
 MARKER = "embedded.json"  # what we wrote (seed + config): makes rewriting idempotent
 FORMAT_VERSION = 1
@@ -157,7 +169,7 @@ def build_tokenizer():
 def hf_config(config_kwargs):
     """The config.json fields of the embedded model made from these DEFAULT_CONFIG-style
     fields: `architecture` (default Qwen2ForCausalLM) becomes `architectures`."""
-    fields = dict(config_kwargs)
+    fields = {k: v for k, v in config_kwargs.items() if v is not None}
     return dict(fields, architectures=[fields.pop("architecture", "Qwen2ForCausalLM")])
 
 

@@ -69,7 +69,9 @@ def check_weights(path, flag, spec, skip=()):
     from common.run.convert_io import SafetensorsDir, check_hf_weights
 
     try:
-        check_hf_weights(SafetensorsDir(path), spec, path, skip=skip)
+        files = SafetensorsDir(path)
+        files.as_text_model(spec)  # a vision-language checkpoint: its language model's tensors
+        check_hf_weights(files, spec, path, skip=skip)
     except ConversionError as e:
         raise UsageError(f"{flag} {path}: {str(e).rstrip('.')}") from None
 
