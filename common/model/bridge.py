@@ -413,7 +413,7 @@ def expected_hf_names(spec: HFModelSpec):
             names += [f"model.layers.{i}.{s}" for s in ("input_layernorm.weight", "post_attention_layernorm.weight")]
             names += gdn_hf_names(i, spec.gdn)
         if spec.gptoss is not None:
-            names += gptoss_hf_names(i)
+            names += gptoss_hf_names(i, spec.gptoss.mxfp4)
         elif spec.moe is not None and spec.moe.moe_layers[i]:
             names += moe_hf_names(i, spec.moe)
         else:

@@ -59,6 +59,7 @@ class GptOssSpec:
     sliding_window: int  # keys a sliding-window query attends, its own included
     inv_freq: tuple  # YaRN (or plain) RoPE inverse frequencies, head_dim / 2 of them
     attention_factor: float  # YaRN's scale of cos and sin (1.0 without YaRN)
+    mxfp4: bool = False  # the checkpoint's expert weights are MXFP4 blocks and scales
 
 
 def _unsupported(field_name, value, supported):
@@ -142,6 +143,7 @@ def parse_gptoss(cfg: dict, theta, rope) -> tuple:
         sliding_window=int(window or 0),
         inv_freq=tuple(inv_freq.tolist()),
         attention_factor=factor,
+        mxfp4=bool(quant),
     )
     return spec, moe
 
@@ -187,9 +189,12 @@ def gptoss_param_rule(rest, layer):
     return kind, [f"model.layers.{layer}.{fused}#{match[1]}"]
 
 
-def gptoss_hf_names(layer):
+def gptoss_hf_names(layer, mxfp4=False):
+    """The gpt-oss tensors of one layer beyond the Llama ones (mxfp4: the expert weights as blocks and scales)."""
     names = ["self_attn.o_proj.bias", "self_attn.sinks", "mlp.router.weight", "mlp.router.bias"]
-    names += [fused for _, fused in _FUSED.values()]
+    for _, fused in _FUSED.values():
+        quantized = mxfp4 and not fused.endswith("_bias")
+        names += [fused + "_blocks", fused + "_scales"] if quantized else [fused]
     return [f"model.layers.{layer}.{s}" for s in names]
 
 

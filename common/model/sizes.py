@@ -78,6 +78,9 @@ def count_parameters(spec, layers, *, tp=1, ep=1, etp=1, first_stage=True, last_
             n.experts += moe.num_experts // ep * 3 * moe.ffn_hidden_size * h // etp
             if moe.shared_expert_size:
                 n.dense += 3 * moe.shared_expert_size * h // tp + (h if moe.shared_gate else 0)
+            if spec.gptoss is not None:  # o_proj bias, sinks, router bias; each expert's fc1 and fc2 biases
+                n.dense += h + spec.num_heads // tp + moe.num_experts
+                n.experts += moe.num_experts // ep * (2 * moe.ffn_hidden_size // etp + h)
         else:
             n.dense += 3 * spec.ffn_hidden_size * h // tp  # gate+up (fc1), down (fc2)
     return n

@@ -136,7 +136,8 @@ def _check_loaded_finite(finite, loaded, reader):
     problem = None
     if bad:
         name, hf_names = loaded[bad[0]]
-        culprit = next((n for n in hf_names if not torch.isfinite(reader.read(n)).all()), None)
+        names = [n.split("#")[0] for n in hf_names]  # (gpt-oss: an expert's row of a fused tensor, bridge_gptoss.py)
+        culprit = next((n for n in names if n in reader.weight_map and not torch.isfinite(reader.read(n)).all()), None)
         if culprit is not None:
             path = os.path.join(reader.hf_dir, reader.weight_map[culprit])
             problem = f"tensor {culprit!r} in {path} holds NaN/Inf values"
