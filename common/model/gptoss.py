@@ -4,6 +4,7 @@ and the experts' clamped SwiGLU. The mapping of the weights: common/model/bridge
   SinkAttention   the core attention of every gpt-oss layer (common/model/gpt.py decoder_spec puts a
                   partial of it, window or not per config.layer_types, in each layer's spec)
   ClampedSwiGLU   the experts' activation module
+  GptOssExperts   the routed experts: megatron's SequentialMLP loop with the biases added out of place
   gptoss_layer_spec(layer, spec, window)   a layer spec made gpt-oss's
 
 SinkAttention computes, per head h, softmax([q.k_j * scale for the allowed keys j] + [sink_h])
@@ -22,9 +23,11 @@ attention factor m scaling cos and sin, i.e. the scores by m^2.
 import functools
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from common.model.attention import apply_rope_qk, per_micro_batch
+from common.model.moe_experts import GroupedExperts
 from common.model.swiglu import SwiGLU
 
 
@@ -148,9 +151,31 @@ class ClampedSwiGLU(SwiGLU):  # a SwiGLU for gpt.py's check that every MLP has i
         return clamped_swiglu(y, self.alpha, self.limit)
 
 
+class GptOssExperts(GroupedExperts):
+    """The local experts as a loop of two GEMMs each, fc1's bias added before the activation and
+    fc2's weighted by the router probability, as transformers' GptOssExperts. megatron-core 0.16.1's
+    MLP adds the weighted fc2 bias in place (`output += ...`) to the output of the expert-TP
+    reduction, which autograd refuses at ETP = 1 (the reduction returns its input as a view);
+    here it is added out of place. Same parameters and names as SequentialMLP (the bridge, the
+    checkpoints and the weight sync are unchanged)."""
+
+    def forward(self, hidden, tokens_per_expert, probs):
+        counts = [int(n) for n in tokens_per_expert.tolist()] if self.num_local_experts > 1 else [hidden.shape[0]]
+        rows = sum(counts)  # (DeviceSortDispatcher's mask_tail: rows past these are other EP ranks')
+        outputs = []
+        for expert, x, p in zip(self.local_experts, hidden[:rows].split(counts), probs[:rows].split(counts)):
+            fc1, fc2, p = expert.linear_fc1, expert.linear_fc2, p.unsqueeze(-1)
+            h = (expert.activation_func(F.linear(x, fc1.weight, fc1.bias)) * p).to(x.dtype)  # (n, F)
+            outputs.append(F.linear(h, fc2.weight) + (fc2.bias * p).to(x.dtype))  # (n, H)
+        out = torch.cat(outputs)
+        if rows < hidden.shape[0]:
+            out = torch.cat([out, out.new_zeros(hidden.shape[0] - rows, out.shape[1])])
+        return out, None
+
+
 def gptoss_layer_spec(layer, spec, window):
     """The MoE layer spec `layer` (gpt.py layer_spec, a fresh object) made gpt-oss's: SinkAttention
-    (with window: a sliding window of spec.gptoss.sliding_window keys) and the clamped SwiGLU."""
+    (with window: a sliding window of spec.gptoss.sliding_window keys), GptOssExperts with the clamped SwiGLU."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from common.model.bridge_gptoss import ALPHA, LIMIT
@@ -159,6 +184,7 @@ def gptoss_layer_spec(layer, spec, window):
     attn.core_attention = functools.partial(
         SinkAttention, gptoss=spec.gptoss, window=spec.gptoss.sliding_window if window else None
     )
+    layer.submodules.mlp.submodules.experts.module = GptOssExperts
     experts = layer.submodules.mlp.submodules.experts.submodules
     experts.activation_func = ModuleSpec(module=ClampedSwiGLU, params=dict(alpha=ALPHA, limit=LIMIT))
     return layer
