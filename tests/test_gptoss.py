@@ -233,19 +233,29 @@ def test_logits_match_transformers(layout, parity):
         assert [r["layers"] for r in parity[layout]] == [[0, 1], [2, 3]]
 
 
-def test_convert_verify_and_merge_round_trip(gptoss_dirs, tmp_path):
-    """convert_hf_to_mcore.py from the MXFP4 checkpoint (dequantised on load) --verify against
-    transformers, and merge_to_hf.py: the merged safetensors equal the plain model's bit for bit,
-    without quantization_config."""
+def test_convert_verify_and_merge_round_trips(gptoss_dirs, tmp_path):
+    """convert_hf_to_mcore.py --verify (against transformers) of the plain checkpoint and, at the same
+    time, a conversion of the MXFP4 one (dequantised as it is read; transformers needs accelerate to
+    load MXFP4, so no --verify there); then merge_to_hf.py of both: each merged safetensors equals the
+    plain model bit for bit, and the MXFP4 one's config.json has no quantization_config left."""
+    from tests.conftest import run_scripts
     from tests.test_convert import hf_tensors
 
-    hf_dir = gptoss_dirs / "plain"
-    run_script("convert_hf_to_mcore.py", "--hf", hf_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32", "--verify")
-    run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32")
-    original, merged = hf_tensors(hf_dir), hf_tensors(tmp_path / "hf")
-    assert sorted(original) == sorted(merged)
-    assert all(torch.equal(original[n], merged[n]) for n in original)
-    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    converts, merges = [], []
+    for name, verify in (("plain", ["--verify"]), ("mxfp4", [])):
+        ckpt = tmp_path / f"ckpt_{name}"
+        converts.append(
+            ("convert_hf_to_mcore.py", "--hf", gptoss_dirs / name, "--out", ckpt, "--dtype", "fp32", *verify)
+        )
+        merges.append(("merge_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / f"hf_{name}", "--dtype", "fp32"))
+    run_scripts(*converts)
+    run_scripts(*merges)
+    original = hf_tensors(gptoss_dirs / "plain")
+    for name in ("plain", "mxfp4"):
+        merged = hf_tensors(tmp_path / f"hf_{name}")
+        assert sorted(original) == sorted(merged), name
+        assert all(torch.equal(original[n], merged[n]) for n in original), name
+        assert "quantization_config" not in json.loads((tmp_path / f"hf_{name}" / "config.json").read_text())
 
 
 def test_grpo_learns_with_the_embedded_gptoss(tmp_path):
