@@ -186,6 +186,35 @@ def test_one_expert_with_its_clamps_equals_transformers():
     assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
 
+def test_sink_attention_and_its_gradients_equal_transformers():
+    """common/model/gptoss.py's sink_attention (the sink as one more key of value 0, torch SDPA with a
+    window mask) against transformers' eager_attention_forward for gpt-oss (the sink as an extra
+    softmax column): outputs, and the gradients of q, k, v and the sinks (which transformers' sees
+    only through its softmax)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from common.model.gptoss import sink_attention
+
+    torch.manual_seed(0)
+    b, h, s, d, window, scale = 2, 4, 20, 16, 5, 0.3
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(h, requires_grad=True)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    allowed = (j <= i) & (i - j < window)
+    ours = sink_attention(q, k, v, sinks, allowed, scale)  # (b, h, s, d)
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=1, training=False)
+    additive = torch.zeros(s, s).masked_fill(~allowed, float("-inf"))[None, None]
+    theirs = eager_attention_forward(module, q, k, v, additive, scale)[0].transpose(1, 2)
+    assert (ours - theirs).abs().max() <= 1e-6
+    weights = torch.randn(b, h, s, d)
+    grads = [torch.autograd.grad((out * weights).sum(), (q, k, v, sinks)) for out in (ours, theirs)]
+    for name, a, c in zip("qkv", grads[0][:3], grads[1][:3]):
+        assert (a - c).abs().max() <= 1e-5, name
+    assert (grads[0][3] - grads[1][3]).abs().max() <= 1e-5 and grads[1][3].abs().max() > 1e-2  # the sinks
+
+
 PARITY_LAYOUTS = {
     "tp1": (2, []),  # two data-parallel ranks of one TP=1 model each; also loaded from MXFP4
     "tp2": (2, ["--tp", 2]),

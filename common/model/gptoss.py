@@ -11,10 +11,11 @@ SinkAttention computes, per head h, softmax([q.k_j * scale for the allowed keys 
 without the sink's column, times v (transformers' eager_attention_forward for gpt-oss): the
 sink takes probability mass away from the keys. Allowed keys: causal, in the query's own sample
 (packed rows, megatron's THD format), and with a window the last `window` positions up to the
-query's own. The scores are computed explicitly (b, heads/tp, s, s), in fp32 from the softmax on:
-exact, with the memory of megatron's local DotProductAttention (no flash kernel takes a sink logit
-and a window in torch 2.13); the weights `softmax_offset` (heads/tp,) are the megatron name of
-megatron's "learnable" softmax (transformer_config.softmax_type), split over TP with the heads.
+query's own. The sink enters as one more key of value 0 (sink_attention), so the attention is
+torch SDPA with a boolean mask: on a GPU the memory-efficient kernel (no (s, s) scores; torch 2.13
+has no flash kernel that takes a sink or a window). The weights `softmax_offset` (heads/tp,) are the
+megatron name of megatron's "learnable" softmax (transformer_config.softmax_type), split over TP
+with the heads.
 RoPE is applied here (the GPTModel is built with position_embedding_type "none", as for
 SDPAttention): YaRN's inverse frequencies from config.json (bridge_gptoss.rope_frequencies) and its
 attention factor m scaling cos and sin, i.e. the scores by m^2.
@@ -29,6 +30,26 @@ from megatron.core.transformer.module import MegatronModule
 from common.model.attention import apply_rope_qk, per_micro_batch
 from common.model.moe_experts import GroupedExperts
 from common.model.swiglu import SwiGLU
+
+
+def sink_attention(q, k, v, sinks, allowed, scale):
+    """softmax([scale * q.k_j for the allowed keys j] + [sinks_h]) without the sink's column, times v:
+    q, k, v (b, heads, s, d) (one key/value head per query head), sinks (heads,), allowed (s, s) or
+    (b, 1, s, s) bool. The sink is one more key that every query sees, with value 0: a dimension
+    appended to q holding sink / scale, 0 on the keys and 1 on the sink key, makes its score the sink
+    logit. Then it is plain masked attention (torch SDPA: on a GPU the memory-efficient kernel, no
+    (s, s) scores, only the boolean mask); head dims are padded with zeros (which add nothing) to a
+    multiple of 8 for the kernels. The gradient reaches the sinks through q's extra dimension."""
+    b, h, s, d = q.shape
+    pad = -(d + 1) % 8
+    sink = (sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, s, 1)
+    q = torch.cat([q, sink, q.new_zeros(b, h, s, pad)], dim=-1)
+    sink_key = F.pad(k.new_ones(b, h, 1, 1), (d, pad))  # (b, h, 1, d + 1 + pad): 1 in the sink dimension
+    k = torch.cat([sink_key, F.pad(k, (0, 1 + pad))], dim=2)  # (b, h, 1 + s, .)
+    v = F.pad(v, (0, 1 + pad, 1, 0))  # the sink's value row 0 first
+    allowed = torch.cat([allowed.new_ones(*allowed.shape[:-1], 1), allowed], dim=-1)  # the sink: always seen
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out[..., :d]
 
 
 class SinkAttention(MegatronModule):
@@ -101,19 +122,15 @@ class SinkAttention(MegatronModule):
         repeat = self.heads // self.groups
         if repeat > 1:  # one key/value head per query head
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale  # (b, heads, s, s)
         qi, ki = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
-        allowed = ki <= qi
+        allowed = ki <= qi  # (s, s)
         if self.window is not None:
             allowed = allowed & (qi - ki < self.window)
         if seg is not None:
             allowed = allowed & (seg[:, None] == seg[None, :])
         if attention_mask is not None:  # megatron's convention: True = masked out
             allowed = allowed & ~attention_mask.bool()
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        sinks = self.softmax_offset.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
-        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-        out = torch.matmul(probs.to(v.dtype), v)  # (b, heads, s, d)
+        out = sink_attention(q, k, v, self.softmax_offset, allowed, self.softmax_scale)  # (b, heads, s, d)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
         return out.squeeze(1) if packed else out
 
