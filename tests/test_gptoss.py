@@ -78,6 +78,12 @@ def test_the_config_maps_to_megatron():
     assert "model.layers.3.self_attn.sinks" in names and "model.layers.0.mlp.experts.gate_up_proj" in names
     quantized = parse_hf_config(_config(quantization_config={"quant_method": "mxfp4"}))
     assert "model.layers.0.mlp.experts.down_proj_blocks" in expected_hf_names(quantized)
+    # FLOPs (MFU): the windowed layers' attention over at most 6 keys, the full layers' over seq/2
+    from common.model.flops import forward_flops_per_token
+
+    per_key = 2 * (64 + 64)  # QK^T and (softmax)V per key and layer, 4 heads of 16
+    # 100 tokens vs 2: the 2 full layers attend 50 keys instead of 1, the 2 windowed ones 6 instead of 1
+    assert forward_flops_per_token(spec, 100) - forward_flops_per_token(spec, 2) == per_key * 2 * (49 + 5)
     # without layer_types: sliding windows on even layers, as transformers' GptOssConfig
     kwargs = {k: v for k, v in _config().items() if k != "layer_types"}
     assert parse_hf_config(kwargs).gptoss.window_layers == [True, False, True, False]
