@@ -293,6 +293,21 @@ def test_convert_verify_and_merge_round_trips(gptoss_dirs, tmp_path):
         assert "quantization_config" not in json.loads((tmp_path / f"hf_{name}" / "config.json").read_text())
 
 
+def test_an_mxfp4_policy_is_refused_with_the_way_out_and_counted_dequantised(gptoss_dirs):
+    """The training scripts' --model check: an MXFP4 checkpoint is refused (the rollout engines would
+    build MXFP4 experts the bf16 sync cannot fill) with the commands that write a bf16 copy; the
+    memory plan counts its parameters as the dequantised model's."""
+    from common.model.gpt import load_hf_spec
+    from common.model.sizes import hf_parameter_count
+    from common.run.model_checks import check_model_dir
+    from common.train.guard import UsageError
+
+    with pytest.raises(UsageError, match="MXFP4 expert weights.*merge_to_hf.py"):
+        check_model_dir(str(gptoss_dirs / "mxfp4"), "--model", need_weights=False, need_tokenizer=False)
+    plain, mxfp4 = (load_hf_spec(gptoss_dirs / name) for name in ("plain", "mxfp4"))
+    assert hf_parameter_count(mxfp4) == hf_parameter_count(plain)
+
+
 def test_grpo_learns_with_the_embedded_gptoss(tmp_path):
     """train_grpo.py --embedded-model gpt_oss: the embedded task is being learned (measured: reward
     0.005 over the first 10 steps, 0.118 over the last 10), and the trainer's logprobs equal the CPU

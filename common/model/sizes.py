@@ -9,6 +9,7 @@ run's memory plan from these. tests/test_memory_plan.py and tests/test_model_par
 against the models megatron builds and the tensors autograd saves.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -151,7 +152,10 @@ def count_lora_parameters(spec, layers, *, rank, targets, tp=1):
 
 
 def hf_parameter_count(spec):
-    """Parameters of the HF checkpoint (unpadded vocabulary, tied embeddings once): the engine's model."""
+    """Parameters of the HF checkpoint (unpadded vocabulary, tied embeddings once): the engine's model
+    (gpt-oss's MXFP4 experts counted as the dequantised tensors the engine holds)."""
+    if spec.gptoss is not None and spec.gptoss.mxfp4:
+        spec = dataclasses.replace(spec, gptoss=dataclasses.replace(spec.gptoss, mxfp4=False))
     return sum(math.prod(expected_hf_shape(name, spec)) for name in expected_hf_names(spec))
 
 
