@@ -269,22 +269,24 @@ def test_logits_match_transformers(layout, parity):
 
 
 def test_convert_verify_and_merge_round_trips(gptoss_dirs, tmp_path):
-    """convert_hf_to_mcore.py --verify (against transformers) of the plain checkpoint and, at the same
-    time, a conversion of the MXFP4 one (dequantised as it is read; transformers needs accelerate to
-    load MXFP4, so no --verify there); then merge_to_hf.py of both: each merged safetensors equals the
-    plain model bit for bit, and the MXFP4 one's config.json has no quantization_config left."""
-    from tests.conftest import run_scripts
+    """convert_hf_to_mcore.py of the plain checkpoint, --verify against transformers at TP=2 (the
+    sinks resharded from the TP=1 checkpoint by their sharded_state_dict), and of the MXFP4 one
+    (dequantised as it is read; transformers needs accelerate to load MXFP4, so no --verify there);
+    then merge_to_hf.py of both: each merged safetensors equals the plain model bit for bit, and
+    the MXFP4 one's config.json has no quantization_config left."""
+    from tests.conftest import run_scripts, run_torchrun
     from tests.test_convert import hf_tensors
 
-    converts, merges = [], []
-    for name, verify in (("plain", ["--verify"]), ("mxfp4", [])):
-        ckpt = tmp_path / f"ckpt_{name}"
-        converts.append(
-            ("convert_hf_to_mcore.py", "--hf", gptoss_dirs / name, "--out", ckpt, "--dtype", "fp32", *verify)
+    convert = ["--out", tmp_path / "ckpt_plain", "--dtype", "fp32", "--tp", 2, "--verify"]
+    run_torchrun("convert_hf_to_mcore.py", 2, "--hf", gptoss_dirs / "plain", *convert)
+    mxfp4 = ["--out", tmp_path / "ckpt_mxfp4", "--dtype", "fp32"]
+    run_script("convert_hf_to_mcore.py", "--hf", gptoss_dirs / "mxfp4", *mxfp4)
+    run_scripts(
+        *(
+            ("merge_to_hf.py", "--ckpt", tmp_path / f"ckpt_{n}", "--out", tmp_path / f"hf_{n}", "--dtype", "fp32")
+            for n in ("plain", "mxfp4")
         )
-        merges.append(("merge_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / f"hf_{name}", "--dtype", "fp32"))
-    run_scripts(*converts)
-    run_scripts(*merges)
+    )
     original = hf_tensors(gptoss_dirs / "plain")
     for name in ("plain", "mxfp4"):
         merged = hf_tensors(tmp_path / f"hf_{name}")
