@@ -9,7 +9,8 @@ dequantisation bit for bit against transformers' own, one expert's clamped SwiGL
 active; the whole model's logits (tests/gptoss_worker.py, one launch) at TP=1 (two data-parallel
 ranks), TP=2, TP=2+SP, EP=2 and PP=2, packed rows, the export bit-identical, the expert weights loaded
 from MXFP4 blocks, controls (sinks zeroed, windows off, experts exchanged) far off; the memory
-plan's parameter count; convert_hf_to_mcore.py --verify and merge_to_hf.py bit-exact round trip;
+plan's parameter count; every gradient at TP=2+SP against one rank's; convert_hf_to_mcore.py --verify
+and merge_to_hf.py bit-exact round trips (also from MXFP4); an MXFP4 --model refused;
 GRPO learning the embedded task with `--embedded-model gpt_oss`.
 """
 
@@ -266,6 +267,23 @@ def test_logits_match_transformers(layout, parity):
         assert "packed_max_abs_diff" in row and "mxfp4_max_abs_diff_to_plain" in row
     if layout == "pp2":
         assert [r["layers"] for r in parity[layout]] == [[0, 1], [2, 3]]
+
+
+def test_gradients_at_tp2_sp_equal_one_rank(gptoss_dirs, tmp_path):
+    """Every HF tensor's gradient (tests/gdn_grad_worker.py) at TP=2+SP equals one rank's: the sinks
+    split over TP, the router's and o_proj's biases summed over TP under SP, the experts' weights
+    and biases summed over the expert-data-parallel ranks (fc2's bias once: megatron tags it
+    sequence-parallel too, which counted it twice, relative error 1.0)."""
+    from tests.conftest import run_torchrun
+
+    hf = gptoss_dirs / "plain"
+    run_torchrun("tests/gdn_grad_worker.py", 1, "--hf", hf, "--out", tmp_path / "tp1.pt")
+    run_torchrun("tests/gdn_grad_worker.py", 2, "--hf", hf, "--tp", 2, "--sp", "--out", tmp_path / "tp2.pt")
+    one, two = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    assert sorted(one) == sorted(two)
+    worst = max((one[n] - two[n]).abs().max().item() / (one[n].abs().max().item() + 1e-6) for n in one)
+    print(f"largest relative gradient difference {worst:.1e}")  # measured 1.8e-6
+    assert worst < 1e-3
 
 
 def test_convert_verify_and_merge_round_trips(gptoss_dirs, tmp_path):

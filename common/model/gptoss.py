@@ -176,6 +176,16 @@ class GptOssExperts(GroupedExperts):
     here it is added out of place. Same parameters and names as SequentialMLP (the bridge, the
     checkpoints and the weight sync are unchanged)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # megatron's RowParallelLinear tags fc2's bias `sequence_parallel` (config.sequence_parallel), so
+        # finalize_model_grads would sum its gradient over TP, and DDP sums expert gradients over the
+        # expert-data-parallel ranks, which at ETP = 1 are those TP ranks again: twice. Each rank's
+        # experts see its own tokens, so the expert-DP sum alone is the gradient, as for the weights.
+        for expert in self.local_experts:
+            if expert.linear_fc2.bias is not None:
+                expert.linear_fc2.bias.sequence_parallel = False
+
     def forward(self, hidden, tokens_per_expert, probs):
         counts = [int(n) for n in tokens_per_expert.tolist()] if self.num_local_experts > 1 else [hidden.shape[0]]
         rows = sum(counts)  # (DeviceSortDispatcher's mask_tail: rows past these are other EP ranks')
