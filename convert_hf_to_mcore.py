@@ -111,6 +111,9 @@ def chunk_data(chunk: Chunk, files: SafetensorsDir, spec):
     kind, hf_names = param_rule(chunk.param, spec)
     if kind == "gate_up":  # each of the two fc1 chunks is exactly one HF tensor (an MLP's, an expert's)
         data = files.read(hf_names[chunk.offset[-2] // expected_hf_shape(hf_names[0], spec)[0]])
+    elif kind in ("gptoss_fc1", "gptoss_fc1_bias"):  # gpt-oss: [gate; up] of one expert, as two chunks
+        full = shard_from_hf(kind, hf_names, files.read, spec, tp_rank=0, tp_size=1)
+        data = full.chunk(2)[chunk.offset[-2 if kind == "gptoss_fc1" else -1] // spec.moe.ffn_hidden_size]
     elif kind == "vocab":  # the chunk is the padded vocabulary: real rows read in place, the rest 0
         data = torch.empty(chunk.shape, dtype=files.tensors[hf_names[0]].dtype)  # (V_padded, h)
         files.read(hf_names[0], out=data[: spec.vocab_size])

@@ -365,6 +365,8 @@ def run(args, created):
                 "source)"
             )
             config["num_nextn_predict_layers"] = 0
+        if config.pop("quantization_config", None):  # gpt-oss's MXFP4 experts, dequantised: written as --dtype
+            print0(f"note: the source's quantized expert weights (MXFP4) are written dequantised in {dtype}")
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = HF_DTYPE_NAMES[dtype]

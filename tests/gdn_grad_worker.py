@@ -4,8 +4,10 @@
 
 Loads the HF model, takes a fixed random projection of the real-vocabulary logits as the loss,
 runs the backward, sums over TP what megatron's finalize_model_grads sums (q/k norms; with SP
-the parameters tagged sequence_parallel), and saves the gradients under their HF names (through
-export_hf_weights, the gradient put in place of each parameter) from rank 0.
+the parameters tagged sequence_parallel) and routed experts' gradients over the expert-data-
+parallel ranks (DDP's sum; at TP > 1 with ETP = 1 each TP rank's experts see its own tokens),
+and saves the gradients under their HF names (through export_hf_weights, the gradient put in
+place of each parameter) from rank 0.
 """
 
 import argparse
@@ -46,6 +48,8 @@ if __name__ == "__main__":
             "q_layernorm" in name or "k_layernorm" in name or (args.sp and getattr(p, "sequence_parallel", False))
         ):
             dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
+        if args.tp > 1 and ".local_experts." in name:  # what DDP sums over the expert-data-parallel ranks
+            dist.all_reduce(p.grad, group=mpu.get_expert_data_parallel_group())
     with torch.no_grad():
         for p in chunks[0].parameters():
             p.copy_(p.grad)

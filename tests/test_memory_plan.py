@@ -27,9 +27,9 @@ from common.model import sizes as S
 from common.model.bridge import parse_hf_config
 from common.run import memory_plan as M
 from tests.conftest import run_script
-from tests.tiny_models import ARCH_CONFIGS, GDN_CONFIGS, MOE_CONFIGS
+from tests.tiny_models import ARCH_CONFIGS, GDN_CONFIGS, GPTOSS_CONFIGS, MOE_CONFIGS
 
-TINY = {**ARCH_CONFIGS, **MOE_CONFIGS, **GDN_CONFIGS}
+TINY = {**ARCH_CONFIGS, **MOE_CONFIGS, **GDN_CONFIGS, **GPTOSS_CONFIGS}
 
 
 def tiny_spec(name):

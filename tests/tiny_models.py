@@ -233,13 +233,41 @@ _QWEN35_MOE.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3
 GDN_CONFIGS = {"qwen3_5": ("Qwen3_5ForCausalLM", _QWEN35), "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", _QWEN35_MOE)}
 # not the vision-language Qwen3_5Config / Qwen3_5MoeConfig
 _CONFIG_CLASS = {"Qwen3_5ForCausalLM": "Qwen3_5TextConfig", "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig"}
+# gpt-oss (tests/test_gptoss.py): attention sinks, sliding windows of 6 keys on alternate layers (the
+# parity batches are 24 tokens long), YaRN untruncated as released, 8 biased experts (top-2), q/k/v/o biases
+_GPTOSS = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=6,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    },
+)
+GPTOSS_CONFIGS = {"gpt_oss": ("GptOssForCausalLM", _GPTOSS)}
 
 
 def make_tiny_hf_model(name, seed=0, layers=None):
     """layers: another num_hidden_layers (e.g. an odd count for uneven pipeline stages)."""
     import transformers
 
-    arch, kwargs = {**ARCH_CONFIGS, **MOE_CONFIGS, **GDN_CONFIGS}[name]
+    arch, kwargs = {**ARCH_CONFIGS, **MOE_CONFIGS, **GDN_CONFIGS, **GPTOSS_CONFIGS}[name]
     kwargs = dict(kwargs, num_hidden_layers=layers or kwargs["num_hidden_layers"])
     if layers and "layer_types" in kwargs:  # the pattern repeated to the new depth
         kwargs["layer_types"] = [kwargs["layer_types"][i % len(kwargs["layer_types"])] for i in range(layers)]
@@ -252,6 +280,8 @@ def make_tiny_hf_model(name, seed=0, layers=None):
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif pname.endswith("sinks"):  # gpt-oss: sinks that take a visible share of the attention
+                p.copy_(torch.randn_like(p))
             elif (name in MOE_CONFIGS or name.endswith("_moe")) and ("gate" in pname or "experts" in pname):
                 p.copy_(torch.randn_like(p) * 0.05)  # transformers 5 starts routers at zero: make them route
         for bname, buf in model.named_buffers():

@@ -4,6 +4,7 @@
     bridge_moe.py, bridge_mla.py, bridge_layout.py   the rules of MoE, multi-latent attention, pipeline layouts
     bridge_gdn.py       the rules of Qwen3.5's gated delta nets and gated attention
     bridge_vl.py        vision-language checkpoints (released Qwen3.5): their language model's config and tensors
+    bridge_gptoss.py    the rules of gpt-oss: sinks, windows per layer, YaRN, fused biased experts, MXFP4
     unsupported.py      UnsupportedModelError
     gpt.py              build_model: layer specs and the GPTModel chunks
     chunks.py           unwrap a chunk; its tensors under global names
@@ -12,6 +13,7 @@
     lora.py             LoRA adapters on the tensor-parallel linears; merged weights for the export
     attention.py, attention_cp.py   core attention: SDPA, packed (varlen), context parallel
     gdn.py              the gated delta net layer (Qwen3.5's linear attention), pure torch, packed samples
+    gptoss.py           gpt-oss's layers: attention with sinks and sliding windows, its experts and clamped SwiGLU
     moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
     routing_replay.py   MoE routing replay: routers sent to recorded experts, or recording their own
     swiglu.py, linear.py   the MLPs' activation kernel, the QKV bias in the GEMM

@@ -43,6 +43,17 @@ from common.model.bridge_gdn import (
     gdn_unshard,
     parse_gdn,
 )
+from common.model.bridge_gptoss import KINDS as GPTOSS_KINDS
+from common.model.bridge_gptoss import (
+    GptOssSpec,
+    check_gptoss_layout,
+    gptoss_hf_names,
+    gptoss_hf_shape,
+    gptoss_param_rule,
+    gptoss_shard,
+    gptoss_unshard,
+    parse_gptoss,
+)
 from common.model.bridge_layout import (  # noqa: F401 (re-exported)
     RECOMPUTE_MODULES,
     check_parallel_layout,
@@ -80,6 +91,8 @@ ARCHITECTURES = {
     # gdn: gated-delta-net layers mixed with gated full attention (common/model/bridge_gdn.py)
     "Qwen3_5ForCausalLM": dict(qkv_bias=False, qk_norm=True, experts=None, mla=False, gdn=True),
     "Qwen3_5MoeForCausalLM": dict(qkv_bias=False, qk_norm=True, experts="qwen", mla=False, gdn=True),  # + gated shared
+    # gptoss: attention sinks, sliding windows on alternate layers, biased experts (common/model/bridge_gptoss.py)
+    "GptOssForCausalLM": dict(qkv_bias=True, qk_norm=False, experts=None, mla=False, gptoss=True),
 }
 GDN_KINDS = ("gdn_in", "gdn_conv", "qkvg")  # shard kinds of common/model/bridge_gdn.py
 
@@ -112,6 +125,7 @@ class HFModelSpec:
     mla: MLASpec | None = None  # multi-latent attention (common/model/bridge_mla.py), None for q/k/v heads
     gdn: GDNSpec | None = None  # gated-delta-net layers (common/model/bridge_gdn.py), None without
     vision_language: bool = False  # the text model of a vision-language checkpoint (common/model/bridge_vl.py)
+    gptoss: GptOssSpec | None = None  # gpt-oss's sinks, windows, YaRN (common/model/bridge_gptoss.py)
     hf_config: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -147,7 +161,8 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         raise _unsupported("architectures", archs, sorted(ARCHITECTURES) + sorted(VL_ARCHITECTURES))
     arch = archs[0]
     quantization = (cfg.get("quantization_config") or {}).get("quant_method")
-    if quantization:  # e.g. DeepSeek-V3's released fp8 blocks with weight_scale_inv
+    mxfp4 = arch == "GptOssForCausalLM" and quantization == "mxfp4"  # dequantised on load (bridge_gptoss.py)
+    if quantization and not mxfp4:  # e.g. DeepSeek-V3's released fp8 blocks with weight_scale_inv
         raise UnsupportedModelError(
             f"config.json has quantization_config (quant_method {quantization!r}): the bridge reads bf16/fp16/fp32 "
             "weights only. Dequantize the checkpoint first (for DeepSeek-V3's fp8: DeepSeek's "
@@ -158,7 +173,8 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     for flag in ("attention_bias", "mlp_bias"):
         # Qwen2's q/k/v bias is part of the architecture (not this flag); a Llama with
         # o_proj/MLP biases would need megatron's add_bias_linear for every linear.
-        if cfg.get(flag) and not (arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and flag == "attention_bias"):
+        biased = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
+        if cfg.get(flag) and not (arch in biased and flag == "attention_bias"):
             raise _unsupported(flag, cfg[flag], "false")
 
     # Sliding-window attention: megatron's local spec computes full causal attention.
@@ -185,7 +201,8 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
                     f"rope_scaling.{key}", rope.get(key), f"{expected} (megatron-core's llama3 constant)"
                 )
         scaling_factor = float(rope["factor"])
-    elif rope_type != "default" and not ARCHITECTURES[arch]["mla"]:  # MLA: common/model/bridge_mla.py
+    elif rope_type != "default" and not ARCHITECTURES[arch]["mla"] and arch != "GptOssForCausalLM":
+        # (MLA: common/model/bridge_mla.py; gpt-oss's YaRN: common/model/bridge_gptoss.py)
         raise _unsupported("rope_scaling.rope_type", rope_type, "'default', and 'llama3' for LlamaForCausalLM")
 
     num_heads = int(cfg["num_attention_heads"])
@@ -200,6 +217,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     experts = table.pop("experts")
     table.pop("mla")
     gdn = parse_gdn(cfg, rope) if table.pop("gdn", False) else None
+    gptoss, gptoss_moe = parse_gptoss(cfg, theta, rope) if table.pop("gptoss", False) else (None, None)
     if arch == "Qwen2MoeForCausalLM":
         table["qkv_bias"] = bool(cfg.get("qkv_bias", True))
     return HFModelSpec(
@@ -216,10 +234,11 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         rope_scaling_factor=scaling_factor,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        moe=parse_moe(cfg, arch) if experts else None,
+        moe=parse_moe(cfg, arch) if experts else gptoss_moe,
         mla=mla,
         gdn=gdn,
         vision_language=vision_language,
+        gptoss=gptoss,
         hf_config=cfg,
         **table,
     )
@@ -301,6 +320,9 @@ def transformer_config(
         kwargs.update(moe_config_fields(spec.moe, ep=ep, etp=etp, aux_loss_coef=moe_aux_loss_coef))
     if spec.mla is not None:
         kwargs.update(mla_config_fields(spec.mla, spec.rope_theta))
+    if spec.gptoss is not None:  # o_proj, router and expert biases (q/k/v: add_qkv_bias)
+        check_gptoss_layout(cp=cp, etp=etp)
+        kwargs.update(add_bias_linear=True)
     if spec.gdn is not None:  # the full-attention layers' output gate (the delta nets: common/model/gdn.py)
         # layers of two kinds: distributed checkpoints keyed per layer (megatron stacks them otherwise)
         kwargs.update(attention_output_gate=True, hetereogenous_dist_checkpoint=True)
@@ -361,6 +383,8 @@ def param_rule(mcore_name, spec: HFModelSpec):
     if rule is not None:
         return rule
     rule = mla_param_rule(parts[3], parts[2]) if len(parts) == 4 and spec.mla else None
+    if rule is None and len(parts) == 4 and spec.gptoss:
+        rule = gptoss_param_rule(parts[3], parts[2])
     if rule is not None:
         return rule
     if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[3] in _LAYER_RULES:
@@ -394,7 +418,9 @@ def expected_hf_names(spec: HFModelSpec):
         if spec.gdn is not None:
             names += [f"model.layers.{i}.{s}" for s in ("input_layernorm.weight", "post_attention_layernorm.weight")]
             names += gdn_hf_names(i, spec.gdn)
-        if spec.moe is not None and spec.moe.moe_layers[i]:
+        if spec.gptoss is not None:
+            names += gptoss_hf_names(i, spec.gptoss.mxfp4)
+        elif spec.moe is not None and spec.moe.moe_layers[i]:
             names += moe_hf_names(i, spec.moe)
         else:
             names += [f"model.layers.{i}.{s}" for s in dense_mlp]
@@ -425,8 +451,9 @@ def expected_hf_shape(name, spec: HFModelSpec):
         "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
     }
     gdn = gdn_hf_shape(suffix, h, spec.num_heads, d, spec.gdn) if spec.gdn is not None else None
-    if gdn is not None:
-        shape = gdn
+    gptoss = gptoss_hf_shape(suffix, spec) if spec.gptoss is not None else None
+    if gdn is not None or gptoss is not None:
+        shape = gdn or gptoss
     elif spec.mla is not None and suffix.startswith("self_attn."):
         shape = mla_hf_shape(suffix, h, spec.num_heads, spec.mla)
     else:
@@ -445,6 +472,8 @@ def shard_from_hf(kind, hf_names, read, spec: HFModelSpec, tp_rank, tp_size):
     if kind in GDN_KINDS:
         heads = (spec.gdn, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         return gdn_shard(kind, hf_names, read, *heads, tp_rank, tp_size)
+    if kind in GPTOSS_KINDS:  # a routed expert (expert TP is 1)
+        return gptoss_shard(kind, hf_names, read)
     if kind == "replicated":
         return read(hf_names[0])
     if kind == "row":
@@ -484,6 +513,8 @@ def hf_from_shards(kind, hf_names, shards, spec: HFModelSpec):
 
     if kind in GDN_KINDS:
         return gdn_unshard(kind, hf_names, shards, spec.gdn, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if kind in GPTOSS_KINDS:
+        return gptoss_unshard(kind, hf_names, shards)
     if kind == "replicated":
         return [(hf_names[0], shards[0])]
     if kind == "row":

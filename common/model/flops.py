@@ -58,9 +58,12 @@ def forward_flops_per_token(spec, seq_len, causal=True):
     else:
         matmul_extra = 0
     matmul_weights = spec.num_layers * attention_weights + matmul_extra + sum(mlps) + spec.vocab_size * h
+    keys = seq_len * (0.5 if causal else 1.0)  # keys a token attends, on average
+    gptoss = getattr(spec, "gptoss", None)
+    windowed = sum(gptoss.window_layers) if gptoss is not None else 0  # gpt-oss: at most sliding_window keys
     attention = (
-        2 * full_layers * seq_len * (q_dim + v_dim * spec.num_heads // spec.num_kv_heads) * (0.5 if causal else 1.0)
-    )  # QK^T over the q/k head size, (softmax)V over the value head size
+        2 * (full_layers - windowed) * keys + 2 * windowed * min(keys, gptoss.sliding_window if windowed else 0)
+    ) * (q_dim + v_dim * spec.num_heads // spec.num_kv_heads)  # QK^T over the q/k head size, (softmax)V over v's
     return 2 * matmul_weights + attention + recurrence
 
 

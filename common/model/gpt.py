@@ -91,6 +91,8 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False):
     mla = spec.mla is not None
     if mla and attention != "sdpa":
         raise ValueError(f"attention={attention!r}: multi-latent attention ({spec.architecture}) runs on 'sdpa'")
+    if spec.gptoss is not None and attention != "sdpa":  # sinks and windows: common/model/gptoss.py
+        raise ValueError(f"attention={attention!r}: {spec.architecture} runs on 'sdpa'")
     if spec.gdn is not None and attention == "te":
         raise ValueError(f"attention='te': {spec.architecture} (gated delta net) runs on 'sdpa' or 'local'")
     if attention == "te":
@@ -182,6 +184,11 @@ def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None):
         for i in range(count):
             if spec.gdn.linear_layers[first + i]:
                 specs[i] = linear_moe if spec.moe and spec.moe.moe_layers[first + i] else linear
+    if spec.gptoss is not None:  # gpt-oss: sliding-window or full attention per config.layer_types
+        from common.model.gptoss import gptoss_layer_spec
+
+        kinds = {w: gptoss_layer_spec(layer_spec(spec, attention, moe=True), spec, w) for w in (True, False)}
+        specs = [kinds[spec.gptoss.window_layers[first + i]] for i in range(count)]
     return TransformerBlockSubmodules(
         layer_specs=specs, layer_norm=RMSNorm if spec.gdn is None else ZeroCenteredRMSNorm
     )

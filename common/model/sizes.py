@@ -9,6 +9,7 @@ run's memory plan from these. tests/test_memory_plan.py and tests/test_model_par
 against the models megatron builds and the tensors autograd saves.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -78,6 +79,9 @@ def count_parameters(spec, layers, *, tp=1, ep=1, etp=1, first_stage=True, last_
             n.experts += moe.num_experts // ep * 3 * moe.ffn_hidden_size * h // etp
             if moe.shared_expert_size:
                 n.dense += 3 * moe.shared_expert_size * h // tp + (h if moe.shared_gate else 0)
+            if spec.gptoss is not None:  # o_proj bias, sinks, router bias; each expert's fc1 and fc2 biases
+                n.dense += h + spec.num_heads // tp + moe.num_experts
+                n.experts += moe.num_experts // ep * (2 * moe.ffn_hidden_size // etp + h)
         else:
             n.dense += 3 * spec.ffn_hidden_size * h // tp  # gate+up (fc1), down (fc2)
     return n
@@ -151,7 +155,10 @@ def count_lora_parameters(spec, layers, *, rank, targets, tp=1):
 
 
 def hf_parameter_count(spec):
-    """Parameters of the HF checkpoint (unpadded vocabulary, tied embeddings once): the engine's model."""
+    """Parameters of the HF checkpoint (unpadded vocabulary, tied embeddings once): the engine's model
+    (gpt-oss's MXFP4 experts counted as the dequantised tensors the engine holds)."""
+    if spec.gptoss is not None and spec.gptoss.mxfp4:
+        spec = dataclasses.replace(spec, gptoss=dataclasses.replace(spec.gptoss, mxfp4=False))
     return sum(math.prod(expected_hf_shape(name, spec)) for name in expected_hf_names(spec))
 
 

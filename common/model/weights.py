@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge import HFModelSpec, expected_hf_shape, hf_from_shards, param_rule, shard_from_hf
+from common.model.bridge_gptoss import fused_expert_tensors
 from common.model.bridge_moe import expert_index, global_expert_name
 from common.model.bridge_vl import checkpoint_aliases, not_trained_notice
 from common.model.chunks import named_global_tensors
@@ -156,7 +157,8 @@ def _check_loaded_finite(finite, loaded, reader):
     problem = None
     if bad:
         name, hf_names = loaded[bad[0]]
-        culprit = next((n for n in hf_names if not torch.isfinite(reader.read(n)).all()), None)
+        names = [n.split("#")[0] for n in hf_names]  # (gpt-oss: an expert's row of a fused tensor, bridge_gptoss.py)
+        culprit = next((n for n in names if n in reader.weight_map and not torch.isfinite(reader.read(n)).all()), None)
         if culprit is not None:
             path = os.path.join(reader.hf_dir, reader.weight_map[culprit])
             problem = f"tensor {culprit!r} in {path} holds NaN/Inf values"
@@ -366,7 +368,16 @@ def export_hf_weights(
     Yielded tensors may be views into a bucket buffer or, where nothing is gathered (one
     rank per TP/EP group and one stage), of the model's own parameters: copy them to keep
     them, never write into them.
+    gpt-oss: a layer's experts come as its fused HF tensors (copies), without expert_blocks or local_reads.
     """
+    if spec.gptoss is not None:  # a layer's experts are one fused HF tensor each (common/model/bridge_gptoss.py)
+        parts = _export_hf_weights(chunks, spec, dtype, bucket_mb, expert_blocks=False, local_reads=None)
+        yield from fused_expert_tensors(parts, spec)
+        return
+    yield from _export_hf_weights(chunks, spec, dtype, bucket_mb, expert_blocks, local_reads)
+
+
+def _export_hf_weights(chunks, spec, dtype, bucket_mb, expert_blocks, local_reads):
     from megatron.core import parallel_state as mpu
 
     tp_size = mpu.get_tensor_model_parallel_world_size()

@@ -72,7 +72,8 @@ DEFAULT_CONFIG = dict(
 # 2 (renormalised top-2). "deepseek" is a DeepSeek-V3: multi-latent attention (q LoRA), layer
 # 0 dense, layer 1 with 8 sigmoid-routed experts in 4 groups (top-4 experts of the top-2
 # groups, a score-correction bias) and a shared expert. "qwen3_5" is a Qwen3.5: a gated delta net
-# layer, then a gated full-attention layer; "qwen3_5_moe" the same with an MoE MLP in each.
+# layer, then a gated full-attention layer; "qwen3_5_moe" the same with an MoE MLP in each. "gpt_oss" is a
+# gpt-oss (common/model/bridge_gptoss.py).
 EMBEDDED_MODELS = {
     "dense": {},
     "moe": dict(
@@ -118,6 +119,27 @@ EMBEDDED_MODELS = {
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
+    # gpt-oss: attention sinks, a sliding window of 16 keys then full attention, YaRN as released
+    # (untruncated), 8 biased experts (top-2) with the clamped SwiGLU, q/k/v/o biases
+    "gpt_oss": dict(
+        architecture="GptOssForCausalLM",
+        head_dim=16,
+        intermediate_size=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
     ),
 }
 # Qwen3.5-MoE: the same two layers, each with 8 experts (top-2, renormalised) and a gated shared expert

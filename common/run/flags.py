@@ -27,13 +27,14 @@ def model_flags(p):
     )
     g.add_argument(
         "--embedded-model",
-        choices=["dense", "moe", "deepseek", "qwen3_5", "qwen3_5_moe"],
+        choices=["dense", "moe", "deepseek", "qwen3_5", "qwen3_5_moe", "gpt_oss"],
         default="dense",
         help=(
             "without --model: the tiny dense Qwen2, the same body with a Qwen3-MoE MLP (8 experts, top-2) in every "
             "layer, or a tiny DeepSeek-V3 (multi-latent attention, a dense layer then 8 sigmoid-routed experts in 4 "
             "groups + a shared expert), or a tiny Qwen3.5 (a gated delta net layer, then gated full attention), "
-            "or qwen3_5_moe: that Qwen3.5 with an MoE MLP (8 experts, top-2, a gated shared expert) in each layer"
+            "or qwen3_5_moe: that Qwen3.5 with an MoE MLP (8 experts, top-2, a gated shared expert) in each layer, "
+            "or a tiny gpt-oss (attention sinks, a sliding-window then a full-attention layer, 8 biased experts, top-2)"
         ),
     )
     return g

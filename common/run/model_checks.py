@@ -42,6 +42,13 @@ def check_model_dir(path, flag, need_weights, need_tokenizer):
         raise UsageError(f"{config} lacks the field {e}, which the bridge needs") from None
     except UnsupportedModelError as e:
         raise UsageError(f"{flag} {path}: {e}") from None
+    if spec.gptoss is not None and spec.gptoss.mxfp4:  # the rollout engines would build MXFP4 experts
+        raise UsageError(
+            f"{flag} {path} holds MXFP4 expert weights (quantization_config mxfp4): the trainer dequantises them, "
+            "but the rollout engine built from this config.json would keep MXFP4 experts that the bf16 weight sync "
+            f"cannot fill. Write a bf16 copy first: python convert_hf_to_mcore.py --hf {path} --out CKPT && "
+            "python merge_to_hf.py --ckpt CKPT --out DIR --dtype bf16, then pass DIR"
+        )
     files = set(os.listdir(path))
     if need_tokenizer and not files & set(TOKENIZER_FILES):
         raise UsageError(

@@ -50,6 +50,8 @@ run "vllm agreement 1 GPU"   400 python -m torch.distributed.run --standalone --
 run "moe 1 GPU"              400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_moe_gpu.py
 # DeepSeek-V3: MLA (SDPA and packed varlen) vs fp32 transformers, vLLM vs megatron, top-k experts
 run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py
+# gpt-oss: sinks and sliding windows, biased experts; vLLM vs megatron, the replayed sync
+run "gptoss 1 GPU"           400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_gptoss_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
 # on-policy distillation: a 1.5B-shaped student, a 7B-shaped teacher (4.9x), both scripts, phase times and memory
