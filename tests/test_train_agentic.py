@@ -1,7 +1,7 @@
 """--env through the entry scripts on the CPU (embedded tiny model): the observations are masked,
 PPO's critic sees the model's tokens only, a resumed run is exact, the budget and tool flags reach
-the episodes, episodes replayed at TP=2 (packed) and CP=2 train as in one process, --env python
-runs, bad --env values are refused. That the game is learned: tests/test_agentic_learns.py (its own
+the episodes, episodes of uneven lengths replayed at TP=2 (packed), CP=2, PP=2 (GRPO and PPO) and
+the MoE at EP=2 train as in one process, --env python runs, bad --env values are refused. That the game is learned: tests/test_agentic_learns.py (its own
 file: the suite's workers take whole files).
 
     .venv/bin/python -m pytest -x -q tests/test_train_agentic.py
@@ -131,24 +131,73 @@ def test_budget_and_tool_flags_reach_the_episodes(tmp_path):
         assert s.finish_reason == "length" and s.episode["episode_tokens"] == len(s.prompt_ids) + len(s.response_ids)
 
 
+VARIED = """
+from common.env.base import Environment, Step
+
+
+class Varied(Environment):  # episodes of 1-3 turns, observations of 1-5 words, rewards in [0, 1]: uneven rows
+    @staticmethod
+    def make_items(num_items, seed=0):
+        return [{"prompt": "go", "answer": str(i % 3 + 1)} for i in range(num_items)]
+
+    def reset(self, item):
+        self.left = int(item["answer"])
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, text):
+        self.left, code = self.left - 1, sum(map(ord, text))
+        if self.left == 0:
+            return Step(done=True, reward=(code % 5) / 4)
+        return Step(observation=[{"role": "user", "content": "ok " * (code % 5 + 1)}])
+"""
+VARIED_FLAGS = ["--max-new-tokens", 3, *SMALL, "--steps", 2]
+MOE = ["--embedded-model", "moe", "--moe-aux-loss-coef", 0]  # (the aux loss counts each pass's padding)
+
+
 @pytest.fixture(scope="module")
 def env_rollouts(tmp_path_factory):
+    """Episodes of uneven lengths and rewards (VARIED) from one-process runs in padded rows, their
+    rollouts saved: GRPO and PPO on the dense embedded model, GRPO on the embedded MoE."""
     root = tmp_path_factory.mktemp("agentic_replay")
-    flags = ["--env", "game", *SMALL, "--steps", 2, "--no-pack"]
-    run_script("train_grpo.py", *flags, "--out", root / "reference", "--save-rollouts", root / "rollouts")
+    (root / "varied.py").write_text(VARIED)
+    flags = ["--env", f"{root}/varied.py:Varied", *VARIED_FLAGS, "--no-pack"]
+    run_scripts(
+        *(
+            (script, *flags, *extra, "--out", root / name, "--save-rollouts", root / f"{name}_rollouts")
+            for script, name, extra in (
+                ("train_grpo.py", "grpo", []),
+                ("train_ppo.py", "ppo", []),
+                ("train_grpo.py", "moe", MOE),
+            )
+        )
+    )
     return root
 
 
-# episodes replayed at other layouts: packed under TP=2 + SP, cut over 2 CP ranks; the same numbers
-# as padded rows in one process (the observation mask rides along with every slice)
-@pytest.mark.parametrize("layout", [["--tp", "2", "--sp", "--pack"], ["--cp", "2"]], ids=["tp2_sp_pack", "cp2"])
+# episodes replayed at other layouts: packed under TP=2 + SP, cut over 2 CP ranks, split over 2
+# pipeline stages (micro-batches of uneven lengths; PPO's critic too), the MoE's experts over 2 ranks
+# whose micro-batch counts differ (--micro-batch-tokens); the same numbers as padded rows in one
+# process (the observation mask rides along with every slice)
+LAYOUTS = {
+    "tp2_sp_pack": ("train_grpo.py", "grpo", ["--tp", 2, "--sp", "--pack"]),
+    "cp2": ("train_grpo.py", "grpo", ["--cp", 2]),
+    "pp2_pack": ("train_grpo.py", "grpo", ["--pp", 2, "--pack", "--micro-batch-tokens", 48]),
+    "ppo_pp2_pack": ("train_ppo.py", "ppo", ["--pp", 2, "--pack", "--micro-batch-tokens", 48]),
+    "moe_ep2_pack": ("train_grpo.py", "moe", [*MOE, "--ep", 2, "--pack", "--micro-batch-tokens", 48]),
+}
+PPO_KEYS = ["value_loss", "critic_grad_norm", "value_mean", "return_mean", "explained_variance"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_single_process(layout, env_rollouts, tmp_path):
-    flags = ["--env", "game", *SMALL, "--steps", 2, *layout, "--load-rollouts", env_rollouts / "rollouts"]
-    run_torchrun("train_grpo.py", 2, *flags, "--out", tmp_path)
-    reference, replayed = read_metrics(env_rollouts / "reference"), read_metrics(tmp_path)
-    assert len(replayed) == 2 and reference[0]["turns_per_episode"] > 1
+    script, name, flags = LAYOUTS[layout]
+    env = ["--env", f"{env_rollouts}/varied.py:Varied", *VARIED_FLAGS]
+    run_torchrun(script, 2, *env, *flags, "--load-rollouts", env_rollouts / f"{name}_rollouts", "--out", tmp_path)
+    reference, replayed = read_metrics(env_rollouts / name), read_metrics(tmp_path)
+    assert len(replayed) == 2 and reference[0]["turns_per_episode"] > 1 and reference[0]["reward_std"] > 0
+    keys = ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "logprob_mismatch", "response_len_mean"]
     for a, b in zip(reference, replayed):
-        for key in ["policy_loss", "grad_norm", "entropy", "kl", "clip_frac", "logprob_mismatch", "response_len_mean"]:
+        for key in keys + (PPO_KEYS if name == "ppo" else []):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (layout, a["step"], key, a[key], b[key])
 
 
