@@ -1,8 +1,8 @@
 """--env through the entry scripts on the CPU (embedded tiny model): the observations are masked,
 PPO's critic sees the model's tokens only, a resumed run is exact, the budget and tool flags reach
 the episodes, episodes of uneven lengths replayed at TP=2 (packed), CP=2, PP=2 (GRPO and PPO) and
-the MoE at EP=2 train as in one process, --env python runs, bad --env values are refused. That the game is learned: tests/test_agentic_learns.py (its own
-file: the suite's workers take whole files).
+the MoE at EP=2 train as in one process, --env python runs, bad --env values are refused. That the
+game is learned: tests/test_agentic_learns.py (its own file: the suite's workers take whole files).
 
     .venv/bin/python -m pytest -x -q tests/test_train_agentic.py
 """
