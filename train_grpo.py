@@ -137,6 +137,7 @@ def build_parser():
     FR.reward_flags(p)
     FR.distill_flags(p)
     FR.env_flags(p)
+    FR.chat_template_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
@@ -282,6 +283,7 @@ def main():
         data_config=args.data_config,
         raw_prompts=args.raw_prompts,
         system_prompt=args.system_prompt,
+        chat_template_kwargs=args.chat_template_kwargs,
         max_prompt_len=args.max_prompt_len,
         max_positions=spec.max_position_embeddings,
     )

@@ -419,6 +419,12 @@ def _check_inputs(args):
         raise UsageError(
             "--system-prompt applies to --data's prompts; the synthetic task (no --data) is not a chat: drop it"
         )
+    chat = not args.raw_prompts and (args.data is not None or args.eval_data is not None)
+    if args.chat_template_kwargs and not (chat or args.env):
+        raise UsageError(
+            "--chat-template-kwargs applies to chat-formatted prompts (--data without --raw-prompts, or --env); "
+            "these prompts go in as plain text: drop it"
+        )
     if args.load_rollouts is not None:
         last = os.path.join(args.load_rollouts, f"step_{args.steps - 1:06d}.pt")
         if not os.path.isfile(last):
