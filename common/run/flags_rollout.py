@@ -205,6 +205,18 @@ def distill_flags(p):
         default=1.0,
         help="--teacher: weight of the per-token distillation advantage against the task advantage (> 0)",
     )
+    g.add_argument(
+        "--distill-topk",
+        type=int,
+        default=0,
+        metavar="K",
+        help=(
+            "--teacher: distil the teacher's top-K tokens at every response position instead of the sampled "
+            "token: the loss gains --distill-coef x the forward KL from the teacher renormalised over its top K "
+            "to the student (metric distill_topk_kl); keeps N x T x K ids and logprobs from the teacher's pass "
+            "(0: the sampled-token reverse-KL advantage)"
+        ),
+    )
     return g
 
 
