@@ -263,17 +263,15 @@ def test_one_step_matches_transformers(script, teacher, tmp_path):
     assert m["teacher_s"] > 0 and m["reward_mean"] == 0.0
 
 
-def test_topk_step_matches_transformers_at_tp1_and_tp2(teacher, tmp_path):
-    """train_grpo.py --distill-topk 3, one step, no task reward (advantages 0), --distill-coef 2: the
-    policy loss is 2 x distill_topk_kl, and that is the forward KL from the teacher's top 3 (transformers'
-    logits, renormalised) to the student's distribution, by hand. The same step at TP=2 (the teacher's
-    top 3 over two vocabulary shards; the student's logprobs gathered across them) gives the same numbers."""
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_topk_step_matches_transformers_at_tp1_and_tp2(script, teacher, tmp_path):
+    """--distill-topk 3, one step, no task reward (advantages 0), --distill-coef 2: the policy loss is
+    2 x distill_topk_kl, and that is the forward KL from the teacher's top 3 (transformers' logits,
+    renormalised) to the student's distribution, by hand. GRPO's step at TP=2 (the teacher's top 3 over
+    two vocabulary shards; the student's logprobs gathered across them) gives the same numbers."""
     flags = [*SMALL, "--steps", 1, "--teacher", teacher, "--distill-coef", 2, "--rule-reward-weight", 0]
     flags += ["--kl-coef", 0, "--entropy-coef", 0, "--mini-batch-size", 32, "--distill-topk", 3]
-    run_script("train_grpo.py", *flags, "--out", tmp_path / "tp1", "--save-rollouts", tmp_path / "rollouts")
-    run_torchrun(
-        "train_grpo.py", 2, *flags, "--tp", 2, "--load-rollouts", tmp_path / "rollouts", "--out", tmp_path / "tp2"
-    )
+    run_script(script, *flags, "--out", tmp_path / "tp1", "--save-rollouts", tmp_path / "rollouts")
     (m,) = read_metrics(tmp_path / "tp1")
     samples = torch.load(tmp_path / "rollouts" / "step_000000.pt", weights_only=False)["samples"]
     from transformers import AutoModelForCausalLM
@@ -293,6 +291,9 @@ def test_topk_step_matches_transformers_at_tp1_and_tp2(teacher, tmp_path):
     expected = torch.stack(kls).mean().item()
     assert m["distill_topk_kl"] == pytest.approx(expected, rel=1e-3), (m["distill_topk_kl"], expected)
     assert m["policy_loss"] == pytest.approx(2 * expected, rel=1e-3) and m["reward_mean"] == 0.0
+    if script == "train_ppo.py":
+        return
+    run_torchrun(script, 2, *flags, "--tp", 2, "--load-rollouts", tmp_path / "rollouts", "--out", tmp_path / "tp2")
     (tp2,) = read_metrics(tmp_path / "tp2")
     for key in ("distill_topk_kl", "distill_reverse_kl", "policy_loss", "grad_norm"):
         assert tp2[key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), (key, tp2[key], m[key])
