@@ -14,8 +14,7 @@ teacher likes more than the student are pushed up, the others down. The student'
 behaviour policy's (the old logprobs, detached), as a constant of the advantage. No std
 normalisation: the term is already in nats, and a group whose tokens all match the teacher has
 nothing to learn. Only the sampled token is scored (one teacher logprob per token: a forward pass
-of the teacher, no vocabulary-sized tensor kept); the full or top-k reverse KL per position would
-need the student's and the teacher's distributions over the vocabulary at every token.
+of the teacher, no vocabulary-sized tensor kept).
 
 With --distill-topk K the teacher's top-K tokens at every position replace the sampled-token term:
 the teacher pass keeps their ids and logprobs (vocab_parallel_topk: the global top-K over the
