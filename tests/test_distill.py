@@ -12,6 +12,9 @@ the teacher's logprobs against transformers, and a student that learns the task 
 - through train_grpo.py, one on-policy step with --distill-coef 2 and no task reward: distill_reverse_kl is
   the mean student - teacher logprob that transformers computes for the saved samples, and the policy loss
   is 2 x that (ratio 1: loss = -mean advantage); the same identity through train_ppo.py;
+- --distill-topk: the teacher's top-k, the student's logprobs at its ids (values, gradient) and the forward KL
+  by hand; one step of each script against transformers (policy loss = coef x distill_topk_kl), GRPO's at
+  TP=2 equal to TP=1; without --teacher or below 0, refused;
 - prompts without answers (--answer-key none) are distilled with --rule-reward-weight 0, refused without it;
 - an embedded student with --rule-reward-weight 0 learns the embedded task from an embedded teacher (twice
   as wide, trained on the task): the task reward, measured and not optimised, rises.
@@ -297,6 +300,18 @@ def test_topk_step_matches_transformers_at_tp1_and_tp2(script, teacher, tmp_path
     (tp2,) = read_metrics(tmp_path / "tp2")
     for key in ("distill_topk_kl", "distill_reverse_kl", "policy_loss", "grad_norm"):
         assert tp2[key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), (key, tp2[key], m[key])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--distill-topk", 3], "--distill-topk 3 distils a teacher's top-K tokens: give --teacher"),
+        (["--distill-topk", -1, "--teacher", "."], "--distill-topk -1: give 0 (the sampled token) or K"),
+    ],
+)
+def test_bad_distill_topk_is_refused(flags, message, tmp_path):
+    proc = run_script("train_grpo.py", *flags, "--out", tmp_path / "out", check=False)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
 def test_prompts_without_answers(teacher, tmp_path):
