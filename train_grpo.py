@@ -754,7 +754,9 @@ def main():
             topk = torch.zeros(num_rows, seq_len, 2 * args.distill_topk) if args.distill_topk else None
             with timer("teacher"), colo.frozen_model(teacher):
                 own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
-                logprob_pass(teacher, own_routes, batch["teacher_logprobs"], teacher_spec.vocab_size, topk_store=topk)
+                logprob_pass(
+                    teacher, own_routes, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size, topk_store=topk
+                )
             if topk is not None:  # --distill-topk: the teacher's top-K logprobs and ids at every position
                 batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = topk.split(args.distill_topk, dim=-1)
                 batch["teacher_topk_ids"] = batch["teacher_topk_ids"].long()
