@@ -1,6 +1,6 @@
 """--env through the entry scripts on the CPU (embedded tiny model): the observations are masked,
 PPO's critic sees the model's tokens only, a resumed run is exact, the budget and tool flags reach
-the episodes, episodes of uneven lengths replayed at TP=2 (packed), CP=2, PP=2 (GRPO and PPO) and
+the episodes, episodes of uneven lengths replayed at TP=2 (packed), CP=2, PP=2 (PPO: actor and critic) and
 the MoE at EP=2 train as in one process, --env python runs, bad --env values are refused. That the
 game is learned: tests/test_agentic_learns.py (its own file: the suite's workers take whole files).
 
@@ -179,13 +179,12 @@ def env_rollouts(tmp_path_factory):
 
 
 # episodes replayed at other layouts: packed under TP=2 + SP, cut over 2 CP ranks, split over 2
-# pipeline stages (micro-batches of uneven lengths; PPO's critic too), the MoE's experts over 2 ranks
+# pipeline stages (PPO: the actor's and the critic's micro-batches of uneven lengths), the MoE's experts over 2 ranks
 # whose micro-batch counts differ (--micro-batch-tokens); the same numbers as padded rows in one
 # process (the observation mask rides along with every slice)
 LAYOUTS = {
     "tp2_sp_pack": ("train_grpo.py", "grpo", ["--tp", 2, "--sp", "--pack"]),
     "cp2": ("train_grpo.py", "grpo", ["--cp", 2]),
-    "pp2_pack": ("train_grpo.py", "grpo", ["--pp", 2, "--pack", "--micro-batch-tokens", 48]),
     "ppo_pp2_pack": ("train_ppo.py", "ppo", ["--pp", 2, "--pack", "--micro-batch-tokens", 48]),
     "moe_ep2_pack": ("train_grpo.py", "moe", [*MOE, "--ep", 2, "--pack", "--micro-batch-tokens", 48]),
 }
