@@ -137,6 +137,7 @@ def build_parser():
     FR.reward_flags(p)
     FR.distill_flags(p)
     FR.env_flags(p)
+    FR.chat_template_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
@@ -234,7 +235,13 @@ def main():
     from common.rl import dapo
     from common.rl.advantages import group_advantages
     from common.rl.corrections import correction_weights, loss_weights, uses_old_logprobs
-    from common.rl.distill import distill_advantages, reverse_kl_sum
+    from common.rl.distill import (
+        distill_advantages,
+        reverse_kl_sum,
+        topk_forward_kl,
+        topk_student_logprobs,
+        vocab_parallel_topk,
+    )
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
@@ -282,6 +289,7 @@ def main():
         data_config=args.data_config,
         raw_prompts=args.raw_prompts,
         system_prompt=args.system_prompt,
+        chat_template_kwargs=args.chat_template_kwargs,
         max_prompt_len=args.max_prompt_len,
         max_positions=spec.max_position_embeddings,
     )
@@ -526,16 +534,20 @@ def main():
     # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
     norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
 
-    def logprob_pass(chunks, mbs, store, routes=None, vocab_size=spec.vocab_size):
+    def logprob_pass(chunks, mbs, store, routes=None, vocab_size=spec.vocab_size, topk_store=None):
         """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only);
         routes: a routing_replay.route_store that takes the pass's MoE routes; vocab_size: the model's (the
-        teacher's may be padded otherwise)."""
+        teacher's may be padded otherwise); topk_store (N, T, 2K): the top-K logprobs | ids (--distill-topk)."""
         # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
         on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
+        on_topk = None if topk_store is None else torch.zeros(len(on_device), *topk_store.shape[1:], device=info.device)
 
         def loss_fn(mb, logits):
             logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)
             B.scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
+            if on_topk is not None:  # the global top-K over the TP vocabulary shards, (b, T_mb, K) each
+                values, ids = vocab_parallel_topk(logits, args.distill_topk, vocab_size, tp_group, args.temperature)
+                B.scatter_tokens(on_topk, mb, torch.cat([values, ids.float()], dim=-1))  # ids < 2**24: exact
             return logprobs.sum() * 0, {}
 
         with torch.no_grad():
@@ -543,11 +555,10 @@ def main():
                 chunks, mbs, loss_fn, forward_only=True, device=info.device, record_routes=routes
             )
         # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
-        store.copy_(
-            schedule.all_reduce_sum(
-                on_device[:-1], mpu.get_data_parallel_group(with_context_parallel=True), info.device
-            )
-        )
+        for target, filled in ((store, on_device), (topk_store, on_topk)):
+            if target is not None:
+                group = mpu.get_data_parallel_group(with_context_parallel=True)
+                target.copy_(schedule.all_reduce_sum(filled[:-1], group, info.device))
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -740,9 +751,15 @@ def main():
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
             batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
+            topk = torch.zeros(num_rows, seq_len, 2 * args.distill_topk) if args.distill_topk else None
             with timer("teacher"), colo.frozen_model(teacher):
                 own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
-                logprob_pass(teacher, own_routes, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size)
+                logprob_pass(
+                    teacher, own_routes, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size, topk_store=topk
+                )
+            if topk is not None:  # --distill-topk: the teacher's top-K logprobs and ids at every position
+                batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = topk.split(args.distill_topk, dim=-1)
+                batch["teacher_topk_ids"] = batch["teacher_topk_ids"].long()
             check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         memory.end("logprob")
         # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics
@@ -779,7 +796,7 @@ def main():
                     )
                     old = logprobs.detach() if on_policy else mb["old_logprobs"]
                     advantages = mb["advantages"]  # (b, T): the group-normalised reward on every token
-                    if teacher is not None:  # + coef x (teacher - student) per token, student = behaviour policy
+                    if teacher is not None and not args.distill_topk:  # + coef x (teacher - student) per token
                         advantages = advantages + distill_advantages(
                             mb["teacher_logprobs"], old, mask, args.distill_coef
                         )
@@ -805,6 +822,13 @@ def main():
                         loss = loss + args.kl_coef * aggregate_loss(kl, mask, args.loss_agg, **norm_mb)
                     if args.entropy_coef:
                         loss = loss - args.entropy_coef * aggregate_loss(entropy, mask, args.loss_agg, **norm_mb)
+                    if args.distill_topk:  # + coef x forward KL from the teacher's top-K to the student, per token
+                        ids = mb["teacher_topk_ids"]
+                        student = topk_student_logprobs(
+                            logits, ids, mb["targets"], logprobs, tp_group, args.temperature
+                        )
+                        topk_kl = topk_forward_kl(mb["teacher_topk_logprobs"], student)
+                        loss = loss + args.distill_coef * aggregate_loss(topk_kl, mask, args.loss_agg, **norm_mb)
                     n = mask.sum()
                     metrics = {
                         "policy_loss": loss.detach(),
@@ -822,6 +846,8 @@ def main():
                     if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
                         rkl = reverse_kl_sum(mb["teacher_logprobs"], old, mask)
                         metrics.update(distill_reverse_kl=rkl, distill_reverse_kl__n=n)
+                    if args.distill_topk:
+                        metrics.update(distill_topk_kl=masked_sum(topk_kl.detach(), mask), distill_topk_kl__n=n)
                     if epoch == 0 and m == 0 and not on_policy:  # before any update: old = new but for rounding
                         drift = (old - logprobs.detach()).abs()  # else the two passes disagree with each other
                         metrics.update(first_update_logprob_err=masked_sum(drift, mask), first_update_logprob_err__n=n)

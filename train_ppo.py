@@ -143,6 +143,7 @@ def build_parser():
     FR.reward_flags(p)
     FR.distill_flags(p)
     FR.env_flags(p)
+    FR.chat_template_flags(p)
     b = F.batch_flags(p)
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (actor and critic)")
     o = F.optim_flags(
@@ -216,7 +217,7 @@ def main():
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
     from common.rl.corrections import correction_weights, loss_weights
-    from common.rl.distill import distill_advantages
+    from common.rl.distill import distill_advantages, topk_forward_kl, topk_student_logprobs, vocab_parallel_topk
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import (
         aggregate_loss,
@@ -274,6 +275,7 @@ def main():
         data_config=args.data_config,
         raw_prompts=args.raw_prompts,
         system_prompt=args.system_prompt,
+        chat_template_kwargs=args.chat_template_kwargs,
         max_prompt_len=args.max_prompt_len,
         max_positions=spec.max_position_embeddings,
     )
@@ -521,7 +523,7 @@ def main():
         that takes the pass's MoE routes."""
         tp_first = mpu.get_tensor_model_parallel_rank() == 0
         # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
-        on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=info.device)
+        on_device = torch.zeros(store.shape[0] + 1, *store.shape[1:], device=info.device)
 
         def loss_fn(mb, output):
             per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
@@ -538,8 +540,14 @@ def main():
     def logprobs_of(mb, logits, vocab_size=spec.vocab_size):  # logits (b, T, V/tp) -> (b, T)
         return vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)[0]
 
-    if teacher is not None:  # its own (padded) vocabulary size
-        teacher_logprobs_of = functools.partial(logprobs_of, vocab_size=teacher_spec.vocab_size)
+    def teacher_scores_of(mb, logits):  # (b, T, 1 + 2K): the sampled token's logprob | --distill-topk's logprobs | ids
+        scores = [logprobs_of(mb, logits, teacher_spec.vocab_size).unsqueeze(-1)]  # its own (padded) vocabulary
+        if args.distill_topk:  # the global top-K over the TP vocabulary shards (ids < 2**24: exact as floats)
+            values, ids = vocab_parallel_topk(
+                logits, args.distill_topk, teacher_spec.vocab_size, tp_group, args.temperature
+            )
+            scores += [values, ids.float()]
+        return torch.cat(scores, dim=-1)
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -675,10 +683,14 @@ def main():
                 forward_pass(model if args.lora else reference, all_mine, logprobs_of, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
         if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
-            batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
+            scores = torch.zeros(num_rows, seq_len, 1 + 2 * args.distill_topk)
             with timer("teacher"), colo.frozen_model(teacher):
                 own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
-                forward_pass(teacher, own_routes, teacher_logprobs_of, batch["teacher_logprobs"])
+                forward_pass(teacher, own_routes, teacher_scores_of, scores)
+            batch["teacher_logprobs"] = scores[..., 0]
+            if args.distill_topk:  # the teacher's top-K logprobs and ids at every position
+                topk_logprobs, topk_ids = scores[..., 1:].split(args.distill_topk, dim=-1)
+                batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = topk_logprobs, topk_ids.long()
             check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
         with timer("values"):
@@ -712,9 +724,10 @@ def main():
             no_reward = args.rule_reward_weight == 0 and reward_model is None and not env_class
             if no_reward and not (use_reference and args.kl_mode == "reward"):  # pure distillation: no task
                 batch["advantages"].zero_()  # term (whitened values of a critic fitting zero returns are noise)
-            batch["advantages"] += distill_advantages(
-                batch["teacher_logprobs"], batch["old_logprobs"], mask, args.distill_coef
-            )
+            if not args.distill_topk:  # (--distill-topk: a loss term instead, in actor_loss_fn)
+                batch["advantages"] += distill_advantages(
+                    batch["teacher_logprobs"], batch["old_logprobs"], mask, args.distill_coef
+                )
 
         # ---- 6. PPO epochs over mini-batches: the critic's optimizer steps, then the actor's (the two
         # are independent: the same steps as interleaved), each with only its own optimizer state on
@@ -747,6 +760,11 @@ def main():
                 loss = loss + args.kl_coef * aggregate_loss(kl_loss, mb_mask, args.loss_agg, **norm_mb)
             if args.entropy_coef:
                 loss = loss - args.entropy_coef * aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
+            if args.distill_topk:  # + coef x forward KL from the teacher's top-K to the student, per token
+                ids = mb["teacher_topk_ids"]
+                student = topk_student_logprobs(logits, ids, mb["targets"], logprobs, tp_group, args.temperature)
+                topk_kl = topk_forward_kl(mb["teacher_topk_logprobs"], student)
+                loss = loss + args.distill_coef * aggregate_loss(topk_kl, mb_mask, args.loss_agg, **norm_mb)
             n = mb_mask.sum()
             drift = mb["old_logprobs"] - logprobs.detach()  # (b, T) old - new
             metrics = {
@@ -760,6 +778,8 @@ def main():
                 "ppo_kl__n": n,
                 **masked,
             }
+            if args.distill_topk:
+                metrics.update(distill_topk_kl=masked_sum(topk_kl.detach(), mb_mask), distill_topk_kl__n=n)
             if first:  # before any update of this step: old = new but for rounding
                 metrics.update(first_update_logprob_err=masked_sum(drift.abs(), mb_mask))
                 metrics.update(first_update_logprob_err__n=n)

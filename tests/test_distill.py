@@ -12,6 +12,9 @@ the teacher's logprobs against transformers, and a student that learns the task 
 - through train_grpo.py, one on-policy step with --distill-coef 2 and no task reward: distill_reverse_kl is
   the mean student - teacher logprob that transformers computes for the saved samples, and the policy loss
   is 2 x that (ratio 1: loss = -mean advantage); the same identity through train_ppo.py;
+- --distill-topk: the teacher's top-k, the student's logprobs at its ids (values, gradient) and the forward KL
+  by hand; one step of each script against transformers (policy loss = coef x distill_topk_kl), GRPO's at
+  TP=2 equal to TP=1; without --teacher or below 0, refused;
 - prompts without answers (--answer-key none) are distilled with --rule-reward-weight 0, refused without it;
 - an embedded student with --rule-reward-weight 0 learns the embedded task from an embedded teacher (twice
   as wide, trained on the task): the task reward, measured and not optimised, rises.
@@ -24,7 +27,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_script
+from tests.conftest import read_metrics, run_script, run_torchrun
 
 SMALL = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--max-new-tokens", 1, "--eval-every", 0]
 
@@ -56,6 +59,41 @@ def test_distill_advantages_and_loss_by_hand():
     loss = aggregate_loss(per_token, mask, "token_mean", num_tokens=mask.sum())
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert clipped[0, 0] and clipped[1, 0] and not clipped[0, 1]
+
+
+def test_topk_by_hand():
+    """--distill-topk's math: the teacher's top-k without the vocabulary padding, the student's logprobs at
+    its ids from the sampled token's (values and gradient as log_softmax's), the forward KL to the
+    renormalised top-k."""
+    import math
+
+    from common.rl.distill import topk_forward_kl, topk_student_logprobs, vocab_parallel_topk
+
+    logits = torch.tensor([[[2.0, 0.0, 1.0, 0.0, 9.0]]])  # (1, 1, 5): column 4 is padding (vocab_size 4)
+    values, ids = vocab_parallel_topk(logits, 2, vocab_size=4)
+    log_z = math.log(math.e**2 + 1 + math.e + 1)
+    assert ids.tolist() == [[[0, 2]]] and values[0, 0].tolist() == pytest.approx([2 - log_z, 1 - log_z])
+    values, ids = vocab_parallel_topk(logits, 1, vocab_size=4, temperature=0.5)  # logits / 0.5
+    assert ids.tolist() == [[[0]]] and values.item() == pytest.approx(4 - math.log(math.e**4 + 2 + math.e**2))
+
+    x = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    targets, ids = torch.randint(0, 7, (2, 3)), torch.randint(0, 7, (2, 3, 4))
+    full = torch.log_softmax(x / 0.7, dim=-1)
+    ours = topk_student_logprobs(x, ids, targets, full.gather(-1, targets[..., None])[..., 0], temperature=0.7)
+    assert torch.allclose(ours, full.gather(-1, ids))
+    (grad,) = torch.autograd.grad((ours * torch.arange(4.0)).sum(), x, retain_graph=True)
+    (expected,) = torch.autograd.grad((full.gather(-1, ids) * torch.arange(4.0)).sum(), x)
+    assert torch.allclose(grad, expected)
+
+    # teacher top-2 probabilities 0.6, 0.2 -> renormalised 0.75, 0.25; the student's 0.5, 0.25 there:
+    # 0.75 log(0.75 / 0.5) + 0.25 log(0.25 / 0.25); a student equal to the renormalised teacher: 0
+    teacher = torch.tensor([[[math.log(0.6), math.log(0.2)]]])
+    assert topk_forward_kl(teacher, torch.tensor([[[math.log(0.5), math.log(0.25)]]])).item() == pytest.approx(
+        0.75 * math.log(1.5)
+    )
+    assert topk_forward_kl(teacher, torch.tensor([[[math.log(0.75), math.log(0.25)]]])).item() == pytest.approx(
+        0, abs=1e-6
+    )
 
 
 # ---- teachers -------------------------------------------------------------------------------
@@ -226,6 +264,54 @@ def test_one_step_matches_transformers(script, teacher, tmp_path):
     assert m["distill_reverse_kl"] == pytest.approx(expected, abs=2e-3), (m["distill_reverse_kl"], expected)
     assert m["policy_loss"] == pytest.approx(2 * m["distill_reverse_kl"], rel=1e-3, abs=1e-3)
     assert m["teacher_s"] > 0 and m["reward_mean"] == 0.0
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_topk_step_matches_transformers_at_tp1_and_tp2(script, teacher, tmp_path):
+    """--distill-topk 3, one step, no task reward (advantages 0), --distill-coef 2: the policy loss is
+    2 x distill_topk_kl, and that is the forward KL from the teacher's top 3 (transformers' logits,
+    renormalised) to the student's distribution, by hand. GRPO's step at TP=2 (the teacher's top 3 over
+    two vocabulary shards; the student's logprobs gathered across them) gives the same numbers."""
+    flags = [*SMALL, "--steps", 1, "--teacher", teacher, "--distill-coef", 2, "--rule-reward-weight", 0]
+    flags += ["--kl-coef", 0, "--entropy-coef", 0, "--mini-batch-size", 32, "--distill-topk", 3]
+    run_script(script, *flags, "--out", tmp_path / "tp1", "--save-rollouts", tmp_path / "rollouts")
+    (m,) = read_metrics(tmp_path / "tp1")
+    samples = torch.load(tmp_path / "rollouts" / "step_000000.pt", weights_only=False)["samples"]
+    from transformers import AutoModelForCausalLM
+
+    kls = []
+    student, teach = (
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        for d in (tmp_path / "tp1" / "embedded_model", teacher)
+    )
+    with torch.no_grad():
+        for s in samples:  # one response token each: the position before it
+            ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)])
+            q, p = (model(ids).logits[0, len(s.prompt_ids) - 1].log_softmax(-1) for model in (student, teach))
+            top = p.topk(3)
+            renormalised = top.values.softmax(-1)
+            kls.append((renormalised * (renormalised.log() - q[top.indices])).sum())
+    expected = torch.stack(kls).mean().item()
+    assert m["distill_topk_kl"] == pytest.approx(expected, rel=1e-3), (m["distill_topk_kl"], expected)
+    assert m["policy_loss"] == pytest.approx(2 * expected, rel=1e-3) and m["reward_mean"] == 0.0
+    if script == "train_ppo.py":
+        return
+    run_torchrun(script, 2, *flags, "--tp", 2, "--load-rollouts", tmp_path / "rollouts", "--out", tmp_path / "tp2")
+    (tp2,) = read_metrics(tmp_path / "tp2")
+    for key in ("distill_topk_kl", "distill_reverse_kl", "policy_loss", "grad_norm"):
+        assert tp2[key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), (key, tp2[key], m[key])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--distill-topk", 3], "--distill-topk 3 distils a teacher's top-K tokens: give --teacher"),
+        (["--distill-topk", -1, "--teacher", "."], "--distill-topk -1: give 0 (the sampled token) or K"),
+    ],
+)
+def test_bad_distill_topk_is_refused(flags, message, tmp_path):
+    proc = run_script("train_grpo.py", *flags, "--out", tmp_path / "out", check=False)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
 def test_prompts_without_answers(teacher, tmp_path):

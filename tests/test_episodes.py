@@ -144,6 +144,23 @@ def test_qwen3_thinking_turns_stay_as_sampled_where_the_template_would_drop_them
     assert rerendered.count("<think>\nstep") == 1  # what naive concatenation would have trained on
 
 
+def test_qwen3_without_thinking_every_turn_follows_the_empty_think_block():
+    """enable_thinking=False (--chat-template-kwargs): the first prompt and each observation end in the
+    empty <think></think> the template writes after the assistant header; the engine's ids stay the sample's."""
+    tokenizer, engine, sample = episode(
+        "qwen3", ToolEnv, lambda turn: turn_text("qwen3", turn), template_kwargs=dict(enable_thinking=False)
+    )
+    assert_engine_ids_are_the_samples(engine, sample)
+    header = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    runs = turns_of(sample)
+    assert len(runs) == 3
+    for start, _ in runs:
+        before = sample.prompt_ids + sample.response_ids[:start]
+        assert before[-len(header) :] == header
+    text = tokenizer.decode(sample.prompt_ids + sample.response_ids)
+    assert text.count("<think>") == 3 and text.endswith("The answer is 3.<|im_end|>")
+
+
 def test_masks_and_logprobs_through_batch_packing():
     tokenizer, engine, sample = episode("qwen2.5", ToolEnv, lambda turn: turn_text("qwen2.5", turn))
     plain = Sample([1, 2, 3], [4, 5], [-0.1, -0.2], "stop")  # a single-turn sample in the same batch

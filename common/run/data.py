@@ -2,7 +2,7 @@
 
   load_prompts(path, prompt_key=None, answer_key=None) -> [dict(prompt=..., answer=str)]
                         from .jsonl / .json / .parquet or a `datasets` save_to_disk directory
-  apply_chat_template(tokenizer, prompt, system_prompt=None) -> prompt token ids
+  apply_chat_template(tokenizer, prompt, system_prompt=None, template_kwargs=None) -> prompt token ids
   task_prompts(tokenizer, data, ...) -> (items, prompt token ids): what the training scripts
                         sample from (--data, or the synthetic task), too-long prompts dropped
   chat_format_warning(tokenizer, system_prompt) -> what is likely wrong with a chat format, or None
@@ -153,11 +153,12 @@ def load_prompts(path, prompt_key=None, answer_key=None, config=None, split="tra
 # Chat formatting
 
 
-def apply_chat_template(tokenizer, prompt, system_prompt=None):
+def apply_chat_template(tokenizer, prompt, system_prompt=None, template_kwargs=None):
     """Token ids of one prompt, ready for generation (ends with the assistant turn header).
 
-    prompt is a string (one user message) or a list of chat messages. Without a chat
-    template the text is encoded as is (the tokenizer's BOS, if any, is added).
+    prompt is a string (one user message) or a list of chat messages. template_kwargs: more
+    variables for the template (--chat-template-kwargs, e.g. Qwen3's enable_thinking=False).
+    Without a chat template the text is encoded as is (the tokenizer's BOS, if any, is added).
     """
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
@@ -165,7 +166,9 @@ def apply_chat_template(tokenizer, prompt, system_prompt=None):
     if getattr(tokenizer, "chat_template", None):
         # Render to text, then encode: the template already holds every special token, so
         # no BOS may be added a second time.
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
         return list(tokenizer.encode(text, add_special_tokens=False))
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer.encode(text, add_special_tokens=True))
@@ -182,13 +185,15 @@ def task_prompts(
     data_split=None,
     raw_prompts=False,
     system_prompt=None,
+    chat_template_kwargs=None,
     max_prompt_len,
     max_positions,
     seed=0,
 ):
     """(items, prompt token ids) of a training run: the rows of data, the dataset of `flag`
     (--data, or --eval-data: the messages name it and its split flag; data_split None: train,
-    or test for --eval-data), chat-formatted unless raw_prompts, or without data the embedded
+    or test for --eval-data), chat-formatted unless raw_prompts (with the template's variables
+    chat_template_kwargs, --chat-template-kwargs), or without data the embedded
     task (repeat the digit: "7=" -> "7"; not a chat). Prompts longer than max_prompt_len, or
     leaving no room for one new token within the model's max_positions, are dropped; a
     dataset with none left is a UsageError. A chat format that is likely not what was meant
@@ -218,7 +223,7 @@ def task_prompts(
         if warning and warning not in _WARNINGS_PRINTED:  # (the prompts of --data and --eval-data: once)
             _WARNINGS_PRINTED.add(warning)
             print0(f"warning: {warning}")
-        prompt_ids = [apply_chat_template(tokenizer, it["prompt"], system_prompt) for it in items]
+        prompt_ids = [apply_chat_template(tokenizer, it["prompt"], system_prompt, chat_template_kwargs) for it in items]
     if any(len(ids) == 0 for ids in prompt_ids):
         empty = next(i for i, ids in enumerate(prompt_ids) if not ids)
         raise UsageError(f"{flag} {data}: a prompt encodes to no tokens (row {empty})")
@@ -389,8 +394,9 @@ def env_prompts(env_class, items, tokenizer, args, max_positions):
     the environment's own (its make_items, seeded by --seed); make_env() a new episode's environment
     with the run's tool limits (--tool-timeout, --tool-output-chars); codec the chat template with the
     environment's tools (common/env/chat.py). --max-episode-tokens defaults to the model's positions
-    (max_positions; set in args). Items whose first prompt leaves no room for a turn within it are
-    dropped; none left, or no items at all, is a UsageError."""
+    (max_positions; set in args). The codec renders with --chat-template-kwargs' variables. Items
+    whose first prompt leaves no room for a turn within it are dropped; none left, or no items at
+    all, is a UsageError."""
     from common.env.base import configured
     from common.env.chat import ChatCodec
     from common.run.dist import print0
@@ -403,7 +409,7 @@ def env_prompts(env_class, items, tokenizer, args, max_positions):
         items = env_class.make_items(1000, args.seed)
     make_env = configured(env_class, tool_timeout_s=args.tool_timeout, tool_output_chars=args.tool_output_chars)
     try:
-        codec = ChatCodec(tokenizer, tools=env_class.tools)
+        codec = ChatCodec(tokenizer, tools=env_class.tools, template_kwargs=args.chat_template_kwargs)
         prompt_ids = [codec.prompt_ids(make_env().reset(item)) for item in items]
     except (ValueError, KeyError) as e:
         raise UsageError(f"--env {env_class.__name__}: {type(e).__name__}: {e}") from None

@@ -3,6 +3,7 @@ common/run/flags.py's groups are: the engine and sampling, the off-policy correc
 samples, and the reward. Each function returns its group."""
 
 import argparse
+import json
 
 from common.rl.corrections import CORRECTIONS, resolve_correction
 from common.rollout.engine import ROLLOUT_LOGPROBS
@@ -203,6 +204,56 @@ def distill_flags(p):
         type=float,
         default=1.0,
         help="--teacher: weight of the per-token distillation advantage against the task advantage (> 0)",
+    )
+    g.add_argument(
+        "--distill-topk",
+        type=int,
+        default=0,
+        metavar="K",
+        help=(
+            "--teacher: distil the teacher's top-K tokens at every response position instead of the sampled "
+            "token: the loss gains --distill-coef x the forward KL from the teacher renormalised over its top K "
+            "to the student (metric distill_topk_kl); keeps N x T x K ids and logprobs from the teacher's pass "
+            "(0: the sampled-token reverse-KL advantage)"
+        ),
+    )
+    return g
+
+
+# what the project passes to apply_chat_template itself: not for --chat-template-kwargs
+TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "add_generation_prompt", "tokenize")
+
+
+def chat_template_kwargs(text):
+    """--chat-template-kwargs' value: a JSON object -> dict (argparse.ArgumentTypeError: what was wrong)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object, e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"a JSON object of the template's variables is needed, not a {type(value).__name__}: "
+            "e.g. '{\"enable_thinking\": false}'"
+        )
+    taken = sorted(set(value) & set(TEMPLATE_ARGUMENTS))
+    if taken:
+        raise argparse.ArgumentTypeError(f"{', '.join(taken)}: set by the run itself (--env's tools), not here")
+    return value
+
+
+def chat_template_flags(p):
+    """Variables of the chat template, wherever the run renders it (docs/running.md#chat-template-variables)."""
+    g = p.add_argument_group("chat template")
+    g.add_argument(
+        "--chat-template-kwargs",
+        type=chat_template_kwargs,
+        default={},
+        metavar="JSON",
+        help=(
+            "a JSON object of variables for the policy's chat template, wherever the run renders it (--data's "
+            "prompts, validation's, --env's first prompts and observations), as vLLM's chat_template_kwargs: "
+            "e.g. '{\"enable_thinking\": false}' for Qwen3 (its prompts then end in an empty <think></think>)"
+        ),
     )
     return g
 

@@ -262,8 +262,13 @@ def _check_model(args, critic_model):
 
 def _check_teacher(args, spec):
     """--teacher's HFModelSpec (None without one) once its directory and vocabulary passed; --distill-coef."""
+    topk = getattr(args, "distill_topk", 0)
+    if topk and not getattr(args, "teacher", None):
+        raise UsageError(f"--distill-topk {topk} distils a teacher's top-K tokens: give --teacher, or drop it")
     if not getattr(args, "teacher", None):
         return None
+    if not 0 <= topk < min(spec.vocab_size, 1 << 24):
+        raise UsageError(f"--distill-topk {topk}: give 0 (the sampled token) or K in 1..{spec.vocab_size - 1}")
     if not args.distill_coef > 0:
         raise UsageError(f"--distill-coef must be > 0, not {args.distill_coef} (drop --teacher to train without one)")
     if getattr(args, "eval_only", False):
@@ -418,6 +423,12 @@ def _check_inputs(args):
     if args.system_prompt is not None and args.data is None and args.eval_data is None:
         raise UsageError(
             "--system-prompt applies to --data's prompts; the synthetic task (no --data) is not a chat: drop it"
+        )
+    chat = not args.raw_prompts and (args.data is not None or args.eval_data is not None)
+    if args.chat_template_kwargs and not (chat or args.env):
+        raise UsageError(
+            "--chat-template-kwargs applies to chat-formatted prompts (--data without --raw-prompts, or --env); "
+            "these prompts go in as plain text: drop it"
         )
     if args.load_rollouts is not None:
         last = os.path.join(args.load_rollouts, f"step_{args.steps - 1:06d}.pt")
