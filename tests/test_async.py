@@ -1,0 +1,80 @@
+"""End-to-end tests of --off-policy-steps (docs/async.md) through train_grpo.py and train_ppo.py on the CPU.
+
+    .venv/bin/python -m pytest -q tests/test_async.py
+
+- --off-policy-steps 0 is the synchronous loop to the bit (every metric of two GRPO steps equal);
+- resume: 2 steps of partial rollouts (one-token chunks, responses of up to 4), then resumed to 4 == 4 steps in one
+  go (steps 3-4 equal: the carried samples, their versions and logprobs came back), in GRPO and in PPO, where the
+  staleness metrics show partial samples of age 1 trained;
+- learning: K = 1 and K = 2 on the embedded task reach the synchronous run's reward in the same 60 steps (the same
+  samples per step).
+"""
+
+import pytest
+
+from tests.conftest import read_metrics, run_scripts
+
+SMALL = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16]
+PARTIAL = [*SMALL, "--max-new-tokens", 4, "--off-policy-steps", 1, "--partial-chunk-tokens", 1, "--eval-every", 0]
+# what a step computes (the times, throughputs and memory are not): the keys compared
+SKIP = ("_s", "_sec", "tokens_per_s", "mem_", "mfu")
+
+
+def numbers(record):
+    return {k: v for k, v in record.items() if not any(part in k for part in SKIP)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """At once: GRPO 2 steps without the flag and with --off-policy-steps 0; GRPO and PPO 4 steps of partial
+    rollouts and their first 2 steps (then resumed to 4)."""
+    root = tmp_path_factory.mktemp("async")
+    sync = [*SMALL, "--max-new-tokens", 4, "--steps", 2]
+    run_scripts(
+        ("train_grpo.py", *sync, "--out", root / "plain"),
+        ("train_grpo.py", *sync, "--off-policy-steps", 0, "--out", root / "k0"),
+        *[(f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_straight") for s in ("grpo", "ppo")],
+        *[(f"train_{s}.py", *PARTIAL, "--steps", 2, "--out", root / f"{s}_resumed") for s in ("grpo", "ppo")],
+    )
+    run_scripts(
+        *[(f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_resumed", "--resume") for s in ("grpo", "ppo")]
+    )
+    return root
+
+
+def test_zero_is_the_synchronous_loop(runs):
+    plain, k0 = read_metrics(runs / "plain"), read_metrics(runs / "k0")
+    assert len(plain) == 2 and [numbers(m) for m in plain] == [numbers(m) for m in k0]
+    assert "staleness_mean" not in plain[-1]
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_resume_continues_the_carried_samples(runs, script):
+    straight, resumed = read_metrics(runs / f"{script}_straight"), read_metrics(runs / f"{script}_resumed")
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3]
+    for a, b in zip(straight[2:], resumed[2:], strict=True):
+        for key, value in numbers(a).items():
+            assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (a["step"], key)
+    # every step after the first trains groups begun a step earlier, some of them continued under newer weights
+    assert all(m["staleness_share_1"] == 1.0 and m["dropped_samples"] == 0 for m in straight[1:])
+    assert any(m["partial_frac"] > 0 for m in straight) and all(m["carried_samples"] == 32 for m in straight)
+    assert all(m["correction_weight_mean"] > 0 for m in straight)  # decoupled PPO, the default with K > 0
+
+
+SYNC_REWARD = 0.77  # the synchronous embedded run's mean reward over steps 50-59 (measured; test_train_grpo.py)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_learns_as_the_synchronous_run(learning, k):
+    rewards = [m["reward_mean"] for m in learning[k]]
+    last = sum(rewards[-10:]) / 10
+    print(f"--off-policy-steps {k}: reward of steps 50-59 {last:.3f} (synchronous {SYNC_REWARD})")
+    assert last >= SYNC_REWARD - 0.1
+    assert all(m["staleness_share_" + str(k)] == 1.0 for m in learning[k][k:])  # K steps off-policy throughout
+
+
+@pytest.fixture(scope="module")
+def learning(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_learning")
+    run_scripts(*[("train_grpo.py", "--steps", 60, "--off-policy-steps", k, "--out", root / f"k{k}") for k in (1, 2)])
+    return {k: read_metrics(root / f"k{k}") for k in (1, 2)}
