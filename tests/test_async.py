@@ -37,7 +37,10 @@ def runs(tmp_path_factory):
         *[(f"train_{s}.py", *PARTIAL, "--steps", 2, "--out", root / f"{s}_resumed") for s in ("grpo", "ppo")],
     )
     run_scripts(
-        *[(f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_resumed", "--resume") for s in ("grpo", "ppo")]
+        *[
+            (f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_resumed", "--resume")
+            for s in ("grpo", "ppo")
+        ]
     )
     return root
 
