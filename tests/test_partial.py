@@ -7,7 +7,8 @@ the test says, and of the flags' checks (common/run/flags_async.py) through trai
   step, each token's version and engine logprob, the staleness bound, a stale group dropped and its prompt sampled
   afresh, the metrics;
 - the state saved mid-run (through JSON, as in a checkpoint) continues exactly as the uninterrupted store;
-- the flags: the defaults K > 0 implies, and one-line refusals of what it does not support.
+- the flags: the defaults K > 0 implies, and one-line refusals of what it does not support;
+- spread_generate: with two replicas each row runs on its replica (its seed) and comes back in row order.
 """
 
 import json
@@ -135,3 +136,21 @@ def test_flags_defaults(tmp_path):
     assert args.rollout_correction == "tis" and args.correction_high == 2.0
     args = parse_args(["--out", str(tmp_path)])  # synchronous: nothing changes
     assert (args.off_policy_steps, args.partial_chunk_tokens, args.rollout_correction) == (0, None, "none")
+
+
+def test_spread_generate_puts_every_replica_row_back_in_place(monkeypatch):
+    """Two replicas: replica r runs rows r, r + 2, ... (its own seed); the all-gather brings them replica-major; every
+    rank gets them back in row order."""
+    import common.rollout.partial as P
+
+    class Echo:  # answers each row with its own last id and the seed it was given
+        def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, **_):
+            assert n == 1 and logprob_samples is None  # every token's logprob
+            return [Sample(p, [p[-1]], [float(seed)], "length") for p in prompts]
+
+    rows = [[10 + i] for i in range(5)]
+    mine = Echo().generate(rows[1::2], 1, 1.0, 1.0, 2, seed=7 + 1)  # what replica 1 contributes
+    monkeypatch.setattr(P, "gather_samples", lambda local: local + mine)
+    out = P.spread_generate(Echo(), 0, 2, True, 1.0, 1.0)(rows, 2, 7)
+    assert [s.response_ids for s in out] == [[10], [11], [12], [13], [14]]
+    assert [s.response_logprobs for s in out] == [[7.0], [8.0], [7.0], [8.0], [7.0]]
