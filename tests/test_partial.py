@@ -131,7 +131,7 @@ def test_flags_defaults(tmp_path):
     from train_grpo import parse_args
 
     args = parse_args(["--off-policy-steps", "2", "--max-new-tokens", "10", "--out", str(tmp_path)])
-    assert (args.rollout_logprobs, args.rollout_correction, args.partial_chunk_tokens) == ("all", "decoupled", 3)
+    assert (args.rollout_logprobs, args.rollout_correction, args.partial_chunk_tokens) == ("all", "icepop", 3)
     args = parse_args(["--off-policy-steps", "1", "--rollout-correction", "tis", "--out", str(tmp_path)])
     assert args.rollout_correction == "tis" and args.correction_high == 2.0
     args = parse_args(["--out", str(tmp_path)])  # synchronous: nothing changes

@@ -10,7 +10,9 @@ UNSUPPORTED = (
     ("load_rollouts", None, "--load-rollouts replays saved samples as they are (versions included)"),
     ("routing_replay", "none", "--routing-replay rollout needs each sample's routes from one engine call"),
 )
-CORRECTION_DEFAULT = "decoupled"  # docs/async.md#which-correction: AReaL's choice for stale samples
+# docs/async.md#which-correction: IcePop's band mask of the behaviour ratio; the PPO clip is against the trainer's
+# recomputed old logprobs (decoupled PPO's proximal policy) in every mode
+CORRECTION_DEFAULT = "icepop"
 
 
 def async_flags(p):
