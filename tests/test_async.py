@@ -6,8 +6,8 @@
 - resume: 2 steps of partial rollouts (one-token chunks, responses of up to 4), then resumed to 4 == 4 steps in one
   go (steps 3-4 equal: the carried samples, their versions and logprobs came back), in GRPO and in PPO, where the
   staleness metrics show partial samples of age 1 trained;
-- learning: K = 1 and K = 2 on the embedded task reach the synchronous run's reward in the same 60 steps (the same
-  samples per step).
+- learning: K = 1 and K = 2 on the embedded task (its default settings, IcePop the default correction) reach the
+  synchronous run's reward in the same 50 steps (the same samples per step).
 """
 
 import pytest
@@ -64,14 +64,15 @@ def test_resume_continues_the_carried_samples(runs, script):
     assert all("correction_masked_frac" in m for m in straight)  # IcePop, the default with K > 0
 
 
-SYNC_REWARD = 0.77  # the synchronous embedded run's mean reward over steps 50-59 (measured; test_train_grpo.py)
+# the synchronous embedded run's mean reward over steps 40-49 (measured, --seed 1234: 0.656; K = 1: 0.703, K = 2: 0.690)
+SYNC_REWARD = 0.66
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_async_learns_as_the_synchronous_run(learning, k):
     rewards = [m["reward_mean"] for m in learning[k]]
     last = sum(rewards[-10:]) / 10
-    print(f"--off-policy-steps {k}: reward of steps 50-59 {last:.3f} (synchronous {SYNC_REWARD})")
+    print(f"--off-policy-steps {k}: reward of steps 40-49 {last:.3f} (synchronous {SYNC_REWARD})")
     assert last >= SYNC_REWARD - 0.1
     assert all(m["staleness_share_" + str(k)] == 1.0 for m in learning[k][k:])  # K steps off-policy throughout
 
@@ -79,5 +80,10 @@ def test_async_learns_as_the_synchronous_run(learning, k):
 @pytest.fixture(scope="module")
 def learning(tmp_path_factory):
     root = tmp_path_factory.mktemp("async_learning")
-    run_scripts(*[("train_grpo.py", "--steps", 60, "--off-policy-steps", k, "--out", root / f"k{k}") for k in (1, 2)])
+    run_scripts(
+        *[
+            ("train_grpo.py", "--steps", 50, "--eval-every", 0, "--off-policy-steps", k, "--out", root / f"k{k}")
+            for k in (1, 2)
+        ]
+    )
     return {k: read_metrics(root / f"k{k}") for k in (1, 2)}
