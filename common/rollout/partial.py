@@ -73,7 +73,7 @@ class PartialRollouts:
         taken = {id(g) for g in done}
         self.groups = [g for g in self.groups if id(g) not in taken]
         samples = [s for g in done for s in g.samples]
-        return samples, [g.prompt for g in done], self._metrics(step, samples, len(stale), chunks)
+        return samples, [g.prompt for g in done], self._metrics(step, done, len(stale), chunks)
 
     def _new_group(self, prompt, step, prompt_ids):
         ids = list(map(int, prompt_ids[prompt]))
@@ -100,8 +100,9 @@ class PartialRollouts:
                     s.finish_reason = "length"
         return calls
 
-    def _metrics(self, step, samples, dropped_groups, chunks):
-        ages = [step - s.versions[0] for s in samples]
+    def _metrics(self, step, done, dropped_groups, chunks):
+        samples = [s for g in done for s in g.samples]
+        ages = [step - g.version for g in done for _ in g.samples]  # the version of every sample's first token
         metrics = {f"staleness_share_{a}": sum(age == a for age in ages) / len(ages) for a in range(self.k + 1)}
         metrics.update(
             staleness_mean=sum(ages) / len(ages),
