@@ -3,16 +3,21 @@
     .venv/bin/python -m pytest -q tests/test_async.py
 
 - --off-policy-steps 0 is the synchronous loop to the bit (every metric of two GRPO steps equal);
-- resume: 2 steps of partial rollouts (one-token chunks, responses of up to 4), then resumed to 4 == 4 steps in one
-  go (steps 3-4 equal: the carried samples, their versions and logprobs came back), in GRPO and in PPO, where the
-  staleness metrics show partial samples of age 1 trained;
+- resume: GRPO stopped by SIGTERM after its first or second step of partial rollouts (one-token chunks, responses of
+  up to 4; it saves and exits 0), PPO after 2 steps, then resumed to 4 == 4 steps in one go (every step equal: the
+  carried samples, their versions and logprobs came back); the staleness metrics show partial samples of age 1;
 - learning: K = 1 and K = 2 on the embedded task (its default settings, IcePop the default correction) reach the
   synchronous run's reward in the same 50 steps (the same samples per step).
 """
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
-from tests.conftest import read_metrics, run_scripts
+from tests.conftest import ROOT, Background, read_metrics, run_scripts, script_env
 
 SMALL = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16]
 PARTIAL = [*SMALL, "--max-new-tokens", 4, "--off-policy-steps", 1, "--partial-chunk-tokens", 1, "--eval-every", 0]
@@ -26,16 +31,43 @@ def numbers(record):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """At once: GRPO 2 steps without the flag and with --off-policy-steps 0; GRPO and PPO 4 steps of partial
-    rollouts and their first 2 steps (then resumed to 4)."""
+    """At once: GRPO 1 step without the flag and with --off-policy-steps 0; GRPO and PPO 4 steps of partial
+    rollouts; PPO's first 2 steps; GRPO's stopped by SIGTERM after its first step (a real process: the signal
+    tests' launcher). Then both resumed to 4."""
     root = tmp_path_factory.mktemp("async")
-    sync = [*SMALL, "--max-new-tokens", 4, "--steps", 2]
-    run_scripts(
-        ("train_grpo.py", *sync, "--out", root / "plain"),
-        ("train_grpo.py", *sync, "--off-policy-steps", 0, "--out", root / "k0"),
-        *[(f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_straight") for s in ("grpo", "ppo")],
-        *[(f"train_{s}.py", *PARTIAL, "--steps", 2, "--out", root / f"{s}_resumed") for s in ("grpo", "ppo")],
+    sync = [*SMALL, "--max-new-tokens", 4, "--steps", 1]
+    stopped = subprocess.Popen(
+        [sys.executable, "train_grpo.py", *map(str, PARTIAL), "--steps", "4", "--out", str(root / "grpo_resumed")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=script_env(),
     )
+    started = [
+        Background("train_grpo.py", *sync, "--out", root / "plain"),
+        Background("train_grpo.py", *sync, "--off-policy-steps", 0, "--out", root / "k0"),
+        *[
+            Background(f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_straight")
+            for s in ("grpo", "ppo")
+        ],
+        Background("train_ppo.py", *PARTIAL, "--steps", 2, "--out", root / "ppo_resumed"),
+    ]
+    try:
+        metrics = root / "grpo_resumed" / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert stopped.poll() is None, stopped.stdout.read()[-3000:]
+            time.sleep(0.1)
+        stopped.send_signal(signal.SIGTERM)  # in step 1 or 2: it finishes the step, saves what is in flight, exits 0
+        output, _ = stopped.communicate(timeout=900)
+        assert stopped.returncode == 0 and "SIGTERM received" in output, output[-3000:]
+        for run in started:
+            run.wait()
+    finally:
+        for run in [stopped] + [run.proc for run in started]:
+            if run.poll() is None:
+                run.kill()
+    assert len(read_metrics(root / "grpo_resumed")) < 4  # stopped early
     run_scripts(
         *[
             (f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_resumed", "--resume")
@@ -47,7 +79,7 @@ def runs(tmp_path_factory):
 
 def test_zero_is_the_synchronous_loop(runs):
     plain, k0 = read_metrics(runs / "plain"), read_metrics(runs / "k0")
-    assert len(plain) == 2 and [numbers(m) for m in plain] == [numbers(m) for m in k0]
+    assert len(plain) == 1 and [numbers(m) for m in plain] == [numbers(m) for m in k0]
     assert "staleness_mean" not in plain[-1]
 
 
@@ -55,7 +87,7 @@ def test_zero_is_the_synchronous_loop(runs):
 def test_resume_continues_the_carried_samples(runs, script):
     straight, resumed = read_metrics(runs / f"{script}_straight"), read_metrics(runs / f"{script}_resumed")
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
-    for a, b in zip(straight[2:], resumed[2:], strict=True):
+    for a, b in zip(straight, resumed, strict=True):  # (GRPO: the steps before and after its SIGTERM)
         for key, value in numbers(a).items():
             assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (a["step"], key)
     # every step after the first trains groups begun a step earlier, some of them continued under newer weights
@@ -73,7 +105,7 @@ def test_async_learns_as_the_synchronous_run(learning, k):
     rewards = [m["reward_mean"] for m in learning[k]]
     last = sum(rewards[-10:]) / 10
     print(f"--off-policy-steps {k}: reward of steps 40-49 {last:.3f} (synchronous {SYNC_REWARD})")
-    assert last >= SYNC_REWARD - 0.1
+    assert last >= SYNC_REWARD - 0.05
     assert all(m["staleness_share_" + str(k)] == 1.0 for m in learning[k][k:])  # K steps off-policy throughout
 
 
