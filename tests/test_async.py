@@ -2,22 +2,17 @@
 
     .venv/bin/python -m pytest -q tests/test_async.py
 
-- --off-policy-steps 0 is the synchronous loop to the bit (every metric of two GRPO steps equal);
-- resume: GRPO stopped by SIGTERM after its first or second step of partial rollouts (one-token chunks, responses of
-  up to 4; it saves and exits 0), PPO after 2 steps, then resumed to 4 == 4 steps in one go (every step equal: the
-  carried samples, their versions and logprobs came back); the staleness metrics show partial samples of age 1;
+- --off-policy-steps 0 is the synchronous loop to the bit (every metric of a GRPO step equal);
+- resume: GRPO stopped by SIGTERM during step 1's rollout of partial rollouts (one-token chunks, responses of up to
+  4; it finishes the step, saves, exits 0), PPO after 2 steps, then resumed to 4 == 4 steps in one go (every step
+  equal: the carried samples, their versions and logprobs came back); the staleness metrics show partial samples;
 - learning: K = 1 and K = 2 on the embedded task (its default settings, IcePop the default correction) reach the
   synchronous run's reward in the same 50 steps (the same samples per step).
 """
 
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.conftest import ROOT, Background, read_metrics, run_scripts, script_env
+from tests.conftest import read_metrics, run_scripts
 
 SMALL = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16]
 PARTIAL = [*SMALL, "--max-new-tokens", 4, "--off-policy-steps", 1, "--partial-chunk-tokens", 1, "--eval-every", 0]
@@ -29,48 +24,43 @@ def numbers(record):
     return {k: v for k, v in record.items() if not any(part in k for part in SKIP)}
 
 
+# --reward FILE.py:NAME: the embedded task's own reward; the second sends this process SIGTERM during step 1's rollout
+# (32 samples a step), as a preemption would: the run finishes the step, saves what is in flight, exits 0
+REWARD = """
+import os, signal
+from common.rl.rewards import synthetic_reward
+calls = 0
+def reward(response, answer):
+    return synthetic_reward(response, answer, format_credit=0.0)
+def stop_in_step_1(response, answer):
+    global calls
+    calls += 1
+    if calls == 40:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return reward(response, answer)
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """At once: GRPO 1 step without the flag and with --off-policy-steps 0; GRPO and PPO 4 steps of partial
-    rollouts; PPO's first 2 steps; GRPO's stopped by SIGTERM after its first step (a real process: the signal
-    tests' launcher). Then both resumed to 4."""
+    rollouts, and their first steps: GRPO's stopped by SIGTERM in step 1, PPO's after 2 steps. Then both resumed."""
     root = tmp_path_factory.mktemp("async")
+    (root / "reward.py").write_text(REWARD)
+    plain, stopping = f"{root / 'reward.py'}:reward", f"{root / 'reward.py'}:stop_in_step_1"
     sync = [*SMALL, "--max-new-tokens", 4, "--steps", 1]
-    stopped = subprocess.Popen(
-        [sys.executable, "train_grpo.py", *map(str, PARTIAL), "--steps", "4", "--out", str(root / "grpo_resumed")],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=script_env(),
+    outputs = run_scripts(
+        ("train_grpo.py", *sync, "--out", root / "plain"),
+        ("train_grpo.py", *sync, "--off-policy-steps", 0, "--out", root / "k0"),
+        ("train_grpo.py", *PARTIAL, "--steps", 4, "--reward", plain, "--out", root / "grpo_straight"),
+        ("train_ppo.py", *PARTIAL, "--steps", 4, "--reward", plain, "--out", root / "ppo_straight"),
+        ("train_grpo.py", *PARTIAL, "--steps", 4, "--reward", stopping, "--out", root / "grpo_resumed"),
+        ("train_ppo.py", *PARTIAL, "--steps", 2, "--reward", plain, "--out", root / "ppo_resumed"),
     )
-    started = [
-        Background("train_grpo.py", *sync, "--out", root / "plain"),
-        Background("train_grpo.py", *sync, "--off-policy-steps", 0, "--out", root / "k0"),
-        *[
-            Background(f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_straight")
-            for s in ("grpo", "ppo")
-        ],
-        Background("train_ppo.py", *PARTIAL, "--steps", 2, "--out", root / "ppo_resumed"),
-    ]
-    try:
-        metrics = root / "grpo_resumed" / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert stopped.poll() is None, stopped.stdout.read()[-3000:]
-            time.sleep(0.1)
-        stopped.send_signal(signal.SIGTERM)  # in step 1 or 2: it finishes the step, saves what is in flight, exits 0
-        output, _ = stopped.communicate(timeout=900)
-        assert stopped.returncode == 0 and "SIGTERM received" in output, output[-3000:]
-        for run in started:
-            run.wait()
-    finally:
-        for run in [stopped] + [run.proc for run in started]:
-            if run.poll() is None:
-                run.kill()
-    assert len(read_metrics(root / "grpo_resumed")) < 4  # stopped early
+    assert "SIGTERM received" in outputs[4] and len(read_metrics(root / "grpo_resumed")) == 2
     run_scripts(
         *[
-            (f"train_{s}.py", *PARTIAL, "--steps", 4, "--out", root / f"{s}_resumed", "--resume")
+            (f"train_{s}.py", *PARTIAL, "--steps", 4, "--reward", plain, "--out", root / f"{s}_resumed", "--resume")
             for s in ("grpo", "ppo")
         ]
     )
