@@ -84,6 +84,7 @@ def test_hand_checked_schedule():
         dropped_samples=0,
         carried_samples=4,  # prompt 1 (a sample at 4 of 6 tokens, one done) and prompt 4 (at 2 of 6, one done)
         rollout_chunks=1,
+        generated_tokens=14,  # 7 running samples, 2 tokens each
     )
     # step 2: prompt 1 started at step 0 is 2 versions old: dropped, sampled afresh (lengths 2, 2) with 6 and 7
     assert p2 == [1, 6] and m2["dropped_samples"] == 2 and m2["staleness_share_0"] == 1.0

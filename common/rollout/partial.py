@@ -48,6 +48,7 @@ class PartialRollouts:
         self.k, self.prompts_per_step, self.group = off_policy_steps, prompts_per_step, group
         self.max_tokens, self.chunk_tokens, self.seed = max_tokens, chunk_tokens, seed
         self.groups: list[Group] = []  # oldest first (versions never decrease along the list)
+        self.generated = 0  # tokens generated in the current (last) phase
 
     def rollout(self, step, new_prompts, more_prompts, prompt_ids, generate):
         """One step's rollout phase. new_prompts: this step's prompt indices (the sampler's batch); more_prompts():
@@ -62,7 +63,7 @@ class PartialRollouts:
             self.groups.append(self._new_group(prompt, step, prompt_ids))
         while len(self.groups) < (self.k + 1) * self.prompts_per_step:
             self.groups += [self._new_group(p, step, prompt_ids) for p in more_prompts()]
-        calls, chunks = 0, 0
+        calls, chunks, self.generated = 0, 0, 0
         while any(s.finish_reason is None for g in self.groups for s in g.samples):
             if chunks and sum(map(_complete, self.groups)) >= self.prompts_per_step:
                 break  # at least one chunk each phase: what runs moves on under the newest weights
@@ -89,6 +90,7 @@ class PartialRollouts:
             seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)
             outs = generate([s.prompt_ids + s.response_ids for s in batch], tokens, seed)
             calls += 1
+            self.generated += sum(len(out.response_ids) for out in outs)
             for s, out in zip(batch, outs, strict=True):
                 s.response_ids += out.response_ids
                 s.response_logprobs += out.response_logprobs
@@ -110,6 +112,7 @@ class PartialRollouts:
             dropped_samples=dropped_groups * self.group,  # first tokens older than K versions: sampled afresh
             carried_samples=sum(len(g.samples) for g in self.groups),  # in flight into the next step
             rollout_chunks=chunks,
+            generated_tokens=self.generated,  # this phase's, of every sample in flight (not the trained ones')
         )
         return metrics
 
