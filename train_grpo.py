@@ -43,6 +43,7 @@ from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.rollout.lengths import draw_lengths, parse_lengths
 from common.run import flags as F
+from common.run import flags_async as FA
 from common.run import flags_rollout as FR
 from common.run.cli import Parser, finish_evaluation, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
@@ -134,6 +135,7 @@ def build_parser():
     a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
     a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     FR.correction_flags(p)
+    FA.async_flags(p)
     FR.reward_flags(p)
     FR.distill_flags(p)
     FR.env_flags(p)
@@ -165,6 +167,7 @@ def parse_args(argv=None):
     )
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
+        FA.resolve_async(args)  # --off-policy-steps K: --rollout-logprobs all, its default correction
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
         args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)
@@ -248,6 +251,7 @@ def main():
     from common.rollout.engines import make_engine, vllm_available
     from common.rollout.episodes import episode_metrics, run_episodes
     from common.rollout.evaluate import Evaluator, evaluate_once
+    from common.rollout.partial import PartialRollouts, spread_generate
     from common.run.data import PromptSampler, env_prompts, task_prompts
     from common.run.dist import init_distributed, print0
     from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
@@ -494,11 +498,26 @@ def main():
 
     # ---- logging, resume ---------------------------------------------------------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
+    # --off-policy-steps K: groups in flight between steps, continued under newer weights (common/rollout/partial.py)
+    carry = (
+        PartialRollouts(
+            args.off_policy_steps,
+            args.prompts_per_step,
+            group,
+            args.max_new_tokens,
+            args.partial_chunk_tokens,
+            args.seed,
+        )
+        if args.off_policy_steps
+        else None
+    )
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     if args.resume:  # common/run/preflight.py made sure there is a checkpoint
         extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler)
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])  # (refused if the data or --seed changed)
+        if carry:  # the carried samples, their versions included
+            carry.load_state_dict(extra.get("partial", {"groups": []}))
         print0(f"resumed from step {start_step}")
         for line in changed_flags(extra.get("flags", {}), F.schedule_flags(args), start_step):
             print0(line)  # the schedule follows this run's flags, from the resumed step on
@@ -613,14 +632,12 @@ def main():
                         return_routes=args.routing_replay == "rollout",
                     )
                 samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            answers = [
-                items[i]["answer"]
-                for r in range(num_replicas)
-                for i in prompts_idx[r::num_replicas]
-                for _ in range(group)
-            ]
+            return samples, rewards_of(samples, [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas]])
+
+        def rewards_of(samples, sample_prompts):  # sample_prompts: each group's prompt index
+            answers = [items[i]["answer"] for i in sample_prompts for _ in range(group)]
             if env_class:  # the environment's reward of each episode
-                return samples, torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
+                return torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
             with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
                 rule = torch.tensor(
                     [
@@ -639,15 +656,27 @@ def main():
                         args.overlong_buffer,
                         args.overlong_penalty_factor,
                     )
-            return samples, rewards
+            return rewards
 
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
+        sample_prompts = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas]]  # of each group
         if engine is None:  # --load-rollouts: a saved run's samples and rewards
             saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
             samples, rewards = saved["samples"], saved["rewards"]
         else:  # weights synced first (all ranks: the export runs collectives); after the block the engine sleeps
             with colo.rollout(timer, memory):
-                samples, rewards = sample_round(prompts_idx, 0)
+                if carry:  # --off-policy-steps: the oldest complete groups in flight, the rest carried on
+                    with timer("rollout"):
+                        generate = spread_generate(
+                            engine, replica, num_replicas, info.rank % rollout_tp == 0, args.temperature, args.top_p
+                        )
+                        samples, sample_prompts, carried = carry.rollout(
+                            step, prompts_idx, sampler.next_batch, prompt_ids, generate
+                        )
+                    rewards = rewards_of(samples, sample_prompts)
+                    side_metrics.update(carried)  # staleness_share_*, partial_frac, dropped_samples, ...
+                else:
+                    samples, rewards = sample_round(prompts_idx, 0)
                 if (
                     args.dynamic_sampling
                 ):  # DAPO: only groups whose rewards differ, more prompts until the batch is full
@@ -664,7 +693,7 @@ def main():
                         side_metrics.update(evaluator.run(engine, step))
             if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
                 with timer("reward_model"):
-                    order = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)]
+                    order = [i for i in sample_prompts for _ in range(group)]
                     scores = reward_model.score(
                         [items[i]["prompt"] for i in order],
                         [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
@@ -909,7 +938,12 @@ def main():
                 model,
                 optimizer,
                 scheduler,
-                extra={"step": step + 1, "sampler": sampler.state_dict(), "flags": F.schedule_flags(args)},
+                extra={
+                    "step": step + 1,
+                    "sampler": sampler.state_dict(),
+                    "flags": F.schedule_flags(args),
+                    **({"partial": carry.state_dict()} if carry else {}),  # in flight: continued on resume
+                },
                 keep_last=args.keep_checkpoints,
                 hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
                 # LoRA: the checkpoint holds the adapters; the base they go with is named here

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.run import flags as F
+from common.run import flags_async as FA
 from common.run import flags_rollout as FR
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
@@ -140,6 +141,7 @@ def build_parser():
         help="the first N steps update only the critic (the actor is left unchanged)",
     )
     FR.correction_flags(p)
+    FA.async_flags(p)
     FR.reward_flags(p)
     FR.distill_flags(p)
     FR.env_flags(p)
@@ -167,6 +169,7 @@ def parse_args(argv=None):
     )
     F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
+        FA.resolve_async(args)  # --off-policy-steps K: --rollout-logprobs all, its default correction
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
         args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)
@@ -232,6 +235,7 @@ def main():
     from common.rollout.engines import make_engine, vllm_available
     from common.rollout.episodes import episode_metrics, run_episodes
     from common.rollout.evaluate import Evaluator
+    from common.rollout.partial import PartialRollouts, spread_generate
     from common.run.data import PromptSampler, env_prompts, task_prompts
     from common.run.dist import init_distributed, print0
     from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
@@ -474,12 +478,27 @@ def main():
 
     # ---- logging, resume (the critic is saved in the actor's step directory) -------------
     sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
+    # --off-policy-steps K: groups in flight between steps, continued under newer weights (common/rollout/partial.py)
+    carry = (
+        PartialRollouts(
+            args.off_policy_steps,
+            args.prompts_per_step,
+            group,
+            args.max_new_tokens,
+            args.partial_chunk_tokens,
+            args.seed,
+        )
+        if args.off_policy_steps
+        else None
+    )
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
     if args.resume:  # common/run/preflight.py made sure there is a checkpoint
         extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler, extra_models=critic_state)
         start_step = extra["step"]
         sampler.load_state_dict(extra["sampler"])  # (refused if the data or --seed changed)
+        if carry:  # the carried samples, their versions included
+            carry.load_state_dict(extra.get("partial", {"groups": []}))
         print0(f"resumed from step {start_step}")
         for line in changed_flags(extra.get("flags", {}), F.schedule_flags(args), start_step):
             print0(line)  # the schedule follows this run's flags, from the resumed step on
@@ -569,11 +588,20 @@ def main():
         # ---- 1. weight sync -> 2. rollout: each replica samples its share of the prompts (the
         # sync runs on all ranks: the export runs collectives; after the block the engine sleeps)
         prompts_idx = sampler.next_batch()  # the same global prompts on every rank
+        group_prompts = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas]]  # item of each group
         if engine is not None:
             with colo.rollout(timer, memory):  # optimizer states, critic and actor out, weights in, then the KV cache
                 with timer("rollout"):
                     mine = prompts_idx[replica::num_replicas]
-                    if env_class:  # --env: multi-turn episodes; the critic values the model's tokens only
+                    if carry:  # --off-policy-steps: the oldest complete groups in flight, the rest carried on
+                        generate = spread_generate(
+                            engine, replica, num_replicas, info.rank % rollout_tp == 0, args.temperature, args.top_p
+                        )
+                        samples, group_prompts, carried = carry.rollout(
+                            step, prompts_idx, sampler.next_batch, prompt_ids, generate
+                        )
+                        eval_metrics.update(carried)  # staleness_share_*, partial_frac, dropped_samples, ...
+                    elif env_class:  # --env: multi-turn episodes; the critic values the model's tokens only
                         local = run_episodes(
                             engine,
                             codec,
@@ -597,12 +625,11 @@ def main():
                         )
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
-                        eval_metrics = evaluator.run(engine, step)
-            with timer("rollout"):  # ranks of one vLLM TP group hold the same samples: the first contributes
-                samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            order = [
-                i for r in range(num_replicas) for i in prompts_idx[r::num_replicas] for _ in range(group)
-            ]  # item of each sample
+                        eval_metrics.update(evaluator.run(engine, step))
+            if not carry:  # ranks of one vLLM TP group hold the same samples: the first contributes
+                with timer("rollout"):
+                    samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
+            order = [i for i in group_prompts for _ in range(group)]  # item of each sample
             # ---- 3. reward: rule-based, on the decoded response (+ a reward model's score)
             with timer("reward"):
                 texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
@@ -878,7 +905,12 @@ def main():
                 model,
                 optimizer,
                 scheduler,
-                extra={"step": step + 1, "sampler": sampler.state_dict(), "flags": F.schedule_flags(args)},
+                extra={
+                    "step": step + 1,
+                    "sampler": sampler.state_dict(),
+                    "flags": F.schedule_flags(args),
+                    **({"partial": carry.state_dict()} if carry else {}),  # in flight: continued on resume
+                },
                 keep_last=args.keep_checkpoints,
                 extra_models=critic_state,
                 hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor

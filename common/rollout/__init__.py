@@ -9,6 +9,7 @@
     weight_replay.py  a weight loader's writes recorded once and replayed each sync
     evaluate.py       validation: greedy or sampled answers on held-out prompts, scored
     episodes.py       agentic episodes: many multi-turn episodes at once on an engine, token-in token-out
+    partial.py        --off-policy-steps: partial rollouts carried between steps, per-token versions, staleness bound
 
 May import common.env, common.model and common.rl (not common.train or common.run).
 """

@@ -46,6 +46,9 @@ class Sample:
     response_mask: list[int] | None = None
     # agentic episodes: the episode's reward and counts (turns, tool_calls, ...), for the step's metrics
     episode: dict | None = field(default=None, compare=False)
+    # --off-policy-steps (common/rollout/partial.py): one per response token, the step whose weights sampled it
+    # (a partial rollout's tokens come from several); None: all from the step that trains on it
+    versions: list[int] | None = None
 
 
 # --rollout-logprobs: which samples bring the engine's own logprobs (generate's logprob_samples)

@@ -2,6 +2,7 @@
 
     flags.py        the flag groups both training scripts share, and derived settings
     flags_rollout.py the shared groups of the rollout side: engine and sampling, corrections, reward
+    flags_async.py  --off-policy-steps (partial rollouts with bounded staleness) and what it implies
     preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
     out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
     model_checks.py the model directories a run is given: config, tokenizer, whole weights

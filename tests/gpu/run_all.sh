@@ -56,6 +56,8 @@ run "gptoss 1 GPU"           400 python -m torch.distributed.run --standalone --
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
 # on-policy distillation: a 1.5B-shaped student, a 7B-shaped teacher (4.9x), both scripts, phase times and memory
 run "distill 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_distill_gpu.py
+# --off-policy-steps: partial rollouts continued on vLLM across weight syncs, both scripts (docs/async.md)
+run "async 1 GPU"            400 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_async_gpu.py
 # MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
 run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 # agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py

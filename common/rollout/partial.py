@@ -1,0 +1,185 @@
+"""Partial rollouts carried between steps: asynchronous RL on shared GPUs with bounded staleness.
+
+With --off-policy-steps K > 0 the rollout of a step does not wait for its slowest responses. Groups of G samples
+of (K + 1) x --prompts-per-step prompts are in flight; the step's rollout phase continues all of them, in chunks of
+--partial-chunk-tokens tokens, and ends after the first chunk once --prompts-per-step groups are complete (every
+sample of the group finished). The oldest complete groups are trained on; the rest (running or complete) are carried
+to the next step, whose weights continue them (Kimi k1.5's and slime's partial rollouts). A continuation is a
+request whose prompt is the prompt + the response ids so far: token-in token-out, never re-tokenised.
+
+    carry = PartialRollouts(off_policy_steps=K, prompts_per_step=P, group=G, max_tokens=..., chunk_tokens=...)
+    samples, sample_prompts, metrics = carry.rollout(step, sampler.next_batch(), sampler.next_batch, prompt_ids,
+                                                     generate)   # each step, engine awake
+    extra["partial"] = carry.state_dict()                        # in the checkpoint; load_state_dict on resume
+
+Every response token records the step whose weights sampled it (Sample.versions) and the engine's logprob
+(Sample.response_logprobs), so the trainer's corrections (common/rl/corrections.py) weigh each token against
+the policy that made it. The staleness of a sample at step s is s - the version of its first token; a group
+whose first tokens are older than K versions when a phase starts can no longer be trained on within the bound:
+it is dropped and its prompt sampled afresh under the current weights (metric dropped_samples). So a trained
+sample's staleness is always in 0..K, also after a resume (the versions are in the checkpoint).
+
+May import common.rl (and this package): no engine is imported here, `generate` is the script's.
+"""
+
+import math
+from dataclasses import dataclass
+
+from common.rl.batch import gather_samples
+from common.rollout.engine import Sample, generate_checked
+
+
+@dataclass
+class Group:
+    prompt: int  # the prompt's index in the run's prompts (its answer, its reward)
+    version: int  # the step whose weights sampled the first token of every sample (they start together)
+    samples: list[Sample]  # G; Sample.finish_reason is None while the sample runs
+
+
+class PartialRollouts:
+    """The carry-over store of --off-policy-steps K (module docstring): (K + 1) x prompts_per_step groups of
+    `group` samples in flight, responses of at most max_tokens, continued chunk_tokens at a time."""
+
+    def __init__(self, off_policy_steps, prompts_per_step, group, max_tokens, chunk_tokens, seed=0):
+        if off_policy_steps < 1 or chunk_tokens < 1:
+            raise ValueError(
+                f"need off_policy_steps >= 1 and chunk_tokens >= 1, not {off_policy_steps}, {chunk_tokens}"
+            )
+        self.k, self.prompts_per_step, self.group = off_policy_steps, prompts_per_step, group
+        self.max_tokens, self.chunk_tokens, self.seed = max_tokens, chunk_tokens, seed
+        self.groups: list[Group] = []  # oldest first (versions never decrease along the list)
+        self.generated = 0  # tokens generated in the current (last) phase
+
+    def rollout(self, step, new_prompts, more_prompts, prompt_ids, generate):
+        """One step's rollout phase. new_prompts: this step's prompt indices (the sampler's batch); more_prompts():
+        another batch, called while fewer than (K + 1) x prompts_per_step groups are in flight (the first step, or
+        a resume without carried samples); prompt_ids[i]: prompt i's token ids; generate(rows, max_tokens, seed):
+        one Sample per row of token ids (n = 1, every token's logprob), the same on every rank.
+        Returns (samples, prompts, metrics): prompts_per_step complete groups, oldest first, G samples each with
+        their versions (group-major); each group's prompt index; the step's staleness metrics."""
+        stale = [g for g in self.groups if g.version < step - self.k]  # would be trained beyond the bound
+        self.groups = [g for g in self.groups if g.version >= step - self.k]
+        for prompt in [g.prompt for g in stale] + list(new_prompts):  # a dropped group's prompt, sampled afresh
+            self.groups.append(self._new_group(prompt, step, prompt_ids))
+        while len(self.groups) < (self.k + 1) * self.prompts_per_step:
+            self.groups += [self._new_group(p, step, prompt_ids) for p in more_prompts()]
+        calls, chunks, self.generated = 0, 0, 0
+        while any(s.finish_reason is None for g in self.groups for s in g.samples):
+            if chunks and sum(map(_complete, self.groups)) >= self.prompts_per_step:
+                break  # at least one chunk each phase: what runs moves on under the newest weights
+            calls = self._chunk(step, generate, calls)
+            chunks += 1
+        done = [g for g in self.groups if _complete(g)][: self.prompts_per_step]
+        assert len(done) == self.prompts_per_step, "every sample ends within max_tokens"
+        taken = {id(g) for g in done}
+        self.groups = [g for g in self.groups if id(g) not in taken]
+        samples = [s for g in done for s in g.samples]
+        return samples, [g.prompt for g in done], self._metrics(step, done, len(stale), chunks)
+
+    def _new_group(self, prompt, step, prompt_ids):
+        ids = list(map(int, prompt_ids[prompt]))
+        return Group(prompt, step, [Sample(ids, [], [], None, versions=[]) for _ in range(self.group)])
+
+    def _chunk(self, step, generate, calls):
+        """Every running sample continued by up to chunk_tokens tokens under this step's weights: one generate call
+        per remaining budget (a budget is chunk_tokens but near max_tokens). Returns the calls made so far."""
+        running = [s for g in self.groups for s in g.samples if s.finish_reason is None]
+        budget = [min(self.chunk_tokens, self.max_tokens - len(s.response_ids)) for s in running]
+        for tokens in sorted(set(budget), reverse=True):
+            batch = [s for s, b in zip(running, budget) if b == tokens]
+            seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)
+            outs = generate([s.prompt_ids + s.response_ids for s in batch], tokens, seed)
+            calls += 1
+            self.generated += sum(len(out.response_ids) for out in outs)
+            for s, out in zip(batch, outs, strict=True):
+                s.response_ids += out.response_ids
+                s.response_logprobs += out.response_logprobs
+                s.versions += [step] * len(out.response_ids)
+                # ended: on a stop token, at max_tokens, or short of the chunk (the engine's max_model_len)
+                if out.finish_reason == "stop" or len(s.response_ids) >= self.max_tokens:
+                    s.finish_reason = out.finish_reason
+                elif len(out.response_ids) < tokens:
+                    s.finish_reason = "length"
+        return calls
+
+    def _metrics(self, step, done, dropped_groups, chunks):
+        samples = [s for g in done for s in g.samples]
+        ages = [step - g.version for g in done for _ in g.samples]  # the version of every sample's first token
+        metrics = {f"staleness_share_{a}": sum(age == a for age in ages) / len(ages) for a in range(self.k + 1)}
+        metrics.update(
+            staleness_mean=sum(ages) / len(ages),
+            partial_frac=sum(len(set(s.versions)) > 1 for s in samples) / len(samples),  # made by several policies
+            dropped_samples=dropped_groups * self.group,  # first tokens older than K versions: sampled afresh
+            carried_samples=sum(len(g.samples) for g in self.groups),  # in flight into the next step
+            rollout_chunks=chunks,
+            generated_tokens=self.generated,  # this phase's, of every sample in flight (not the trained ones')
+        )
+        return metrics
+
+    def state_dict(self):
+        """The carried groups, JSON-able (the checkpoint's train_state.json): ids, logprobs, finish reasons and
+        versions (as [version, count] runs) of every sample."""
+        return {
+            "off_policy_steps": self.k,
+            "groups": [
+                {"prompt": g.prompt, "version": g.version, "samples": [_sample_state(s) for s in g.samples]}
+                for g in self.groups
+            ],
+        }
+
+    def load_state_dict(self, state):
+        self.groups = [
+            Group(g["prompt"], g["version"], [_sample_from_state(s) for s in g["samples"]]) for g in state["groups"]
+        ]
+        if any(len(g.samples) != self.group for g in self.groups):
+            raise ValueError(
+                f"--resume: the checkpoint's carried groups have {len(self.groups[0].samples)} samples, this run "
+                f"--samples-per-prompt {self.group}: resume with the run's --samples-per-prompt"
+            )
+
+
+def _complete(group):
+    return all(s.finish_reason is not None for s in group.samples)
+
+
+def _sample_state(s):
+    runs = []
+    for v in s.versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    logprobs = [None if math.isnan(x) else x for x in s.response_logprobs]  # JSON has no NaN
+    return dict(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=logprobs, finish=s.finish_reason,
+                versions=runs)  # fmt: skip
+
+
+def _sample_from_state(d):
+    versions = [v for v, count in d["versions"] for _ in range(count)]
+    logprobs = [math.nan if x is None else x for x in d["logprobs"]]
+    return Sample(list(d["prompt_ids"]), list(d["response_ids"]), logprobs, d["finish"], versions=versions)
+
+
+def spread_generate(engine, replica, num_replicas, first_of_replica, temperature, top_p):
+    """PartialRollouts.rollout's generate on this run's engines: row i runs on replica i % num_replicas (seeded
+    seed + replica), every rank gets every row's Sample back in row order. All ranks call it."""
+
+    def generate(rows, max_tokens, seed):
+        mine = generate_checked(
+            engine,
+            rows[replica::num_replicas],
+            "all",  # every token's engine logprob: the behaviour policy of the corrections
+            n=1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed + replica,
+        )
+        gathered = gather_samples(mine if first_of_replica else [])  # replica-major
+        order = [i for r in range(num_replicas) for i in range(r, len(rows), num_replicas)]
+        out = [None] * len(rows)
+        for i, s in zip(order, gathered, strict=True):
+            out[i] = s
+        return out
+
+    return generate

@@ -1,0 +1,71 @@
+"""Flags of asynchronous RL on shared GPUs (docs/async.md): --off-policy-steps, --partial-chunk-tokens.
+
+Shared by train_grpo.py and train_ppo.py; the mechanism is common/rollout/partial.py."""
+
+# what --off-policy-steps K > 0 does not work with yet: (flag's attribute, its value when off, why)
+UNSUPPORTED = (
+    ("env", None, "--env's multi-turn episodes run whole within a step"),
+    ("dynamic_sampling", False, "--dynamic-sampling draws its extra prompts within the step"),
+    ("bench_response_lengths", None, "--bench-response-lengths sets every response's length in one call"),
+    ("load_rollouts", None, "--load-rollouts replays saved samples as they are (versions included)"),
+    ("routing_replay", "none", "--routing-replay rollout needs each sample's routes from one engine call"),
+)
+# docs/async.md#which-correction: IcePop's band mask of the behaviour ratio; the PPO clip is against the trainer's
+# recomputed old logprobs (decoupled PPO's proximal policy) in every mode
+CORRECTION_DEFAULT = "icepop"
+
+
+def async_flags(p):
+    """--off-policy-steps and --partial-chunk-tokens (common/rollout/partial.py)."""
+    g = p.add_argument_group("asynchronous RL (docs/async.md)")
+    g.add_argument(
+        "--off-policy-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help=(
+            "partial rollouts with bounded staleness: (K + 1) x --prompts-per-step groups are in flight, each step's "
+            "rollout ends once --prompts-per-step groups are complete and the rest continue under the next step's "
+            "weights; no sample trains more than K steps after its first token. Needs every token's engine logprob "
+            f"(--rollout-logprobs all, set); --rollout-correction default {CORRECTION_DEFAULT}. 0: synchronous"
+        ),
+    )
+    g.add_argument(
+        "--partial-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "--off-policy-steps: tokens per sample between checks for complete groups (default: a quarter of "
+            "--max-new-tokens, rounded up); smaller stops nearer the needed groups, at more engine calls"
+        ),
+    )
+    return g
+
+
+def resolve_async(args):
+    """--off-policy-steps and what it implies, in place (before resolve_corrections and the --rollout-logprobs
+    mode): the chunk size, --rollout-logprobs all, the default correction. ValueError: what to change."""
+    k = args.off_policy_steps
+    if k < 0:
+        raise ValueError(f"--off-policy-steps must be >= 0 (0: synchronous), not {k}")
+    if k == 0:
+        if args.partial_chunk_tokens is not None:
+            raise ValueError("--partial-chunk-tokens is for partial rollouts: add --off-policy-steps K (K >= 1)")
+        return
+    for name, off, why in UNSUPPORTED:
+        if getattr(args, name, off) != off:
+            raise ValueError(f"--off-policy-steps {k} is not supported with {why}: drop one of them")
+    if args.rollout_logprobs not in (None, "all"):
+        raise ValueError(
+            f"--off-policy-steps {k} needs the engine's logprob of every token (the behaviour policy): "
+            f"--rollout-logprobs all, not {args.rollout_logprobs}"
+        )
+    args.rollout_logprobs = "all"
+    if args.rollout_correction is None and not args.tis_cap:
+        args.rollout_correction = CORRECTION_DEFAULT
+    chunk = args.partial_chunk_tokens
+    if chunk is None:
+        args.partial_chunk_tokens = -(-args.max_new_tokens // 4)
+    elif chunk < 1:
+        raise ValueError(f"--partial-chunk-tokens must be >= 1, not {chunk}")
