@@ -6,6 +6,8 @@
     out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
     model_checks.py the model directories a run is given: config, tokenizer, whole weights
     cli.py          what all four scripts share: the parser, output directories, error messages
+    build.py        the training scripts' start-up: process groups, the engine, the models, resume, the logger
+    task.py         a run's task: tokenizer, prompts, held-out prompts, reward; the evaluator on them
     data.py         prompts: datasets, chat formatting, a resumable sampler
     hub.py          HF hub ids resolved through the HF cache
     embedded.py     the embedded tiny model and task of `python train_grpo.py`
