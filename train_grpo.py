@@ -42,6 +42,7 @@ from common.rollout.engine import empty_responses_warning, generate_checked, rol
 from common.rollout.lengths import draw_lengths, parse_lengths
 from common.run import flags as F
 from common.run import flags_rollout as FR
+from common.run import flags_run
 from common.run.cli import Parser, finish_evaluation, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
@@ -61,7 +62,7 @@ def build_parser():
         help="start from this megatron checkpoint (convert_hf_to_mcore.py output) instead of the HF weights of --model",
     )
     F.lora_flags(p)
-    F.data_flags(p)
+    flags_run.data_flags(p)
     F.parallel_flags(p)
     FR.rollout_flags(p, group_help="group size G", models="policy, reference")
     a = p.add_argument_group("algorithm (GRPO)")
@@ -139,8 +140,8 @@ def build_parser():
     b.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     o = F.optim_flags(p, "optimisation", lr_help="peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
-    F.plan_flags(p)
-    r = F.run_flags(p, out_prefix=OUT_PREFIX)
+    flags_run.plan_flags(p)
+    r = flags_run.run_flags(p, out_prefix=OUT_PREFIX)
     r.add_argument(
         "--eval-only",
         action="store_true",
@@ -150,7 +151,7 @@ def build_parser():
             "<out>/eval_only/step_N.jsonl and appends the metrics to <out>/eval_only/metrics.jsonl"
         ),
     )
-    F.bench_flags(p)
+    flags_run.bench_flags(p)
     return p
 
 
@@ -158,9 +159,9 @@ def parse_args(argv=None):
     p = build_parser()
     # without --model, the flags the user did not give take the embedded task's values
     args = parse_with_defaults(
-        p, argv, lambda known: F.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
+        p, argv, lambda known: flags_run.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
     )
-    F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
+    flags_run.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)

@@ -40,6 +40,7 @@ import torch
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.run import flags as F
 from common.run import flags_rollout as FR
+from common.run import flags_run
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
@@ -70,7 +71,7 @@ def build_parser():
             "in it is used too); default: --model"
         ),
     )
-    F.data_flags(p)
+    flags_run.data_flags(p)
     F.parallel_flags(p)  # the critic is sharded like the actor
     FR.rollout_flags(p, group_help="responses sampled per prompt", models="actor, critic, reference")
     a = p.add_argument_group("algorithm (PPO)")
@@ -151,8 +152,8 @@ def build_parser():
     )
     o.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
-    F.plan_flags(p)
-    F.run_flags(p, out_prefix=OUT_PREFIX)
+    flags_run.plan_flags(p)
+    flags_run.run_flags(p, out_prefix=OUT_PREFIX)
     return p
 
 
@@ -160,9 +161,9 @@ def parse_args(argv=None):
     p = build_parser()
     # without --model, the flags the user did not give take the embedded task's values
     args = parse_with_defaults(
-        p, argv, lambda known: F.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
+        p, argv, lambda known: flags_run.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
     )
-    F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
+    flags_run.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)

@@ -1,6 +1,7 @@
 """The run around the loop: command-line flags and their checks, inputs, outputs, processes.
 
-    flags.py        the flag groups both training scripts share, and derived settings
+    flags.py        the flag groups both training scripts share: model, parallel, batch; derived settings
+    flags_run.py    their run's groups: data, steps and outputs, the memory plan; the default --out
     flags_rollout.py the shared groups of the rollout side: engine and sampling, corrections, reward
     preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
     out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
