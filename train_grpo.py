@@ -295,10 +295,8 @@ def main():
     if use_reference and not args.lora:
         reference = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True)
     clock.mark("reference")
-    teacher, teacher_spec = (
-        None,
-        None,
-    )  # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
+    # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
+    teacher, teacher_spec = None, None
     if args.teacher and not args.eval_only:
         teacher, teacher_spec = build.load_teacher(args.teacher, dtype, layout)
     clock.mark("teacher")
