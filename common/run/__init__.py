@@ -4,6 +4,7 @@
     flags_run.py    their run's groups: data, steps and outputs, the memory plan; the default --out
     flags_rollout.py the shared groups of the rollout side: engine and sampling, corrections, reward
     preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
+    layout_checks.py  their part on the parallel layout: world size, model shapes, micro-batches
     out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
     model_checks.py the model directories a run is given: config, tokenizer, whole weights
     cli.py          what all four scripts share: the parser, output directories, error messages
