@@ -36,13 +36,12 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from common.model.bridge import recompute_config
 from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
 from common.run import flags as F
 from common.run import flags_async as FA
 from common.run import flags_rollout as FR
+from common.run import flags_run
 from common.run.cli import Parser, finish_training, parse_with_defaults, run_training
 from common.run.memory_check import check_memory
 from common.run.preflight import check_training_run
@@ -73,7 +72,7 @@ def build_parser():
             "in it is used too); default: --model"
         ),
     )
-    F.data_flags(p)
+    flags_run.data_flags(p)
     F.parallel_flags(p)  # the critic is sharded like the actor
     FR.rollout_flags(p, group_help="responses sampled per prompt", models="actor, critic, reference")
     a = p.add_argument_group("algorithm (PPO)")
@@ -156,8 +155,8 @@ def build_parser():
     )
     o.add_argument("--critic-lr", type=float, default=1e-5, help="critic peak learning rate")
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (each model separately)")
-    F.plan_flags(p)
-    F.run_flags(p, out_prefix=OUT_PREFIX)
+    flags_run.plan_flags(p)
+    flags_run.run_flags(p, out_prefix=OUT_PREFIX)
     return p
 
 
@@ -165,9 +164,9 @@ def parse_args(argv=None):
     p = build_parser()
     # without --model, the flags the user did not give take the embedded task's values
     args = parse_with_defaults(
-        p, argv, lambda known: F.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
+        p, argv, lambda known: flags_run.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
     )
-    F.resolve_out(args, OUT_PREFIX)  # default: one directory per model
+    flags_run.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         FA.resolve_async(args)  # --off-policy-steps K: --rollout-logprobs all, its default correction
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
@@ -207,16 +206,13 @@ def main():
     quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
     user_reward = load_reward(args.reward) if args.reward else None  # checked now: exit 2 before anything is built
     env_class = load_env(args.env) if args.env else None  # --env NAME | FILE.py:CLASS, checked now too
-    from megatron.core import parallel_state as mpu
-    from transformers import AutoTokenizer
 
     from common.model import moe
     from common.model import routing_replay as RR
     from common.model.critic import build_critic, load_critic_weights
     from common.model.flops import step_throughput
-    from common.model.gpt import build_model, load_hf_spec
+    from common.model.gpt import load_hf_spec
     from common.model.lora import adapters_disabled, add_lora
-    from common.model.weights import export_hf_weights, load_hf_weights
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
     from common.rl.corrections import correction_weights, loss_weights
@@ -231,72 +227,32 @@ def main():
         policy_loss,
         value_loss,
     )
-    from common.rl.rewards import final_answer, math_reward, synthetic_answer, synthetic_reward
-    from common.rollout.engines import make_engine, vllm_available
     from common.rollout.episodes import episode_metrics, run_episodes
-    from common.rollout.evaluate import Evaluator
     from common.rollout.partial import PartialRollouts, spread_generate
-    from common.run.data import PromptSampler, env_prompts, task_prompts
-    from common.run.dist import init_distributed, print0
-    from common.run.embedded import EMBEDDED_MODELS, write_embedded_model
-    from common.run.host_memory import check_host_memory
-    from common.run.log import MetricsLogger, default_wandb_mode, progress_bar, run_record
-    from common.train import schedule
-    from common.train.checkpoint import load_model_checkpoint
+    from common.run import build
+    from common.run.data import PromptSampler
+    from common.run.dist import print0
+    from common.run.log import progress_bar
+    from common.run.task import load_task, make_evaluator
+    from common.train import passes, schedule
     from common.train.colocation import Colocation, PhaseMemory, Timer
     from common.train.guard import OffPolicyError, RunControl, check_finite, on_policy_failure
-    from common.train.resume import changed_flags, load_training_checkpoint
-    from common.train.reward_model import RewardModel
     from common.train.save import CheckpointWriter
     from common.train.setup import setup_training
 
-    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
-    on_gpu = info.device.type == "cuda"
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
-    print0(
-        f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
-        + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "")
-        + f" on {info.device}, {dtype}"
-    )
-    os.makedirs(args.out, exist_ok=True)
+    # torch.distributed and megatron's groups (torchrun / Slurm: common/run/dist.py); bf16 on GPUs, fp32 on CPUs
+    info, dtype = build.start_distributed(args)
 
-    # ---- model source, tokenizer, prompts --------------------------------------------
-    hf_dir = args.model or os.path.join(args.out, "embedded_model")
-    if args.model is None and info.master_process:
-        # made in code (needs a shared --out across nodes)
-        write_embedded_model(hf_dir, **EMBEDDED_MODELS[args.embedded_model])
-    dist.barrier()
-    spec = load_hf_spec(hf_dir)
+    # ---- model source, tokenizer, prompts, reward ---------------------------------------
+    hf_dir, spec = build.model_source(args.model, args.out, args.embedded_model, info)  # (or the embedded model)
     clock.mark("set-up")
     critic_dir = args.critic_model or hf_dir  # vocabulary checked in common/run/preflight.py
     critic_spec = load_hf_spec(critic_dir)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right
-    prompt_format = dict(
-        prompt_key=args.prompt_key,
-        answer_key=args.answer_key,
-        data_config=args.data_config,
-        raw_prompts=args.raw_prompts,
-        system_prompt=args.system_prompt,
-        chat_template_kwargs=args.chat_template_kwargs,
-        max_prompt_len=args.max_prompt_len,
-        max_positions=spec.max_position_embeddings,
-    )
-    items, prompt_ids = task_prompts(tokenizer, args.data, data_split=args.data_split, seed=args.seed, **prompt_format)
-    # held-out prompts for validation (common/rollout/evaluate.py): --eval-data, or the embedded task's own
-    eval_items, eval_prompt_ids = (
-        task_prompts(tokenizer, args.eval_data, flag="--eval-data", data_split=args.eval_split, **prompt_format)
-        if args.eval_data or not args.data
-        else ([], [])
-    )
-    reward_fn = user_reward or (math_reward if args.data else functools.partial(synthetic_reward, format_credit=0.0))
-    if env_class is not None:  # --env: episodes of the environment, on --data's items or its own (docs/agentic.md)
-        data_items = items if args.data else None  # (else the environment's own)
-        items, prompt_ids, make_env, codec = env_prompts(
-            env_class, data_items, tokenizer, args, spec.max_position_embeddings
-        )
-        eval_items, eval_prompt_ids = [], []  # validation is of single-turn answers
+    # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right; held-out
+    # prompts for validation; --env: episodes of the environment (docs/agentic.md)
+    task = load_task(args, hf_dir, spec, user_reward, env_class)
+    tokenizer, pad_id, reward_fn = task.tokenizer, task.pad_id, task.reward_fn
+    items, prompt_ids, make_env, codec = task.items, task.prompt_ids, task.make_env, task.codec
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
     group = args.samples_per_prompt
@@ -305,67 +261,19 @@ def main():
     per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank (checked: divides)
     updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
 
-    # ---- rollout engine: one replica per rank (CPU / vLLM TP=1) or per vLLM TP group ----
-    # Started before the trainer's state exists: vLLM takes --gpu-memory-utilization of the GPU and
-    # checks at start that so much is free; it then sleeps (weights and KV cache freed) until the
-    # first rollout's weight sync wakes it (common/train/colocation.py Colocation.rollout)
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and vllm_available())
-    # (with --load-rollouts: replayed samples, no engine)
-    engine, rollout_tp = (
-        (None, args.rollout_tp)
-        if args.load_rollouts
-        else make_engine(
-            use_vllm,
-            hf_dir,
-            rollout_tp=args.rollout_tp,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            # the longest prompt (at most --max-prompt-len) + a whole response; capped at the model's positions
-            max_model_len=args.max_episode_tokens  # --env: a whole episode's context
-            if env_class
-            else max(map(len, prompt_ids + eval_prompt_ids)) + args.max_new_tokens,
-            seed=args.seed,
-            device=info.device,
-            return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
-        )
-    )
-    if engine is not None:
-        engine.sleep()
+    # ---- rollout engine, started first and asleep (with --load-rollouts: replayed samples, no engine) ----
+    use_vllm = build.wants_vllm(args.rollout, info.device)
+    # the longest prompt (at most --max-prompt-len) + a whole response, or --env: a whole episode's context
+    # (capped at the model's positions)
+    longest = max(map(len, prompt_ids + task.eval_prompt_ids)) if not env_class else None
+    max_model_len = args.max_episode_tokens if env_class else longest + args.max_new_tokens
+    engine, rollout_tp = build.start_engine(args, hf_dir, info.device, use_vllm, max_model_len=max_model_len)
     clock.mark("engine")
 
-    # ---- actor (trained), critic (trained), reference (frozen) ------------------------
-    # how the policy, reference (and critic) are built: parallel layout (MoE: experts over ep x etp), aux loss
-    model_args = dict(
-        tp=args.tp,
-        pp=args.pp,
-        vpp=args.vpp,
-        cp=args.cp,
-        ep=args.ep,
-        etp=args.etp,
-        sequence_parallel=args.sp,
-        first_stage_layers=args.first_stage_layers,
-        last_stage_layers=args.last_stage_layers,
-        moe_aux_loss_coef=args.moe_aux_loss_coef,
-        **F.moe_overrides(args),
-        **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers),
-    )
-
-    def load_model():
-        chunks = build_model(spec, dtype=dtype, **model_args)
-        if args.mcore_ckpt:
-            load_model_checkpoint(args.mcore_ckpt, chunks)
-        else:
-            load_hf_weights(chunks, spec, hf_dir)
-        return chunks
-
-    lr_schedule = dict(
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        warmup_steps=args.lr_warmup_steps,
-        decay_style=args.lr_decay,
-        use_distributed_optimizer=args.distributed_optimizer,
-    )
-    model = load_model()
+    # ---- actor (trained), critic (trained), reference and teacher (frozen) ------------
+    layout = build.model_layout(args)  # parallel layout (MoE: experts over ep x etp), aux loss, recompute
+    lr_schedule = build.optimizer_settings(args)  # all but the peak lr and the total steps, for both models
+    model = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt)
     if args.lora:  # the actor's base frozen, adapters (B = 0: the base itself) trained; the critic is trained whole
         add_lora(model, **args.lora, seed=args.seed)
     model, optimizer, scheduler = setup_training(
@@ -377,50 +285,25 @@ def main():
     clock.mark("policy")
     # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
     # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
-    critic_chunks = build_critic(critic_spec, dtype=dtype, **model_args)
+    critic_chunks = build_critic(critic_spec, dtype=dtype, **layout)
     load_critic_weights(critic_chunks, critic_spec, critic_dir)  # body from HF; head zero unless the dir has one
     critic, critic_optimizer, critic_scheduler = setup_training(
         critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **lr_schedule
     )
     clock.mark("critic")
-    reference = None
-    if args.kl_coef > 0 and not args.lora:
-        reference = load_model()
-        for chunk in reference:
-            chunk.eval().requires_grad_(False)
     use_reference = args.kl_coef > 0  # with LoRA: the actor itself with its adapters off (no second copy)
+    reference = None
+    if use_reference and not args.lora:
+        reference = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True)
     clock.mark("reference")
-    # on-policy distillation: a frozen teacher of its own architecture and size, sharded and offloaded like the
-    # reference (its vocabulary was checked against the policy's in common/run/preflight.py)
-    teacher = None
+    # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
+    teacher, teacher_spec = None, None
     if args.teacher:
-        teacher_spec = load_hf_spec(args.teacher)
-        teacher = build_model(teacher_spec, dtype=dtype, **model_args)
-        load_hf_weights(teacher, teacher_spec, args.teacher)
-        for chunk in teacher:
-            chunk.eval().requires_grad_(False)
+        teacher, teacher_spec = build.load_teacher(args.teacher, dtype, layout)
     clock.mark("teacher")
 
     replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
-    # validation on the held-out prompts
-    evaluator = Evaluator(
-        tokenizer,
-        eval_items,
-        eval_prompt_ids,
-        samples=args.eval_samples,
-        temperature=args.eval_temperature,
-        max_tokens=args.max_new_tokens,
-        every=args.eval_every,
-        last_step=args.steps - 1,
-        out_dir=args.out,
-        seed=args.seed,
-        reward_fn=math_reward if args.eval_data and not user_reward else reward_fn,
-        answer_fn=final_answer if args.eval_data else synthetic_answer,
-        replica=replica,
-        num_replicas=num_replicas,
-        first_of_replica=info.rank % rollout_tp == 0,
-        master_process=info.master_process,
-    )
+    evaluator = make_evaluator(args, task, info, rollout_tp, user_reward)  # held-out validation
     # Memory choreography on a shared GPU (common/train/colocation.py, as in train_grpo.py): the critic
     # idles from its update until the next values pass, the reference but for its logprob
     # pass, both Adam states but for the updates. No-ops for tensors already on the CPU.
@@ -433,45 +316,20 @@ def main():
         frozen=[reference, teacher],
         params=offload_params,
         optimizer_state=use_vllm if args.offload_optimizer is None else args.offload_optimizer,
-        weights=lambda: export_hf_weights(
-            model,
-            spec,
-            dtype=torch.bfloat16 if use_vllm else torch.float32,
-            bucket_mb=args.sync_bucket_mb,
-            expert_blocks=engine.expert_blocks,
-            local_reads=engine.local_reads,
+        # the actor's weights, as the engine loads them
+        weights=functools.partial(
+            build.engine_weights, model, spec, engine, use_vllm=use_vllm, bucket_mb=args.sync_bucket_mb
         ),
     )
     # a model-based reward (common/train/reward_model.py): frozen, sharded like the policy, offloaded like the reference
-    reward_model = (
-        RewardModel.load(
-            args.reward_model,
-            tp=args.tp,
-            pp=args.pp,
-            vpp=args.vpp,
-            cp=args.cp,
-            sequence_parallel=args.sp,
-            dtype=dtype,
-            micro_batch_size=args.micro_batch_size,
-            offload=offload_params,
-        )
-        if args.reward_model
-        else None
-    )
+    reward_model = build.load_reward_model(args, dtype, offload=offload_params) if args.reward_model else None
     clock.mark("reward model")
 
     # LoRA's adapters are trained on this base (merge_to_hf.py loads it from here, then the adapters)
     lora_meta = {"lora": dict(args.lora, base=args.model or hf_dir, base_mcore=args.mcore_ckpt)} if args.lora else {}
-    # what a checkpoint holds; its tensors that the offload keeps in host memory are staged there
+    # what a checkpoint holds (staged in the offload's host buffers)
     checkpointed = [(model, optimizer), (critic, critic_optimizer)]
-    # pinned host memory of this node's ranks within what it has (else a SIGKILL, no message): the
-    # offload's one pool and the staging's own buffer for what the pool does not hold, by arithmetic
-    check_host_memory(
-        {
-            "offload buffers": colo.host_bytes(),
-            "checkpoint staging": CheckpointWriter.host_bytes(checkpointed, colo.host_buffers),
-        }
-    )
+    build.check_pinned_memory(colo, checkpointed)  # this node's ranks within what it has, before pinning any
     clock.mark("set-up")
     colo.allocate()  # the pinned pool now (the first steps would pay seconds for it); the reference moves there
     clock.mark("pinned host memory")
@@ -494,67 +352,35 @@ def main():
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
     if args.resume:  # common/run/preflight.py made sure there is a checkpoint
-        extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler, extra_models=critic_state)
-        start_step = extra["step"]
-        sampler.load_state_dict(extra["sampler"])  # (refused if the data or --seed changed)
-        if carry:  # the carried samples, their versions included
-            carry.load_state_dict(extra.get("partial", {"groups": []}))
-        print0(f"resumed from step {start_step}")
-        for line in changed_flags(extra.get("flags", {}), F.schedule_flags(args), start_step):
-            print0(line)  # the schedule follows this run's flags, from the resumed step on
+        start_step = build.resume_training(
+            ckpt_root,
+            sampler,
+            model,
+            optimizer,
+            scheduler,
+            schedule_flags=F.schedule_flags(args),
+            extra_models=critic_state,
+            carry=carry,
+        )
         clock.mark("resume")
-    logger = MetricsLogger(
-        args.out,
-        # the arguments as resolved (what ran: dtype, engine, offloads, wandb), + the command line as given
-        run_record(
-            dict(
-                vars(args),
-                dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
-                rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
-                rollout_tp=rollout_tp,
-                offload_params=offload_params,
-                offload_optimizer=colo.optimizer_state,
-                wandb=args.wandb or default_wandb_mode(),
-            ),
-            dict(info.layout(), dtype=str(dtype)),
-        ),
-        wandb_mode=args.wandb or default_wandb_mode(),
-        project=args.wandb_project,
-        run_name=args.run_name,
-        enabled=info.master_process,
-        resume=bool(args.resume),
+    logger = build.open_logger(
+        args,
+        info,
+        dtype,
+        rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
+        rollout_tp=rollout_tp,
+        offload_params=offload_params,
+        offload_optimizer=colo.optimizer_state,
     )
     logger.truncate_after(start_step)
-    tp_group = mpu.get_tensor_model_parallel_group()
-    # ranks whose forward passes meet in the experts' all-to-all: they run equally many micro-batches
-    expert_peers = mpu.get_data_parallel_group() if spec.moe and args.ep * args.etp > 1 else None
-    # row and packed-sample length multiples of SP and CP; GSPO's ratio sums each sample's CP chunks
-    multiple, sample_multiple = B.length_multiples(args.tp, args.cp)
-    cp_group = mpu.get_context_parallel_group() if args.cp > 1 else None
+    # the groups and length multiples of the trainer's passes (SP, CP, the experts' all-to-all)
+    groups = build.pass_layout(spec, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp)
+    tp_group, cp_group, expert_peers = groups.tp_group, groups.cp_group, groups.expert_peers
+    multiple, sample_multiple = groups.multiple, groups.sample_multiple
     # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
     norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
-
-    def forward_pass(chunks, mbs, per_token_fn, store, routes=None):
-        """Forward-only per-token numbers (B, T) of every micro-batch into store[row], on EVERY
-        rank (token rewards, GAE and the logged statistics are computed everywhere): TP rank 0
-        of each last pipeline stage writes its DP rank's rows, then a sum over all ranks (one
-        writer per row: exact) gives every rank all rows. routes: a routing_replay.route_store
-        that takes the pass's MoE routes."""
-        tp_first = mpu.get_tensor_model_parallel_rank() == 0
-        # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
-        on_device = torch.zeros(store.shape[0] + 1, *store.shape[1:], device=info.device)
-
-        def loss_fn(mb, output):
-            per_token = per_token_fn(mb, output)  # (b, T); TP collectives inside run on every TP rank
-            if tp_first:
-                B.scatter_tokens(on_device, mb, per_token.float())  # back to the samples' rows
-            return per_token.sum() * 0, {}
-
-        with torch.no_grad():
-            schedule.run_micro_batches(
-                chunks, mbs, loss_fn, forward_only=True, device=info.device, record_routes=routes
-            )
-        store.copy_(schedule.all_reduce_sum(on_device[:-1], None, info.device))
+    # forward-only per-token numbers into a (N, T) store on every rank (common/train/passes.py)
+    forward_pass = functools.partial(passes.forward_pass, device=info.device)
 
     def logprobs_of(mb, logits, vocab_size=spec.vocab_size):  # logits (b, T, V/tp) -> (b, T)
         return vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)[0]

@@ -89,7 +89,7 @@ def run_out_dir(script, script_args):
         known, _ = module.build_parser().parse_known_args(script_args)
         if known.out is not None:
             return known.out
-        from common.run.flags import default_out
+        from common.run.flags_run import default_out
 
         return default_out(module.OUT_PREFIX, known.model, known.embedded_model)
     except (Exception, SystemExit):  # a script of another shape, flags it refuses: no checkpoint named

@@ -3,6 +3,8 @@
     engine.py         the engine interface (RolloutEngine, Sample) and the logprob checks of a rollout
     hf_engine.py      the CPU engine: transformers with a batched sampling loop
     vllm_engine.py    vLLM colocated in the torchrun processes (GPUs); in-place weight updates
+    vllm_turns.py     its agentic path: turns of episodes as vLLM requests, one by one
+    vllm_experts.py   its sync's copies of routed experts into vLLM's fused MoE parameters
     engines.py        make_engine: which engine a run gets
     routes.py         the MoE routes of a rollout: router hooks on the CPU engine, vLLM's routed experts
     lengths.py        a benchmark's response lengths, drawn from a distribution (fixed, uniform, lognormal)

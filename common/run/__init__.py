@@ -1,12 +1,16 @@
 """The run around the loop: command-line flags and their checks, inputs, outputs, processes.
 
-    flags.py        the flag groups both training scripts share, and derived settings
+    flags.py        the flag groups both training scripts share: model, parallel, batch; derived settings
+    flags_run.py    their run's groups: data, steps and outputs, the memory plan; the default --out
     flags_rollout.py the shared groups of the rollout side: engine and sampling, corrections, reward
     flags_async.py  --off-policy-steps (partial rollouts with bounded staleness) and what it implies
     preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
+    layout_checks.py  their part on the parallel layout: world size, model shapes, micro-batches
     out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
     model_checks.py the model directories a run is given: config, tokenizer, whole weights
     cli.py          what all four scripts share: the parser, output directories, error messages
+    build.py        the training scripts' start-up: process groups, the engine, the models, resume, the logger
+    task.py         a run's task: tokenizer, prompts, held-out prompts, reward; the evaluator on them
     data.py         prompts: datasets, chat formatting, a resumable sampler
     hub.py          HF hub ids resolved through the HF cache
     embedded.py     the embedded tiny model and task of `python train_grpo.py`

@@ -2,6 +2,7 @@
 
     setup.py            megatron DDP (+ distributed optimizer), Adam, the LR schedule
     schedule.py         megatron's pipeline schedule over micro-batches; the update step
+    passes.py           forward-only passes: per-token logprobs or values into the batch's rows
     colocation.py       the colocated step's memory choreography (what moves when), and its measurement
     offload.py          moving state to pinned host memory and back; host_pool.py: that memory, one block
     guard.py            what stops a run: signals, non-finite numbers, usage errors (exit codes 0/3/2)

@@ -23,6 +23,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from tests.gpu.script_runs import kept, run_script, save_results  # noqa: E402 (after the path)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 ARGS = [
     "--steps", "3", "--prompts-per-step", "32", "--samples-per-prompt", "8", "--max-new-tokens", "128",
@@ -42,14 +44,8 @@ def model(tmp_path_factory):
 
 
 def train(model, out, ranks, *extra):
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    cmd = [*launch, "train_grpo.py", "--model", model, *ARGS, *extra, "--out", str(out)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=500, env=dict(os.environ, WANDB_MODE="disabled")
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r[k] for k in KEEP if k in r} for r in rows]
+    rows, _ = run_script("train_grpo.py", out, "--model", model, *ARGS, *extra, ranks=ranks, timeout=500)
+    return kept(rows, KEEP)
 
 
 def test_lora_against_full_fine_tuning(model, tmp_path):
@@ -58,9 +54,7 @@ def test_lora_against_full_fine_tuning(model, tmp_path):
         runs["lora_tp2"] = train(model, tmp_path / "lora_tp2", 2, "--tp", "2", "--lora-rank", "16")
     RESULTS.update(runs)
     print("RESULT", json.dumps(runs), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "lora.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    save_results("lora.json", RESULTS)
     full_mismatch = max(r["logprob_mismatch"] for r in runs["full"])
     for name in runs:
         assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in runs[name]), name

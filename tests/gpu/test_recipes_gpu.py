@@ -13,9 +13,7 @@ and runs its forward-only ones (old logprobs, values) at 4x the update's token b
 (--logprob-micro-batch-tokens).
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +21,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from tests.gpu.script_runs import run_script  # noqa: E402 (after the path)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 COMMON = [
     "--steps",
@@ -63,13 +63,7 @@ def rm_dir(tmp_path_factory):
 
 
 def train(script, out, *extra):
-    cmd = [sys.executable, script, *COMMON, *extra, "--out", str(out)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, WANDB_MODE="disabled")
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows, proc.stdout + proc.stderr
+    return run_script(script, out, *COMMON, *extra, timeout=400)
 
 
 def check_common(rows, out, output, min_extra=-1e-4):

@@ -17,7 +17,6 @@ would be moot), and with replay the mismatch is no larger than without. Results:
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +24,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from tests.gpu.script_runs import kept, run_script, save_results  # noqa: E402 (after the path)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 ARGS = [
     "--steps", "1", "--prompts-per-step", "32", "--samples-per-prompt", "4", "--max-new-tokens", "64",
@@ -53,15 +54,9 @@ def models(tmp_path_factory):
 
 
 def train(model, out, ranks, *extra):
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    cmd = [*launch, "train_grpo.py", "--model", model, *ARGS, *extra, "--out", str(out)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=420, env=dict(os.environ, WANDB_MODE="disabled")
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_script("train_grpo.py", out, "--model", model, *ARGS, *extra, ranks=ranks, timeout=420)
     keep = ("logprob_mismatch", "route_mismatch", "route_mismatch_update", "rollout_s", "step_s")
-    return [{k: r[k] for k in keep if k in r} for r in rows if "logprob_mismatch" in r]
+    return kept([r for r in rows if "logprob_mismatch" in r], keep)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -76,9 +71,7 @@ def test_rollout_routes_replay(models, tmp_path, name, ep):
     }
     RESULTS[f"{name}_ep{ep}"] = runs
     print("RESULT", name, f"ep{ep}", json.dumps(runs), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "routing_replay.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    save_results("routing_replay.json", RESULTS)
     first = runs["rollout"][0]
     disagree = first.get("route_mismatch", first.get("route_mismatch_update"))
     assert disagree is not None and 0 < disagree < 0.5, first

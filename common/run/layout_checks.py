@@ -1,0 +1,129 @@
+"""The parallel layout of a training run, checked before anything is built (common/run/preflight.py runs
+it with the other checks): TP/PP/CP/EP against the world size and the shapes of the model, the critic and
+the teacher; the micro-batch sizes derived where not given; the rollout engine's TP against the world.
+Every mistake is a UsageError (one line, exit 2 on every rank alike)."""
+
+from common.model.bridge import check_parallel_layout
+from common.run.dist import launcher_rank, launcher_world_size
+from common.run.flags import MICRO_BATCH_SIZE, fitting_size, logprob_micro_batching
+from common.train.guard import UsageError
+
+
+def _routes(spec):
+    """What a model's MoE routes are made of: its MoE layers, experts and top-k."""
+    return spec.moe.moe_layers, spec.moe.num_experts, spec.moe.topk
+
+
+def check_layout(args, spec, critic=None, teacher=None):
+    """The parallel layout against the world size and the shapes of the model (and of
+    --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
+    world = getattr(args, "world_size", None) or launcher_world_size()  # --world-size: a dry run's
+    model_parallel = args.tp * args.pp * args.cp
+    if world % model_parallel:
+        raise UsageError(
+            f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp} x --cp {args.cp} = "
+            f"{model_parallel}: start a multiple of tp*pp*cp processes"
+        )
+    if args.vpp is not None and args.pp == 1:
+        raise UsageError("--vpp needs --pp > 1 (virtual stages interleave a pipeline)")
+    ep, etp = args.ep, args.etp
+    if (world // args.pp) % (ep * etp):  # MoE layers fold each stage's ranks into etp x ep x expert-dp
+        raise UsageError(
+            f"world size {world} / --pp {args.pp} is not divisible by --ep {ep} x --etp {etp}: "
+            "each pipeline stage's ranks must split into expert-parallel groups"
+        )
+    if spec.moe is not None and args.tp > 1 and not args.sp:
+        raise UsageError(f"Mixture-of-Experts layers with --tp {args.tp} need sequence parallelism: add --sp")
+    rate = getattr(args, "moe_router_bias_update_rate", 0.0)
+    if rate < 0 or (rate and not (spec.moe is not None and spec.moe.expert_bias)):
+        raise UsageError(
+            f"--moe-router-bias-update-rate {rate}: needs a rate >= 0 and a model whose router has a "
+            f"score-correction bias (DeepSeek-V3); {spec.architecture} has none"
+        )
+    replay = getattr(args, "routing_replay", "none")
+    if replay != "none" and spec.moe is None:
+        raise UsageError(f"--routing-replay {replay}: {spec.architecture} has no MoE routers; drop the flag")
+    if replay != "none" and critic is not None and critic.moe is not None and _routes(critic) != _routes(spec):
+        raise UsageError(
+            f"--routing-replay {replay}: the critic replays the actor's routes, so --critic-model needs the actor's "
+            "MoE layers, experts and top-k (or no experts)"
+        )
+    if getattr(args, "moe_dispatcher", None) and spec.moe is None:
+        raise UsageError(
+            f"--moe-dispatcher {args.moe_dispatcher}: {spec.architecture} has no experts to dispatch "
+            "tokens to; drop the flag"
+        )
+    layout = dict(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        ep=ep,
+        etp=etp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+    )
+    for prefix, model in (("", spec), ("--critic-model: ", critic), ("--teacher: ", teacher)):
+        if model is None:
+            continue
+        try:
+            check_parallel_layout(model, **layout)
+        except ValueError as e:
+            raise UsageError(prefix + str(e)) from None
+    dp = world // model_parallel
+    rollout_batch = args.prompts_per_step * args.samples_per_prompt
+    mini_batch = args.mini_batch_size = args.mini_batch_size or rollout_batch  # (config.json records it)
+    if rollout_batch % mini_batch:
+        raise UsageError(
+            f"the rollout batch ({args.prompts_per_step} prompts x {args.samples_per_prompt} samples = "
+            f"{rollout_batch}) must be a multiple of --mini-batch-size {mini_batch}"
+        )
+    if mini_batch % dp:
+        raise UsageError(
+            f"--mini-batch-size {mini_batch} must be a multiple of the data-parallel size {dp} "
+            f"(world {world} / (tp {args.tp} x pp {args.pp}))"
+        )
+    if args.micro_batch_size is None:  # the largest up to MICRO_BATCH_SIZE that divides a rank's share
+        args.micro_batch_size = fitting_size(mini_batch // dp, MICRO_BATCH_SIZE)
+        args.micro_batch_size_derived = True  # (the memory plan may give the update a token budget instead)
+        if args.micro_batch_size != MICRO_BATCH_SIZE and not args.micro_batch_tokens and launcher_rank() == 0:
+            print(
+                f"--micro-batch-size {args.micro_batch_size}: each data-parallel rank gets {mini_batch // dp} "
+                f"samples of a mini-batch (the default, the largest size up to {MICRO_BATCH_SIZE} that divides them)",
+                flush=True,
+            )
+    for flag, (size, tokens) in (
+        ("--micro-batch-size", (args.micro_batch_size, args.micro_batch_tokens)),
+        ("--logprob-micro-batch-size", logprob_micro_batching(args)),
+    ):
+        if not tokens and (mini_batch // dp) % size:
+            raise UsageError(
+                f"each data-parallel rank gets {mini_batch // dp} samples of a mini-batch, not a multiple "
+                f"of {flag} {size}"
+            )
+    rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
+    if world % rollout_tp:
+        raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")
+    replicas = world // rollout_tp
+    if args.load_rollouts is None and args.prompts_per_step % replicas:
+        raise UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {replicas} rollout "
+            f"replicas (world {world} / rollout tp {rollout_tp})"
+        )
+    if args.max_new_tokens >= spec.max_position_embeddings:
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the model's "
+            f"{spec.max_position_embeddings} positions (max_position_embeddings)"
+        )
+
+
+def _uses_vllm(args):
+    """The scripts' choice of rollout engine (use_vllm in train_grpo.py), made before start-up."""
+    if args.rollout != "auto":
+        return args.rollout == "vllm"
+    if getattr(args, "dry_run", False) and getattr(args, "gpu_memory_gb", None):
+        return True  # a dry run for GPUs plans for vLLM on them
+    import torch
+
+    from common.rollout.engines import vllm_available
+
+    return torch.cuda.is_available() and vllm_available()
