@@ -7,13 +7,14 @@
   4; it finishes the step, saves, exits 0), resumed to 4 == 4 steps in one go (every step equal: the carried
   samples, their versions and logprobs came back); PPO resumed after 2 steps trains the carried samples (age 1);
   the staleness metrics show partial samples;
+- data parallel 2: the replicas' samples come together with their own logprobs, the same staleness schedule;
 - learning: K = 1 and K = 2 on the embedded task (its default settings, IcePop the default correction) reach the
   synchronous run's reward in the same 50 steps (the same samples per step).
 """
 
 import pytest
 
-from tests.conftest import read_metrics, run_scripts
+from tests.conftest import read_metrics, run_scripts, run_torchrun
 
 SMALL = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16]
 PARTIAL = [*SMALL, "--max-new-tokens", 4, "--off-policy-steps", 1, "--partial-chunk-tokens", 1, "--eval-every", 0]
@@ -94,6 +95,16 @@ def assert_partial_rollouts(steps):
     assert all(m["staleness_share_1"] == 1.0 and m["dropped_samples"] == 0 for m in steps[1:])
     assert any(m["partial_frac"] > 0 for m in steps) and all(m["carried_samples"] == 32 for m in steps)
     assert all("correction_masked_frac" in m for m in steps)  # IcePop, the default with K > 0
+
+
+def test_two_replicas_carry_their_samples(tmp_path):
+    """Data parallel 2 (two rollout replicas, gloo): each replica continues its share of the groups in flight and
+    every rank trains all of them in one order; the engine logprobs of step 0 (fresh samples) equal the trainer's,
+    so no sample was paired with another's logprobs when the replicas' samples came together."""
+    run_torchrun("train_grpo.py", 2, *PARTIAL, "--steps", 3, "--out", tmp_path)
+    steps = read_metrics(tmp_path)
+    assert steps[0]["logprob_mismatch"] < 1e-5 and steps[0]["staleness_share_0"] == 1.0
+    assert_partial_rollouts(steps)
 
 
 # the synchronous embedded run's mean reward over steps 40-49 (measured, --seed 1234: 0.656; K = 1: 0.703, K = 2: 0.690)
