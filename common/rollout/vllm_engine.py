@@ -136,8 +136,8 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
             config = json.load(f)
         # a vision-language checkpoint (Qwen3.5 as released): vLLM builds the whole model, whose language
         # model takes the checkpoint's names (model.language_model.*: common/model/bridge_vl.py)
-        self._vision_language = text_config(config)[1]
-        max_positions = text_config(config)[0].get("max_position_embeddings")
+        text, self._vision_language = text_config(config)
+        max_positions = text.get("max_position_embeddings")
         self.moe_layers = None  # return_routes: which decoder layers are MoE (routes_from_vllm)
         if return_routes:
             from common.model.bridge import parse_hf_config
