@@ -329,6 +329,19 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+def embedded_grpo_run(model, steps, out):
+    """train_grpo.py on --embedded-model `model` for `steps` steps (validation halfway and at the end, no KL
+    term, no sample printing): its step records, the rewards printed with the first step's logprob mismatch."""
+    run_script(
+        "train_grpo.py",
+        *("--embedded-model", model, "--steps", steps, "--eval-every", steps // 2),
+        *("--kl-coef", 0, "--log-samples-every", 0, "--out", out),
+    )
+    rows = read_metrics(out)
+    print("reward", [round(m["reward_mean"], 3) for m in rows], "mismatch", rows[0]["logprob_mismatch"])
+    return rows
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory):
     """Every tiny HF model of tests/tiny_models.py saved once per session (qwen3 sharded)."""

@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import LayoutLaunches, read_metrics, run_script
+from tests.conftest import LayoutLaunches, embedded_grpo_run, run_script
 from tests.tiny_models import GPTOSS_CONFIGS, save_tiny_hf_model
 
 
@@ -332,23 +332,7 @@ def test_grpo_learns_with_the_embedded_gptoss(tmp_path):
     """train_grpo.py --embedded-model gpt_oss: the embedded task is being learned (measured: reward
     0.005 over the first 10 steps, 0.118 over the last 10), and the trainer's logprobs equal the CPU
     engine's (transformers)."""
-    run_script(
-        "train_grpo.py",
-        "--embedded-model",
-        "gpt_oss",
-        "--steps",
-        40,
-        "--eval-every",
-        20,
-        "--kl-coef",
-        0,
-        "--log-samples-every",
-        0,
-        "--out",
-        tmp_path,
-    )
-    rows = read_metrics(tmp_path)
+    rows = embedded_grpo_run("gpt_oss", 40, tmp_path)
     reward = [m["reward_mean"] for m in rows]
-    print("reward", [round(r, 3) for r in reward], "mismatch", rows[0]["logprob_mismatch"])
     assert rows[0]["logprob_mismatch"] < 1e-5
     assert sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.1

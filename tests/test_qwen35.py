@@ -19,7 +19,7 @@ GRPO learning the embedded task with the embedded tiny Qwen3.5-MoE.
 import pytest
 import torch
 
-from tests.conftest import LayoutLaunches, read_metrics, run_script, run_torchrun
+from tests.conftest import LayoutLaunches, embedded_grpo_run, run_script, run_torchrun
 from tests.tiny_models import GDN_CONFIGS, save_tiny_hf_model
 
 
@@ -280,23 +280,7 @@ def test_grpo_learns_with_the_embedded_qwen35_moe(tmp_path):
     with an MoE MLP: one run covers both): the embedded task is being learned (measured: reward 0.007
     over the first 10 steps, 0.29 over the last 10), and the trainer's logprobs equal the CPU
     engine's (transformers)."""
-    run_script(
-        "train_grpo.py",
-        "--embedded-model",
-        "qwen3_5_moe",
-        "--steps",
-        30,
-        "--eval-every",
-        15,
-        "--kl-coef",
-        0,
-        "--log-samples-every",
-        0,
-        "--out",
-        tmp_path,
-    )
-    rows = read_metrics(tmp_path)
+    rows = embedded_grpo_run("qwen3_5_moe", 30, tmp_path)
     reward = [m["reward_mean"] for m in rows]
-    print("reward", [round(r, 3) for r in reward], "mismatch", rows[0]["logprob_mismatch"])
     assert rows[0]["logprob_mismatch"] < 1e-5 and "moe_load_max" in rows[0]
     assert sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.1
