@@ -25,7 +25,7 @@ def forward_backward(spec, hf_dir, attention, ids, tp, sequence_parallel):
     from megatron.core import parallel_state as mpu
 
     from common.model.gpt import build_model
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
 
     model = build_model(spec, tp=tp, sequence_parallel=sequence_parallel, attention=attention)[0]
     load_hf_weights([model], spec, hf_dir)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def tiny_model(hf_dir, dtype=torch.float32):
     """(spec, model chunks with the HF weights), in a world of one process."""
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     if not torch.distributed.is_initialized():

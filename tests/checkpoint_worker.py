@@ -178,7 +178,8 @@ def error_of(fn, *args, **kwargs):
 def run_job(job, args, info, spec, out_dir):
     from common.model.critic import build_critic, load_critic_weights
     from common.model.gpt import build_model
-    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.model.weights import export_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import set_seed
     from common.train.resume import load_training_checkpoint
     from common.train.save import CheckpointWriter, save_training_checkpoint

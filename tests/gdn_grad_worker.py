@@ -29,7 +29,8 @@ if __name__ == "__main__":
     from megatron.core import parallel_state as mpu
 
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.model.weights import export_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     init_distributed(tp=args.tp)

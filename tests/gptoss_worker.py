@@ -63,7 +63,8 @@ def run(args):
     from common.model.chunks import named_global_parameters, unwrap
     from common.model.gpt import build_model, load_hf_spec
     from common.model.gptoss import SinkAttention
-    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.model.weights import export_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     info = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)

@@ -34,7 +34,7 @@ def parse(argv):
 
 def tiny(args, dtype=torch.float32):
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     init_distributed(tp=args.tp)

@@ -19,7 +19,7 @@ def train(hf_dir, dtype, distributed_optimizer, offload):
     from megatron.core import parallel_state as mpu
 
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.train import schedule
     from common.train.host_pool import HostPool
     from common.train.offload import Offloader
@@ -170,7 +170,7 @@ def frozen_model_roundtrip(hf_dir):
     """A plain (not DDP-wrapped) frozen model, as train_grpo.py's reference: same logits after
     offload + reload, and its storages empty in between."""
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.train.offload import Offloader
 
     spec = load_hf_spec(hf_dir)
@@ -221,7 +221,7 @@ def colocation_phases(hf_dir):
     idle model, a frozen reference; a recording engine): what is on the device in each phase,
     and every tensor the same after its round trip."""
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.train.colocation import Colocation, Timer
     from common.train.setup import setup_training
 
@@ -349,7 +349,7 @@ def policy_and_critic(spec, hf_dir):
     """((policy, optimizer, scheduler), (critic, ...)) of train_ppo.py, bf16, from hf_dir's weights."""
     from common.model.critic import build_critic, load_critic_weights
     from common.model.gpt import build_model
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.train.setup import setup_training
 
     policy_chunks = build_model(spec, dtype=torch.bfloat16)

@@ -91,7 +91,7 @@ def run_layout(args):
 
     from common.model.critic import build_critic, load_critic_weights
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.rl import batch as B
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import aggregate_loss, policy_loss

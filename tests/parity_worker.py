@@ -73,7 +73,7 @@ def compare_dispatchers(spec, hf_dir, layout, ids, seq_len, reference):
     gradient of one random projection of the logits (this rank's shard) against all-to-all's."""
     from common.model.gpt import build_model
     from common.model.moe_experts import GroupedExperts
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
 
     out, grads = {}, {}
     for dispatcher in ("alltoall", "allgather"):
@@ -222,11 +222,12 @@ def run_layout(args):
     from transformers import AutoModelForCausalLM
 
     import common.model.chunks as chunks_module
-    import common.model.weights as weights_module
+    import common.model.weights_load as weights_module
     from common.model import bridge
     from common.model.chunks import named_global_parameters, unwrap
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import export_hf_weights, load_hf_weights
+    from common.model.weights import export_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)

@@ -52,7 +52,7 @@ def update_gradients(spec, hf_dir, mbs, recompute):
     where each router takes its micro-batch's targets from RouterReplay's backward queue."""
     from common.model.bridge_layout import recompute_config
     from common.model.gpt import build_model
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import aggregate_loss
     from common.train import schedule
@@ -146,7 +146,7 @@ def main():
     from common.model import moe
     from common.model import routing_replay as RR
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.rl import batch as B
     from common.rollout.hf_engine import HFEngine
     from common.run.dist import init_distributed

@@ -285,7 +285,7 @@ def test_llama3_rope_scaling_matters(tmp_path):
     """The llama3-scaled model matches transformers; the same weights with unscaled rope do
     not, so the scaling is really exercised by the parity tests."""
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     init_distributed()
@@ -309,7 +309,7 @@ def test_llama3_rope_scaling_matters(tmp_path):
 
 def test_reader_errors(tmp_path):
     from common.model.gpt import load_hf_spec
-    from common.model.weights import HFCheckpointReader
+    from common.model.weights_load import HFCheckpointReader
 
     save_tiny_hf_model("qwen3", str(tmp_path / "sharded"), max_shard_size="20KB")
     spec = load_hf_spec(str(tmp_path / "sharded"))

@@ -150,7 +150,7 @@ def test_same_checkpoint_as_megatron_save(tiny_models_dir, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import destroy_distributed, init_distributed
     from common.train.checkpoint import save_model_checkpoint
 
@@ -186,7 +186,7 @@ def test_merge_training_checkpoint(tiny_models_dir, tmp_path, capsys):
     optimizer), given the checkpoints root (`latest`) or a step directory; the HF files come
     from --hf-files or the run directory's hf/."""
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import destroy_distributed, init_distributed
     from common.train.checkpoint import copy_hf_small_files
     from common.train.save import save_training_checkpoint

@@ -115,7 +115,7 @@ def test_logits_are_a_view_of_megatrons_values(tiny_models_dir):
     from megatron.core.models.gpt import GPTModel
 
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import destroy_distributed, init_distributed
 
     hf_dir = str(tiny_models_dir / "qwen2")

@@ -226,7 +226,7 @@ def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35
     from common.model.bridge import expected_hf_names, parse_hf_config
     from common.model.gpt import load_hf_spec
     from common.model.unsupported import UnsupportedModelError
-    from common.model.weights import HFCheckpointReader
+    from common.model.weights_load import HFCheckpointReader
     from common.run.convert_io import SafetensorsDir
     from tests.test_convert import hf_tensors
     from tests.tiny_models import save_tiny_vl_model

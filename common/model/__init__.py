@@ -8,7 +8,8 @@
     unsupported.py      UnsupportedModelError
     gpt.py              build_model: layer specs and the GPTModel chunks
     chunks.py           unwrap a chunk; its tensors under global names
-    weights.py          HF weights in (sharded reads) and out (bucketed export for the sync and merge)
+    weights_load.py     HF weights in: each rank's sharded reads of the safetensors, checked finite
+    weights.py          HF weights out: the bucketed export for the weight sync and merge_to_hf.py
     critic.py           the GPTModel body with a value head (PPO's critic, reward models)
     lora.py             LoRA adapters on the tensor-parallel linears; merged weights for the export
     attention.py, attention_cp.py   core attention: SDPA, packed (varlen), context parallel

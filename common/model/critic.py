@@ -15,7 +15,7 @@ import torch
 from common.model.bridge import HFModelSpec
 from common.model.gpt import build_model
 from common.model.unsupported import UnsupportedModelError
-from common.model.weights import HFCheckpointReader, load_hf_weights
+from common.model.weights_load import HFCheckpointReader, load_hf_weights
 
 
 class ValueHead(torch.nn.Module):

@@ -144,7 +144,7 @@ def load_model(spec, dtype, layout, hf_dir, mcore_ckpt=None, *, frozen=False):
     checkpoint (--mcore-ckpt) or else the HF safetensors of hf_dir (only this rank's slices are read).
     frozen: eval mode, no gradients (a reference or a teacher)."""
     from common.model.gpt import build_model
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.train.checkpoint import load_model_checkpoint
 
     chunks = build_model(spec, dtype=dtype, **layout)

@@ -256,13 +256,13 @@ def run_cli(run, args):
 
 def run_training(main):
     """Run a training script's main(). A mistake found after start-up (common.preflight's
-    UsageError: all prompts too long, ...; NaN weights: common.model.weights' WeightsError), a
+    UsageError: all prompts too long, ...; NaN weights: common.model.weights_load's WeightsError), a
     non-finite loss, gradient or logprob (common.guard's NonFiniteError), a checkpoint that
     could not be written (a full disk: common.checkpoint_io's CheckpointWriteError) or a first
     update that --check-on-policy finds off-policy (common.guard's OffPolicyError) ends the run
     with one message from rank 0 and exit code 2, 3, 4 or 5; every rank raises these alike, so
     every rank leaves. Bugs keep their traceback."""
-    from common.model.weights import WeightsError
+    from common.model.weights_load import WeightsError
     from common.train.checkpoint_io import CheckpointWriteError
     from common.train.guard import NonFiniteError, OffPolicyError, UsageError
 

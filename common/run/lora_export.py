@@ -36,7 +36,7 @@ def lora_settings(ckpt, base=None):
 def load_lora_base(chunks, spec, lora):
     """The base model into the chunks (HF weights or a converted checkpoint), then its adapters (B = 0)."""
     from common.model.lora import add_lora
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.train.checkpoint import is_model_checkpoint, load_model_checkpoint
 
     if is_model_checkpoint(lora["base"]):

@@ -153,6 +153,6 @@ class RewardModel:
 
 
 def _has_score(rm_dir):
-    from common.model.weights import HFCheckpointReader
+    from common.model.weights_load import HFCheckpointReader
 
     return "score.weight" in HFCheckpointReader(rm_dir).names()

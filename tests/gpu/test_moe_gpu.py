@@ -253,7 +253,7 @@ def setup(ep, prefix, arch="Qwen3MoeForCausalLM", fields=MODEL, dispatcher=None)
     import torch.distributed as dist
 
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
 
     info = init_distributed(ep=ep)

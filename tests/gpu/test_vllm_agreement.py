@@ -318,7 +318,7 @@ def replay_against_loader(engine, chunks, spec):
 def run_agreement(train_tp=1, rollout_tp=1):
     """Everything above on this process's ranks; returns this rank's results (asserts inside)."""
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.weights import load_hf_weights
+    from common.model.weights_load import load_hf_weights
     from common.rollout.vllm_engine import VLLMEngine
     from common.run.dist import init_distributed
 
