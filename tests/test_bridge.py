@@ -13,11 +13,21 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from common.model import bridge
 from common.model.bridge import parse_hf_config
 from common.model.unsupported import UnsupportedModelError
 from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model, save_tiny_hf_model
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def config_dict(name):
@@ -40,17 +50,30 @@ def test_parse_transformers4_style_rope():
     cfg = config_dict("llama")
     del cfg["rope_parameters"]
     cfg.update(
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    )
+rope_theta=500000.0, rope_scaling=LLAMA3)
     spec = parse_hf_config(cfg)
     assert spec.rope_theta == 500000.0 and spec.rope_scaling_factor == 8.0
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_theta": 1e6},  # transformers 4
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_theta": 1e6},  # both: 1e4
+        {"rope_parameters": {"rope_type": "default"}, "rope_theta": 5e5},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_theta": 5e5, "rope_scaling": LLAMA3},
+    ],
+)
+def test_rope_theta_read_as_transformers_reads_it(rope):
+    """A config.json with both the transformers-4 and -5 rope keys (one written by setting config.rope_theta
+    on a transformers-5 config): the theta and scaling transformers itself builds the model with."""
+    cfg = config_dict("llama")
+    cfg.pop("rope_parameters")
+    cfg.update(rope, max_position_embeddings=16384)
+    spec = parse_hf_config(cfg)
+    expected = transformers.LlamaConfig.from_dict(cfg).rope_parameters
+    assert spec.rope_theta == expected["rope_theta"]
+    assert spec.rope_scaling_factor == (8.0 if expected["rope_type"] == "llama3" else None)
 
 
 @pytest.mark.parametrize(

@@ -142,12 +142,16 @@ def _unsupported(field_name, value, supported):
 
 def _rope_parameters(cfg):
     """(rope_theta, rope dict or None) from either transformers-4 style (rope_theta +
-    rope_scaling) or transformers-5 style (rope_parameters) config.json."""
+    rope_scaling) or transformers-5 style (rope_parameters) config.json, read as transformers 5 reads a
+    file that has both: rope_scaling and the top-level rope_theta when rope_scaling is there, else
+    rope_parameters (a top-level rope_theta only where rope_parameters has none). A file written by
+    setting config.rope_theta on a transformers-5 config has both, and transformers and vLLM use the
+    theta inside rope_parameters."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or None
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    rope = scaling if scaling else params
-    return float(theta), rope
+    if scaling:
+        return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))), scaling
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), params
 
 
 def parse_hf_config(cfg: dict) -> HFModelSpec:

@@ -38,8 +38,10 @@ def random_model(path, shape, seed):
     config = transformers.AutoConfig.from_pretrained(path)
     from tests.gpu.make_random_model import FULL_VOCAB, SHAPES  # Qwen2 shapes, vocabulary rows and tying
 
-    for key, value in dict(SHAPES[shape], **FULL_VOCAB[shape], max_position_embeddings=4096, rope_theta=1e6).items():
+    for key, value in dict(SHAPES[shape], **FULL_VOCAB[shape], max_position_embeddings=4096).items():
         setattr(config, key, value)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}  # Qwen2.5's (not config.rope_theta)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers  # the embedded config's list has 2
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
