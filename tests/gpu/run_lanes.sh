@@ -5,8 +5,8 @@
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group but one test, in two lanes of two GPUs (~8 min)
 #   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases
 #                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
-# The routing-replay entries (~10 min each) are not in the lanes: a call each,
-#   ONLY=routing bash tests/gpu/run_all.sh 1gpu; ONLY=routing bash tests/gpu/run_all.sh 2gpu
+#   bash tests/gpu/run_lanes.sh features  # gpt-oss + async, distillation, agentic, LoRA: a GPU each (~8 min)
+#   bash tests/gpu/run_lanes.sh replay    # routing replay per model and layout: 1 GPU, 1 GPU, EP=2 (~8 min)
 # Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u
@@ -29,10 +29,22 @@ case ${1:-} in
       lane signals 1 exit '^signals$'; exit $((failed + $?)) ) & B=$!
     ( lane exit 2,3 exit '^exit$'; failed=$?
       lane dp2 2,3 2gpu 'DP=2'; exit $((failed + $?)) ) & E=$! ;;
-  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu"; exit 2 ;;
+  features)
+    lane gptoss 0 1gpu 'gptoss|async' & A=$!
+    lane distill 1 1gpu 'distill' & B=$!
+    lane agentic 2 1gpu 'agentic' & E=$!
+    lane lora 3 1gpu 'lora' & F=$! ;;
+  replay)  # run_all.sh's two routing-replay entries, split by model over three lanes
+    RR="python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k"
+    # each lane its own results folder: the test writes one routing_replay.json per process
+    rr() { mkdir -p "$LOGS/$1"; OUT=$LOGS/$1 CUDA_VISIBLE_DEVICES=$2 $RR "$3" > "$LOGS/lane_$1.log" 2>&1; }
+    rr rr_qwen3moe 0 qwen3moe-1 & A=$!
+    rr rr_deepseek 1 deepseek-1 & B=$!
+    rr rr_ep2 2,3 qwen3moe-2 & E=$! ;;
+  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu|features|replay"; exit 2 ;;
 esac
 FAILED=0
-for pid in ${A:-} ${B:-} ${E:-}; do wait "$pid" || FAILED=$((FAILED + 1)); done
-for log in "$LOGS"/lane_*.log; do echo "##### $log"; sed -n '/=== summary/,$p' "$log"; done
+for pid in ${A:-} ${B:-} ${E:-} ${F:-}; do wait "$pid" || FAILED=$((FAILED + 1)); done
+for log in "$LOGS"/lane_*.log; do echo "##### $log"; sed -n '/=== summary/,$p' "$log"; tail -n 3 "$log"; done
 echo "failed lanes: $FAILED"
 exit $FAILED
