@@ -49,8 +49,7 @@ def test_parse_supported(name):
 def test_parse_transformers4_style_rope():
     cfg = config_dict("llama")
     del cfg["rope_parameters"]
-    cfg.update(
-rope_theta=500000.0, rope_scaling=LLAMA3)
+    cfg.update(rope_theta=500000.0, rope_scaling=LLAMA3)
     spec = parse_hf_config(cfg)
     assert spec.rope_theta == 500000.0 and spec.rope_scaling_factor == 8.0
 
