@@ -20,7 +20,6 @@ from common.model.bridge import parse_hf_config
 from common.model.unsupported import UnsupportedModelError
 from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model, save_tiny_hf_model
 
-
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
