@@ -299,6 +299,24 @@ def test_the_cpu_engine_runs_queued_turns_as_one_generate_call(tmp_path):
     assert engine.finished_turns() == []  # nothing queued
 
 
+def test_a_wave_is_the_same_whatever_order_its_turns_were_queued_in():
+    """The ranks of a TP > 1 vLLM replica run the same episodes in waves, and queue each wave's turns in
+    the order their environments finished, which differs from rank to rank: the engine must still be
+    given the same prompts in the same order with the same seed (else the ranks' engines disagree and
+    their collectives hang)."""
+    turns = [(k, [257, 40 + k], 4, 1.0, 1.0, 100 + k) for k in range(5)]
+    calls = []
+    for order in ([0, 1, 2, 3, 4], [3, 0, 4, 2, 1]):
+        engine = ScriptedEngine(template_tokenizer("smollm"), lambda turn: "x", 0)
+        engine.generate = lambda prompts, **kw: (
+            calls.append((prompts, kw)) or [Sample(p, [1], [0.0], "stop") for p in prompts]
+        )
+        for k in order:
+            engine.add_turn(*turns[k])
+        assert sorted(key for key, _ in engine.finished_turns()) == list(range(5))
+    assert calls[0] == calls[1] and calls[0][0] == [t[1] for t in turns] and calls[0][1]["seed"] == 100
+
+
 class Slow(Environment):
     def step(self, text):
         time.sleep(0.4)

@@ -176,8 +176,11 @@ class RolloutEngine:
 
     def finished_turns(self):
         """[(key, Sample)] of turns done (the Sample's prompt_ids are the turn's prompt); blocks until
-        at least one is done while any is queued; [] when none is."""
+        at least one is done while any is queued; [] when none is. A wave runs in key order, not in the
+        order its turns were queued (the order environments finished in, which differs from rank to
+        rank): the ranks of a TP > 1 vLLM replica must give the same prompts in the same order."""
         queued, self._queued_turns = self.__dict__.get("_queued_turns", []), []
+        queued.sort(key=lambda q: q[0])
         done = []
         for params in dict.fromkeys((t, p) for _, _, _, t, p, _ in queued):  # one call per sampling setting
             wave = [q for q in queued if (q[3], q[4]) == params]
