@@ -137,6 +137,8 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
         # a vision-language checkpoint (Qwen3.5 as released): vLLM builds the whole model, whose language
         # model takes the checkpoint's names (model.language_model.*: common/model/bridge_vl.py)
         text, self._vision_language = text_config(config)
+        if self._vision_language:  # text in, text out: no vision tower, no image processor (a tokenizer-less engine)
+            llm_kwargs.setdefault("language_model_only", True)
         max_positions = text.get("max_position_embeddings")
         self.moe_layers = None  # return_routes: which decoder layers are MoE (routes_from_vllm)
         if return_routes:

@@ -5,7 +5,7 @@
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group but one test, in two lanes of two GPUs (~8 min)
 #   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases
 #                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
-#   bash tests/gpu/run_lanes.sh features  # gpt-oss + async, distillation, agentic, LoRA: a GPU each (~8 min)
+#   bash tests/gpu/run_lanes.sh features  # gpt-oss + async + Qwen3.5, distillation, agentic, LoRA: a GPU each (~9 min)
 #   bash tests/gpu/run_lanes.sh replay    # routing replay per model and layout: 1 GPU, 1 GPU, EP=2 (~8 min)
 # Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
@@ -30,7 +30,7 @@ case ${1:-} in
     ( lane exit 2,3 exit '^exit$'; failed=$?
       lane dp2 2,3 2gpu 'DP=2'; exit $((failed + $?)) ) & E=$! ;;
   features)
-    lane gptoss 0 1gpu 'gptoss|async' & A=$!
+    lane gptoss 0 1gpu 'gptoss|async|qwen35' & A=$!
     lane distill 1 1gpu 'distill' & B=$!
     lane agentic 2 1gpu 'agentic' & E=$!
     lane lora 3 1gpu 'lora' & F=$! ;;
