@@ -16,7 +16,8 @@
   another sequence length, MFU null without --peak-tflops on a CPU, and the first step's mean
   logprob and gradient norm equal at both layouts (CP's attention over the other rank's keys);
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
-- every flag of --help has a help string (train.py, sync.py, rollout.py, e2e.py);
+- bench/agentic.py (CPU smoke): --tool-workers reaches the episode driver, equal tokens on both sides;
+- every flag of --help has a help string (train.py, sync.py, rollout.py, e2e.py, agentic.py);
 - bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
   sync / copy is the median of one ratio per timed pair;
 - bench/moe.py: one ratio per timed pair, the speed-up is their median (not a ratio of medians);
@@ -378,7 +379,10 @@ def test_baseline_oom_is_reported():
 
 
 def test_help_documents_every_flag():
-    for script in (SCRIPT, *(os.path.join("bench", name) for name in ("sync.py", "rollout.py", "e2e.py"))):
+    for script in (
+        SCRIPT,
+        *(os.path.join("bench", name) for name in ("sync.py", "rollout.py", "e2e.py", "agentic.py")),
+    ):
         spec = importlib.util.spec_from_file_location("bench_module", os.path.join(ROOT, script))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -595,3 +599,28 @@ def test_e2e_lognormal_lengths_two_replicas(tmp_path):
         assert got == drawn[0] + drawn[2] + drawn[1] + drawn[3]
     flat = [n for step in lengths for n in step]
     assert 4 <= min(flat) and max(flat) <= 48 and len(set(flat)) > 5
+
+
+def test_agentic_bench_passes_tool_workers_to_the_episodes():
+    """bench/agentic.py's CPU smoke: --tool-workers reaches run_episodes (max_workers), both comparisons
+    generate the same tokens as single-turn, and the result says what it ran."""
+    code = (
+        "import runpy, sys, common.rollout.episodes as ep\n"
+        "real = ep.run_episodes\n"
+        "def spy(*a, **k):\n"
+        "    print('MAX_WORKERS', k['max_workers'], flush=True)\n"
+        "    return real(*a, **k)\n"
+        "ep.run_episodes = spy\n"
+        "sys.argv = ['bench/agentic.py'] + sys.argv[1:]\n"
+        "runpy.run_path('bench/agentic.py', run_name='__main__')\n"
+    )
+    args = ["--shape", "tiny", "--episodes", "4", "--turns", "2", "--turn-tokens", "4", "--tool-ms", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args, "--reps", "1", "--tool-workers", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=script_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    workers = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("MAX_WORKERS")}
+    assert workers == {"3"}
+    result = bench_json(proc.stdout)
+    assert result["tool_workers"] == 3 and result["episodes_tokens"] == result["lockstep_tokens"] == 4 * 2 * 4
