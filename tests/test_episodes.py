@@ -1,10 +1,12 @@
 """The episode driver (common/rollout/episodes.py): token-in token-out on the supported chat templates,
 masks and logprobs through batch packing, budgets, environments that hang or raise, and an episode
-waiting for its environment holding up no other on a request-level engine.
+waiting for its environment holding up no other on a request-level engine, and at rollout TP 2 (torchrun,
+gloo: tests/episodes_worker.py) the replica's first rank running the episodes while the other follows.
 
     .venv/bin/python -m pytest -x -q tests/test_episodes.py
 """
 
+import json
 import math
 import time
 
@@ -16,6 +18,7 @@ from common.rl.batch import pack_sequences
 from common.rollout.engine import RolloutEngine, Sample
 from common.rollout.episodes import episode_metrics, run_episodes
 from tests.chat_templates import END_OF_TURN, TEMPLATES, template_tokenizer
+from tests.conftest import run_torchrun
 
 LOGPROB = -0.5  # what the scripted engine reports for each token it "samples"
 
@@ -315,6 +318,21 @@ def test_a_wave_is_the_same_whatever_order_its_turns_were_queued_in():
             engine.add_turn(*turns[k])
         assert sorted(key for key, _ in engine.finished_turns()) == list(range(5))
     assert calls[0] == calls[1] and calls[0][0] == [t[1] for t in turns] and calls[0][1]["seed"] == 100
+
+
+@pytest.mark.parametrize("mode", ["follow", "alone"])
+def test_at_rollout_tp2_the_first_rank_runs_the_episodes_and_the_other_generates_its_waves(mode):
+    """Two ranks of one replica under torchrun (gloo), an environment that answers differently on each:
+    with a wave group (as VLLMEngine sets at --rollout-tp 2) rank 0 runs the episodes and sends each wave,
+    rank 1 generates exactly those and returns no samples (the replica's are rank 0's); alone (the
+    control), each rank's engine is given its own rank's observations."""
+    proc = run_torchrun("tests/episodes_worker.py", 2, mode, timeout=180)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["calls"] == [3, 3] and "rank 0 turn 2" in result["observation"]
+    if mode == "follow":
+        assert result["same_calls"] and result["samples"] == [6, 0]
+    else:
+        assert not result["same_calls"] and result["samples"] == [6, 6]
 
 
 class Slow(Environment):

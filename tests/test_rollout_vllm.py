@@ -9,7 +9,8 @@ in-process model handle; sleep / wake_up). It checks our glue, not vLLM:
 replica arithmetic, eos ids (none: ignore_eos), prompt-major order, one request and seed per
 sample, logprob extraction, the sleep/wake/sync state machine, that a failing weight load
 still drains the producer (whose collectives every rank must finish), and agentic turns as one
-request each (llm_engine.add_request / step) or, lock-step, in waves. Agreement with the real vLLM is
+request each (llm_engine.add_request / step) or, lock-step, in waves; at rollout TP 2 a wave group per
+replica; a vision-language checkpoint started language_model_only. Agreement with the real vLLM is
 tests/gpu/test_vllm_agreement.py.
 """
 
@@ -448,3 +449,34 @@ def test_agentic_turns_request_by_request(engine, monkeypatch):
     before = len(engine.llm.requests)
     run_episodes(engine, codec, TwoTurns, [{"prompt": "a"}], step_timeout_s=5, **kwargs)
     assert len(added) == 4 and len(engine.llm.requests) == before + 2
+
+
+def test_vision_language_checkpoint_starts_language_model_only(engine, tmp_path):
+    """A vision-language config.json (Qwen3.5 as released): vLLM is asked for the language model alone
+    (no vision tower, no image processor, which a tokenizer-less engine could not build)."""
+    from common.rollout.vllm_engine import VLLMEngine
+
+    text = {"eos_token_id": 2, "max_position_embeddings": 256}
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text, "vision_config": {}}
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(config))
+    vl = VLLMEngine(str(tmp_path / "vl"), rollout_tp=1, max_model_len=64)
+    assert vl.llm.kwargs["language_model_only"] and vl._vision_language
+    assert "language_model_only" not in engine.llm.kwargs  # a text checkpoint: vLLM's defaults
+
+
+def test_rollout_tp2_makes_each_replica_a_wave_group(engine, tmp_path, monkeypatch):
+    """At --rollout-tp 2 in a world of 4: every rank creates both replicas' gloo groups in the same order,
+    and keeps its own replica's with its first rank as the wave leader (agentic waves: RolloutEngine)."""
+    import torch.distributed as dist
+
+    from common.rollout.vllm_engine import VLLMEngine
+
+    made = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None: made.append((ranks, backend)) or len(made))
+    tp2 = VLLMEngine(str(tmp_path), rollout_tp=2, max_model_len=64)
+    assert made == [([0, 1], "gloo"), ([2, 3], "gloo")]
+    assert (tp2.replica, tp2.wave_group, tp2.wave_leader, tp2.wave_follower) == (1, 2, 2, True)
+    assert engine.wave_group is None and not engine.wave_follower  # rollout TP 1: no followers

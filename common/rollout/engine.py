@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -167,6 +168,35 @@ class RolloutEngine:
     # first, so a seeded run replays exactly); VLLMEngine overrides both with vLLM's request-level
     # API, so an episode waiting for its tool holds up no other episode's generation.
     turns_in_waves = True
+    # At rollout TP > 1 (VLLMEngine) the ranks of a replica must give their engines the same waves, while
+    # environments may answer differently on each rank (a tool that reads the clock, a timeout): the
+    # replica's first rank (wave_leader, a global rank) runs the episodes and sends each wave over
+    # wave_group (gloo, the replica's ranks); the others generate what it sends (follow_waves). The first
+    # rank's samples are the replica's (the scripts gather only those).
+    wave_group = None
+    wave_leader = 0
+
+    @property
+    def wave_follower(self):
+        """True on the ranks of a replica that generate the waves its first rank sends."""
+        return self.wave_group is not None and dist.get_rank() != self.wave_leader
+
+    def _send_wave(self, wave):
+        """All ranks of wave_group call this: the leader's wave (None: the episodes ended) -> every rank."""
+        box = [wave]
+        dist.broadcast_object_list(box, src=self.wave_leader, group=self.wave_group)
+        return box[0]
+
+    def follow_waves(self):
+        """A follower's side of run_episodes: generate each wave the leader sends, until it says the
+        episodes ended (the results are the leader's too: the same engine inputs, the same samples)."""
+        while (wave := self._send_wave(None)) is not None:
+            self._run_wave(wave)
+
+    def end_waves(self):
+        """The leader's last word to the followers when its episodes ended (no-op without followers)."""
+        if self.wave_group is not None and not self.wave_follower:
+            self._send_wave(None)
 
     def add_turn(self, key, prompt_ids, max_tokens, temperature, top_p, seed):
         """Queue one turn: sample at most max_tokens after prompt_ids (ids, not text), with logprobs."""
@@ -177,10 +207,18 @@ class RolloutEngine:
     def finished_turns(self):
         """[(key, Sample)] of turns done (the Sample's prompt_ids are the turn's prompt); blocks until
         at least one is done while any is queued; [] when none is. A wave runs in key order, not in the
-        order its turns were queued (the order environments finished in, which differs from rank to
-        rank): the ranks of a TP > 1 vLLM replica must give the same prompts in the same order."""
+        order its turns were queued (the order environments finished in): a seeded run replays exactly.
+        With followers (wave_group) the wave goes to them first."""
         queued, self._queued_turns = self.__dict__.get("_queued_turns", []), []
+        if not queued:
+            return []
         queued.sort(key=lambda q: q[0])
+        if self.wave_group is not None:
+            self._send_wave(queued)
+        return self._run_wave(queued)
+
+    def _run_wave(self, queued):
+        """[(key, Sample)] of one wave: one generate call per sampling setting, seeded by its first turn."""
         done = []
         for params in dict.fromkeys((t, p) for _, _, _, t, p, _ in queued):  # one call per sampling setting
             wave = [q for q in queued if (q[3], q[4]) == params]

@@ -79,7 +79,12 @@ def run_episodes(
     """Run len(items) * n episodes to their ends -> Samples (module docstring). make_env() -> a new
     Environment per episode; codec: a common.env.chat.ChatCodec of the engine's tokenizer;
     max_workers: environment steps running at once (threads; the others wait their turn, and
-    step_timeout_s counts from a step's start)."""
+    step_timeout_s counts from a step's start). On a rank that follows its replica's first rank
+    (engine.wave_follower, rollout TP > 1): generates that rank's waves and returns [] (the replica's
+    samples are the first rank's)."""
+    if engine.wave_follower:  # a rank of a TP > 1 replica but its first: it generates the first rank's waves
+        engine.follow_waves()
+        return []
     tokenizer = codec.tokenizer
     episodes = []
     for i, item in enumerate(items):
@@ -179,6 +184,7 @@ def run_episodes(
         else:
             time.sleep(0.001)  # only environments are busy
         poll_steps(wait_all=False)
+    engine.end_waves()
     samples = []
     for e in episodes:
         episode = dict(e.counts, reward=e.reward, episode_tokens=len(e.prompt_ids) + len(e.ids))

@@ -163,6 +163,12 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
             **llm_kwargs,
         )
         self.rollout_tp = rollout_tp
+        if rollout_tp > 1:  # agentic waves: the replica's first rank runs the episodes (RolloutEngine.wave_group)
+            for r in range(self.num_replicas):  # every rank creates every group, in the same order
+                ranks = list(range(r * rollout_tp, (r + 1) * rollout_tp))
+                group = dist.new_group(ranks, backend="gloo")
+                if r == self.replica:
+                    self.wave_group, self.wave_leader = group, ranks[0]
         self.lockstep_turns = False  # True: agentic turns in waves even at rollout TP 1 (the benchmark's baseline)
         self._turns, self._turn_count = {}, 0  # agentic turns in flight: vLLM request id -> (driver key, prompt ids)
         self._asleep = set()  # tags asleep: "weights", "kv_cache"
