@@ -7,6 +7,8 @@
 #                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
 #   bash tests/gpu/run_lanes.sh features  # gpt-oss + async + Qwen3.5, distillation, agentic, LoRA: a GPU each (~9 min)
 #   bash tests/gpu/run_lanes.sh replay    # routing replay per model and layout: 1 GPU, 1 GPU, EP=2 (~8 min)
+#   bash tests/gpu/run_lanes.sh pairs     # the 2-GPU cases of the features: agentic waves at TP=2 (GPUs 0,1),
+#                                         # LoRA at TP=2 with its 1-GPU pair (2,3) (~8 min)
 # Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u
@@ -41,7 +43,12 @@ case ${1:-} in
     rr rr_qwen3moe 0 qwen3moe-1 & A=$!
     rr rr_deepseek 1 deepseek-1 & B=$!
     rr rr_ep2 2,3 qwen3moe-2 & E=$! ;;
-  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu|features|replay"; exit 2 ;;
+  pairs)
+    P="python -m pytest -q -s -p no:cacheprovider"
+    CUDA_VISIBLE_DEVICES=0,1 $P "tests/gpu/test_agentic_gpu.py::test_episodes_on_vllm_train_on_the_engines_ids[2]" \
+      > "$LOGS/lane_agentic_tp2.log" 2>&1 & A=$!
+    CUDA_VISIBLE_DEVICES=2,3 $P tests/gpu/test_lora_gpu.py > "$LOGS/lane_lora_tp2.log" 2>&1 & B=$! ;;
+  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu|features|replay|pairs"; exit 2 ;;
 esac
 FAILED=0
 for pid in ${A:-} ${B:-} ${E:-} ${F:-}; do wait "$pid" || FAILED=$((FAILED + 1)); done
