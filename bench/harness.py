@@ -148,6 +148,79 @@ SHAPES["qwen3-30b-a3b-narrow"] = dict(
     torch_dtype="float32",
 )
 
+# Qwen3.5-35B-A3B's text model (gated delta nets in 3 of 4 layers, 256 experts, top-8, a gated shared
+# expert), its first 4 of 40 layers: bench/train.py on one GPU (the recurrence is torch code here)
+SHAPES["qwen3.5-35b-a3b-4l"] = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "hidden_act": "silu",
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attn_output_gate": True,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+# gpt-oss-20b (attention sinks, windows of 128 keys on alternate layers, 32 biased experts, top-4; bf16
+# experts as merge_to_hf.py writes them), its first 4 of 24 layers
+SHAPES["gpt-oss-20b-4l"] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_act": "silu",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 128,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "attention_bias": True,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "swiglu_limit": 7.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 150000.0,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
 
 def write_config_dir(out_dir, shape):
     """A model dir with only config.json: enough for build_model (random init) and for vLLM

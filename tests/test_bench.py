@@ -17,6 +17,7 @@
   logprob and gradient norm equal at both layouts (CP's attention over the other rank's keys);
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
 - bench/agentic.py (CPU smoke): --tool-workers reaches the episode driver, equal tokens on both sides;
+- every shape of bench/harness.py is read by the bridge and by transformers;
 - every flag of --help has a help string (train.py, sync.py, rollout.py, e2e.py, agentic.py);
 - bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
   sync / copy is the median of one ratio per timed pair;
@@ -624,3 +625,20 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
     assert workers == {"3"}
     result = bench_json(proc.stdout)
     assert result["tool_workers"] == 3 and result["episodes_tokens"] == result["lockstep_tokens"] == 4 * 2 * 4
+
+
+def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
+    """bench/harness.py's shapes (config.json dicts written as they are): the bridge builds each and
+    transformers reads each as its architecture's config (the engines start from the same file)."""
+    import transformers
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from harness import SHAPES, write_config_dir
+
+    from common.model.bridge import parse_hf_config
+
+    for name, fields in SHAPES.items():
+        spec = parse_hf_config(fields)
+        config = transformers.AutoConfig.from_pretrained(write_config_dir(str(tmp_path / name), name))
+        assert spec.architecture == fields["architectures"][0] and config.hidden_size == spec.hidden_size, name
+        assert spec.num_layers == fields["num_hidden_layers"], name
