@@ -476,14 +476,15 @@ def test_default_micro_batches_that_do_not_fit_become_a_token_budget(qwen2_7b, t
     assert totals_of(too_big) > 80 * 0.95  # the next power of two up is refused (or warned) by the plan
 
 
-@pytest.mark.parametrize("given,card_gb", [(None, None), ("0.3", None), (None, 40), ("0.15", 40)])
+@pytest.mark.parametrize("given,card_gb", [(None, None), ("0.3", None), (None, 40), ("0.15", 40), ("eager", None)])
 def test_the_engine_starts_first_with_the_derived_share(given, card_gb, tmp_path, monkeypatch, capsys):
     """A CPU run of train_grpo.py planned for 20 GB GPUs with the vLLM engine (stood in for: it needs
     a GPU): the engine gets the share derived from the plan, (0.95 x 20 - 11 GB fixed - nothing kept
     by the trainer) / 20 = 0.40, or the one given, and is created and put to sleep before the
     policy's training state is set up. On a 40 GB card (stood in for) the plan stays the 20 GB one and
     the derived share, a fraction of the whole card for vLLM, halves (0.20); a given share is vLLM's
-    own (of the card: 0.15 of 40 GB is 0.3 of the planned 20) and passes unchanged."""
+    own (of the card: 0.15 of 40 GB is 0.3 of the planned 20) and passes unchanged. --rollout-eager reaches
+    the engine's enforce_eager (else False)."""
     import train_grpo
     from common.rollout import engines
     from common.run import memory_check
@@ -501,8 +502,8 @@ def test_the_engine_starts_first_with_the_derived_share(given, card_gb, tmp_path
     class Stop(Exception):
         pass
 
-    def make_engine(use_vllm, hf_dir, *, rollout_tp, gpu_memory_utilization, **kw):
-        events.append(("engine", use_vllm, gpu_memory_utilization))
+    def make_engine(use_vllm, hf_dir, *, rollout_tp, gpu_memory_utilization, enforce_eager, **kw):
+        events.append(("engine", use_vllm, gpu_memory_utilization, enforce_eager))
         return Engine(), rollout_tp
 
     def setup_training(*args, **kwargs):
@@ -514,6 +515,9 @@ def test_the_engine_starts_first_with_the_derived_share(given, card_gb, tmp_path
     monkeypatch.setattr(setup, "setup_training", setup_training)
     monkeypatch.setattr(memory_check, "visible_gpu_bytes", lambda: card_gb and card_gb * 1e9)
     flags = ["--rollout", "vllm", "--gpu-memory-gb", "20", "--out", str(tmp_path / "run"), "--steps", "1"]
+    eager = given == "eager"
+    given = None if eager else given
+    flags += ["--rollout-eager"] if eager else []
     monkeypatch.setattr(sys, "argv", ["train_grpo.py", *flags, *(["--gpu-memory-utilization", given] if given else [])])
     try:
         with pytest.raises(Stop):
@@ -524,4 +528,4 @@ def test_the_engine_starts_first_with_the_derived_share(given, card_gb, tmp_path
     share = float(given) if given else 0.2 if card_gb else 0.4
     assert (f"derived: --gpu-memory-utilization {share:.2f} (" in out) == (given is None)
     assert ("the plan is for GPUs of 20.0 GB (--gpu-memory-gb) on this 40.0 GB GPU" in out) == bool(card_gb)
-    assert events == [("engine", True, share), "sleep", "training state"]
+    assert events == [("engine", True, share, eager), "sleep", "training state"]

@@ -480,3 +480,12 @@ def test_rollout_tp2_makes_each_replica_a_wave_group(engine, tmp_path, monkeypat
     assert made == [([0, 1], "gloo"), ([2, 3], "gloo")]
     assert (tp2.replica, tp2.wave_group, tp2.wave_leader, tp2.wave_follower) == (1, 2, 2, True)
     assert engine.wave_group is None and not engine.wave_follower  # rollout TP 1: no followers
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_make_engine_passes_enforce_eager(engine, tmp_path, eager):
+    """--rollout-eager's path below the scripts: make_engine -> VLLMEngine -> vLLM's enforce_eager."""
+    from common.rollout.engines import make_engine
+
+    vllm_engine, _ = make_engine(True, str(tmp_path), max_model_len=64, enforce_eager=eager)
+    assert vllm_engine.llm.kwargs["enforce_eager"] is eager

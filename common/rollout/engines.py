@@ -17,12 +17,14 @@ def make_engine(
     seed=0,
     device=None,
     return_routes=False,
+    enforce_eager=False,
 ):
     """(engine, rollout TP size): a VLLMEngine (one per vLLM TP group of `rollout_tp` ranks)
     or, on CPUs, an HFEngine in fp32 (each rank its own replica: rollout TP 1). Both cap
     max_model_len at the model's positions and end a response that reaches it.
     return_routes: the engine can return MoE routes (generate(return_routes=True); vLLM turns
-    on its route capture at start-up, the HF engine hooks its routers per call)."""
+    on its route capture at start-up, the HF engine hooks its routers per call). enforce_eager: vLLM
+    without torch.compile and CUDA graphs (the CPU engine always runs eagerly)."""
     if use_vllm:
         from common.rollout.vllm_engine import VLLMEngine
 
@@ -33,6 +35,7 @@ def make_engine(
             max_model_len=max_model_len,
             seed=seed,
             return_routes=return_routes,
+            enforce_eager=enforce_eager,
         ), rollout_tp
     from common.rollout.hf_engine import HFEngine
 

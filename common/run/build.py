@@ -64,7 +64,7 @@ def wants_vllm(rollout, device):
 def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
     """(engine, rollout TP size): one replica per rank (CPU / vLLM TP=1) or per vLLM TP group of
     --rollout-tp ranks (common/rollout/engines.py), asleep; with --load-rollouts no engine (None: replayed
-    samples). Reads --rollout-tp --gpu-memory-utilization --seed --routing-replay.
+    samples). Reads --rollout-tp --gpu-memory-utilization --seed --routing-replay --rollout-eager.
 
     Started before the trainer's state exists: vLLM takes --gpu-memory-utilization of the GPU and checks at
     start that so much is free; it then sleeps (weights and KV cache freed) until the first rollout's weight
@@ -82,6 +82,7 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
         seed=args.seed,
         device=device,
         return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
+        enforce_eager=args.rollout_eager,
     )
     engine.sleep()
     return engine, rollout_tp

@@ -41,6 +41,14 @@ def rollout_flags(p, group_help, models):
         ),
     )
     g.add_argument(
+        "--rollout-eager",
+        action="store_true",
+        help=(
+            "vLLM without torch.compile and CUDA graphs (its enforce_eager): the engine starts sooner (nothing "
+            "compiled or captured) and decodes slower; for short runs, debugging and tests (the CPU engine: no effect)"
+        ),
+    )
+    g.add_argument(
         "--rollout-logprobs",
         choices=list(ROLLOUT_LOGPROBS),
         default=None,
