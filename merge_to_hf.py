@@ -24,6 +24,11 @@ is full. Host memory: this rank's part of the model + one shard + two export buc
 The HF side files (config.json, tokenizer, generation_config.json) come from the first of:
 --hf-files DIR, <ckpt>/hf, <ckpt>/../hf, <ckpt>/../../hf (the run directory of a training step).
 
+A vision-language source (Qwen3.5 as released) is written as the text CausalLM it trained, or with
+--vision-from SOURCE_DIR as the vision-language checkpoint: the language model under model.language_model.
+beside SOURCE_DIR's vision tower (copied, untrained) and its config.json, which vLLM 0.26 serves (it has no
+text-only Qwen3.5) and transformers loads as the ForConditionalGeneration.
+
 A LoRA run's checkpoint (--lora-rank) holds the adapters alone and names its base in rl_meta.json: the
 base is loaded from there (or --lora-base DIR), the adapters on it, and --lora merged (default) writes the
 merged model (W + alpha/r B A), --lora peft a PEFT adapter directory (adapter_config.json +
@@ -55,6 +60,7 @@ from common.run.cli import (
 )
 from common.run.dist import print0
 from common.run.lora_export import load_lora_base, lora_settings, write_peft_adapter
+from common.run.vl_export import checkpoint_name, vision_source, vl_config
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -188,6 +194,14 @@ def parse_args(argv=None):
         "generation_config.json (default: the checkpoint's hf/ or its run's hf/)",
     )
     ap.add_argument(
+        "--vision-from",
+        default=None,
+        help=(
+            "a vision-language source's HF directory (Qwen3.5 as released): write the vision-language checkpoint, "
+            "the trained language model beside its vision tower (default: the text CausalLM)"
+        ),
+    )
+    ap.add_argument(
         "--force",
         action="store_true",
         help="replace a non-empty --out that holds an earlier "
@@ -242,6 +256,7 @@ def run(args, created):
     lora = lora_settings(ckpt, args.lora_base)  # None: a whole model
     if args.lora == "peft" and not lora:
         raise ConversionError(f"--lora peft: {ckpt} holds a whole model, not LoRA adapters; drop --lora peft")
+    vision = vision_source(args.vision_from, spec) if args.vision_from else None
     out = check_output_dir(
         args.out,
         args.force,
@@ -317,21 +332,28 @@ def run(args, created):
         weight_map.update({tensor_name: name for tensor_name in shard})
         shard.clear()
 
-    with tqdm(total=len(expected_hf_names(spec)), unit="tensor", disable=rank != 0) as progress:
+    def add(name, tensor):  # rank 0: into the shard, which is written first if the tensor would overflow it
+        nonlocal shard_bytes, total_bytes
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        # yielded tensors are views into the export bucket (on the GPU, if any): copy them out
+        shard[name] = tensor.to("cpu", copy=True).contiguous()
+        shard_bytes += nbytes
+        total_bytes += nbytes
+        progress.update(1)
+
+    total = len(expected_hf_names(spec)) + (len(vision.names) if vision else 0)
+    with tqdm(total=total, unit="tensor", disable=rank != 0) as progress:
         for name, tensor in export_hf_weights(chunks, spec, dtype=dtype, bucket_mb=args.bucket_mb):
             if not torch.isfinite(tensor).all():  # every rank holds the full tensor: all refuse alike
                 non_finite.append(name)
             if rank != 0 or non_finite:  # every rank consumes the generator (it runs collectives)
                 continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if shard and shard_bytes + nbytes > max_shard_bytes:
-                flush()
-                shard_bytes = 0
-            # yielded tensors are views into the export bucket (on the GPU, if any): copy them out
-            shard[name] = tensor.to("cpu", copy=True).contiguous()
-            shard_bytes += nbytes
-            total_bytes += nbytes
-            progress.update(1)
+            add(checkpoint_name(name) if vision else name, tensor)
+        for name in vision.names if vision and rank == 0 and not non_finite else []:  # the source's, untrained
+            add(name, vision.reader.read(name).to(dtype))
         if rank == 0 and shard and not non_finite:
             flush()
     del chunks
@@ -370,6 +392,14 @@ def run(args, created):
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = HF_DTYPE_NAMES[dtype]
+        if vision:  # the source's vision-language config.json (its text_config is the trained model's)
+            config, notes = vl_config(vision, HF_DTYPE_NAMES[dtype])
+            print0("\n".join(notes))
+        elif spec.vision_language:
+            print0(
+                "note: written as the text CausalLM of the vision-language source; vLLM 0.26 serves Qwen3.5 only "
+                "as the vision-language model: --vision-from SOURCE_DIR writes that"
+            )
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         for name in HF_SMALL_FILES:

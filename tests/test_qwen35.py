@@ -253,9 +253,13 @@ def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35
 def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp_path):
     """convert_hf_to_mcore.py --verify at EP=2 from the MoE vision-language checkpoint with fused
     experts (transformers' logits), then merge_to_hf.py: the text model as a Qwen3_5MoeForCausalLM
-    checkpoint, bit for bit what the text model's save_pretrained holds."""
+    checkpoint, bit for bit what the text model's save_pretrained holds; with --vision-from the source, the
+    vision-language checkpoint, every parameter of transformers' model equal to the source's (a text
+    checkpoint as --vision-from refused)."""
     import json
     import re
+
+    import transformers
 
     from tests.test_convert import hf_tensors
     from tests.tiny_models import save_tiny_vl_model
@@ -273,6 +277,19 @@ def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp
     assert all(torch.equal(original[n], merged[n]) for n in original)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and "text_config" not in config
+    # --vision-from: the vision-language checkpoint again, which transformers loads as the source's model
+    merge = ["merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--dtype", "fp32", "--vision-from"]
+    out = run_script(*merge, vl_dir, "--out", tmp_path / "hf_vl").stdout
+    assert "the vision tower (" in out and "copied from" in out
+    source, merged = (
+        transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(d).state_dict()
+        for d in (vl_dir, tmp_path / "hf_vl")
+    )
+    assert sorted(source) == sorted(merged) and all(torch.equal(source[n], merged[n]) for n in source)
+    config = json.loads((tmp_path / "hf_vl" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in config
+    refused = run_script(*merge, qwen35_moe_dir / "qwen3_5_moe", "--out", tmp_path / "no", check=False)
+    assert refused.returncode == 2 and "is not a vision-language checkpoint" in refused.stdout + refused.stderr
 
 
 def test_grpo_learns_with_the_embedded_qwen35_moe(tmp_path):

@@ -16,8 +16,9 @@ The layout (transformers 5.17 modeling_qwen3_5*.py, and its conversion_mapping.p
                  save_pretrained), or fused per layer as released: `...mlp.experts.gate_up_proj`
                  (E, 2 I, H) holding each expert's [gate; up], `...mlp.experts.down_proj` (E, H, I)
 What is trained is the text model: merge_to_hf.py writes it as the text CausalLM (config.json
-the text config, tensors under `model.`), which transformers and vLLM load as a text model; the
-vision tower and MTP head stay in the source checkpoint (docs/models.md).
+the text config, tensors under `model.`), which transformers loads as a text model, or with
+--vision-from the source as the vision-language checkpoint beside the source's vision tower
+(common/run/vl_export.py; vLLM 0.26 serves Qwen3.5 only so); the MTP head is not written (docs/models.md).
 """
 
 import re

@@ -25,6 +25,7 @@
     memory_print.py the plan in words: the start-up summary, --dry-run's table
     convert_io.py   the disk side of convert_hf_to_mcore.py
     lora_export.py  the disk side of merge_to_hf.py for a LoRA checkpoint: its base, the PEFT adapter
+    vl_export.py    merge_to_hf.py --vision-from: the vision-language checkpoint (Qwen3.5) written back whole
 
 May import common.train, common.rollout, common.model and common.rl.
 """
