@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import LayoutLaunches, embedded_grpo_run, run_script, run_torchrun
-from tests.tiny_models import GDN_CONFIGS, save_tiny_hf_model
+from tests.tiny_models import GDN_CONFIGS, make_tiny_hf_model, save_tiny_hf_model
 
 
 def _config(moe=False, **changes):
@@ -248,6 +248,31 @@ def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35
                     assert torch.equal(read(n, row_slice=slice(1, 3)), t[1:3]), (name, fused, n)
     with pytest.raises(UnsupportedModelError, match="text_config"):
         parse_hf_config({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+
+
+@pytest.mark.parametrize("name", list(GDN_CONFIGS))
+def test_a_text_config_wrapped_as_the_vision_language_one(name):
+    """vision_language_config (how a text Qwen3.5 starts vLLM 0.26): transformers reads the wrapped
+    config.json as the vision-language model with the same text fields, and the bridge reads the same
+    language model from it as from the text config."""
+    import dataclasses
+
+    import transformers
+
+    from common.model.bridge import parse_hf_config
+    from common.model.bridge_vl import vision_language_config
+
+    text = make_tiny_hf_model(name).config.to_dict()
+    wrapped = vision_language_config(text)
+    vl_class = getattr(transformers, wrapped["architectures"][0].replace("ForConditionalGeneration", "Config"))
+    read = vl_class.from_dict(wrapped)
+    expected = dict(transformers.AutoConfig.for_model(**text).to_dict(), architectures=None)  # the wrapper's
+    assert read.text_config.to_dict() == expected
+    assert read.vision_config.out_hidden_size == text["hidden_size"]
+    mine, theirs = parse_hf_config(text), parse_hf_config(wrapped)
+    differ = {f.name for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)}
+    assert differ == {"vision_language"} and theirs.vision_language  # hf_config too: the text fields back
+    assert vision_language_config(make_tiny_hf_model("qwen3").config.to_dict()) is None  # other models: as they are
 
 
 def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp_path):

@@ -15,6 +15,7 @@ tests/gpu/test_vllm_agreement.py.
 """
 
 import json
+import os
 import sys
 import types
 
@@ -489,3 +490,22 @@ def test_make_engine_passes_enforce_eager(engine, tmp_path, eager):
 
     vllm_engine, _ = make_engine(True, str(tmp_path), max_model_len=64, enforce_eager=eager)
     assert vllm_engine.llm.kwargs["enforce_eager"] is eager
+
+
+def test_a_text_qwen35_starts_vllm_as_the_vision_language_model(engine, tmp_path):
+    """A text Qwen3.5 (what merge_to_hf.py writes by default; vLLM 0.26 registers only the vision-language
+    Qwen3.5): vLLM is started from a vision-language config.json around its text config, language model only,
+    and the sync then names the text tensors as that model's (model.language_model.*)."""
+    from common.model.bridge_vl import text_config
+    from common.rollout.vllm_engine import VLLMEngine
+    from tests.tiny_models import make_tiny_hf_model
+
+    text = make_tiny_hf_model("qwen3_5_moe").config.to_dict()
+    (tmp_path / "q35").mkdir()
+    (tmp_path / "q35" / "config.json").write_text(json.dumps(text))
+    q35 = VLLMEngine(str(tmp_path / "q35"), rollout_tp=1, max_model_len=64)
+    started = json.loads(open(os.path.join(q35.llm.kwargs["model"], "config.json")).read())
+    assert started["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert text_config(started)[0]["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    assert q35._vision_language and q35.llm.kwargs["language_model_only"]
+    assert engine.llm.kwargs["model"] == str(tmp_path)  # other models: their own directory

@@ -6,6 +6,8 @@ Pure functions, like common/model/bridge.py (parse_hf_config calls text_config f
                                 (cfg, False)
   checkpoint_aliases(names, spec)  the bridge's text names -> where a vision-language checkpoint
                                 keeps each (HFCheckpointReader reads through these)
+  vision_language_config(cfg)   a text Qwen3.5 config.json -> the vision-language one around it (the
+                                form vLLM 0.26 registers Qwen3.5 in), else None
 
 The layout (transformers 5.17 modeling_qwen3_5*.py, and its conversion_mapping.py "qwen3_5_text"):
   config.json    the text model's fields under "text_config"; tie_word_embeddings at the top
@@ -28,6 +30,8 @@ VL_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+TEXT_TO_VL = {text: vl for vl, text in VL_ARCHITECTURES.items()}
+VL_MODEL_TYPES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
 LANGUAGE_MODEL = "model.language_model."
 NOT_TRAINED = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction head
 _FUSED = re.compile(r"(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
@@ -49,6 +53,26 @@ def text_config(cfg: dict):
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     dtypes = {k: cfg[k] for k in ("dtype", "torch_dtype") if k in cfg}  # the checkpoint's, at the top
     return dict(text, architectures=[VL_ARCHITECTURES[archs[0]]], tie_word_embeddings=tie, **dtypes), True
+
+
+def vision_language_config(cfg: dict):
+    """A text Qwen3.5 config.json (Qwen3_5(Moe)ForCausalLM, as merge_to_hf.py writes by default) -> the
+    vision-language config.json around it: the text fields under text_config, the vision tower's fields
+    transformers' defaults (its output width the text model's); None for any other model.
+    text_config(vision_language_config(cfg)) gives cfg's fields back."""
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in TEXT_TO_VL:
+        return None
+    vl = TEXT_TO_VL[archs[0]]
+    text = {k: v for k, v in cfg.items() if k not in ("architectures", "dtype", "torch_dtype")}
+    wrapped = dict(
+        architectures=[vl],
+        model_type=VL_MODEL_TYPES[vl],
+        text_config=text,
+        vision_config={"out_hidden_size": cfg["hidden_size"]},
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+    )
+    return dict(wrapped, **{k: cfg[k] for k in ("dtype", "torch_dtype") if k in cfg})
 
 
 def checkpoint_name(name):

@@ -31,16 +31,19 @@ Logprobs (must equal common/rollout/engine.py's HFEngine semantics, log_softmax(
     (a warning is printed once).
 """
 
+import atexit
 import json
 import math
 import os
 import random
+import shutil
+import tempfile
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from common.model.bridge_vl import checkpoint_name, text_config
+from common.model.bridge_vl import checkpoint_name, text_config, vision_language_config
 from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
 from common.rollout.routes import routes_from_vllm
 from common.rollout.vllm_experts import FusedExperts
@@ -134,6 +137,13 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
         self.enable_sleep = enable_sleep
         with open(os.path.join(hf_dir, "config.json")) as f:
             config = json.load(f)
+        wrapped = vision_language_config(config) if load_format == "dummy" else None
+        if wrapped is not None:  # a text Qwen3.5, which vLLM 0.26 serves only as the vision-language model:
+            # started from that config (the weights come from the sync, under model.language_model.*)
+            hf_dir, config = tempfile.mkdtemp(prefix="vllm_config_"), wrapped
+            atexit.register(shutil.rmtree, hf_dir, ignore_errors=True)
+            with open(os.path.join(hf_dir, "config.json"), "w") as f:
+                json.dump(config, f)
         # a vision-language checkpoint (Qwen3.5 as released): vLLM builds the whole model, whose language
         # model takes the checkpoint's names (model.language_model.*: common/model/bridge_vl.py)
         text, self._vision_language = text_config(config)
