@@ -14,6 +14,10 @@
 # ONLY='moe|deepseek' ... 1gpu, then ONLY=recipes ... 1gpu, then bash tests/gpu/run_all.sh exit.
 # On four GPUs, tests/gpu/run_lanes.sh runs these groups side by side in two calls.
 # Results (JSON per test and rank) go to $OUT when set; the exit code is the number of failures.
+# vLLM's Qwen3.5 module (the "qwen35" test) imports compressed-tensors, which pip installs with vllm; an
+# offline stack without it takes the wheels, downloaded elsewhere and installed beside the stack:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl compressed-tensors==0.17.0 loguru
+#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
