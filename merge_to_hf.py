@@ -45,6 +45,7 @@ import sys
 
 import torch
 
+from common.model.bridge_vl import checkpoint_name
 from common.run.cli import (
     DTYPES,
     HF_DTYPE_NAMES,
@@ -60,7 +61,7 @@ from common.run.cli import (
 )
 from common.run.dist import print0
 from common.run.lora_export import load_lora_base, lora_settings, write_peft_adapter
-from common.run.vl_export import checkpoint_name, vision_source, vl_config
+from common.run.vl_export import vision_source, vl_config
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 

@@ -2,7 +2,7 @@
 trained language model written back as the vision-language checkpoint, beside the source's vision tower.
 
     source = vision_source(src_dir, spec)     the source's config.json and vision-tower tensor names, checked
-    name = checkpoint_name(name)              (bridge_vl) a text-model tensor's name in that checkpoint
+    checkpoint_name(name)                     (common/model/bridge_vl.py) a text tensor's name in it
     config, notes = vl_config(source, dtype_name)   the config.json to write, and what it leaves out
 
 Why: vLLM 0.26 registers Qwen3.5 only as its vision-language architectures, so the text CausalLM that
@@ -14,9 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from common.model.bridge_vl import checkpoint_name, text_config
-
-__all__ = ["checkpoint_name", "vision_source", "vl_config", "VisionSource"]
+from common.model.bridge_vl import text_config
 from common.model.weights_load import HFCheckpointReader
 from common.run.cli import ConversionError
 
