@@ -17,11 +17,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import convert_hf_to_mcore  # noqa: E402  (the repo root is on sys.path via conftest)
 import merge_to_hf  # noqa: E402
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun
 from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model
 
 
@@ -417,3 +418,22 @@ def test_no_known_warnings_printed(tiny_models_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [line for line in proc.stderr.splitlines() if "Warning: " in line]
     assert printed and all("a warning of its own" in line for line in printed), printed
+
+
+@pytest.mark.parametrize("tool", [convert_hf_to_mcore, merge_to_hf])
+def test_help_documents_every_flag(tool, monkeypatch):
+    """Every flag of the two conversion tools has a help string (the parser each builds, caught as it parses)."""
+    from common.run import cli
+
+    class Caught(Exception):
+        pass
+
+    def catch(parser, *args, **kwargs):
+        raise Caught(parser)
+
+    monkeypatch.setattr(cli.Parser, "parse_args", catch)
+    with pytest.raises(Caught) as caught:
+        tool.parse_args([])
+    parser = caught.value.args[0]
+    assert_every_flag_documented(parser)
+    assert len(parser._actions) > 5  # the whole parser, not an empty one
