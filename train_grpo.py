@@ -360,6 +360,7 @@ def main():
             args.max_new_tokens,
             args.partial_chunk_tokens,
             args.seed,
+            lengths=args.bench_response_lengths,  # a benchmark's exact lengths, drawn per group
         )
         if args.off_policy_steps
         else None

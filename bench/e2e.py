@@ -26,7 +26,8 @@ Reported over the timed steps (the warm-up steps pay for compilation, CUDA graph
                          old_logprob, ref, reload, train, ...; other_s: the rest of step_s): mean
                          seconds, share of the step, tokens / phase seconds / world size
   lengths                the response lengths drawn (count, mean, std, min, p50, p90, p99, max);
-                         lengths_exact: each step's response tokens equal the sum of its draws
+                         lengths_exact: each step's response tokens equal the sum of its draws (None with
+                         --off-policy-steps after `--`: groups draw when they start, a step trains older ones)
   device, world size, layout, the command
 Output: a table, one `BENCH_JSON {...}` line and --out/e2e.json. Step seconds are rank 0's (the
 step ends with a collective: every rank is within a metric reduction of it).
@@ -153,6 +154,15 @@ def summarize(rows, run_args, layout, spec_text, warmup):
         ]
         for r in timed
     }
+    if run_args.get("off_policy_steps"):  # groups draw when they start (common/rollout/partial.py): the n-th's
+        drawn = {
+            r["step"]: [
+                n
+                for g in range(i * prompts, (i + 1) * prompts)
+                for n in draw_lengths(spec_text, 1, group, seed=run_args["seed"], step=g, round_=-1)[0]
+            ]
+            for i, r in enumerate(timed)
+        }
     tokens, step_s = sum(r["tokens"] for r in timed), sum(r["step_s"] for r in timed)
     response_tokens = sum(r["response_tokens"] for r in timed)
     # seconds per phase: the seconds keys but step_s (common/run/plots.py's rule: gen_tokens_per_s is a rate)
@@ -174,7 +184,10 @@ def summarize(rows, run_args, layout, spec_text, warmup):
             for k, v in phase_s.items()
         },
         lengths=length_stats([n for step in drawn.values() for n in step]),
-        lengths_exact=all(sum(drawn[r["step"]]) == r["response_tokens"] for r in timed),
+        # per step only when synchronous: with --off-policy-steps a step trains groups started at earlier steps
+        lengths_exact=None
+        if run_args.get("off_policy_steps")
+        else all(sum(drawn[r["step"]]) == r["response_tokens"] for r in timed),
         memory_gb={
             k: max(r[k] for r in timed if k in r) for k in sorted({k for r in timed for k in r}) if k.startswith("mem_")
         },
@@ -208,7 +221,11 @@ def print_table(r):
     print(
         f"response lengths {r['response_lengths']}: drawn mean {lengths['mean']:.0f}, p50 {lengths['p50']}, p90 "
         f"{lengths['p90']}, p99 {lengths['p99']}, max {lengths['max']}"
-        + ("" if r["lengths_exact"] else "  (NOT EXACT: the responses' token counts differ from the draws)")
+        + (
+            ""
+            if r["lengths_exact"] is not False
+            else "  (NOT EXACT: the responses' token counts differ from the draws)"
+        )
         + f"; prompts {r['prompt_tokens_per_sample']:.0f} tokens"
     )
     print(f"tokens/s/GPU over the whole step: {r['tokens_per_s_per_gpu']:.1f}, step {r['step_s_mean']:.2f} s")

@@ -7,6 +7,7 @@
   4; it finishes the step, saves, exits 0), resumed to 4 == 4 steps in one go (every step equal: the carried
   samples, their versions and logprobs came back); PPO resumed after 2 steps trains the carried samples (age 1);
   the staleness metrics show partial samples;
+- --bench-response-lengths reaches the partial rollouts: every trained response has its drawn length;
 - data parallel 2: the replicas' samples come together with their own logprobs, the same staleness schedule;
 - learning: K = 1 and K = 2 on the embedded task (its default settings, IcePop the default correction) reach the
   synchronous run's reward in the same 50 steps (the same samples per step).
@@ -57,6 +58,7 @@ def runs(tmp_path_factory):
         ("train_grpo.py", *PARTIAL, "--steps", 4, "--reward", plain, "--out", root / "grpo_straight"),
         ("train_grpo.py", *PARTIAL, "--steps", 4, "--reward", stopping, "--out", root / "grpo_resumed"),
         ("train_ppo.py", *PARTIAL, "--steps", 2, "--reward", plain, "--out", root / "ppo_resumed"),
+        ("train_grpo.py", *PARTIAL, "--steps", 3, "--bench-response-lengths", "fixed:3", "--out", root / "lengths"),
     )
     assert "SIGTERM received" in outputs[3] and len(read_metrics(root / "grpo_resumed")) == 2
     run_scripts(
@@ -66,6 +68,14 @@ def runs(tmp_path_factory):
         ]
     )
     return root
+
+
+def test_bench_response_lengths_reach_the_partial_rollouts(runs):
+    """--bench-response-lengths fixed:3 with --off-policy-steps 1 (one-token chunks, --max-new-tokens 4): every
+    trained response has exactly 3 tokens, written over several steps' weights, none ending early on EOS."""
+    rows = read_metrics(runs / "lengths")
+    assert [r["response_len_mean"] for r in rows] == [3.0] * 3 and all(r["truncated_frac"] == 1.0 for r in rows)
+    assert all(r["staleness_share_1"] == 1.0 for r in rows[1:]) and any(r["partial_frac"] > 0 for r in rows)
 
 
 def test_zero_is_the_synchronous_loop(runs):

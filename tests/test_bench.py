@@ -642,3 +642,27 @@ def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
         config = transformers.AutoConfig.from_pretrained(write_config_dir(str(tmp_path / name), name))
         assert spec.architecture == fields["architectures"][0] and config.hidden_size == spec.hidden_size, name
         assert spec.num_layers == fields["num_hidden_layers"], name
+
+
+def test_e2e_with_off_policy_steps(tmp_path):
+    """bench/e2e.py with --off-policy-steps 1 after `--`: groups draw their lengths when they start and a step
+    trains groups started earlier, so the per-step exactness is not claimed (lengths_exact None); every trained
+    group's responses have exactly the lengths one of the run's group draws gave, and the token counts are the
+    saved samples'."""
+    from common.rollout.lengths import draw_lengths
+
+    spec = "uniform:min=2,max=9"
+    out, saved = tmp_path / "run", tmp_path / "rollouts"
+    cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--response-lengths", spec, "--prompt-len", 8]
+    cmd += ["--warmup", 0, "--steps", 3, "--out", out, "--", "--prompts-per-step", 4, "--samples-per-prompt", 2]
+    cmd += ["--mini-batch-size", 8, "--off-policy-steps", 1, "--partial-chunk-tokens", 3, "--save-rollouts", saved]
+    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    r = bench_json(proc.stdout)
+    assert r["lengths_exact"] is None and "NOT EXACT" not in proc.stdout
+    draws = {tuple(draw_lengths(spec, 1, 2, seed=1234, step=g, round_=-1)[0]) for g in range(40)}
+    for step in range(3):
+        samples = torch.load(saved / f"step_{step:06d}.pt", weights_only=False)["samples"]
+        groups = [tuple(len(s.response_ids) for s in samples[i : i + 2]) for i in range(0, 8, 2)]
+        assert all(g in draws for g in groups), groups
+        assert r["response_tokens_per_step"][step] == sum(map(sum, groups))

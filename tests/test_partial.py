@@ -155,3 +155,35 @@ def test_spread_generate_puts_every_replica_row_back_in_place(monkeypatch):
     out = P.spread_generate(Echo(), 0, 2, True, 1.0, 1.0)(rows, 2, 7)
     assert [s.response_ids for s in out] == [[10], [11], [12], [13], [14]]
     assert [s.response_logprobs for s in out] == [[7.0], [8.0], [7.0], [8.0], [7.0]]
+
+
+def test_bench_lengths_every_trained_sample_gets_its_drawn_length_chunk_by_chunk():
+    """lengths (a --bench-response-lengths spec): each new group draws its samples' lengths, every chunk asks the
+    engine for exact tokens (EOS ignored) up to them, and every trained sample has exactly its draw, also when the
+    store continues from its saved state; the n-th group's draw is the same in every run."""
+    from common.rollout.lengths import draw_lengths
+
+    asked = []
+
+    def generate(rows, max_tokens, seed, exact=False):  # an engine honouring exact lengths: token 7 each
+        asked.append((max_tokens, exact))
+        return [Sample(row, [7] * max_tokens, [-1.0] * max_tokens, "length") for row in rows]
+
+    def store():
+        return PartialRollouts(1, 2, 2, max_tokens=9, chunk_tokens=3, seed=5, lengths="uniform:min=1,max=9")
+
+    first, batches = store(), [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3]]
+    trained = []
+    for step in range(3):
+        samples, prompts, _ = first.rollout(step, batches.pop(0), lambda: batches.pop(0), PROMPT_IDS, generate)
+        trained.append([len(s.response_ids) for s in samples])
+        if step == 1:
+            state = json.loads(json.dumps(first.state_dict()))
+    draws = [draw_lengths("uniform:min=1,max=9", 1, 2, seed=5, step=n, round_=-1)[0] for n in range(8)]
+    assert trained[0] == draws[0] + draws[1]  # step 0: the first two groups, each sample its own draw
+    assert all(exact and 1 <= tokens <= 3 for tokens, exact in asked)
+    assert all(len(s.response_ids) == t for g in first.groups for s, t in zip(g.samples, g.targets) if s.finish_reason)
+    resumed, batches = store(), [[0, 1], [2, 3]]
+    resumed.load_state_dict(state)
+    again, _, _ = resumed.rollout(2, batches.pop(0), lambda: batches.pop(0), PROMPT_IDS, generate)
+    assert [len(s.response_ids) for s in again] == trained[2] and resumed.draws == first.draws

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from common.rl.batch import gather_samples
 from common.rollout.engine import Sample, generate_checked
+from common.rollout.lengths import draw_lengths
 
 
 @dataclass
@@ -34,19 +35,24 @@ class Group:
     prompt: int  # the prompt's index in the run's prompts (its answer, its reward)
     version: int  # the step whose weights sampled the first token of every sample (they start together)
     samples: list[Sample]  # G; Sample.finish_reason is None while the sample runs
+    targets: list[int] | None = None  # --bench-response-lengths: each sample's exact length, drawn at its start
 
 
 class PartialRollouts:
     """The carry-over store of --off-policy-steps K (module docstring): (K + 1) x prompts_per_step groups of
-    `group` samples in flight, responses of at most max_tokens, continued chunk_tokens at a time."""
+    `group` samples in flight, responses of at most max_tokens, continued chunk_tokens at a time. lengths: a
+    benchmark's response-length spec (common/rollout/lengths.py): each new group's samples draw their lengths
+    (the n-th group of the run its own draw, the same in every run of the seed) and get exactly that many tokens,
+    EOS ignored, chunk by chunk."""
 
-    def __init__(self, off_policy_steps, prompts_per_step, group, max_tokens, chunk_tokens, seed=0):
+    def __init__(self, off_policy_steps, prompts_per_step, group, max_tokens, chunk_tokens, seed=0, lengths=None):
         if off_policy_steps < 1 or chunk_tokens < 1:
             raise ValueError(
                 f"need off_policy_steps >= 1 and chunk_tokens >= 1, not {off_policy_steps}, {chunk_tokens}"
             )
         self.k, self.prompts_per_step, self.group = off_policy_steps, prompts_per_step, group
         self.max_tokens, self.chunk_tokens, self.seed = max_tokens, chunk_tokens, seed
+        self.lengths, self.draws = lengths, 0  # draws: groups whose lengths were drawn so far
         self.groups: list[Group] = []  # oldest first (versions never decrease along the list)
         self.generated = 0  # tokens generated in the current (last) phase
 
@@ -78,25 +84,36 @@ class PartialRollouts:
 
     def _new_group(self, prompt, step, prompt_ids):
         ids = list(map(int, prompt_ids[prompt]))
-        return Group(prompt, step, [Sample(ids, [], [], None, versions=[]) for _ in range(self.group)])
+        targets = None
+        if self.lengths:  # round -1: apart from the synchronous loop's draws
+            targets = draw_lengths(self.lengths, 1, self.group, seed=self.seed, step=self.draws, round_=-1)[0]
+            self.draws += 1
+        return Group(prompt, step, [Sample(ids, [], [], None, versions=[]) for _ in range(self.group)], targets)
 
     def _chunk(self, step, generate, calls):
         """Every running sample continued by up to chunk_tokens tokens under this step's weights: one generate call
         per remaining budget (a budget is chunk_tokens but near max_tokens). Returns the calls made so far."""
-        running = [s for g in self.groups for s in g.samples if s.finish_reason is None]
-        budget = [min(self.chunk_tokens, self.max_tokens - len(s.response_ids)) for s in running]
+        running, caps = [], []  # the running samples, and each one's length at most (exactly: with targets)
+        for g in self.groups:
+            for j, s in enumerate(g.samples):
+                if s.finish_reason is None:
+                    running.append(s)
+                    caps.append(g.targets[j] if g.targets else self.max_tokens)
+        cap_of = {id(s): cap for s, cap in zip(running, caps)}
+        budget = [min(self.chunk_tokens, cap - len(s.response_ids)) for s, cap in zip(running, caps)]
         for tokens in sorted(set(budget), reverse=True):
             batch = [s for s, b in zip(running, budget) if b == tokens]
             seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)
-            outs = generate([s.prompt_ids + s.response_ids for s in batch], tokens, seed)
+            rows = [s.prompt_ids + s.response_ids for s in batch]
+            outs = generate(rows, tokens, seed, exact=True) if self.lengths else generate(rows, tokens, seed)
             calls += 1
             self.generated += sum(len(out.response_ids) for out in outs)
             for s, out in zip(batch, outs, strict=True):
                 s.response_ids += out.response_ids
                 s.response_logprobs += out.response_logprobs
                 s.versions += [step] * len(out.response_ids)
-                # ended: on a stop token, at max_tokens, or short of the chunk (the engine's max_model_len)
-                if out.finish_reason == "stop" or len(s.response_ids) >= self.max_tokens:
+                # ended: on a stop token, at max_tokens (its drawn length), or short of the chunk (max_model_len)
+                if out.finish_reason == "stop" or len(s.response_ids) >= cap_of[id(s)]:
                     s.finish_reason = out.finish_reason
                 elif len(out.response_ids) < tokens:
                     s.finish_reason = "length"
@@ -121,16 +138,24 @@ class PartialRollouts:
         versions (as [version, count] runs) of every sample."""
         return {
             "off_policy_steps": self.k,
+            "draws": self.draws,
             "groups": [
-                {"prompt": g.prompt, "version": g.version, "samples": [_sample_state(s) for s in g.samples]}
+                {
+                    "prompt": g.prompt,
+                    "version": g.version,
+                    "samples": [_sample_state(s) for s in g.samples],
+                    "targets": g.targets,
+                }
                 for g in self.groups
             ],
         }
 
     def load_state_dict(self, state):
         self.groups = [
-            Group(g["prompt"], g["version"], [_sample_from_state(s) for s in g["samples"]]) for g in state["groups"]
+            Group(g["prompt"], g["version"], [_sample_from_state(s) for s in g["samples"]], g.get("targets"))
+            for g in state["groups"]
         ]
+        self.draws = state.get("draws", 0)
         if any(len(g.samples) != self.group for g in self.groups):
             raise ValueError(
                 f"--resume: the checkpoint's carried groups have {len(self.groups[0].samples)} samples, this run "
@@ -164,16 +189,18 @@ def spread_generate(engine, replica, num_replicas, first_of_replica, temperature
     """PartialRollouts.rollout's generate on this run's engines: row i runs on replica i % num_replicas (seeded
     seed + replica), every rank gets every row's Sample back in row order. All ranks call it."""
 
-    def generate(rows, max_tokens, seed):
+    def generate(rows, max_tokens, seed, exact=False):  # exact: every row gets max_tokens tokens, EOS ignored
+        mine_rows = rows[replica::num_replicas]
         mine = generate_checked(
             engine,
-            rows[replica::num_replicas],
+            mine_rows,
             "all",  # every token's engine logprob: the behaviour policy of the corrections
             n=1,
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
             seed=seed + replica,
+            response_lengths=[max_tokens] * len(mine_rows) if exact else None,
         )
         gathered = gather_samples(mine if first_of_replica else [])  # replica-major
         order = [i for r in range(num_replicas) for i in range(r, len(rows), num_replicas)]

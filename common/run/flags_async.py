@@ -6,7 +6,6 @@ Shared by train_grpo.py and train_ppo.py; the mechanism is common/rollout/partia
 UNSUPPORTED = (
     ("env", None, "--env's multi-turn episodes run whole within a step"),
     ("dynamic_sampling", False, "--dynamic-sampling draws its extra prompts within the step"),
-    ("bench_response_lengths", None, "--bench-response-lengths sets every response's length in one call"),
     ("load_rollouts", None, "--load-rollouts replays saved samples as they are (versions included)"),
     ("routing_replay", "none", "--routing-replay rollout needs each sample's routes from one engine call"),
 )

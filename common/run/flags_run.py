@@ -174,7 +174,8 @@ def bench_flags(p):
             "throughput benchmark (bench/e2e.py): every sample gets exactly the number of tokens drawn for it from "
             "SPEC, EOS ignored (the same draws on every rank, by --seed and step): fixed:L, uniform:min=A,max=B or "
             "lognormal:mean=M,sigma=S,max=B[,min=A] (M the mean before clipping to [A, B]; "
-            "common/rollout/lengths.py); B must be <= --max-new-tokens. No checkpoint is written at the last step"
+            "common/rollout/lengths.py); B must be <= --max-new-tokens. No checkpoint is written at the last step. "
+            "With --off-policy-steps each group draws its lengths when it starts"
         ),
     )
     return g
