@@ -390,13 +390,13 @@ def run(args, created):
             config["num_nextn_predict_layers"] = 0
         if config.pop("quantization_config", None):  # gpt-oss's MXFP4 experts, dequantised: written as --dtype
             print0(f"note: the source's quantized expert weights (MXFP4) are written dequantised in {dtype}")
+        if vision:  # the source's vision-language config.json (its text_config is the trained model's)
+            config, notes = vl_config(vision)
+            print0("\n".join(notes))
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = HF_DTYPE_NAMES[dtype]
-        if vision:  # the source's vision-language config.json (its text_config is the trained model's)
-            config, notes = vl_config(vision, HF_DTYPE_NAMES[dtype])
-            print0("\n".join(notes))
-        elif spec.vision_language:
+        if spec.vision_language and not vision:
             print0(
                 "note: written as the text CausalLM of the vision-language source; vLLM 0.26 serves Qwen3.5 only "
                 "as the vision-language model: --vision-from SOURCE_DIR writes that"

@@ -60,7 +60,8 @@ class PartialRollouts:
         """One step's rollout phase. new_prompts: this step's prompt indices (the sampler's batch); more_prompts():
         another batch, called while fewer than (K + 1) x prompts_per_step groups are in flight (the first step, or
         a resume without carried samples); prompt_ids[i]: prompt i's token ids; generate(rows, max_tokens, seed):
-        one Sample per row of token ids (n = 1, every token's logprob), the same on every rank.
+        one Sample per row of token ids (n = 1, every token's logprob), the same on every rank (with lengths:
+        generate(rows, max_tokens, seed, exact=True), exactly max_tokens tokens each, EOS ignored).
         Returns (samples, prompts, metrics): prompts_per_step complete groups, oldest first, G samples each with
         their versions (group-major); each group's prompt index; the step's staleness metrics."""
         stale = [g for g in self.groups if g.version < step - self.k]  # would be trained beyond the bound
@@ -93,14 +94,14 @@ class PartialRollouts:
     def _chunk(self, step, generate, calls):
         """Every running sample continued by up to chunk_tokens tokens under this step's weights: one generate call
         per remaining budget (a budget is chunk_tokens but near max_tokens). Returns the calls made so far."""
-        running, caps = [], []  # the running samples, and each one's length at most (exactly: with targets)
-        for g in self.groups:
-            for j, s in enumerate(g.samples):
-                if s.finish_reason is None:
-                    running.append(s)
-                    caps.append(g.targets[j] if g.targets else self.max_tokens)
-        cap_of = {id(s): cap for s, cap in zip(running, caps)}
-        budget = [min(self.chunk_tokens, cap - len(s.response_ids)) for s, cap in zip(running, caps)]
+        cap_of = {  # each running sample's length at most (exactly: with targets), by id (samples compare by value)
+            id(s): g.targets[j] if g.targets else self.max_tokens
+            for g in self.groups
+            for j, s in enumerate(g.samples)
+            if s.finish_reason is None
+        }
+        running = [s for g in self.groups for s in g.samples if s.finish_reason is None]
+        budget = [min(self.chunk_tokens, cap_of[id(s)] - len(s.response_ids)) for s in running]
         for tokens in sorted(set(budget), reverse=True):
             batch = [s for s, b in zip(running, budget) if b == tokens]
             seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)

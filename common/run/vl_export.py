@@ -3,7 +3,7 @@ trained language model written back as the vision-language checkpoint, beside th
 
     source = vision_source(src_dir, spec)     the source's config.json and vision-tower tensor names, checked
     checkpoint_name(name)                     (common/model/bridge_vl.py) a text tensor's name in it
-    config, notes = vl_config(source, dtype_name)   the config.json to write, and what it leaves out
+    config, notes = vl_config(source)         the config.json to write (merge_to_hf.py sets its dtype), notes
 
 Why: vLLM 0.26 registers Qwen3.5 only as its vision-language architectures, so the text CausalLM that
 merge_to_hf.py writes by default loads in transformers but not in vLLM; this layout loads in both (and
@@ -62,13 +62,10 @@ def vision_source(src_dir, spec):
     return VisionSource(src_dir, config, reader, names)
 
 
-def vl_config(source, dtype_name):
-    """(config.json to write: the source's with the written dtype at the top, notes to print). The source's
-    multi-token-prediction layers are not trained and not written: the config says 0 of them."""
+def vl_config(source):
+    """(config.json to write: a copy of the source's, notes to print). The source's multi-token-prediction
+    layers are not trained and not written: the config says 0 of them."""
     config, notes = json.loads(json.dumps(source.config)), []
-    for key in ("dtype", "torch_dtype"):
-        if key in config or key == "dtype":
-            config[key] = dtype_name
     mtp = config["text_config"].get("mtp_num_hidden_layers")
     if mtp:
         config["text_config"]["mtp_num_hidden_layers"] = 0
