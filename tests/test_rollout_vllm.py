@@ -509,3 +509,29 @@ def test_a_text_qwen35_starts_vllm_as_the_vision_language_model(engine, tmp_path
     assert text_config(started)[0]["architectures"] == ["Qwen3_5MoeForCausalLM"]
     assert q35._vision_language and q35.llm.kwargs["language_model_only"]
     assert engine.llm.kwargs["model"] == str(tmp_path)  # other models: their own directory
+
+
+@pytest.mark.parametrize("flashinfer", [False, True])
+def test_gated_delta_net_prefill_falls_back_to_triton_without_flashinfer(engine, tmp_path, monkeypatch, flashinfer):
+    """Qwen3.5's gated-delta-net layers: on Hopper vLLM's "auto" picks flashinfer's prefill kernel whether or not
+    flashinfer is installed (the engine then dies at its first prefill); without it the Triton kernel is asked
+    for, and a user's own additional_config is kept. Models without such layers get vLLM's defaults."""
+    import importlib.util
+
+    from common.rollout.vllm_engine import VLLMEngine
+    from tests.tiny_models import make_tiny_hf_model
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "flashinfer":
+            return object() if flashinfer else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    (tmp_path / "q35").mkdir()
+    (tmp_path / "q35" / "config.json").write_text(json.dumps(make_tiny_hf_model("qwen3_5_moe").config.to_dict()))
+    q35 = VLLMEngine(str(tmp_path / "q35"), rollout_tp=1, max_model_len=64, additional_config={"other": 1})
+    expected = {"other": 1} if flashinfer else {"gdn_prefill_backend": "triton", "other": 1}
+    assert q35.llm.kwargs["additional_config"] == expected
+    assert "additional_config" not in engine.llm.kwargs  # a model without gated-delta-net layers

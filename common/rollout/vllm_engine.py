@@ -32,6 +32,7 @@ Logprobs (must equal common/rollout/engine.py's HFEngine semantics, log_softmax(
 """
 
 import atexit
+import importlib.util
 import json
 import math
 import os
@@ -149,6 +150,11 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
         text, self._vision_language = text_config(config)
         if self._vision_language:  # text in, text out: no vision tower, no image processor (a tokenizer-less engine)
             llm_kwargs.setdefault("language_model_only", True)
+        if "linear_key_head_dim" in text and importlib.util.find_spec("flashinfer") is None:
+            # gated-delta-net layers (Qwen3.5, Qwen3-Next): on Hopper vLLM's "auto" prefill kernel is
+            # flashinfer's even where flashinfer is not installed; its Triton kernel needs nothing more
+            extra = dict(llm_kwargs.get("additional_config") or {})
+            llm_kwargs["additional_config"] = {"gdn_prefill_backend": "triton", **extra}
         max_positions = text.get("max_position_embeddings")
         self.moe_layers = None  # return_routes: which decoder layers are MoE (routes_from_vllm)
         if return_routes:
