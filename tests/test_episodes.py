@@ -351,3 +351,34 @@ def test_at_most_max_workers_steps_run_at_once_and_the_timeout_counts_from_a_ste
     )  # fmt: skip
     assert time.time() - start >= 1.2  # one after the other
     assert [s.episode["reward"] for s in samples] == [1.0] * 3 and sum(s.episode["tool_timeouts"] for s in samples) == 0
+
+
+def test_step_threads_are_reused_and_a_hung_step_holds_up_no_later_one():
+    """Environment steps run on kept daemon threads (_Workers): one thread per step cost ~0.5 ms of the
+    driver's time each. A step that hangs keeps its thread; the next step that finds none idle starts
+    another, so later steps still run, and a thread back from its step takes the next one."""
+    import threading
+
+    from common.rollout.episodes import _Workers
+
+    workers, release = _Workers(), threading.Event()
+    started = []
+    real_start = threading.Thread.start
+
+    def counting_start(thread):
+        started.append(thread)
+        real_start(thread)
+
+    threading.Thread.start = counting_start
+    try:
+        hung = workers.submit(release.wait)
+        results = [workers.submit(lambda i=i: i * i).result(timeout=5) for i in range(20)]
+        assert results == [i * i for i in range(20)] and not hung.done()
+        assert len(started) == 2  # the hung step's thread and one reused 20 times
+        with pytest.raises(ZeroDivisionError):  # an environment's own error reaches the driver
+            workers.submit(lambda: 1 / 0).result(timeout=5)
+        release.set()
+        assert hung.result(timeout=5) is True
+    finally:
+        threading.Thread.start = real_start
+        release.set()
