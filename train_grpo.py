@@ -401,6 +401,8 @@ def main():
     control = RunControl(
         save_every=args.save_every,
         save_every_minutes=args.save_every_minutes,
+        stall_minutes=args.stall_dump_minutes,  # a step longer than this: every rank's stacks
+        out=args.out,
         steps=None if args.bench_response_lengths else args.steps,  # a benchmark saves no last checkpoint
     )
     writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
@@ -800,6 +802,7 @@ def main():
             print0(control.stop_message(step))
             break
 
+    control.close()  # no more steps: the stall timer off
     # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/run/cli.py)
     finish_training(
         writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None

@@ -396,7 +396,13 @@ def main():
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
-    control = RunControl(save_every=args.save_every, save_every_minutes=args.save_every_minutes, steps=args.steps)
+    control = RunControl(
+        save_every=args.save_every,
+        save_every_minutes=args.save_every_minutes,
+        steps=args.steps,
+        stall_minutes=args.stall_dump_minutes,  # a step longer than this: every rank's stacks
+        out=args.out,
+    )
     writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
     clock.mark("pinned host memory")
     print0(clock.line())
@@ -780,6 +786,7 @@ def main():
             print0(control.stop_message(step))
             break
 
+    control.close()  # no more steps: the stall timer off
     # the last save awaited and published, the last metrics printed; with vLLM: os._exit (common/run/cli.py)
     finish_training(
         writer, logger, summary=metrics if start_step < args.steps else None, exit_hard=use_vllm and engine is not None

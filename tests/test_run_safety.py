@@ -403,6 +403,8 @@ def test_torchrun_forwards_sigusr1_and_every_rank_stops_after_the_same_step(tmp_
         *SMALL,
         "--steps",
         "40",
+        "--stall-dump-minutes",
+        "0.0005",  # 30 ms: a step "stalls", and each rank writes its stacks
     ]
     _, output = _signal_after(
         _popen(cmd, tmp_path, PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"),
@@ -416,6 +418,9 @@ def test_torchrun_forwards_sigusr1_and_every_rank_stops_after_the_same_step(tmp_
     assert 2 <= saved < 40
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
     assert "complete" in os.listdir(tmp_path / "checkpoints" / f"step_{saved:06d}")
+    for rank in (0, 1):  # every thread's stack, the main thread's in the training loop
+        stacks = (tmp_path / "stacks" / f"rank{rank}.txt").read_text()
+        assert "this step has run longer than" in stacks and 'train_grpo.py", line' in stacks, stacks[:2000]
 
 
 def test_merge_refuses_non_finite_weights(tmp_path, capsys):
@@ -458,6 +463,37 @@ def test_run_control_decides_when_to_save_and_stop():
         assert control.signal_name == "SIGUSR1"
         assert control.step_end(4, cpu) == (True, True)
         assert "stopped by SIGUSR1 after step 5" in control.stop_message(4)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def test_a_stalled_step_writes_the_stacks_and_an_unstalled_run_no_file(tmp_path):
+    """--stall-dump-minutes: a step longer than the limit appends every thread's stack once (the run goes on);
+    the clock restarts at each step's end; close() stops it; a run with no stall writes no file."""
+    import torch
+
+    from common.train.guard import STOP_SIGNALS, RunControl
+
+    old = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    cpu = torch.device("cpu")
+    try:
+        control = RunControl(stall_minutes=0.001, out=tmp_path / "stalled")  # 60 ms
+        stacks = tmp_path / "stalled" / "stacks" / "rank0.txt"
+        time.sleep(0.2)  # the step stalls: one dump, not one per 60 ms
+        first = stacks.read_text()
+        assert first.count("this step has run longer than 0.001 min") == 1, first
+        assert "thread MainThread:" in first and "in test_a_stalled_step_writes_the_stacks" in first
+        control.step_end(0, cpu)  # restarted: quick steps write nothing
+        control.step_end(1, cpu)
+        control.close()
+        time.sleep(0.1)
+        assert stacks.read_text() == first
+        quick = RunControl(stall_minutes=0.001, out=tmp_path / "quick")
+        quick.step_end(0, cpu)
+        quick.close()
+        time.sleep(0.1)
+        assert not (tmp_path / "quick").exists()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -135,6 +135,7 @@ def test_embedded_default_learns(tmp_path):
     assert abs(records[-1]["value_mean"] - records[-1]["reward_mean"]) < 0.2
     assert all(k in records[-1] for k in ["value_loss", "explained_variance", "vf_clip_frac"])
     assert os.path.isfile(tmp_path / "curves.png")
+    assert not os.path.exists(tmp_path / "stacks")  # no step ran longer than --stall-dump-minutes (20)
     assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000060"
     with open(tmp_path / "checkpoints" / "step_000060" / "complete") as f:
         files = json.load(f)["files"]
@@ -305,8 +306,11 @@ def test_on_policy_check_waits_for_the_first_actor_update(scored, tmp_path):
     rollouts' scored sample (engine logprobs at temperature 1) replayed at --temperature 0.7 disagrees with the
     trainer's: a bound of 0.01 stops the run after step 2, exit 5, its metrics written."""
     flags = ["--steps", 3, "--temperature", 0.7, "--check-on-policy", 0.01, "--load-rollouts", scored / "scored"]
+    flags += ["--stall-dump-minutes", 0.0005]  # 30 ms: every step "stalls", its stacks written
     proc = run_script("train_ppo.py", *SMALL, *GAE, *flags, "--out", tmp_path, check=False)
     assert proc.returncode == 5, proc.stderr[-3000:]
+    stacks = (tmp_path / "stacks" / "rank0.txt").read_text()
+    assert "this step has run longer than 0.0005 min" in stacks and 'train_ppo.py", line' in stacks, stacks[:2000]
     assert "train_ppo.py: stopped: step 2: the first update is not on-policy: logprob_mismatch" in proc.stderr
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [0, 1] and "policy_loss" not in records[0]

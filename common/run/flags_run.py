@@ -105,6 +105,14 @@ def run_flags(p, out_prefix):
     )
     g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step checkpoints to keep")
     g.add_argument(
+        "--stall-dump-minutes",
+        type=float,
+        default=20.0,
+        help="a step running longer than this writes every rank's Python stacks to <out>/stacks/ and the run goes on "
+        "(a hang's diagnosis: a collective one rank never joined, a stuck engine); 0: off. kill -USR2 PID prints a "
+        "rank's stacks at any time",
+    )
+    g.add_argument(
         "--save-any-layout",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -19,14 +19,23 @@ Non-finite numbers. A NaN or Inf in the logprobs, the loss or the gradients stop
 with a NonFiniteError naming the step and the quantity, before the optimizer step: the
 weights (and so every checkpoint) stay as they were after the last good step.
 
+Stalls. With stall_minutes (--stall-dump-minutes) a step that runs longer than that (a collective one
+rank never joins, a hung engine) appends every thread's Python stack of each rank to
+<out>/stacks/rank<R>.txt, once per stalled step, and the run goes on (StallWatch, a daemon thread whose
+clock restarts at every step's end; RunControl.close stops it). No file is written while no step stalls.
+
 On-policy check. --check-on-policy BOUND stops the run (OffPolicyError, exit 5) after the step
 of its first update when that update was not on-policy (on_policy_failure), once the step's
 metrics and checkpoint are written.
 """
 
 import math
+import os
 import signal
+import sys
+import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -49,12 +58,15 @@ class OffPolicyError(RuntimeError):
 class RunControl:
     """When to save and when to stop, decided the same way on every rank."""
 
-    def __init__(self, save_every=0, save_every_minutes=0.0, steps=None):
+    def __init__(self, save_every=0, save_every_minutes=0.0, steps=None, stall_minutes=0.0, out=None):
         self.save_every, self.save_every_minutes, self.steps = save_every, save_every_minutes, steps
         self.signal_name = None  # set by the handler: the first stop signal received
         self._last_save = time.monotonic()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        self._stall = None  # see the module docstring: Stalls
+        if stall_minutes > 0 and out is not None:
+            self._stall = StallWatch(60 * stall_minutes, os.path.join(out, "stacks", f"rank{_rank()}.txt"))
 
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
@@ -81,13 +93,66 @@ class RunControl:
         save = stop or due or last or (self.save_every > 0 and (step + 1) % self.save_every == 0)
         if save:
             self._last_save = time.monotonic()
+        if self._stall is not None:
+            self._stall.restart()  # the next step's clock
         return save, stop
+
+    def close(self):
+        """After the last step: stop watching for stalls."""
+        if self._stall is not None:
+            self._stall.stop()
+            self._stall = None
 
     def stop_message(self, step):
         return (
             f"\nstopped by {self.signal_name or 'a signal to another rank'} after step {step + 1}; checkpoint "
             "saved. Continue with the same command plus --resume"
         )
+
+
+class StallWatch(threading.Thread):
+    """Writes every thread's stack to `path` (appended, with a header) when `seconds` pass without a
+    restart(), once until the next restart; in Python (sys._current_frames), not faulthandler's C watchdog,
+    which crashed a CPU run (SIGSEGV) while threads came and went."""
+
+    def __init__(self, seconds, path):
+        super().__init__(name="stall-watch", daemon=True)
+        self.seconds, self.path = seconds, path
+        self._cond, self._deadline, self._stopped = threading.Condition(), time.monotonic() + seconds, False
+        self.start()
+
+    def restart(self):
+        with self._cond:
+            self._deadline = time.monotonic() + self.seconds
+            self._cond.notify()
+
+    def stop(self):
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def run(self):
+        with self._cond:
+            while not self._stopped:
+                left = self._deadline - time.monotonic() if self._deadline is not None else None
+                if left is None or left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._deadline = None  # once per stall: restart() arms it again
+                self._write()
+
+    def _write(self):
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = [
+            f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: this step has run longer than {self.seconds / 60:g} min "
+            f"(--stall-dump-minutes); rank {_rank()}, pid {os.getpid()}, every thread's stack (most recent call last)\n"
+        ]
+        for ident, frame in sys._current_frames().items():
+            if ident != threading.get_ident():
+                lines.append(f"\nthread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write("".join(lines) + "\n")
 
 
 def _rank():
