@@ -432,3 +432,15 @@ def test_slurm_says_the_ranks_stopped(tmp_path):
         "job 9: the ranks stopped (srun exit code 137); see the [launch] lines above, or srun's errors for a node "
         "that was lost"
     )
+
+
+def test_the_gpu_tests_launcher_shows_where_a_hung_process_was():
+    """tests/gpu/script_runs.py launch_checked: past its timeout every process below the launch gets SIGABRT
+    (Python's fault handler on), and the test fails with their stacks: a hang on the GPU machine reads as where."""
+    from tests.gpu.script_runs import launch_checked
+
+    child = "import time\\ndef stuck():\\n  time.sleep(60)\\nstuck()"
+    hung = f"import subprocess, sys; subprocess.run([sys.executable, '-c', '{child}'])"
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)no exit within 2 s.*line 3 in stuck"):
+        launch_checked([sys.executable, "-c", hung], timeout=2)
+    assert launch_checked([sys.executable, "-c", "print('done')"], timeout=30).strip() == "done"

@@ -17,7 +17,6 @@ Results: $OUT/agentic.json.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,25 +24,20 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from tests.gpu.script_runs import launch_checked  # noqa: E402 (after the path)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 ARGS = ["--rollout", "vllm", "--steps", "3", "--rollout-logprobs", "all", "--save-every", "0", "--eval-every", "0"]
 RESULTS = {}
 
 
-def run(cmd, out, ranks=1):
+def run(cmd, out, ranks=1, timeout=270):
+    """cmd's stdout + stderr (out None) or the metrics of its run in out; a hang fails with every rank's stacks."""
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launch += [] if ranks == 1 else ["--nproc_per_node", str(ranks)]
-    proc = subprocess.run(
-        [*launch, *cmd],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, WANDB_MODE="disabled"),
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    output = launch_checked([*launch, *cmd], timeout)
     if out is None:
-        return proc.stdout
+        return output
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -75,7 +69,8 @@ def test_episodes_on_vllm_train_on_the_engines_ids(tmp_path, ranks):
 
 def test_bench_multi_turn_against_single_turn():
     # every tool at once (as I/O-bound tools can): the engine's path, not a queue of 32 tool workers
-    output = run(["bench/agentic.py", "--shape", "qwen2-1.5b", "--reps", "3", "--tool-workers", "256"], None)
+    bench = ["bench/agentic.py", "--shape", "qwen2-1.5b", "--reps", "3", "--tool-workers", "256"]
+    output = run(bench, None, timeout=400)
     result = json.loads(next(line for line in output.splitlines() if line.startswith("BENCH_JSON "))[11:])
     record("bench_agentic", result)
     assert result["episodes_over_single"] is not None and result["lockstep_over_single"] is not None  # equal work
