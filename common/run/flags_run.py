@@ -109,8 +109,7 @@ def run_flags(p, out_prefix):
         type=float,
         default=20.0,
         help="a step running longer than this writes every rank's Python stacks to <out>/stacks/ and the run goes on "
-        "(a hang's diagnosis: a collective one rank never joined, a stuck engine); 0: off. kill -USR2 PID prints a "
-        "rank's stacks at any time",
+        "(a hang's diagnosis: a collective one rank never joined, a stuck engine); 0: off",
     )
     g.add_argument(
         "--save-any-layout",
