@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -44,9 +43,11 @@ def launch_checked(cmd, timeout, cwd=ROOT):
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
                 pass
-        time.sleep(5)
-        proc.kill()
-        output, _ = proc.communicate()
+        try:  # the stacks written, the launcher (torchrun) sees its ranks end
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))}: no exit within {timeout} s; the stacks at SIGABRT:\n{output[-12000:]}")
     assert proc.returncode == 0, output[-4000:]
     return output
