@@ -8,6 +8,9 @@ with eos_token_ids=[] so that every turn has exactly --turn-tokens tokens; HFEng
 --episodes episodes, each --turns turns of --turn-tokens tokens (common/rollout/episodes.py),
 whose environment sleeps --tool-ms before answering each turn with a short tool message (at most
 --tool-workers at once: 256 episodes' 100-ms tools through 32 workers take 0.8 s a turn), against:
+(--tool-ms as a distribution, e.g. lognormal:mean=100,sigma=0.8,max=2000: each episode's tools take
+their own times, drawn once, the same in every comparison; episodes then reach their tools apart, as
+real tools make them, where equal times make all of them wait together)
 
   single     engine.generate of the same first prompts, one sample each, --turns x --turn-tokens
              tokens, logprobs on (the episodes ask for them too): the same generated tokens in one turn
@@ -35,6 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir  # noqa: E402
 
 from common.env.base import Environment, Step  # noqa: E402
+from common.rollout.lengths import draw_lengths  # noqa: E402
 
 
 def build_parser():
@@ -44,7 +48,12 @@ def build_parser():
     p.add_argument("--turns", type=int, default=4, help="model turns per episode")
     p.add_argument("--turn-tokens", type=int, default=128, help="tokens per turn (EOS ignored)")
     p.add_argument("--prompt-len", type=int, default=64, help="characters of the first user message")
-    p.add_argument("--tool-ms", type=float, default=100.0, help="milliseconds each environment step sleeps")
+    p.add_argument(
+        "--tool-ms",
+        default="100",
+        help="milliseconds each environment step sleeps: a number, or a distribution as --bench-response-lengths "
+        "takes one (uniform:min=A,max=B, lognormal:mean=M,sigma=S,max=B[,min=A]), drawn per episode and turn",
+    )
     p.add_argument(
         "--tool-workers",
         type=int,
@@ -58,13 +67,25 @@ def build_parser():
 
 
 class SleepingTool(Environment):
-    """Answers every turn after --tool-ms with a short tool message (the driver's --max-turns ends it)."""
+    """Answers every turn after its item's next delay (seconds) with a short tool message (the driver's
+    --max-turns ends the episode)."""
 
-    delay_s = 0.1
+    def reset(self, item):
+        self.delays = list(item["delays"])
+        return super().reset(item)
 
     def step(self, text):
-        time.sleep(self.delay_s)
+        time.sleep(self.delays.pop(0))
         return Step(observation=[{"role": "tool", "content": "ok"}], tool_calls=1)
+
+
+def tool_delays(spec, episodes, turns):
+    """Each episode's `turns` tool times in seconds: spec a number of milliseconds, or a distribution of them
+    (common/rollout/lengths.py), drawn once (seed 0)."""
+    try:
+        return [[float(spec) / 1000] * turns for _ in range(episodes)]
+    except ValueError:
+        return [[ms / 1000 for ms in row] for row in draw_lengths(spec, episodes, turns, seed=0, step=0)]
 
 
 def main():
@@ -81,8 +102,8 @@ def main():
     hf_dir = shared_config_dir(args.shape, "bench_agentic_", info.master_process, with_weights=True)
     # the chat template's observation and header tokens: the embedded byte tokenizer (ids < 259 exist in every shape)
     codec = ChatCodec(build_tokenizer())
-    SleepingTool.delay_s = args.tool_ms / 1000
-    items = [{"prompt": "q" * args.prompt_len} for _ in range(args.episodes)]
+    delays = tool_delays(args.tool_ms, args.episodes, args.turns)
+    items = [{"prompt": "q" * args.prompt_len, "delays": row} for row in delays]
     prompts = [codec.prompt_ids(SleepingTool().reset(item)) for item in items]
     context = max(map(len, prompts)) + args.turns * (args.turn_tokens + 32)  # (+ the observations)
     if on_gpu:
@@ -125,14 +146,17 @@ def main():
         )
         seconds = time.perf_counter() - start
         engine.lockstep_turns = False
-        return dict(tokens=sum(sum(s.response_mask) for s in samples), seconds=seconds)
+        tool_s = sum(s.episode["tool_s"] for s in samples) / sum(s.episode["turns"] for s in samples)
+        return dict(tokens=sum(sum(s.response_mask) for s in samples), seconds=seconds, tool_s=tool_s)
 
     result = dict(vars(args), engine="vllm" if on_gpu else "cpu")
+    result["tool_ms_drawn_mean"] = 1000 * sum(map(sum, delays)) / (args.episodes * args.turns)
     for name, side in (("episodes", episodes), ("lockstep", lambda pair: episodes(pair, lockstep=True))):
         multi, base = run_pairs(side, single, args.reps)
         equal = all(m["tokens"] == b["tokens"] for m, b in zip(multi, base))
         stats = paired_ratios([m["tokens"] / m["seconds"] for m in multi], [b["tokens"] / b["seconds"] for b in base])
         result[f"{name}_tokens"] = multi[0]["tokens"]
+        result[f"{name}_tool_ms_per_turn"] = 1000 * sum(m["tool_s"] for m in multi) / len(multi)  # as measured
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
         result[f"{name}_tok_s"], result["single_tok_s"] = stats["a_median"], stats["b_median"]

@@ -604,7 +604,8 @@ def test_e2e_lognormal_lengths_two_replicas(tmp_path):
 
 def test_agentic_bench_passes_tool_workers_to_the_episodes():
     """bench/agentic.py's CPU smoke: --tool-workers reaches run_episodes (max_workers), both comparisons
-    generate the same tokens as single-turn, and the result says what it ran."""
+    generate the same tokens as single-turn, the tools take the --tool-ms distribution's drawn times (as the
+    episode driver measured them), and the result says what it ran."""
     code = (
         "import runpy, sys, common.rollout.episodes as ep\n"
         "real = ep.run_episodes\n"
@@ -615,7 +616,7 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
         "sys.argv = ['bench/agentic.py'] + sys.argv[1:]\n"
         "runpy.run_path('bench/agentic.py', run_name='__main__')\n"
     )
-    args = ["--shape", "tiny", "--episodes", "4", "--turns", "2", "--turn-tokens", "4", "--tool-ms", "1"]
+    args = "--shape tiny --episodes 4 --turns 2 --turn-tokens 4 --tool-ms uniform:min=20,max=40".split()
     proc = subprocess.run(
         [sys.executable, "-c", code, *args, "--reps", "1", "--tool-workers", "3"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=script_env(),
@@ -625,6 +626,9 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
     assert workers == {"3"}
     result = bench_json(proc.stdout)
     assert result["tool_workers"] == 3 and result["episodes_tokens"] == result["lockstep_tokens"] == 4 * 2 * 4
+    assert 20 <= result["tool_ms_drawn_mean"] <= 40
+    for name in ("episodes", "lockstep"):  # measured by the driver: at least the sleep, at most the longest + overhead
+        assert result["tool_ms_drawn_mean"] <= result[f"{name}_tool_ms_per_turn"] < 40 + 20
 
 
 def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):

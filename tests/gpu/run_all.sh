@@ -67,7 +67,9 @@ run "async 1 GPU"            400 python -m pytest -q -s -p no:cacheprovider test
 # MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
 run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 # agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py
-run "agentic"                600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_agentic_gpu.py
+# with tools of one length and of drawn lengths
+run "agentic 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_agentic_gpu.py -k "not bench"
+run "agentic bench"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_agentic_gpu.py -k bench
 # LoRA against full fine-tuning on the vLLM engine (merged-weight sync, memory, step time; TP=2 with 2 GPUs)
 run "lora"                   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_lora_gpu.py
 fi

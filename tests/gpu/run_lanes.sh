@@ -5,7 +5,8 @@
 #   bash tests/gpu/run_lanes.sh 2gpu    # the torchrun group but one test, in two lanes of two GPUs (~8 min)
 #   bash tests/gpu/run_lanes.sh 1gpu    # the one-GPU tests and the SIGTERM case in two lanes, the exit cases
 #                                       # and the torchrun group's DP=2 test on two GPUs (~7 min)
-#   bash tests/gpu/run_lanes.sh features  # gpt-oss + async + Qwen3.5, distillation, agentic, LoRA: a GPU each (~9 min)
+#   bash tests/gpu/run_lanes.sh features  # async + Qwen3.5, distillation, agentic + gpt-oss, LoRA + the agentic
+#                                         # bench: a GPU each (~9 min)
 #   bash tests/gpu/run_lanes.sh replay    # routing replay per model and layout: 1 GPU, 1 GPU, EP=2 (~8 min)
 #   bash tests/gpu/run_lanes.sh pairs     # the 2-GPU cases of the features: agentic waves at TP=2 (GPUs 0,1),
 #                                         # LoRA at TP=2 with its 1-GPU pair (2,3) (~8 min)
@@ -31,11 +32,12 @@ case ${1:-} in
       lane signals 1 exit '^signals$'; exit $((failed + $?)) ) & B=$!
     ( lane exit 2,3 exit '^exit$'; failed=$?
       lane dp2 2,3 2gpu 'DP=2'; exit $((failed + $?)) ) & E=$! ;;
-  features)
-    lane gptoss 0 1gpu 'gptoss|async|qwen35' & A=$!
+  features)  # on H200s (2026-11-28): async 282 s, Qwen3.5 256 s, distill 330 s, gpt-oss 92 s, LoRA 252 s,
+             # agentic with one bench (now two) 472 s
+    lane async 0 1gpu 'async|qwen35' & A=$!
     lane distill 1 1gpu 'distill' & B=$!
-    lane agentic 2 1gpu 'agentic' & E=$!
-    lane lora 3 1gpu 'lora' & F=$! ;;
+    lane agentic 2 1gpu 'agentic 1 GPU|gptoss' & E=$!
+    lane lora 3 1gpu 'lora|agentic bench' & F=$! ;;
   replay)  # run_all.sh's two routing-replay entries, split by model over three lanes
     RR="python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k"
     # each lane its own results folder: the test writes one routing_replay.json per process

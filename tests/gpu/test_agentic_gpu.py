@@ -9,9 +9,9 @@
    (VLLMEngine.add_turn / finished_turns at rollout TP 1).
 2. With two GPUs: the same at --tp 2 --rollout-tp 2, where turns run in waves (each rank of a vLLM TP
    group schedules alone).
-3. bench/agentic.py at qwen2-1.5b: multi-turn tokens/s with 100 ms tools (256 tool workers: none waits for
-   another) over single-turn at equal generated tokens, request-level and lock-step (target >= 0.9x
-   request-level; reported, not required).
+3. bench/agentic.py at qwen2-1.5b: multi-turn tokens/s with 100 ms tools, and with lognormal tool times of
+   mean 100 ms (256 tool workers: none waits for another) over single-turn at equal generated tokens,
+   request-level and lock-step (target >= 0.9x request-level; reported, not required).
 Results: $OUT/agentic.json.
 """
 
@@ -67,10 +67,12 @@ def test_episodes_on_vllm_train_on_the_engines_ids(tmp_path, ranks):
     assert max(m["logprob_mismatch"] for m in episodes) <= 2 * worst_single + 1e-3
 
 
-def test_bench_multi_turn_against_single_turn():
-    # every tool at once (as I/O-bound tools can): the engine's path, not a queue of 32 tool workers
-    bench = ["bench/agentic.py", "--shape", "qwen2-1.5b", "--reps", "3", "--tool-workers", "256"]
+@pytest.mark.parametrize("tool_ms", ["100", "lognormal:mean=100,sigma=0.8,max=1000"], ids=["fixed", "lognormal"])
+def test_bench_multi_turn_against_single_turn(tool_ms):
+    # every tool at once (as I/O-bound tools can): the engine's path, not a queue of 32 tool workers; tools of
+    # one length (episodes reach them together) and of drawn lengths (episodes reach them apart)
+    bench = ["bench/agentic.py", "--shape", "qwen2-1.5b", "--reps", "3", "--tool-workers", "256", "--tool-ms", tool_ms]
     output = run(bench, None, timeout=400)
     result = json.loads(next(line for line in output.splitlines() if line.startswith("BENCH_JSON "))[11:])
-    record("bench_agentic", result)
+    record(f"bench_agentic_{tool_ms.split(':')[0]}", result)
     assert result["episodes_over_single"] is not None and result["lockstep_over_single"] is not None  # equal work
