@@ -793,3 +793,24 @@ def test_inf_stops_like_nan():
         layer.weight.grad[1, 2] = bad
         with pytest.raises(NonFiniteError, match=r"the gradients are NaN/Inf \(non-finite: weight\)"):
             check_finite_update([layer], [{"policy_loss": torch.tensor(0.5)}], torch.device("cpu"), step=4)
+
+
+@pytest.mark.parametrize("with_vllm", [True, False])
+def test_a_bug_with_vllm_loaded_ends_the_process(with_vllm):
+    """An in-process vLLM engine can block interpreter exit (here: a thread that never ends, as its engine
+    can leave): a bug in a rank must still end that rank, traceback printed, exit 1, so that torchrun ends the
+    others instead of every rank waiting for it. Without vLLM the interpreter's own exit (the same exit code)."""
+    code = (
+        "import sys, threading, time, types\n"
+        f"if {with_vllm}:\n"
+        "    sys.modules['vllm'] = types.ModuleType('vllm')\n"
+        "    threading.Thread(target=time.sleep, args=(600,)).start()  # blocks the interpreter's exit\n"
+        "from common.run.cli import run_training\n"
+        "def main():\n"
+        "    raise RuntimeError('a bug in a rank')\n"
+        "run_training(main)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=script_env()
+    )
+    assert proc.returncode == 1 and "RuntimeError: a bug in a rank" in proc.stderr, proc.stderr[-2000:]

@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 
 import torch
 
@@ -261,7 +262,9 @@ def run_training(main):
     could not be written (a full disk: common.checkpoint_io's CheckpointWriteError) or a first
     update that --check-on-policy finds off-policy (common.guard's OffPolicyError) ends the run
     with one message from rank 0 and exit code 2, 3, 4 or 5; every rank raises these alike, so
-    every rank leaves. Bugs keep their traceback."""
+    every rank leaves. Bugs keep their traceback; with vLLM loaded the process then ends with os._exit(1), as
+    an in-process engine can block interpreter exit: the rank would live on and the others wait for it in
+    their next collective with nothing said, where torchrun ends them once it sees this one exit."""
     from common.model.weights_load import WeightsError
     from common.train.checkpoint_io import CheckpointWriteError
     from common.train.guard import NonFiniteError, OffPolicyError, UsageError
@@ -278,6 +281,12 @@ def run_training(main):
         code, message = 4, f"{prog}: stopped: {e}"
     except OffPolicyError as e:  # --check-on-policy, once the step's metrics and checkpoint are written
         code, message = 5, f"{prog}: stopped: {e}"
+    except Exception:
+        if "vllm" not in sys.modules:
+            raise
+        traceback.print_exc()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
     if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
