@@ -382,3 +382,20 @@ def test_step_threads_are_reused_and_a_hung_step_holds_up_no_later_one():
     finally:
         threading.Thread.start = real_start
         release.set()
+
+
+def test_a_forked_child_gets_its_own_step_threads():
+    """The kept threads do not exist in a forked child (a tool that forks, a data loader): there the pool starts
+    empty, instead of handing a step to a thread that is not there."""
+    import os
+
+    from common.rollout.episodes import _WORKERS
+
+    assert _WORKERS.submit(lambda: 1).result(timeout=5) == 1  # one idle thread in this process
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if _WORKERS.submit(lambda: 2).result(timeout=5) == 2 else 1)
+        except BaseException:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] == 0

@@ -24,6 +24,7 @@ model reads it; the run goes on). A budget that ends an episode keeps its last r
 
 import collections
 import math
+import os
 import queue
 import threading
 import time
@@ -82,6 +83,7 @@ class _Workers:
 
 
 _WORKERS = _Workers()
+os.register_at_fork(after_in_child=_WORKERS.__init__)  # a forked child has none of these threads
 
 
 def _start_step(env, text):
