@@ -24,42 +24,28 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tests.gpu.script_runs import launch_checked  # noqa: E402 (after the path)
+from tests.gpu.script_runs import launch_checked, run_script, save_results  # noqa: E402 (after the path)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 ARGS = ["--rollout", "vllm", "--steps", "3", "--rollout-logprobs", "all", "--save-every", "0", "--eval-every", "0"]
 RESULTS = {}
 
 
-def run(cmd, out, ranks=1, timeout=270):
-    """cmd's stdout + stderr (out None) or the metrics of its run in out; a hang fails with every rank's stacks."""
-    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launch += [] if ranks == 1 else ["--nproc_per_node", str(ranks)]
-    output = launch_checked([*launch, *cmd], timeout)
-    if out is None:
-        return output
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def record(name, value):
     RESULTS[name] = value
     print("RESULT", name, json.dumps(value), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "agentic.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    save_results("agentic.json", RESULTS)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_episodes_on_vllm_train_on_the_engines_ids(tmp_path, ranks):
     if ranks > torch.cuda.device_count():
         pytest.skip(f"{ranks} GPUs needed")
-    layout = ["--tp", str(ranks), "--rollout-tp", str(ranks)] if ranks > 1 else []
-    single = run(["train_grpo.py", *ARGS, *layout, "--out", str(tmp_path / "single")], tmp_path / "single", ranks)
-    episodes = run(
-        ["train_grpo.py", *ARGS, *layout, "--env", "game", "--max-turns", "3", "--out", str(tmp_path / "env")],
-        tmp_path / "env",
-        ranks,
-    )
+    layout = ["--tp", ranks, "--rollout-tp", ranks] if ranks > 1 else []
+    launch = dict(ranks=ranks if ranks > 1 else None, timeout=270)  # a hang fails with every rank's stacks
+    single, _ = run_script("train_grpo.py", tmp_path / "single", *ARGS, *layout, **launch)
+    env = ["--env", "game", "--max-turns", 3]
+    episodes, _ = run_script("train_grpo.py", tmp_path / "env", *ARGS, *layout, *env, **launch)
     keep = ("logprob_mismatch", "turns_per_episode", "episode_tokens", "env_reward", "rollout_s")
     record(f"train_grpo_ranks{ranks}", {"single": single, "episodes": [{k: m.get(k) for k in keep} for m in episodes]})
     assert all(m["turns_per_episode"] > 1 for m in episodes)
@@ -72,7 +58,7 @@ def test_bench_multi_turn_against_single_turn(tool_ms):
     # every tool at once (as I/O-bound tools can): the engine's path, not a queue of 32 tool workers; tools of
     # one length (episodes reach them together) and of drawn lengths (episodes reach them apart)
     bench = ["bench/agentic.py", "--shape", "qwen2-1.5b", "--reps", "3", "--tool-workers", "256", "--tool-ms", tool_ms]
-    output = run(bench, None, timeout=400)
+    output = launch_checked([sys.executable, *bench], timeout=400)
     result = json.loads(next(line for line in output.splitlines() if line.startswith("BENCH_JSON "))[11:])
     record(f"bench_agentic_{tool_ms.split(':')[0]}", result)
     assert result["episodes_over_single"] is not None and result["lockstep_over_single"] is not None  # equal work
