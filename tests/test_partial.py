@@ -144,9 +144,12 @@ def test_spread_generate_puts_every_replica_row_back_in_place(monkeypatch):
     rank gets them back in row order."""
     import common.rollout.partial as P
 
+    asked = []
+
     class Echo:  # answers each row with its own last id and the seed it was given
-        def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, **_):
+        def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, **kwargs):
             assert n == 1 and logprob_samples is None  # every token's logprob
+            asked.append(kwargs.get("response_lengths"))
             return [Sample(p, [p[-1]], [float(seed)], "length") for p in prompts]
 
     rows = [[10 + i] for i in range(5)]
@@ -155,6 +158,9 @@ def test_spread_generate_puts_every_replica_row_back_in_place(monkeypatch):
     out = P.spread_generate(Echo(), 0, 2, True, 1.0, 1.0)(rows, 2, 7)
     assert [s.response_ids for s in out] == [[10], [11], [12], [13], [14]]
     assert [s.response_logprobs for s in out] == [[7.0], [8.0], [7.0], [8.0], [7.0]]
+    assert asked[-1] is None  # no drawn lengths: the engine stops where it stops
+    P.spread_generate(Echo(), 0, 2, True, 1.0, 1.0)(rows, 5, 7, lengths=[1, 2, 3, 4, 5])
+    assert asked[-1] == [1, 3, 5]  # replica 0's rows, each its own exact length
 
 
 def test_bench_lengths_every_trained_sample_gets_its_drawn_length_chunk_by_chunk():
@@ -165,23 +171,27 @@ def test_bench_lengths_every_trained_sample_gets_its_drawn_length_chunk_by_chunk
 
     asked = []
 
-    def generate(rows, max_tokens, seed, exact=False):  # an engine honouring exact lengths: token 7 each
-        asked.append((max_tokens, exact))
-        return [Sample(row, [7] * max_tokens, [-1.0] * max_tokens, "length") for row in rows]
+    def generate(rows, max_tokens, seed, lengths=None):  # an engine honouring exact lengths: token 7 each
+        asked.append(lengths)
+        assert lengths is not None and len(lengths) == len(rows) and max_tokens == max(lengths)
+        return [Sample(row, [7] * k, [-1.0] * k, "length") for row, k in zip(rows, lengths)]
 
     def store():
         return PartialRollouts(1, 2, 2, max_tokens=9, chunk_tokens=3, seed=5, lengths="uniform:min=1,max=9")
 
     first, batches = store(), [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3]]
-    trained = []
+    trained, chunks = [], 0
     for step in range(3):
-        samples, prompts, _ = first.rollout(step, batches.pop(0), lambda: batches.pop(0), PROMPT_IDS, generate)
+        samples, prompts, metrics = first.rollout(step, batches.pop(0), lambda: batches.pop(0), PROMPT_IDS, generate)
         trained.append([len(s.response_ids) for s in samples])
+        chunks += metrics["rollout_chunks"]
         if step == 1:
             state = json.loads(json.dumps(first.state_dict()))
     draws = [draw_lengths("uniform:min=1,max=9", 1, 2, seed=5, step=n, round_=-1)[0] for n in range(8)]
     assert trained[0] == draws[0] + draws[1]  # step 0: the first two groups, each sample its own draw
-    assert all(exact and 1 <= tokens <= 3 for tokens, exact in asked)
+    assert all(1 <= tokens <= 3 for lengths in asked for tokens in lengths)
+    assert len(asked) == chunks  # one engine call a chunk, each row its own budget (not a call per distinct budget)
+    assert any(len(set(lengths)) > 1 for lengths in asked)
     assert all(len(s.response_ids) == t for g in first.groups for s, t in zip(g.samples, g.targets) if s.finish_reason)
     resumed, batches = store(), [[0, 1], [2, 3]]
     resumed.load_state_dict(state)
