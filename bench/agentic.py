@@ -20,7 +20,9 @@ real tools make them, where equal times make all of them wait together)
   lockstep   the same episodes in waves (VLLMEngine.lockstep_turns): every tool waited for, then all
              the ready turns generate together (the CPU engine always runs so)
 
-tokens/s counts the model's tokens only. Paired rounds (harness.run_pairs), one warm-up pair.
+tokens/s counts the model's tokens only. Where the episodes' time goes: engine_s (inside the engine's steps,
+engine.finished_turns), engine_steps (their number) and driver_s (the rest: waiting for tools with the
+engine idle, the driver's own work). Paired rounds (harness.run_pairs), one warm-up pair.
 Reported: episodes / single and lockstep / single, median of the per-pair ratios with min and max.
 Target (docs/agentic.md): episodes >= 0.9x single with 100 ms tools.
 """
@@ -127,8 +129,21 @@ def main():
         samples = engine.generate(prompts, n=1, max_tokens=args.turns * args.turn_tokens, seed=pair, **sampling)
         return dict(tokens=sum(len(s.response_ids) for s in samples), seconds=time.perf_counter() - start)
 
+    clock = dict(engine_s=0.0, engine_steps=0)
+    finished_turns = engine.finished_turns
+
+    def timed_finished_turns():  # the episodes' engine steps, timed (the instance's attribute shadows the method)
+        start = time.perf_counter()
+        done = finished_turns()
+        clock["engine_s"] += time.perf_counter() - start
+        clock["engine_steps"] += 1
+        return done
+
+    engine.finished_turns = timed_finished_turns
+
     def episodes(pair, lockstep=False):
         engine.lockstep_turns = lockstep  # (HFEngine: waves either way)
+        clock.update(engine_s=0.0, engine_steps=0)
         start = time.perf_counter()
         samples = run_episodes(
             engine,
@@ -147,7 +162,8 @@ def main():
         seconds = time.perf_counter() - start
         engine.lockstep_turns = False
         tool_s = sum(s.episode["tool_s"] for s in samples) / sum(s.episode["turns"] for s in samples)
-        return dict(tokens=sum(sum(s.response_mask) for s in samples), seconds=seconds, tool_s=tool_s)
+        tokens = sum(sum(s.response_mask) for s in samples)
+        return dict(tokens=tokens, seconds=seconds, tool_s=tool_s, driver_s=seconds - clock["engine_s"], **clock)
 
     result = dict(vars(args), engine="vllm" if on_gpu else "cpu")
     result["tool_ms_drawn_mean"] = 1000 * sum(map(sum, delays)) / (args.episodes * args.turns)
@@ -157,6 +173,9 @@ def main():
         stats = paired_ratios([m["tokens"] / m["seconds"] for m in multi], [b["tokens"] / b["seconds"] for b in base])
         result[f"{name}_tokens"] = multi[0]["tokens"]
         result[f"{name}_tool_ms_per_turn"] = 1000 * sum(m["tool_s"] for m in multi) / len(multi)  # as measured
+        for key in ("seconds", "engine_s", "driver_s", "engine_steps"):  # where the time went (means over pairs)
+            result[f"{name}_{key}"] = sum(m[key] for m in multi) / len(multi)
+        result["single_seconds"] = sum(b["seconds"] for b in base) / len(base)
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
         result[f"{name}_tok_s"], result["single_tok_s"] = stats["a_median"], stats["b_median"]
@@ -164,6 +183,9 @@ def main():
             f"{name}: {stats['a_median']:.0f} tok/s, single-turn {stats['b_median']:.0f} tok/s: "
             f"{stats['median']:.3f}x (min {stats['min']:.3f}, max {stats['max']:.3f})"
             + ("" if equal else "; UNEQUAL token counts, no ratio")
+            + f"; {result[f'{name}_seconds']:.2f} s a rollout: engine {result[f'{name}_engine_s']:.2f} s in "
+            f"{result[f'{name}_engine_steps']:.0f} steps, driver {result[f'{name}_driver_s']:.2f} s; single "
+            f"{result['single_seconds']:.2f} s"
         )
     print0("BENCH_JSON " + json.dumps(result))
     sys.stdout.flush()
