@@ -57,7 +57,7 @@ run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --
 # gpt-oss: sinks and sliding windows, biased experts; vLLM vs megatron, the replayed sync
 run "gptoss 1 GPU"           400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_gptoss_gpu.py
 # Qwen3.5-MoE as released (vision-language checkpoint), its language model trained, GRPO on vLLM
-run "qwen35 1 GPU"           400 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_qwen35_gpu.py
+run "qwen35 1 GPU"           700 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_qwen35_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py
 # on-policy distillation: a 1.5B-shaped student, a 7B-shaped teacher (4.9x), both scripts, phase times and memory

@@ -3,18 +3,21 @@
     python -m pytest -q -s tests/gpu/test_qwen35_gpu.py     (GPU machine, stack of shared/device)
 
 vLLM 0.26 serves Qwen3.5 as released, the vision-language architectures (its registry has no text-only
-Qwen3_5ForCausalLM), so the model here is a vision-language checkpoint as released: a random Qwen3.5-MoE
-(hidden 512, 4 layers of which 3 gated delta nets, head size 128 with a quarter rotated, 16 experts of
-256, top-4, a shared expert) with a one-block vision tower, bf16, the embedded byte-level tokenizer. The
-trainer takes its language model (common/model/bridge_vl.py); vLLM starts with dummy weights and
-language_model_only, and every tensor of the language model comes through the sync under
-model.language_model.*. Two GRPO steps, every sample's engine logprobs requested. Checked: the run
-trains, and the engine agrees with the trainer (logprob_mismatch <= 0.05 at both steps: the second
-after a sync of updated weights). Results: $OUT/qwen35.json. vLLM's Qwen3.5 module imports
-compressed-tensors (a vLLM requirement, installed with it by pip; an offline stack without it needs
-the wheels of compressed-tensors 0.17.0 and loguru carried and installed beside it).
+Qwen3_5ForCausalLM), so the model here is a vision-language checkpoint as released, dense and MoE: a random
+Qwen3.5 (hidden 512, 4 layers of which 3 gated delta nets, head size 128 with a quarter rotated; the MLP 1024
+wide, or in the MoE 16 experts of 256, top-4, a shared expert) with a one-block vision tower, bf16, the
+embedded byte-level tokenizer. The trainer takes its language model (common/model/bridge_vl.py); vLLM starts
+with dummy weights and language_model_only, and every tensor of the language model comes through the sync
+under model.language_model.*. Two GRPO steps, every sample's engine logprobs requested, a reward that varies
+within each group on random text (the task's reward is 0 for every sample of a random model: no gradient,
+weights that never move). Checked: the run trains (grad norm > 0), and the engine agrees with the trainer
+(logprob_mismatch <= 0.05 at both steps: the second after a sync of updated weights). Results:
+$OUT/qwen35_dense.json and $OUT/qwen35_moe.json. vLLM's Qwen3.5 module imports compressed-tensors (a vLLM
+requirement, installed with it by pip; an offline stack without it needs the wheels of compressed-tensors
+0.17.0 and loguru carried and installed beside it).
 """
 
+import math
 import os
 import sys
 
@@ -39,10 +42,6 @@ TEXT = dict(
     linear_value_head_dim=128,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=256,
-    shared_expert_intermediate_size=512,
     rms_norm_eps=1e-6,
     max_position_embeddings=4096,
     tie_word_embeddings=False,
@@ -56,6 +55,7 @@ TEXT = dict(
         "mrope_interleaved": True,
     },
 )
+MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=512)
 VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=512)
 ARGS = [
     "--steps", "2", "--prompts-per-step", "16", "--samples-per-prompt", "4", "--max-new-tokens", "64",
@@ -64,18 +64,26 @@ ARGS = [
 KEEP = ("logprob_mismatch", "grad_norm", "sync_s", "rollout_s", "step_s", "mem_rollout_gb", "mem_train_gb")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A random vision-language Qwen3.5-MoE: embeddings std 1, the LM head 0.1, the other matrices 0.035,
-    routers 0.1 (routing decided by the input), norms their init (0 where the model adds 1) + 0.1 noise."""
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request, tmp_path_factory):
+    """A random vision-language Qwen3.5 (dense or MoE): embeddings std 1, the LM head 0.1, the other matrices
+    0.035, routers 0.1 (routing decided by the input), norms their init (0 where the model adds 1) + 0.1 noise.
+    -> (variant, directory)."""
     import transformers
 
     from common.run.embedded import build_tokenizer
 
-    out = tmp_path_factory.mktemp("qwen35moe-vl")
-    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
-    model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    variant = request.param
+    out = tmp_path_factory.mktemp(f"qwen35{variant}-vl")
+    if variant == "moe":
+        config = transformers.Qwen3_5MoeConfig(text_config=TEXT | MOE, vision_config=VISION, tie_word_embeddings=False)
+        config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        text = TEXT | dict(intermediate_size=1024)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=False)
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -95,14 +103,23 @@ def model(tmp_path_factory):
     model.to(torch.bfloat16).save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     transformers.GenerationConfig(bos_token_id=256, eos_token_id=257).save_pretrained(out)
-    return str(out)
+    return variant, str(out)
+
+
+REWARD = """
+def reward(response, answer):  # varies within a group on random text: non-zero advantages, weights that move
+    return sum(map(ord, response)) % 7 / 7
+"""
 
 
 def test_grpo_on_vllm(model, tmp_path):
-    rows, _ = run_script("train_grpo.py", tmp_path, "--model", model, *ARGS, timeout=500)
+    variant, directory = model
+    (tmp_path / "reward.py").write_text(REWARD)
+    reward = ["--reward", f"{tmp_path / 'reward.py'}:reward"]
+    rows, _ = run_script("train_grpo.py", tmp_path, "--model", directory, *ARGS, *reward, timeout=500)
     steps = kept([r for r in rows if "logprob_mismatch" in r], KEEP)
-    print("RESULT", steps, flush=True)
-    save_results("qwen35.json", {"qwen3_5_moe_vl": steps})
+    print("RESULT", variant, steps, flush=True)
+    save_results(f"qwen35_{variant}.json", {f"qwen3_5_{variant}_vl": steps})
     assert len(steps) == 2, rows
     for r in steps:
-        assert torch.isfinite(torch.tensor(r["grad_norm"])) and r["logprob_mismatch"] <= 0.05, steps
+        assert 0 < r["grad_norm"] < math.inf and r["logprob_mismatch"] <= 0.05, steps
