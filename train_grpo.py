@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
-from common.rollout.lengths import draw_lengths, parse_lengths
+from common.rollout.engine import rollout_logprobs_mode
+from common.rollout.lengths import parse_lengths
 from common.run import flags as F
 from common.run import flags_async as FA
 from common.run import flags_rollout as FR
@@ -231,7 +231,6 @@ def main():
     from common.model.flops import step_throughput
     from common.model.lora import adapters_disabled, add_lora
     from common.rl import batch as B
-    from common.rl import dapo
     from common.rl.advantages import group_advantages
     from common.rl.corrections import correction_weights, loss_weights, uses_old_logprobs
     from common.rl.distill import (
@@ -242,13 +241,12 @@ def main():
     )
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
-    from common.rollout.episodes import episode_metrics, run_episodes
     from common.rollout.evaluate import evaluate_once
-    from common.rollout.partial import PartialRollouts, spread_generate
     from common.run import build
     from common.run.data import PromptSampler
     from common.run.dist import print0
     from common.run.log import progress_bar
+    from common.run.sampling import StepRollouts
     from common.run.task import load_task, make_evaluator
     from common.train import passes, schedule
     from common.train.checkpoint import checkpoint_step
@@ -266,8 +264,7 @@ def main():
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right; held-out
     # prompts for validation; --env: episodes of the environment (docs/agentic.md)
     task = load_task(args, hf_dir, spec, user_reward, env_class)
-    tokenizer, pad_id, reward_fn = task.tokenizer, task.pad_id, task.reward_fn
-    items, prompt_ids, make_env, codec = task.items, task.prompt_ids, task.make_env, task.codec
+    tokenizer, pad_id = task.tokenizer, task.pad_id
 
     # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches
     # (optimizer steps) -> micro-batches
@@ -280,7 +277,7 @@ def main():
     use_vllm = build.wants_vllm(args.rollout, info.device)
     # the longest prompt (at most --max-prompt-len) + a whole response, or --env: a whole episode's context
     # (capped at the model's positions)
-    longest = max(map(len, prompt_ids + task.eval_prompt_ids)) if not env_class else None
+    longest = max(map(len, task.prompt_ids + task.eval_prompt_ids)) if not env_class else None
     max_model_len = args.max_episode_tokens if env_class else longest + args.max_new_tokens
     engine, rollout_tp = build.start_engine(args, hf_dir, info.device, use_vllm, max_model_len=max_model_len)
     clock.mark("engine")
@@ -311,7 +308,6 @@ def main():
         teacher, teacher_spec = build.load_teacher(args.teacher, dtype, layout)
     clock.mark("teacher")
 
-    replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     folder = "eval_only" if args.eval_only else "eval"
     evaluator = make_evaluator(args, task, info, rollout_tp, user_reward, folder=folder)  # held-out validation
     weights = functools.partial(
@@ -350,21 +346,10 @@ def main():
     clock.mark("pinned host memory")
 
     # ---- logging, resume ---------------------------------------------------------------
-    sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
-    # --off-policy-steps K: groups in flight between steps, continued under newer weights (common/rollout/partial.py)
-    carry = (
-        PartialRollouts(
-            args.off_policy_steps,
-            args.prompts_per_step,
-            group,
-            args.max_new_tokens,
-            args.partial_chunk_tokens,
-            args.seed,
-            lengths=args.bench_response_lengths,  # a benchmark's exact lengths, drawn per group
-        )
-        if args.off_policy_steps
-        else None
-    )
+    sampler = PromptSampler(len(task.items), args.prompts_per_step, seed=args.seed)
+    # steps 2 and 3: samples and rewards; carry: --off-policy-steps' groups in flight (common/rollout/partial.py)
+    rollouts = StepRollouts(args, task, engine, info, rollout_tp, sampler, reward_model)
+    carry = rollouts.carry
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     if args.resume:  # common/run/preflight.py made sure there is a checkpoint
         start_step = build.resume_training(
@@ -409,130 +394,22 @@ def main():
     clock.mark("pinned host memory")
     print0(clock.line())
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
-    warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
         times, t0, side_metrics = {}, time.time(), {}  # side: validation, dynamic sampling
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
-        # ---- 1. weight sync -> 2. rollout -> 3. reward. Each replica samples G responses for its share
-        # of the prompts; the ranks of one vLLM TP group hold the same samples (the first contributes),
-        # then all have all
-        def sample_round(prompts_idx, round_):
-            exact = None  # --bench-response-lengths: sample j of prompt i gets exactly lengths[i][j] tokens
-            if args.bench_response_lengths:
-                lengths = draw_lengths(
-                    args.bench_response_lengths, len(prompts_idx), group, seed=args.seed, step=step, round_=round_
-                )
-                exact = [n for row in lengths[replica::num_replicas] for n in row]  # this replica's prompts
-            with timer("rollout"):
-                mine = prompts_idx[replica::num_replicas]
-                seed = args.seed * 100_003 + step * 1009 + replica + 7919 * round_
-                if env_class:  # --env: multi-turn episodes, observations masked (common/rollout/episodes.py)
-                    local = run_episodes(
-                        engine,
-                        codec,
-                        make_env,
-                        [items[i] for i in mine],
-                        n=group,
-                        seed=seed,
-                        **FR.episode_settings(args),
-                    )
-                else:
-                    local = generate_checked(
-                        engine,
-                        [prompt_ids[i] for i in mine],
-                        args.rollout_logprobs,
-                        n=group,
-                        temperature=args.temperature,
-                        top_p=args.top_p,
-                        max_tokens=args.max_new_tokens,
-                        seed=seed,
-                        response_lengths=exact,
-                        return_routes=args.routing_replay == "rollout",
-                    )
-                samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            return samples, rewards_of(samples, [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas]])
-
-        def rewards_of(samples, sample_prompts):  # sample_prompts: each group's prompt index
-            answers = [items[i]["answer"] for i in sample_prompts for _ in range(group)]
-            if env_class:  # the environment's reward of each episode
-                return torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
-            with timer("reward"):  # rule-based, on the decoded response (+ DAPO's soft overlong penalty)
-                rule = torch.tensor(
-                    [
-                        reward_fn(tokenizer.decode(s.response_ids, skip_special_tokens=True), a)
-                        for s, a in zip(samples, answers)
-                    ],
-                    dtype=torch.float32,
-                )
-                rewards = args.rule_reward_weight * rule
-                if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
-                    side_metrics["rule_reward_mean"] = rule.mean().item()
-                if args.overlong_buffer:
-                    rewards += dapo.overlong_penalty(
-                        [len(s.response_ids) for s in samples],
-                        args.max_new_tokens,
-                        args.overlong_buffer,
-                        args.overlong_penalty_factor,
-                    )
-            return rewards
-
-        prompts_idx = sampler.next_batch()  # the same global prompts on every rank
-        sample_prompts = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas]]  # of each group
+        # ---- 1. weight sync -> 2. rollout -> 3. reward: each replica samples G responses for its share of the
+        # prompts, then every rank has all of them, and their rewards (common/run/sampling.py)
         if engine is None:  # --load-rollouts: a saved run's samples and rewards
-            saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
-            samples, rewards = saved["samples"], saved["rewards"]
+            samples, rewards = rollouts.load(step)
         else:  # weights synced first (all ranks: the export runs collectives); after the block the engine sleeps
             with colo.rollout(timer, memory):
-                if carry:  # --off-policy-steps: the oldest complete groups in flight, the rest carried on
-                    with timer("rollout"):
-                        generate = spread_generate(
-                            engine, replica, num_replicas, info.rank % rollout_tp == 0, args.temperature, args.top_p
-                        )
-                        samples, sample_prompts, carried = carry.rollout(
-                            step, prompts_idx, sampler.next_batch, prompt_ids, generate
-                        )
-                    rewards = rewards_of(samples, sample_prompts)
-                    side_metrics.update(carried)  # staleness_share_*, partial_frac, dropped_samples, ...
-                else:
-                    samples, rewards = sample_round(prompts_idx, 0)
-                if (
-                    args.dynamic_sampling
-                ):  # DAPO: only groups whose rewards differ, more prompts until the batch is full
-                    samples, rewards, sampling = dapo.dynamic_sampling(
-                        samples,
-                        rewards,
-                        group,
-                        max_rounds=args.max_sampling_rounds,
-                        more=lambda round_: sample_round(sampler.next_batch(), round_),
-                    )
-                    side_metrics.update(sampling)
+                samples, rewards, group_prompts = rollouts.sample(step, timer, side_metrics)
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
                         side_metrics.update(evaluator.run(engine, step))
-            if reward_model is not None:  # on the trainer's GPUs, the engine asleep: + weight x score
-                with timer("reward_model"):
-                    order = [i for i in sample_prompts for _ in range(group)]
-                    scores = reward_model.score(
-                        [items[i]["prompt"] for i in order],
-                        [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
-                        info.device,
-                    )
-                rewards = (
-                    rewards + args.reward_model_weight * scores
-                )  # (saved with --save-rollouts: replayed as they are)
-                side_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
-        check_finite("rewards", rewards, step=step)
-        side_metrics.update(episode_metrics(samples))  # --env: turns, tool calls/errors/timeouts, env_reward
-        empty = None if warned_empty else empty_responses_warning(samples, step)
-        if empty:  # nothing to reward, nothing to learn: what to check
-            print0(empty)
-            warned_empty = True
-        if args.save_rollouts and info.master_process:
-            os.makedirs(args.save_rollouts, exist_ok=True)
-            torch.save(
-                {"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt")
-            )
+            rewards = rollouts.add_reward_model(samples, rewards, group_prompts, timer, side_metrics)
+        rollouts.check(step, samples, rewards, side_metrics)  # finite, --env's metrics, --save-rollouts
 
         # ---- 4. advantages: group-normalised reward, the same for every token of a sample
         advantages = group_advantages(rewards, group, normalize_std=not args.no_std_norm)  # (N,)

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from common.rollout.engine import empty_responses_warning, generate_checked, rollout_logprobs_mode
+from common.rollout.engine import rollout_logprobs_mode
 from common.run import flags as F
 from common.run import flags_async as FA
 from common.run import flags_rollout as FR
@@ -227,12 +227,11 @@ def main():
         policy_loss,
         value_loss,
     )
-    from common.rollout.episodes import episode_metrics, run_episodes
-    from common.rollout.partial import PartialRollouts, spread_generate
     from common.run import build
     from common.run.data import PromptSampler
     from common.run.dist import print0
     from common.run.log import progress_bar
+    from common.run.sampling import StepRollouts
     from common.run.task import load_task, make_evaluator
     from common.train import passes, schedule
     from common.train.colocation import Colocation, PhaseMemory, Timer
@@ -251,8 +250,7 @@ def main():
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right; held-out
     # prompts for validation; --env: episodes of the environment (docs/agentic.md)
     task = load_task(args, hf_dir, spec, user_reward, env_class)
-    tokenizer, pad_id, reward_fn = task.tokenizer, task.pad_id, task.reward_fn
-    items, prompt_ids, make_env, codec = task.items, task.prompt_ids, task.make_env, task.codec
+    tokenizer, pad_id = task.tokenizer, task.pad_id
 
     # ---- batch geometry: rollout batch -> mini-batches (optimizer steps) -> micro-batches
     group = args.samples_per_prompt
@@ -265,7 +263,7 @@ def main():
     use_vllm = build.wants_vllm(args.rollout, info.device)
     # the longest prompt (at most --max-prompt-len) + a whole response, or --env: a whole episode's context
     # (capped at the model's positions)
-    longest = max(map(len, prompt_ids + task.eval_prompt_ids)) if not env_class else None
+    longest = max(map(len, task.prompt_ids + task.eval_prompt_ids)) if not env_class else None
     max_model_len = args.max_episode_tokens if env_class else longest + args.max_new_tokens
     engine, rollout_tp = build.start_engine(args, hf_dir, info.device, use_vllm, max_model_len=max_model_len)
     clock.mark("engine")
@@ -302,7 +300,6 @@ def main():
         teacher, teacher_spec = build.load_teacher(args.teacher, dtype, layout)
     clock.mark("teacher")
 
-    replica, num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
     evaluator = make_evaluator(args, task, info, rollout_tp, user_reward)  # held-out validation
     # Memory choreography on a shared GPU (common/train/colocation.py, as in train_grpo.py): the critic
     # idles from its update until the next values pass, the reference but for its logprob
@@ -335,20 +332,10 @@ def main():
     clock.mark("pinned host memory")
 
     # ---- logging, resume (the critic is saved in the actor's step directory) -------------
-    sampler = PromptSampler(len(items), args.prompts_per_step, seed=args.seed)
-    # --off-policy-steps K: groups in flight between steps, continued under newer weights (common/rollout/partial.py)
-    carry = (
-        PartialRollouts(
-            args.off_policy_steps,
-            args.prompts_per_step,
-            group,
-            args.max_new_tokens,
-            args.partial_chunk_tokens,
-            args.seed,
-        )
-        if args.off_policy_steps
-        else None
-    )
+    sampler = PromptSampler(len(task.items), args.prompts_per_step, seed=args.seed)
+    # steps 2 and 3: samples and rewards; carry: --off-policy-steps' groups in flight (common/rollout/partial.py)
+    rollouts = StepRollouts(args, task, engine, info, rollout_tp, sampler, reward_model)
+    carry = rollouts.carry
     ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
     if args.resume:  # common/run/preflight.py made sure there is a checkpoint
@@ -412,85 +399,23 @@ def main():
         colo.wait_optimizers(timer)
 
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
-    warned_empty = False  # a step whose every response ended at once: said once
     for step in progress:
         times, t0, eval_metrics = {}, time.time(), {}  # eval_metrics: validation, reward model scores
         timer = Timer(times)  # seconds per phase (*_s), for the metrics
 
-        # ---- 1. weight sync -> 2. rollout: each replica samples its share of the prompts (the
-        # sync runs on all ranks: the export runs collectives; after the block the engine sleeps)
-        prompts_idx = sampler.next_batch()  # the same global prompts on every rank
-        group_prompts = [i for r in range(num_replicas) for i in prompts_idx[r::num_replicas]]  # item of each group
-        if engine is not None:
+        # ---- 1. weight sync -> 2. rollout -> 3. reward: each replica samples G responses for its share of the
+        # prompts, then every rank has all of them, and their rewards (common/run/sampling.py)
+        if engine is None:  # --load-rollouts: a saved run's samples and rewards
+            samples, rewards = rollouts.load(step)
+        else:  # weights synced first (all ranks: the export runs collectives); after the block the engine sleeps
             with colo.rollout(timer, memory):  # optimizer states, critic and actor out, weights in, then the KV cache
-                with timer("rollout"):
-                    mine = prompts_idx[replica::num_replicas]
-                    if carry:  # --off-policy-steps: the oldest complete groups in flight, the rest carried on
-                        generate = spread_generate(
-                            engine, replica, num_replicas, info.rank % rollout_tp == 0, args.temperature, args.top_p
-                        )
-                        samples, group_prompts, carried = carry.rollout(
-                            step, prompts_idx, sampler.next_batch, prompt_ids, generate
-                        )
-                        eval_metrics.update(carried)  # staleness_share_*, partial_frac, dropped_samples, ...
-                    elif env_class:  # --env: multi-turn episodes; the critic values the model's tokens only
-                        local = run_episodes(
-                            engine,
-                            codec,
-                            make_env,
-                            [items[i] for i in mine],
-                            n=group,
-                            seed=args.seed * 100_003 + step * 1009 + replica,
-                            **FR.episode_settings(args),
-                        )
-                    else:
-                        local = generate_checked(
-                            engine,
-                            [prompt_ids[i] for i in mine],
-                            args.rollout_logprobs,
-                            n=group,
-                            temperature=args.temperature,
-                            top_p=args.top_p,
-                            max_tokens=args.max_new_tokens,
-                            seed=args.seed * 100_003 + step * 1009 + replica,
-                            return_routes=args.routing_replay == "rollout",
-                        )
+                samples, rewards, group_prompts = rollouts.sample(step, timer, eval_metrics)
                 if evaluator.due(step):  # held-out validation with the weights this step samples with
                     with timer("eval"):
                         eval_metrics.update(evaluator.run(engine, step))
-            if not carry:  # ranks of one vLLM TP group hold the same samples: the first contributes
-                with timer("rollout"):
-                    samples = B.gather_samples(local if info.rank % rollout_tp == 0 else [])
-            order = [i for i in group_prompts for _ in range(group)]  # item of each sample
-            # ---- 3. reward: rule-based, on the decoded response (+ a reward model's score)
-            with timer("reward"):
-                texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-                if env_class:  # the environment's reward of each episode
-                    rewards = torch.tensor([s.episode["reward"] for s in samples], dtype=torch.float32)
-                else:
-                    rule = torch.tensor([reward_fn(t, items[i]["answer"]) for t, i in zip(texts, order)])
-                    rewards = args.rule_reward_weight * rule
-                    if args.teacher:  # the task's score, measured even when not optimised (--rule-reward-weight 0)
-                        eval_metrics["rule_reward_mean"] = rule.mean().item()
-            if reward_model is not None:
-                with timer("reward_model"):
-                    scores = reward_model.score([items[i]["prompt"] for i in order], texts, info.device)
-                rewards = rewards + args.reward_model_weight * scores
-                eval_metrics.update(rm_score_mean=scores.mean().item(), rm_score_std=scores.std().item())
-        else:
-            saved = torch.load(os.path.join(args.load_rollouts, f"step_{step:06d}.pt"), weights_only=False)
-            samples, rewards = saved["samples"], saved["rewards"]
-        check_finite("rewards", rewards, step=step)
-        eval_metrics.update(episode_metrics(samples))  # --env: turns, tool calls/errors/timeouts, env_reward
-        empty = None if warned_empty else empty_responses_warning(samples, step)
-        if empty:  # nothing to reward, nothing to learn: what to check
-            print0(empty)
-            warned_empty = True
-        if args.save_rollouts and info.master_process:
-            os.makedirs(args.save_rollouts, exist_ok=True)
-            torch.save(
-                {"samples": samples, "rewards": rewards}, os.path.join(args.save_rollouts, f"step_{step:06d}.pt")
-            )
+            rewards = rollouts.add_reward_model(samples, rewards, group_prompts, timer, eval_metrics)
+        rollouts.check(step, samples, rewards, eval_metrics)  # finite, --env's metrics (the critic values the
+        # model's tokens only), --save-rollouts
 
         # (N, T) tensors; --routing-replay rollout: + the engine's routes (N, T, MoE layers, top-k)
         batch = B.pack_sequences(samples, pad_id, length_multiple=multiple, routes=args.routing_replay == "rollout")

@@ -11,6 +11,7 @@
     cli.py          what all four scripts share: the parser, output directories, error messages
     build.py        the training scripts' start-up: process groups, the engine, the models, resume, the logger
     task.py         a run's task: tokenizer, prompts, held-out prompts, reward; the evaluator on them
+    sampling.py     a step's samples and rewards (single-turn, episodes, partial rollouts, reward model)
     data.py         prompts: datasets, chat formatting, a resumable sampler
     hub.py          HF hub ids resolved through the HF cache
     embedded.py     the embedded tiny model and task of `python train_grpo.py`
