@@ -10,15 +10,16 @@ steps train samples of age 1, some of them written by two policies (partial_frac
 IcePop correction ran (its metrics are logged). Printed: rollout_s per step and the staleness metrics.
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from tests.gpu.script_runs import run_script  # noqa: E402 (after the path)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 FLAGS = ["--steps", "4", "--prompts-per-step", "8", "--samples-per-prompt", "4", "--mini-batch-size", "32"]
@@ -27,12 +28,7 @@ FLAGS += ["--max-new-tokens", "16", "--off-policy-steps", "1", "--partial-chunk-
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_partial_rollouts_on_vllm(script, tmp_path):
-    cmd = [sys.executable, script, *FLAGS, "--rollout", "vllm", "--out", str(tmp_path)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, env=dict(os.environ, WANDB_MODE="disabled")
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_script(script, tmp_path, *FLAGS, "--rollout", "vllm", timeout=540)  # a hang fails with stacks
     keys = ["rollout_s", "staleness_share_1", "partial_frac", "dropped_samples", "logprob_mismatch"]
     for r in rows:
         print(script, {k: r.get(k) for k in keys})

@@ -9,10 +9,8 @@ Checked: exit 0; distill_reverse_kl finite and teacher_s > 0 every step; the eng
 peak GPU memory per phase (mem_*_gb) against the memory plan's start-up summary.
 """
 
-import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +18,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from tests.gpu.script_runs import run_script  # noqa: E402 (after the path)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 COMMON = ["--steps", "3", "--prompts-per-step", "16", "--samples-per-prompt", "4", "--max-new-tokens", "64"]
@@ -58,13 +58,7 @@ def models(tmp_path_factory):
 
 
 def train(script, out, student, teacher):
-    cmd = [sys.executable, script, *COMMON, "--model", student, "--teacher", teacher, "--out", str(out)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, env=dict(os.environ, WANDB_MODE="disabled")
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, output = run_script(script, out, *COMMON, "--model", student, "--teacher", teacher, timeout=540)
     steps = [r for r in rows if "distill_reverse_kl" in r]
     assert len(steps) == 3, rows
     for r in steps:
