@@ -94,9 +94,8 @@ class PartialRollouts:
     def _chunk(self, step, generate, calls):
         """Every running sample continued by up to chunk_tokens tokens under this step's weights: one generate call
         per remaining budget (a budget is chunk_tokens but near max_tokens), or with drawn lengths one call whose
-        rows each get their own exact budget (a call per budget would be one per distinct draw: ~100 small calls
-        a chunk on a lognormal profile, 123 s for a step of 128 samples on one H200 instead of ~8 s). Returns the
-        calls made so far."""
+        rows each get their own exact budget (a call per budget would be one per distinct draw: ~100 small calls a
+        chunk on a lognormal profile). Returns the calls made so far."""
         cap_of = {  # each running sample's length at most (exactly: with targets), by id (samples compare by value)
             id(s): g.targets[j] if g.targets else self.max_tokens
             for g in self.groups
@@ -105,9 +104,13 @@ class PartialRollouts:
         }
         running = [s for g in self.groups for s in g.samples if s.finish_reason is None]
         budget = [min(self.chunk_tokens, cap_of[id(s)] - len(s.response_ids)) for s in running]
-        calls_of = [(running, budget)] if self.lengths else []  # exact lengths: one call, a budget per row
-        for tokens in [] if self.lengths else sorted(set(budget), reverse=True):
-            calls_of.append(([s for s, b in zip(running, budget) if b == tokens], [tokens] * budget.count(tokens)))
+        if self.lengths:  # (samples, each one's budget) of each call
+            calls_of = [(running, budget)]
+        else:
+            calls_of = [
+                ([s for s, b in zip(running, budget) if b == t], [t] * budget.count(t))
+                for t in sorted(set(budget), reverse=True)
+            ]
         for batch, tokens in calls_of:
             seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)
             rows = [s.prompt_ids + s.response_ids for s in batch]
