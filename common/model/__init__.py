@@ -1,6 +1,7 @@
 """The model: HF config and weights <-> Megatron-Core GPTModel, and the kernels it runs on.
 
-    bridge.py           the one table of supported architectures; config -> TransformerConfig; tensor mapping
+    bridge.py           the one table of supported architectures; config -> TransformerConfig
+    bridge_tensors.py   the tensor mapping: HF tensors <-> megatron parameters and their TP shards
     bridge_moe.py, bridge_mla.py, bridge_layout.py   the rules of MoE, multi-latent attention, pipeline layouts
     bridge_gdn.py       the rules of Qwen3.5's gated delta nets and gated attention
     bridge_vl.py        vision-language checkpoints (released Qwen3.5): their language model's config and tensors
