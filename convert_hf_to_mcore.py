@@ -412,9 +412,9 @@ def run(args, created):
 
 
 def main(argv=None):
-    from common.run.log import quiet_known_warnings
+    from common.run.console import quiet_known_warnings
 
-    quiet_known_warnings()  # before megatron is imported: its import-time notices (common/run/log.py says why)
+    quiet_known_warnings()  # before megatron is imported: its import-time notices (common/run/console.py says why)
     return run_cli(run, parse_args(argv))
 
 

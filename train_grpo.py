@@ -214,12 +214,12 @@ EMBEDDED_DEFAULTS = dict(lr=3e-3, entropy_coef=0.02, mini_batch_size=64, max_new
 
 
 def main():
-    from common.run.log import quiet_known_warnings, quiet_third_party_logging
+    from common.run.console import quiet_known_warnings, quiet_third_party_logging
     from common.run.startup import StartupClock
     from common.run.user_code import load_env, load_reward
 
     clock = StartupClock()  # where the start-up goes, said in one line before the first step
-    quiet_known_warnings()  # first: some fire while megatron is imported (common/run/log.py says which and why)
+    quiet_known_warnings()  # first: some fire while megatron is imported (common/run/console.py says which and why)
     args = parse_args()
     quiet_third_party_logging(verbose=args.verbose)  # before vllm is imported: it reads its log level then
     user_reward = load_reward(args.reward) if args.reward else None  # checked now: exit 2 before anything is built
@@ -243,9 +243,9 @@ def main():
     from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
     from common.rollout.evaluate import evaluate_once
     from common.run import build
+    from common.run.console import progress_bar
     from common.run.data import PromptSampler
     from common.run.dist import print0
-    from common.run.log import progress_bar
     from common.run.sampling import StepRollouts
     from common.run.task import load_task, make_evaluator
     from common.train import passes, schedule

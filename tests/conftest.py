@@ -133,7 +133,7 @@ class Zygote:
             return None
         # A new zygote when there is none, or when this worker's own environment has changed since
         # it started in a variable read at import: tests that run code in-process add some (torch
-        # writes TORCHINDUCTOR_CACHE_DIR at its first compile, common/run/log.py sets
+        # writes TORCHINDUCTOR_CACHE_DIR at its first compile, common/run/console.py sets
         # HF_HUB_DISABLE_PROGRESS_BARS on ranks other than 0), and every later launch would
         # otherwise differ from the zygote and run as a real process. Launches already forked
         # are their own sessions: the old zygote's exit leaves them running.

@@ -395,7 +395,7 @@ def test_ctrl_c_exits_130_with_one_line(tiny_models_dir, tmp_path, capsys, monke
 def test_no_known_warnings_printed(tiny_models_dir, tmp_path):
     """convert then merge in a fresh process (megatron's notices fire at its import and as a
     checkpoint loads), without the test suite's PYTHONWARNINGS=ignore: the only warning printed
-    is one of this test's own, so the known harmless ones (common/run/log.py) are silenced and
+    is one of this test's own, so the known harmless ones (common/run/console.py) are silenced and
     any other warning still shows."""
     code = (
         "import sys, warnings\n"

@@ -1,6 +1,6 @@
-"""Tests of common/run/log.py: metrics.jsonl content, curves.png written (its panels: test_plots.py), wandb offline,
-resume (truncate keeps the replaced lines, a fresh run never destroys one), the run record,
-and the warning filters.
+"""Tests of common/run/log.py and common/run/console.py: metrics.jsonl content, curves.png written (its panels:
+test_plots.py), wandb offline, resume (truncate keeps the replaced lines, a fresh run never destroys one), the run
+record, and the warning filters.
 
     .venv/bin/python -m pytest -q tests/test_log.py
 """
@@ -18,13 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.run.log import (
-    MetricsLogger,
-    default_wandb_mode,
-    quiet_known_warnings,
-    quiet_third_party_logging,
-    run_record,
-)
+from common.run.console import quiet_known_warnings, quiet_third_party_logging
+from common.run.log import MetricsLogger, default_wandb_mode, run_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -375,7 +370,7 @@ def test_quiet_known_warnings_defers_to_user_filters(monkeypatch):
 # INFO and WARNING line. Cases: (verbose, rank, an explicit VLLM_LOGGING_LEVEL or None).
 THIRD_PARTY_LOGGING_SCRIPT = """
 import json, logging, os, sys
-from common.run.log import quiet_third_party_logging
+from common.run.console import quiet_third_party_logging
 for case in json.loads(sys.argv[1]):
     verbose, rank, user_level = case
     os.environ.pop("VLLM_LOGGING_LEVEL", None)
@@ -442,7 +437,7 @@ import sys, warnings
 import torch
 import torch.distributed as dist
 if sys.argv[1] == "quiet":
-    from common.run.log import quiet_known_warnings
+    from common.run.console import quiet_known_warnings
     quiet_known_warnings(rank=0, on_gpu=False)
 import megatron.core.optimizer                      # TE/apex fallback notices (import time)
 from megatron.core.models.gpt import gpt_layer_specs

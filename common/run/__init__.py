@@ -15,7 +15,8 @@
     data.py         prompts: datasets, chat formatting, a resumable sampler
     hub.py          HF hub ids resolved through the HF cache
     embedded.py     the embedded tiny model and task of `python train_grpo.py`
-    log.py          metrics.jsonl, wandb, the console (warnings, third-party logging)
+    log.py          metrics.jsonl, wandb, the run record (config.json)
+    console.py      the console: known-harmless warnings silenced, third-party log levels, the progress bar
     startup.py      where a run's start-up goes: seconds per stage, in one line
     plots.py        curves.png, each panel in one unit
     user_code.py    the user's --reward FILE.py:NAME, loaded and checked
