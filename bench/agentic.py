@@ -175,7 +175,7 @@ def main():
         result[f"{name}_tool_ms_per_turn"] = 1000 * sum(m["tool_s"] for m in multi) / len(multi)  # as measured
         for key in ("seconds", "engine_s", "driver_s", "engine_steps"):  # where the time went (means over pairs)
             result[f"{name}_{key}"] = sum(m[key] for m in multi) / len(multi)
-        result["single_seconds"] = sum(b["seconds"] for b in base) / len(base)
+        result[f"{name}_single_seconds"] = sum(b["seconds"] for b in base) / len(base)  # this comparison's baseline
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
         result[f"{name}_tok_s"], result["single_tok_s"] = stats["a_median"], stats["b_median"]
@@ -185,7 +185,7 @@ def main():
             + ("" if equal else "; UNEQUAL token counts, no ratio")
             + f"; {result[f'{name}_seconds']:.2f} s a rollout: engine {result[f'{name}_engine_s']:.2f} s in "
             f"{result[f'{name}_engine_steps']:.0f} steps, driver {result[f'{name}_driver_s']:.2f} s; single "
-            f"{result['single_seconds']:.2f} s"
+            f"{result[f'{name}_single_seconds']:.2f} s"
         )
     print0("BENCH_JSON " + json.dumps(result))
     sys.stdout.flush()
