@@ -56,7 +56,8 @@ run "moe 1 GPU"              400 python -m torch.distributed.run --standalone --
 run "deepseek 1 GPU"         400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_deepseek_gpu.py
 # gpt-oss: sinks and sliding windows, biased experts; vLLM vs megatron, the replayed sync
 run "gptoss 1 GPU"           400 python -m torch.distributed.run --standalone --nproc_per_node 1 tests/gpu/test_gptoss_gpu.py
-# Qwen3.5-MoE as released (vision-language checkpoint), its language model trained, GRPO on vLLM
+# Qwen3.5 dense and MoE as released (vision-language checkpoints), the language model trained by GRPO on vLLM;
+# the MoE with --routing-replay rollout (the trainer's top-k against vLLM's)
 run "qwen35 1 GPU"           700 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_qwen35_gpu.py
 # validation, DAPO sampling/shaping, a reward model, throughput metrics on the vLLM engine
 run "recipes 1 GPU"          500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_recipes_gpu.py

@@ -11,7 +11,9 @@ with dummy weights and language_model_only, and every tensor of the language mod
 under model.language_model.*. Two GRPO steps, every sample's engine logprobs requested, a reward that varies
 within each group on random text (the task's reward is 0 for every sample of a random model: no gradient,
 weights that never move). Checked: the run trains (grad norm > 0), and the engine agrees with the trainer
-(logprob_mismatch <= 0.05 at both steps: the second after a sync of updated weights). Results:
+(logprob_mismatch <= 0.05 at both steps: the second after a sync of updated weights); the MoE variant replays
+vLLM's routes (--routing-replay rollout), and the trainer's own top-k agrees with vLLM's on most (token, layer)
+pairs at the sampling weights (route_mismatch_update < 0.25 at step 0: bf16 flips a few). Results:
 $OUT/qwen35_dense.json and $OUT/qwen35_moe.json. vLLM's Qwen3.5 module imports compressed-tensors (a vLLM
 requirement, installed with it by pip; an offline stack without it needs the wheels of compressed-tensors
 0.17.0 and loguru carried and installed beside it).
@@ -62,6 +64,7 @@ ARGS = [
     "--rollout", "vllm", "--rollout-logprobs", "all", "--save-every", "0", "--eval-every", "0", "--lr", "1e-5",
 ]  # fmt: skip
 KEEP = ("logprob_mismatch", "grad_norm", "sync_s", "rollout_s", "step_s", "mem_rollout_gb", "mem_train_gb")
+ROUTES = ("route_mismatch", "route_mismatch_update")
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -114,12 +117,16 @@ def reward(response, answer):  # varies within a group on random text: non-zero 
 
 def test_grpo_on_vllm(model, tmp_path):
     variant, directory = model
-    (tmp_path / "reward.py").write_text(REWARD)
-    reward = ["--reward", f"{tmp_path / 'reward.py'}:reward"]
-    rows, _ = run_script("train_grpo.py", tmp_path, "--model", directory, *ARGS, *reward, timeout=500)
-    steps = kept([r for r in rows if "logprob_mismatch" in r], KEEP)
+    reward_file = tmp_path.parent / f"{tmp_path.name}_reward.py"  # beside --out: a file in it would look like a run
+    reward_file.write_text(REWARD)
+    reward = ["--reward", f"{reward_file}:reward"]
+    replay = ["--routing-replay", "rollout"] if variant == "moe" else []
+    rows, _ = run_script("train_grpo.py", tmp_path, "--model", directory, *ARGS, *reward, *replay, timeout=500)
+    steps = kept([r for r in rows if "logprob_mismatch" in r], KEEP + ROUTES)
     print("RESULT", variant, steps, flush=True)
     save_results(f"qwen35_{variant}.json", {f"qwen3_5_{variant}_vl": steps})
     assert len(steps) == 2, rows
     for r in steps:
         assert 0 < r["grad_norm"] < math.inf and r["logprob_mismatch"] <= 0.05, steps
+    if replay:
+        assert steps[0]["route_mismatch_update"] < 0.25, steps
