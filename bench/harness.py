@@ -185,6 +185,8 @@ SHAPES["qwen3.5-35b-a3b-4l"] = {
     "bos_token_id": 0,
     "eos_token_id": 1,
 }
+# the same widths and experts with every layer full attention: what the delta nets cost against attention
+SHAPES["qwen3.5-35b-a3b-4l-attn"] = dict(SHAPES["qwen3.5-35b-a3b-4l"], layer_types=["full_attention"] * 4)
 # gpt-oss-20b (attention sinks, windows of 128 keys on alternate layers, 32 biased experts, top-4; bf16
 # experts as merge_to_hf.py writes them), its first 4 of 24 layers
 SHAPES["gpt-oss-20b-4l"] = {

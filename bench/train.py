@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 4 bench/train.py --shape qwen2-7b --tp 4          # nvidia-h200-x4 (or --tp 2: DP=2)
     torchrun --nproc_per_node 2 bench/train.py --shape qwen2-7b --cp 2 --seq-len 32768 --num-seqs 1 --no-baseline
     torchrun --nproc_per_node 2 bench/train.py --shape qwen3-30b-a3b-6l --ep 2 --no-baseline   # MoE at EP=2
-    python bench/train.py --shape qwen3.5-35b-a3b-4l --no-baseline   # gated delta nets (gpt-oss-20b-4l: sinks)
+    python bench/train.py --shape qwen3.5-35b-a3b-4l --no-baseline   # gated delta nets (-attn: all attention)
     python bench/train.py --shape tiny --steps 2 --warmup 1                     # CPU smoke run (fp32)
     torchrun --nproc_per_node 2 bench/train.py --shape tiny --tp 2 --steps 1 --warmup 1   # CPU, gloo
 
@@ -643,6 +643,9 @@ def main():
         config, shape_name = SHAPES[args.shape], args.shape
     if args.num_layers:
         config, shape_name = dict(config, num_hidden_layers=args.num_layers), f"{shape_name}, {args.num_layers} layers"
+        if "layer_types" in config:  # per-layer kinds (Qwen3.5, gpt-oss): the first num_layers, repeating
+            kinds = config["layer_types"]
+            config["layer_types"] = [kinds[i % len(kinds)] for i in range(args.num_layers)]
     spec = parse_hf_config(config)
     overrides = recompute_overrides(args.recompute, args.recompute_modules, args.recompute_num_layers)
     if args.recompute == "full":
