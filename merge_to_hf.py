@@ -388,6 +388,12 @@ def run(args, created):
                 "source)"
             )
             config["num_nextn_predict_layers"] = 0
+        if config.get("mtp_num_hidden_layers"):  # Qwen3.5's multi-token-prediction block (mtp.*)
+            print0(
+                f"note: the source's {config['mtp_num_hidden_layers']} multi-token-prediction layer(s) (mtp.*) are "
+                "not part of the trained model and are not written; config.json says mtp_num_hidden_layers: 0"
+            )
+            config["mtp_num_hidden_layers"] = 0
         if config.pop("quantization_config", None):  # gpt-oss's MXFP4 experts, dequantised: written as --dtype
             print0(f"note: the source's quantized expert weights (MXFP4) are written dequantised in {dtype}")
         if vision:  # the source's vision-language config.json (its text_config is the trained model's)

@@ -16,6 +16,8 @@ read as their text model, and converted (--verify at EP=2) and merged back as th
 GRPO learning the embedded task with the embedded tiny Qwen3.5-MoE.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -222,7 +224,10 @@ def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35
     and with fused (released) expert tensors: both readers (the trainer's HFCheckpointReader,
     convert_hf_to_mcore.py's SafetensorsDir) give every tensor of the text model bit for bit, as the
     text CausalLM's own save_pretrained holds it, whole and as row slices; the vision tower and MTP
-    head are named in one notice; a config.json without text_config is refused with one line."""
+    head are named in one notice (a text checkpoint's MTP head too); a config.json without text_config is refused
+    with one line."""
+    from safetensors.torch import save_file
+
     from common.model.bridge import expected_hf_names, parse_hf_config
     from common.model.gpt import load_hf_spec
     from common.model.unsupported import UnsupportedModelError
@@ -246,6 +251,17 @@ def test_vision_language_checkpoints_read_as_their_text_model(qwen35_dir, qwen35
                 assert torch.equal(read(n), t), (name, fused, n)
                 if t.dim() == 2 and t.shape[0] > 3:
                     assert torch.equal(read(n, row_slice=slice(1, 3)), t[1:3]), (name, fused, n)
+    # a text checkpoint holding the MTP block: read as the text model, the block named in the notice
+    text_dir = tmp_path / "text_mtp"
+    text_dir.mkdir()
+    shutil.copy(qwen35_dir / "qwen3_5" / "config.json", text_dir)
+    tensors = hf_tensors(qwen35_dir / "qwen3_5")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(4, 8)}, str(text_dir / "model.safetensors"))
+    spec = load_hf_spec(text_dir)
+    assert HFCheckpointReader(qwen35_dir / "qwen3_5", spec).notice is None
+    reader = HFCheckpointReader(text_dir, spec)
+    assert reader.notice.startswith("note: the multi-token-prediction head (mtp.*) is not loaded")
+    assert all(torch.equal(reader.read(n), t) for n, t in tensors.items())
     with pytest.raises(UnsupportedModelError, match="text_config"):
         parse_hf_config({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
 
@@ -278,7 +294,8 @@ def test_a_text_config_wrapped_as_the_vision_language_one(name):
 def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp_path):
     """convert_hf_to_mcore.py --verify at EP=2 from the MoE vision-language checkpoint with fused
     experts (transformers' logits), then merge_to_hf.py: the text model as a Qwen3_5MoeForCausalLM
-    checkpoint, bit for bit what the text model's save_pretrained holds; with --vision-from the source, the
+    checkpoint, bit for bit what the text model's save_pretrained holds, its config.json saying no MTP layers
+    (the source's mtp.* are not written); with --vision-from the source, the
     vision-language checkpoint, every parameter of transformers' model equal to the source's (a text
     checkpoint as --vision-from refused)."""
     import json
@@ -291,17 +308,22 @@ def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp
 
     vl_dir = tmp_path / "vl"
     save_tiny_vl_model("qwen3_5_moe", str(vl_dir), layers=3, fused_experts=True)
+    source_config = json.loads((vl_dir / "config.json").read_text())
+    source_config["text_config"]["mtp_num_hidden_layers"] = 1  # as released: one MTP layer (mtp.*), not trained
+    (vl_dir / "config.json").write_text(json.dumps(source_config))
     args = ["--hf", vl_dir, "--out", tmp_path / "ckpt", "--dtype", "fp32", "--ep", 2, "--verify"]
     convert = run_torchrun("convert_hf_to_mcore.py", 2, *args)
     output = convert.stdout + convert.stderr
     assert "the vision tower (model.visual.*)" in output
     assert float(re.search(r"max_abs_diff=(\S+)", output)[1]) <= 1e-5  # (the script's own bound: 1e-4)
-    run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32")
+    out = run_script("merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--dtype", "fp32").stdout
+    assert "1 multi-token-prediction layer(s) (mtp.*)" in out
     original, merged = hf_tensors(qwen35_moe_dir / "qwen3_5_moe"), hf_tensors(tmp_path / "hf")
     assert sorted(original) == sorted(merged)
     assert all(torch.equal(original[n], merged[n]) for n in original)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and "text_config" not in config
+    assert config["mtp_num_hidden_layers"] == 0  # the MTP tensors are not written: the config says none
     # --vision-from: the vision-language checkpoint again, which transformers loads as the source's model
     merge = ["merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--dtype", "fp32", "--vision-from"]
     out = run_script(*merge, vl_dir, "--out", tmp_path / "hf_vl").stdout
@@ -313,6 +335,7 @@ def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp
     assert sorted(source) == sorted(merged) and all(torch.equal(source[n], merged[n]) for n in source)
     config = json.loads((tmp_path / "hf_vl" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in config
+    assert config["text_config"]["mtp_num_hidden_layers"] == 0
     refused = run_script(*merge, qwen35_moe_dir / "qwen3_5_moe", "--out", tmp_path / "no", check=False)
     assert refused.returncode == 2 and "is not a vision-language checkpoint" in refused.stdout + refused.stderr
 

@@ -104,13 +104,15 @@ def checkpoint_aliases(stored_names, spec):
     return aliases
 
 
-def not_trained_notice(stored_names):
-    """The one line saying which tensors of a vision-language checkpoint training leaves out, or None."""
+def not_trained_notice(stored_names, vision_language=True):
+    """The one line saying which tensors of a Qwen3.5 checkpoint training leaves out (the vision tower of a
+    vision-language one, the multi-token-prediction head of either), or None."""
     left = sorted({p for name in stored_names for p in NOT_TRAINED if name.startswith(p)})
     if not left:
         return None
     what = {"model.visual.": "the vision tower (model.visual.*)", "mtp.": "the multi-token-prediction head (mtp.*)"}
+    whose = "the vision-language checkpoint's language model is trained; " if vision_language else ""
     return (
-        f"note: the vision-language checkpoint's language model is trained; {' and '.join(what[p] for p in left)} "
-        "are not loaded, not trained and not written back (merge_to_hf.py writes the text model)"
+        f"note: {whose}{' and '.join(what[p] for p in left)} {'are' if len(left) > 1 else 'is'} "
+        "not loaded, not trained and not written back (merge_to_hf.py writes the text model)"
     )

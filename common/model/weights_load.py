@@ -43,7 +43,7 @@ class HFCheckpointReader:
             )
         # a vision-language checkpoint (common/model/bridge_vl.py): the text model's names -> where it keeps each
         self.aliases = checkpoint_aliases(self.weight_map, spec) if spec is not None and spec.vision_language else {}
-        self.notice = not_trained_notice(self.weight_map) if self.aliases else None  # vision tower, MTP head
+        self.notice = not_trained_notice(self.weight_map, vision_language=bool(self.aliases))  # vision tower, MTP
         if self.aliases:
             self.weight_map = {name: self.weight_map[stored] for name, (stored, _, _) in self.aliases.items()}
 
@@ -103,6 +103,9 @@ class WeightsError(ValueError):
     """Weights that cannot be trained from (NaN/Inf values): the user's files to fix, not a bug."""
 
 
+_SAID = set()  # the notices printed by this process
+
+
 def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=None, skip_prefixes=()):
     """Copy this rank's shard of every parameter from the HF checkpoint. Reads only
     owned slices, so host memory per rank ~ its shard. Returns the number of tensors set.
@@ -119,8 +122,9 @@ def load_hf_weights(chunks, spec: HFModelSpec, hf_dir, tp_rank=None, tp_size=Non
     # routed experts are split over the expert-TP group (of size etp), not the TP group
     etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
     reader = HFCheckpointReader(hf_dir, spec)
-    if reader.notice and (not dist.is_initialized() or dist.get_rank() == 0):
+    if reader.notice and reader.notice not in _SAID and (not dist.is_initialized() or dist.get_rank() == 0):
         print(reader.notice, flush=True)
+        _SAID.add(reader.notice)  # once a process: the policy and the reference load the same checkpoint
     count, finite, loaded = 0, [], []  # finite[i]: a 0-dim bool on the device, of loaded[i] = (name, hf_names)
     for chunk in chunks:
         for name, param in named_global_tensors(chunk):  # this rank's experts only
