@@ -29,6 +29,7 @@ from common.rollout.engine import empty_responses_warning, generate_checked
 from common.rollout.episodes import episode_metrics, run_episodes
 from common.rollout.lengths import draw_lengths
 from common.rollout.partial import PartialRollouts, spread_generate
+from common.rollout.vllm_engine import rollout_replica
 from common.run import flags_rollout as FR
 from common.run.dist import print0
 from common.train.guard import check_finite
@@ -55,7 +56,7 @@ class StepRollouts:
                 args.seed,
                 lengths=getattr(args, "bench_response_lengths", None),  # a benchmark's exact lengths, drawn per group
             )
-        self.replica, self.num_replicas = info.rank // rollout_tp, info.world_size // rollout_tp
+        self.replica, self.num_replicas = rollout_replica(info.rank, rollout_tp, info.world_size)
         self.first_of_replica = info.rank % rollout_tp == 0
         self.master_process, self.device = info.master_process, info.device
         self.warned_empty = False  # a step whose every response ended at once: said once a run
