@@ -627,8 +627,10 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
     result = bench_json(proc.stdout)
     assert result["tool_workers"] == 3 and result["episodes_tokens"] == result["lockstep_tokens"] == 4 * 2 * 4
     assert 20 <= result["tool_ms_drawn_mean"] <= 40
-    for name in ("episodes", "lockstep"):  # measured by the driver: at least the sleep, at most the longest + overhead
-        assert result["tool_ms_drawn_mean"] <= result[f"{name}_tool_ms_per_turn"] < 40 + 20
+    # measured by the driver: at least the drawn sleep; the upper bound catches a unit slip (seconds as ms), not
+    # speed (on a loaded 2-core machine thread wake-ups and calls queued behind the 3 workers can triple it)
+    for name in ("episodes", "lockstep"):
+        assert result["tool_ms_drawn_mean"] <= result[f"{name}_tool_ms_per_turn"] < 1000
 
 
 def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
