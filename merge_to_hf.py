@@ -388,7 +388,7 @@ def run(args, created):
                 "source)"
             )
             config["num_nextn_predict_layers"] = 0
-        if config.get("mtp_num_hidden_layers"):  # Qwen3.5's multi-token-prediction block (mtp.*)
+        if config.get("mtp_num_hidden_layers") and not vision:  # Qwen3.5's MTP block (mtp.*); vl_config says it
             print0(
                 f"note: the source's {config['mtp_num_hidden_layers']} multi-token-prediction layer(s) (mtp.*) are "
                 "not part of the trained model and are not written; config.json says mtp_num_hidden_layers: 0"

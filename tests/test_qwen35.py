@@ -327,7 +327,7 @@ def test_vision_language_moe_convert_verify_at_ep2_and_merge(qwen35_moe_dir, tmp
     # --vision-from: the vision-language checkpoint again, which transformers loads as the source's model
     merge = ["merge_to_hf.py", "--ckpt", tmp_path / "ckpt", "--dtype", "fp32", "--vision-from"]
     out = run_script(*merge, vl_dir, "--out", tmp_path / "hf_vl").stdout
-    assert "the vision tower (" in out and "copied from" in out
+    assert "the vision tower (" in out and "copied from" in out and out.count("multi-token-prediction") == 1
     source, merged = (
         transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(d).state_dict()
         for d in (vl_dir, tmp_path / "hf_vl")
