@@ -178,7 +178,7 @@ def main():
         result[f"{name}_single_seconds"] = sum(b["seconds"] for b in base) / len(base)  # this comparison's baseline
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
-        result[f"{name}_tok_s"], result["single_tok_s"] = stats["a_median"], stats["b_median"]
+        result[f"{name}_tok_s"], result[f"{name}_single_tok_s"] = stats["a_median"], stats["b_median"]
         print0(
             f"{name}: {stats['a_median']:.0f} tok/s, single-turn {stats['b_median']:.0f} tok/s: "
             f"{stats['median']:.3f}x (min {stats['min']:.3f}, max {stats['max']:.3f})"

@@ -631,6 +631,7 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
     # speed (on a loaded 2-core machine thread wake-ups and calls queued behind the 3 workers can triple it)
     for name in ("episodes", "lockstep"):
         assert result["tool_ms_drawn_mean"] <= result[f"{name}_tool_ms_per_turn"] < 1000
+        assert result[f"{name}_single_tok_s"] > 0 and result[f"{name}_single_seconds"] > 0  # each its own baseline
 
 
 def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
