@@ -143,7 +143,7 @@ def main():
         raise SystemExit(f"bench/rollout.py: {e}")
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights import export_hf_weights
-    from common.rollout.vllm_engine import rollout_replica
+    from common.rollout.engine import rollout_replica
     from common.run.dist import init_distributed, print0
 
     info = init_distributed(tp=args.tp, ep=args.ep)

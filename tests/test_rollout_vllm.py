@@ -22,7 +22,8 @@ import types
 import pytest
 import torch
 
-from common.rollout.vllm_engine import eos_token_ids_of, replica_share, rollout_replica
+from common.rollout.engine import rollout_replica
+from common.rollout.vllm_engine import eos_token_ids_of, replica_share
 
 
 def test_rollout_replica_and_share():

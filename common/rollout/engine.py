@@ -116,6 +116,15 @@ def empty_responses_warning(samples, step):
     )
 
 
+def rollout_replica(rank, rollout_tp, world_size=None):
+    """(replica index, number of replicas) of this rank: vLLM's TP groups are runs of
+    rollout_tp consecutive ranks (vllm/distributed/parallel_state.py), one replica each."""
+    world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size % rollout_tp:
+        raise ValueError(f"--rollout-tp {rollout_tp} must divide the world size {world_size}")
+    return rank // rollout_tp, world_size // rollout_tp
+
+
 def cap_max_model_len(max_model_len, max_positions, rank=0):
     """max_model_len (prompt + response tokens per request) capped at the model's
     max_position_embeddings, as vLLM requires; said on rank 0 when it is. Both engines use it, so

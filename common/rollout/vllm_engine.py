@@ -11,7 +11,7 @@ Colocation (see shared/device/README.md, where each call below was measured on H
     (vLLM creates its groups and agrees on the KV-cache size with collectives).
   - within a replica every rank must call generate() with the same prompts and seed (each
     rank schedules independently and deterministically); replicas get different prompts:
-    rollout_replica() / replica_share() below say which.
+    rollout_replica() (common/rollout/engine.py) and replica_share() below say which.
   - memory: sleep() = sleep(level=2) discards weights and KV cache (level 1 would copy the
     weights to CPU: 9.8 s at 7B, wasted since the next sync overwrites them). The step is
         engine.wake_weights(); engine.update_weights(export_hf_weights(...)); engine.wake_kv_cache()
@@ -45,20 +45,11 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge_vl import checkpoint_name, text_config, vision_language_config
-from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len
+from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len, rollout_replica
 from common.rollout.routes import routes_from_vllm
 from common.rollout.vllm_experts import FusedExperts
 from common.rollout.vllm_turns import RequestTurns
 from common.rollout.weight_replay import WritePlan
-
-
-def rollout_replica(rank, rollout_tp, world_size=None):
-    """(replica index, number of replicas) of this rank: vLLM's TP groups are runs of
-    rollout_tp consecutive ranks (vllm/distributed/parallel_state.py), one replica each."""
-    world_size = dist.get_world_size() if world_size is None else world_size
-    if world_size % rollout_tp:
-        raise ValueError(f"--rollout-tp {rollout_tp} must divide the world size {world_size}")
-    return rank // rollout_tp, world_size // rollout_tp
 
 
 def replica_share(items, replica, num_replicas):

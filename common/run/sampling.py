@@ -25,11 +25,10 @@ import torch
 
 from common.rl import batch as B
 from common.rl import dapo
-from common.rollout.engine import empty_responses_warning, generate_checked
+from common.rollout.engine import empty_responses_warning, generate_checked, rollout_replica
 from common.rollout.episodes import episode_metrics, run_episodes
 from common.rollout.lengths import draw_lengths
 from common.rollout.partial import PartialRollouts, spread_generate
-from common.rollout.vllm_engine import rollout_replica
 from common.run import flags_rollout as FR
 from common.run.dist import print0
 from common.train.guard import check_finite
