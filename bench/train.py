@@ -65,6 +65,9 @@ code that dispatched them: the kernel launches of the same step on a GPU, whose 
 --ep 2 --moe-dispatcher allgather --seq-len 256 --micro-batch-size 2 --count-ops --no-baseline
 --warmup 1 --steps 1`: the 30B's layout at CPU widths; a layer's share is the difference of two
 --num-layers).
+Qwen3.5 shapes: the baseline's gated delta nets run the pure-torch recurrence, the candidate's
+--gdn-kernel (auto: fla's fused kernels where they import); `--attention local` isolates the
+recurrence kernel's gain (both sides local attention).
 
 Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
 """
@@ -114,6 +117,13 @@ def build_parser():
         choices=["sdpa", "local", "te"],
         default="sdpa",
         help="core attention: torch SDPA (flash), megatron's local baddbmm+softmax, or TransformerEngine",
+    )
+    p.add_argument(
+        "--gdn-kernel",
+        choices=["auto", "fla", "torch"],
+        default="auto",
+        help="Qwen3.5 shapes: the gated delta nets' recurrence (common/model/gdn.py): fla's fused kernels, the "
+        "pure-torch one, or auto (fla where it imports); the baseline always runs torch",
     )
     p.add_argument(
         "--kernels",
@@ -654,6 +664,9 @@ def main():
         overrides["moe_token_dispatcher_type"] = args.moe_dispatcher
     if args.cuda_graphs:  # layers graphed once recorded; one warm-up run per graph before its capture
         overrides.update(cuda_graph_impl="local", cuda_graph_warmup_steps=1)
+    baseline_overrides = {}
+    if spec.gdn is not None:  # the candidate's recurrence kernel; the baseline's is the plain torch one
+        overrides["gdn_kernel"], baseline_overrides["gdn_kernel"] = args.gdn_kernel, "torch"
 
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -773,7 +786,9 @@ def main():
     if args.no_baseline or args.cp > 1:  # megatron's local attention refuses context parallelism
         baseline = dict(status="skipped")
     else:
-        baseline = summarize(run_config(spec, info, batch, attention="local", overrides={}, **common), **numbers)
+        baseline = summarize(
+            run_config(spec, info, batch, attention="local", overrides=baseline_overrides, **common), **numbers
+        )
 
     # ---- report
     recompute_text = {
@@ -781,12 +796,19 @@ def main():
         "selective": "selective " + ",".join(args.recompute_modules),
         "full": f"full, {args.recompute_method} {args.recompute_num_layers} layer(s)",
     }[args.recompute]
+    from common.model.gdn import resolve_gdn_kernel
+
+    gdn = (
+        f", gated delta nets {resolve_gdn_kernel(args.gdn_kernel)}" if spec.gdn is not None else "",
+        ", gated delta nets torch" if spec.gdn is not None else "",
+    )
     rows = [
         (
-            f"candidate: {args.attention}, recompute {recompute_text}{', CUDA graphs' if args.cuda_graphs else ''}",
+            f"candidate: {args.attention}, recompute {recompute_text}{', CUDA graphs' if args.cuda_graphs else ''}"
+            + gdn[0],
             candidate,
         ),
-        ("baseline: local, recompute none", baseline),
+        (f"baseline: local, recompute none{gdn[1]}", baseline),
     ]
 
     def fmt(value, pattern):
@@ -883,6 +905,7 @@ def main():
         packing="none (every row a full seq_len sequence; response mask = second half)",
         attention=args.attention,
         sdpa_flash=flash,
+        gdn_kernel=resolve_gdn_kernel(args.gdn_kernel) if spec.gdn is not None else None,
         kernels=args.kernels,
         logprob_kernels=logprob_kernels,
         recompute=args.recompute,

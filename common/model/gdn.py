@@ -3,6 +3,14 @@
     GatedDeltaNet            the layer's token mixer: in_proj -> causal depthwise conv -> gated delta
                              rule -> gated RMSNorm -> out_proj; tensor parallel over heads
     chunk_gated_delta_rule   the recurrence in chunks (pure torch, autograd through it)
+    resolve_gdn_kernel       "auto" | "fla" | "torch" -> the recurrence a GatedDeltaNet runs
+
+The recurrence runs on one of two kernels (build_model's gdn_kernel, the scripts' --gdn-kernel):
+  torch  chunk_gated_delta_rule below: any device, fp32 inside, packed samples as a padded batch;
+  fla    the fused Triton kernels of flash-linear-attention (the `fla-core` package, forward and
+         backward; what vLLM runs for these layers too): CUDA only, packed samples by cu_seqlens.
+"auto" takes fla on a GPU where the package imports, else torch. Both give the same outputs to bf16
+rounding (tests/gpu/test_gdn_kernel_gpu.py); docs/models.md has what each costs.
 
 Why not megatron-core 0.16.1's GatedDeltaNet (ssm/gated_delta_net.py): it imports the `fla`
 package at construction (not in the pinned stack), refuses packed sequences and context
@@ -67,6 +75,46 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk=64):
     return o.transpose(1, 2).to(dtype)
 
 
+GDN_KERNELS = ("auto", "fla", "torch")
+FLA_HINT = "pip install fla-core==0.6.0 einops (requirements-gpu.txt)"
+
+
+def resolve_gdn_kernel(kernel="auto"):
+    """The recurrence kernel a GatedDeltaNet built now runs: "fla" or "torch" (see the module docstring).
+    kernel="fla" where it cannot run is refused in one line (no GPU, or the package missing)."""
+    if kernel not in GDN_KERNELS:
+        raise ValueError(f"gdn_kernel={kernel!r}: choose one of {GDN_KERNELS}")
+    if kernel == "torch":
+        return "torch"
+    if not torch.cuda.is_available():
+        if kernel == "fla":
+            raise ValueError("--gdn-kernel fla runs on CUDA GPUs only (Triton kernels); use auto or torch here")
+        return "torch"
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError as e:
+        if kernel == "fla":
+            raise ImportError(f"--gdn-kernel fla needs flash-linear-attention's kernels: {FLA_HINT}") from e
+        return "torch"
+    return "fla"
+
+
+def fla_gated_delta_rule(q, k, v, g, beta, starts=None):
+    """chunk_gated_delta_rule's arguments (q, k already L2-normalised) on fla's fused kernel: q, k, v and
+    beta in v's dtype, g in fp32. starts: for a packed row (b = 1), the first token of each sample (a list),
+    each sample from a zero state."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+    dtype = v.dtype
+    q, k, beta = (x.to(dtype).contiguous() for x in (q, k, beta))
+    cu = {}
+    if starts is not None:  # the boundaries on the host too: fla plans its chunks without a device sync
+        host = torch.tensor([*starts, q.shape[1]], dtype=torch.long)
+        cu = dict(cu_seqlens=host.to(q.device, non_blocking=True), cu_seqlens_cpu=host)
+    o, _ = fla_rule(q, k, v.contiguous(), g.float().contiguous(), beta, scale=q.shape[-1] ** -0.5, **cu)
+    return o
+
+
 def _pack(x, bounds):
     """The packed samples [x, y) of a (1, s, ...) row as a batch (samples, longest, ...), zeros after each:
     the conv and the recurrence are causal, so what follows a sample's tokens cannot reach them, and each
@@ -90,9 +138,12 @@ class GatedDeltaNet(MegatronModule):
       out_proj  RowParallelLinear
     Packed sequences (megatron's THD: s tokens of b = 1 with cu_seqlens): the conv and the
     recurrence restart at every sample. Context parallelism is refused at build time.
+    kernel: the recurrence's kernel, resolve_gdn_kernel's "auto" | "fla" | "torch".
     """
 
-    def __init__(self, config, submodules=None, layer_number=None, gdn=None, pg_collection=None, **unused):
+    def __init__(
+        self, config, submodules=None, layer_number=None, gdn=None, kernel="auto", pg_collection=None, **unused
+    ):
         super().__init__(config=config)
         from megatron.core import parallel_state as mpu
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -104,6 +155,7 @@ class GatedDeltaNet(MegatronModule):
             )
         tp = mpu.get_tensor_model_parallel_world_size()
         self.gdn, self.tp = gdn, tp
+        self.kernel = resolve_gdn_kernel(kernel)
         self.layer_number = layer_number
         self.pieces = gdn.in_pieces(tp)
         self.in_proj = ColumnParallelLinear(
@@ -162,7 +214,10 @@ class GatedDeltaNet(MegatronModule):
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (b, s, heads/tp)
         beta = beta.sigmoid()
-        if packed_seq_params is not None:  # the state restarts at every sample
+        if self.kernel == "fla":  # packed: cu_seqlens restarts the state at every sample
+            starts = None if packed_seq_params is None else [a for a, _ in bounds]
+            o = fla_gated_delta_rule(q, k, v, g, beta, starts)
+        elif packed_seq_params is not None:  # the state restarts at every sample
             o = _unpack(chunk_gated_delta_rule(*(_pack(x, bounds) for x in (q, k, v, g, beta))), bounds)
         else:
             o = chunk_gated_delta_rule(q, k, v, g, beta)

@@ -61,7 +61,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False):
+def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False, gdn_kernel="auto"):
     """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, the QKV
     projection of models with a QKV bias (common/model/linear.py: the bias added in the GEMM), and
     with moe=True an MoELayer (common/model/moe_router.py's Router and common/model/moe_experts.py's
@@ -75,7 +75,8 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False):
       "local" megatron's local spec as is (DotProductAttention: baddbmm + softmax + bmm).
       "te"    megatron's TransformerEngine spec (fused kernels, needs TE importable).
     linear=True (Qwen3.5's gated-delta-net layers): common/model/gdn.py's GatedDeltaNet in place of
-    the self-attention. Qwen3.5's norms are ZeroCenteredRMSNorm, its full attention gated
+    the self-attention, its recurrence on gdn_kernel ("auto" | "fla" | "torch", see gdn.py). Qwen3.5's
+    norms are ZeroCenteredRMSNorm, its full attention gated
     (TransformerConfig.attention_output_gate) with partial RoPE.
     The three have the same parameters; "te" names the fused norms differently
     (linear_qkv.layer_norm_weight), which the bridge maps too.
@@ -136,7 +137,9 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False):
 
         from common.model.gdn import GatedDeltaNet
 
-        layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"gdn": spec.gdn})
+        layer.submodules.self_attention = ModuleSpec(
+            module=GatedDeltaNet, params={"gdn": spec.gdn, "kernel": gdn_kernel}
+        )
         return layer
     attn = layer.submodules.self_attention.submodules
     if mla:  # the norms of the q and kv latents
@@ -164,7 +167,7 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False):
     return layer
 
 
-def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None):
+def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None, gdn_kernel="auto"):
     """The decoder block spec of this pipeline (virtual) stage: its layers' specs (the MoE
     layer spec where spec.moe says so, dense elsewhere) and RMSNorm as the final norm
     (megatron's default would be WrappedTorchNorm). "te" keeps megatron's TE layer spec."""
@@ -179,8 +182,8 @@ def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None):
     moe = layer_spec(spec, attention, moe=True) if spec.moe else None
     specs = [moe if spec.moe and spec.moe.moe_layers[first + i] else dense for i in range(count)]
     if spec.gdn is not None:  # Qwen3.5: gated delta nets where the layer types say so
-        linear = layer_spec(spec, attention, moe=False, linear=True)
-        linear_moe = layer_spec(spec, attention, moe=True, linear=True) if spec.moe else None
+        linear = layer_spec(spec, attention, moe=False, linear=True, gdn_kernel=gdn_kernel)
+        linear_moe = layer_spec(spec, attention, moe=True, linear=True, gdn_kernel=gdn_kernel) if spec.moe else None
         for i in range(count):
             if spec.gdn.linear_layers[first + i]:
                 specs[i] = linear_moe if spec.moe and spec.moe.moe_layers[first + i] else linear
@@ -239,11 +242,13 @@ def build_model(
     init_weights=False,
     attention=None,
     moe_aux_loss_coef=None,
+    gdn_kernel="auto",
     **config_overrides,
 ):
     """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
 
     attention: "sdpa" (default) | "local" | "te", see layer_spec.
+    gdn_kernel: the recurrence of Qwen3.5's gated delta nets, "auto" | "fla" | "torch" (common/model/gdn.py).
     MoE models: ep / etp expert (tensor) parallel sizes, moe_aux_loss_coef (None: the HF config's).
     first_stage_layers / last_stage_layers: decoder layers of the first / last pipeline stage
     (None: automatic, bridge.pipeline_layout); each layer keeps its global index, so weights
@@ -277,7 +282,7 @@ def build_model(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(vp_stage=vp_stage) if vpp else {}
-        block = decoder_spec(spec, config, attention, vp_stage if vpp else None)
+        block = decoder_spec(spec, config, attention, vp_stage if vpp else None, gdn_kernel)
         model_kwargs = gpt_model_kwargs(spec, tp=tp)
         if (attention or "sdpa") == "sdpa":
             model_kwargs["position_embedding_type"] = "none"  # SDPAttention applies RoPE (fused)

@@ -107,7 +107,7 @@ def engine_weights(model, spec, engine, *, use_vllm, bucket_mb):
 def model_layout(args):
     """How the policy, reference, teacher (and critic) are built (build_model's keywords): the parallel layout
     (--tp --pp --vpp --cp --ep --etp --sp --first/last-stage-layers; MoE: experts over ep x etp), the MoE
-    flags (--moe-*), --recompute*."""
+    flags (--moe-*), --recompute*, Qwen3.5's --gdn-kernel."""
     from common.model.bridge import recompute_config
     from common.run.flags import moe_overrides
 
@@ -122,6 +122,7 @@ def model_layout(args):
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
         moe_aux_loss_coef=args.moe_aux_loss_coef,
+        gdn_kernel=args.gdn_kernel,
         **moe_overrides(args),
         **recompute_config(args.recompute, args.recompute_modules, args.recompute_layers),
     )
@@ -149,6 +150,12 @@ def load_model(spec, dtype, layout, hf_dir, mcore_ckpt=None, *, frozen=False):
     from common.train.checkpoint import load_model_checkpoint
 
     chunks = build_model(spec, dtype=dtype, **layout)
+    if spec.gdn is not None and not frozen:
+        from common.model.gdn import FLA_HINT, resolve_gdn_kernel
+
+        kernel = resolve_gdn_kernel(layout.get("gdn_kernel", "auto"))
+        hint = f" (on a GPU, the fused kernels: {FLA_HINT})" if kernel == "torch" and torch.cuda.is_available() else ""
+        print0(f"gated delta nets: the {kernel} recurrence{hint}")
     if mcore_ckpt:
         load_model_checkpoint(mcore_ckpt, chunks)
     else:

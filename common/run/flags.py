@@ -16,7 +16,7 @@ MICRO_BATCH_SIZE = 8
 
 
 def model_flags(p):
-    """--model, --embedded-model: where the model comes from (the script adds --mcore-ckpt)."""
+    """--model, --embedded-model: where the model comes from (the script adds --mcore-ckpt); --gdn-kernel."""
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
@@ -36,6 +36,16 @@ def model_flags(p):
             "groups + a shared expert), or a tiny Qwen3.5 (a gated delta net layer, then gated full attention), "
             "or qwen3_5_moe: that Qwen3.5 with an MoE MLP (8 experts, top-2, a gated shared expert) in each layer, "
             "or a tiny gpt-oss (attention sinks, a sliding-window then a full-attention layer, 8 biased experts, top-2)"
+        ),
+    )
+    g.add_argument(
+        "--gdn-kernel",
+        choices=["auto", "fla", "torch"],
+        default="auto",
+        help=(
+            "the recurrence of Qwen3.5's gated delta nets: fla = flash-linear-attention's fused Triton kernels "
+            "(CUDA, the fla-core package), torch = the pure-torch chunked recurrence (any device); auto = fla on a "
+            "GPU where fla-core imports, else torch (docs/models.md)"
         ),
     )
     return g

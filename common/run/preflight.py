@@ -179,9 +179,16 @@ def _check_numbers(args, min_group):
 
 
 def _check_services(args):
-    """What the run will use besides the model: the rollout engine it was asked for, wandb."""
+    """What the run will use besides the model: the rollout engine it was asked for, --gdn-kernel fla's kernels,
+    wandb."""
+    from common.model.gdn import resolve_gdn_kernel
     from common.rollout.engines import vllm_available
     from common.run.log import default_wandb_mode, wandb_credentials
+
+    try:
+        resolve_gdn_kernel(args.gdn_kernel)  # refuses fla without a GPU or without the package
+    except (ValueError, ImportError) as e:
+        raise UsageError(str(e)) from None
 
     if args.rollout == "vllm" and not args.load_rollouts and not vllm_available():
         raise UsageError(

@@ -34,7 +34,7 @@ case ${1:-} in
       lane dp2 2,3 2gpu 'DP=2'; exit $((failed + $?)) ) & E=$! ;;
   features)  # on H200s (2026-11-28): async 282 s, Qwen3.5 256 s, distill 330 s, gpt-oss 92 s, LoRA 252 s,
              # agentic with one bench 472 s; the agentic benches (two) have their own entry, in the LoRA lane
-    lane async 0 1gpu 'async|qwen35' & A=$!
+    lane async 0 1gpu 'async|qwen35|gdn' & A=$!
     lane distill 1 1gpu 'distill' & B=$!
     lane agentic 2 1gpu 'agentic 1 GPU|gptoss' & E=$!
     lane lora 3 1gpu 'lora|agentic bench' & F=$! ;;

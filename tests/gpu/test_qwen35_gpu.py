@@ -116,15 +116,20 @@ def reward(response, answer):  # varies within a group on random text: non-zero 
 
 
 def test_grpo_on_vllm(model, tmp_path):
+    from common.model.gdn import resolve_gdn_kernel
+
     variant, directory = model
+    kernel = resolve_gdn_kernel("auto")  # fla's fused kernels where they import, else torch: passed by the flag
     reward_file = tmp_path.parent / f"{tmp_path.name}_reward.py"  # beside --out: a file in it would look like a run
     reward_file.write_text(REWARD)
     reward = ["--reward", f"{reward_file}:reward"]
     replay = ["--routing-replay", "rollout"] if variant == "moe" else []
-    rows, _ = run_script("train_grpo.py", tmp_path, "--model", directory, *ARGS, *reward, *replay, timeout=500)
+    flags = [*ARGS, *reward, *replay, "--gdn-kernel", kernel]
+    rows, output = run_script("train_grpo.py", tmp_path, "--model", directory, *flags, timeout=500)
     steps = kept([r for r in rows if "logprob_mismatch" in r], KEEP + ROUTES)
-    print("RESULT", variant, steps, flush=True)
-    save_results(f"qwen35_{variant}.json", {f"qwen3_5_{variant}_vl": steps})
+    print("RESULT", variant, kernel, steps, flush=True)
+    save_results(f"qwen35_{variant}.json", {f"qwen3_5_{variant}_vl": steps, "gdn_kernel": kernel})
+    assert f"gated delta nets: the {kernel} recurrence" in output, output[-3000:]
     assert len(steps) == 2, rows
     for r in steps:
         assert 0 < r["grad_norm"] < math.inf and r["logprob_mismatch"] <= 0.05, steps
