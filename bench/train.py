@@ -66,8 +66,8 @@ code that dispatched them: the kernel launches of the same step on a GPU, whose 
 --warmup 1 --steps 1`: the 30B's layout at CPU widths; a layer's share is the difference of two
 --num-layers).
 Qwen3.5 shapes: the baseline's gated delta nets run the pure-torch recurrence, the candidate's
---gdn-kernel (auto: fla's fused kernels where they import); `--attention local` isolates the
-recurrence kernel's gain (both sides local attention).
+--gdn-kernel; `--attention local --gdn-kernel fla` isolates the fused recurrence's gain (both sides
+local attention).
 
 Output: a table on rank 0, then one line `BENCH_JSON {...}` with every number and setting.
 """
@@ -120,10 +120,10 @@ def build_parser():
     )
     p.add_argument(
         "--gdn-kernel",
-        choices=["auto", "fla", "torch"],
-        default="auto",
-        help="Qwen3.5 shapes: the gated delta nets' recurrence (common/model/gdn.py): fla's fused kernels, the "
-        "pure-torch one, or auto (fla where it imports); the baseline always runs torch",
+        choices=["torch", "fla"],
+        default="torch",
+        help="Qwen3.5 shapes: the gated delta nets' recurrence (common/model/gdn.py): the pure-torch one or fla's "
+        "fused kernels (where fla trains); the baseline always runs torch",
     )
     p.add_argument(
         "--kernels",

@@ -92,19 +92,18 @@ def test_tensor_parallel_must_divide_the_delta_net_heads_and_cp_is_refused():
 
 
 def test_the_recurrence_kernel_on_a_cpu(tmp_path):
-    """--gdn-kernel: auto and torch run the torch recurrence here; fla (CUDA-only Triton kernels) is refused
-    by train_grpo.py in one line before anything is built. The fused kernel's own test is on a GPU
-    (tests/gpu/test_gdn_kernel_gpu.py)."""
+    """--gdn-kernel: torch runs here; fla (CUDA-only Triton kernels) is refused by train_grpo.py in one line
+    before anything is built. The fused kernel's own test is on a GPU (tests/gpu/test_gdn_kernel_gpu.py)."""
     from common.model.gdn import resolve_gdn_kernel
 
-    assert resolve_gdn_kernel("auto") == resolve_gdn_kernel("torch") == "torch"
+    assert resolve_gdn_kernel() == resolve_gdn_kernel("torch") == "torch"
     with pytest.raises(ValueError, match="choose one of"):
         resolve_gdn_kernel("triton")
     proc = run_script(
         "train_grpo.py", "--embedded-model", "qwen3_5", "--gdn-kernel", "fla", "--out", tmp_path, check=False
     )
     err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and "--gdn-kernel fla runs on CUDA GPUs only" in err[-1], proc.stderr[-3000:]
+    assert proc.returncode == 2 and "--gdn-kernel fla: fla runs on CUDA GPUs only" in err[-1], proc.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

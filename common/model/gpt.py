@@ -61,7 +61,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False, gdn_kernel="auto"):
+def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False, gdn_kernel="torch"):
     """The megatron layer spec: RMSNorm, q/k norm for Qwen3, the core attention, the QKV
     projection of models with a QKV bias (common/model/linear.py: the bias added in the GEMM), and
     with moe=True an MoELayer (common/model/moe_router.py's Router and common/model/moe_experts.py's
@@ -75,7 +75,7 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False, gdn_k
       "local" megatron's local spec as is (DotProductAttention: baddbmm + softmax + bmm).
       "te"    megatron's TransformerEngine spec (fused kernels, needs TE importable).
     linear=True (Qwen3.5's gated-delta-net layers): common/model/gdn.py's GatedDeltaNet in place of
-    the self-attention, its recurrence on gdn_kernel ("auto" | "fla" | "torch", see gdn.py). Qwen3.5's
+    the self-attention, its recurrence on gdn_kernel ("torch" | "fla", see gdn.py). Qwen3.5's
     norms are ZeroCenteredRMSNorm, its full attention gated
     (TransformerConfig.attention_output_gate) with partial RoPE.
     The three have the same parameters; "te" names the fused norms differently
@@ -167,7 +167,7 @@ def layer_spec(spec: HFModelSpec, attention=None, moe=False, linear=False, gdn_k
     return layer
 
 
-def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None, gdn_kernel="auto"):
+def decoder_spec(spec: HFModelSpec, config, attention=None, vp_stage=None, gdn_kernel="torch"):
     """The decoder block spec of this pipeline (virtual) stage: its layers' specs (the MoE
     layer spec where spec.moe says so, dense elsewhere) and RMSNorm as the final norm
     (megatron's default would be WrappedTorchNorm). "te" keeps megatron's TE layer spec."""
@@ -242,13 +242,13 @@ def build_model(
     init_weights=False,
     attention=None,
     moe_aux_loss_coef=None,
-    gdn_kernel="auto",
+    gdn_kernel="torch",
     **config_overrides,
 ):
     """One GPTModel per virtual pipeline stage of this rank (a list of one without VPP).
 
     attention: "sdpa" (default) | "local" | "te", see layer_spec.
-    gdn_kernel: the recurrence of Qwen3.5's gated delta nets, "auto" | "fla" | "torch" (common/model/gdn.py).
+    gdn_kernel: the recurrence of Qwen3.5's gated delta nets, "torch" | "fla" (common/model/gdn.py).
     MoE models: ep / etp expert (tensor) parallel sizes, moe_aux_loss_coef (None: the HF config's).
     first_stage_layers / last_stage_layers: decoder layers of the first / last pipeline stage
     (None: automatic, bridge.pipeline_layout); each layer keeps its global index, so weights

@@ -151,11 +151,7 @@ def load_model(spec, dtype, layout, hf_dir, mcore_ckpt=None, *, frozen=False):
 
     chunks = build_model(spec, dtype=dtype, **layout)
     if spec.gdn is not None and not frozen:
-        from common.model.gdn import FLA_HINT, resolve_gdn_kernel
-
-        kernel = resolve_gdn_kernel(layout.get("gdn_kernel", "auto"))
-        hint = f" (on a GPU, the fused kernels: {FLA_HINT})" if kernel == "torch" and torch.cuda.is_available() else ""
-        print0(f"gated delta nets: the {kernel} recurrence{hint}")
+        print0(f"gated delta nets: the {layout.get('gdn_kernel', 'torch')} recurrence (--gdn-kernel)")
     if mcore_ckpt:
         load_model_checkpoint(mcore_ckpt, chunks)
     else:

@@ -40,12 +40,12 @@ def model_flags(p):
     )
     g.add_argument(
         "--gdn-kernel",
-        choices=["auto", "fla", "torch"],
-        default="auto",
+        choices=["torch", "fla"],
+        default="torch",
         help=(
-            "the recurrence of Qwen3.5's gated delta nets: fla = flash-linear-attention's fused Triton kernels "
-            "(CUDA, the fla-core package), torch = the pure-torch chunked recurrence (any device); auto = fla on a "
-            "GPU where fla-core imports, else torch (docs/models.md)"
+            "the recurrence of Qwen3.5's gated delta nets: torch = the pure-torch chunked recurrence (any device); "
+            "fla = flash-linear-attention's fused Triton kernels (CUDA, the fla-core package; refused where fla "
+            "refuses its backward: Hopper GPUs with Triton 3.4-3.7.0, docs/models.md)"
         ),
     )
     return g

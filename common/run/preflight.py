@@ -186,7 +186,7 @@ def _check_services(args):
     from common.run.log import default_wandb_mode, wandb_credentials
 
     try:
-        resolve_gdn_kernel(args.gdn_kernel)  # refuses fla without a GPU or without the package
+        resolve_gdn_kernel(args.gdn_kernel)  # refuses fla where it cannot train (no GPU, no package, fla's refusal)
     except (ValueError, ImportError) as e:
         raise UsageError(str(e)) from None
 

@@ -116,10 +116,10 @@ def reward(response, answer):  # varies within a group on random text: non-zero 
 
 
 def test_grpo_on_vllm(model, tmp_path):
-    from common.model.gdn import resolve_gdn_kernel
+    from common.model.gdn import fla_unavailable
 
     variant, directory = model
-    kernel = resolve_gdn_kernel("auto")  # fla's fused kernels where they import, else torch: passed by the flag
+    kernel = "torch" if fla_unavailable() else "fla"  # fla's fused kernels where they train, passed by the flag
     reward_file = tmp_path.parent / f"{tmp_path.name}_reward.py"  # beside --out: a file in it would look like a run
     reward_file.write_text(REWARD)
     reward = ["--reward", f"{reward_file}:reward"]
