@@ -796,7 +796,7 @@ def main():
         "selective": "selective " + ",".join(args.recompute_modules),
         "full": f"full, {args.recompute_method} {args.recompute_num_layers} layer(s)",
     }[args.recompute]
-    from common.model.gdn import resolve_gdn_kernel
+    from common.model.gdn_kernels import resolve_gdn_kernel
 
     gdn = (
         f", gated delta nets {resolve_gdn_kernel(args.gdn_kernel)}" if spec.gdn is not None else "",

@@ -94,7 +94,7 @@ def test_tensor_parallel_must_divide_the_delta_net_heads_and_cp_is_refused():
 def test_the_recurrence_kernel_on_a_cpu(tmp_path):
     """--gdn-kernel: torch runs here; fla (CUDA-only Triton kernels) is refused by train_grpo.py in one line
     before anything is built. The fused kernel's own test is on a GPU (tests/gpu/test_gdn_kernel_gpu.py)."""
-    from common.model.gdn import resolve_gdn_kernel
+    from common.model.gdn_kernels import resolve_gdn_kernel
 
     assert resolve_gdn_kernel() == resolve_gdn_kernel("torch") == "torch"
     with pytest.raises(ValueError, match="choose one of"):

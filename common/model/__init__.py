@@ -15,6 +15,7 @@
     lora.py             LoRA adapters on the tensor-parallel linears; merged weights for the export
     attention.py, attention_cp.py   core attention: SDPA, packed (varlen), context parallel
     gdn.py              the gated delta net layer (Qwen3.5's linear attention), pure torch, packed samples
+    gdn_kernels.py      which recurrence kernel the delta nets run (torch, or fla's fused one where it trains)
     gptoss.py           gpt-oss's layers: attention with sinks and sliding windows, its experts and clamped SwiGLU
     moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
     routing_replay.py   MoE routing replay: routers sent to recorded experts, or recording their own

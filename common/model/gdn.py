@@ -3,15 +3,15 @@
     GatedDeltaNet            the layer's token mixer: in_proj -> causal depthwise conv -> gated delta
                              rule -> gated RMSNorm -> out_proj; tensor parallel over heads
     chunk_gated_delta_rule   the recurrence in chunks (pure torch, autograd through it)
-    resolve_gdn_kernel       "torch" | "fla" -> the recurrence a GatedDeltaNet runs, or a one-line refusal
+    fla_gated_delta_rule     the recurrence on flash-linear-attention's fused kernels (GPU)
 
 The recurrence runs on one of two kernels (build_model's gdn_kernel, the scripts' --gdn-kernel):
   torch  chunk_gated_delta_rule below (the default): any device, fp32 inside, packed samples as a
          padded batch;
   fla    the fused Triton kernels of flash-linear-attention (the `fla-core` package, forward and
          backward; what vLLM runs for these layers too): CUDA only, packed samples by cu_seqlens.
-         Opt-in: refused where fla cannot train (fla_unavailable), which includes Hopper GPUs with
-         Triton 3.4-3.7.0, the pinned GPU stack's case. docs/models.md says what was checked.
+         Opt-in: refused where fla cannot train (common/model/gdn_kernels.py), which includes Hopper
+         GPUs with Triton 3.4-3.7.0, the pinned GPU stack's case. docs/models.md says what was checked.
 
 Why not megatron-core 0.16.1's GatedDeltaNet (ssm/gated_delta_net.py): it imports the `fla`
 package at construction (not in the pinned stack), refuses packed sequences and context
@@ -33,6 +33,8 @@ once; only the state passes from chunk to chunk.
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from common.model.gdn_kernels import resolve_gdn_kernel
 
 
 def l2norm(x, eps=1e-6):
@@ -74,46 +76,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk=64):
         )
     o = torch.stack(out, dim=2).reshape(b, h, n * chunk, -1)[:, :, :s]
     return o.transpose(1, 2).to(dtype)
-
-
-GDN_KERNELS = ("torch", "fla")
-FLA_HINT = "pip install fla-core==0.6.0 einops (requirements-gpu.txt)"
-
-
-def fla_unavailable():
-    """Why fla's kernels cannot train here (a sentence), or None where they can: no CUDA GPU, the package
-    missing, or fla's own refusal of its backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (wrong
-    gradients, fla issue #640) unless tilelang is installed (fla then runs that kernel on it)."""
-    import importlib.util
-
-    if not torch.cuda.is_available():
-        return "fla runs on CUDA GPUs only (Triton kernels)"
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-        import triton
-    except ImportError:
-        return f"flash-linear-attention's kernels do not import: {FLA_HINT}"
-    from packaging.version import Version
-
-    triton_version = Version(triton.__version__.split("+")[0])
-    hopper = torch.cuda.get_device_capability()[0] == 9
-    if hopper and Version("3.4") <= triton_version < Version("3.7.1") and importlib.util.find_spec("tilelang") is None:
-        return (
-            f"fla's backward gives wrong gradients on Hopper GPUs with Triton {triton_version} (fla issue #640); "
-            "Triton >= 3.7.1 or `pip install tilelang` lifts it"
-        )
-    return None
-
-
-def resolve_gdn_kernel(kernel="torch"):
-    """kernel ("torch" or "fla", see the module docstring) where it can run; "fla" where fla cannot train
-    (fla_unavailable) is refused in one line."""
-    if kernel not in GDN_KERNELS:
-        raise ValueError(f"gdn_kernel={kernel!r}: choose one of {GDN_KERNELS}")
-    why = fla_unavailable() if kernel == "fla" else None
-    if why:
-        raise ValueError(f"--gdn-kernel fla: {why}; or pass --gdn-kernel torch")
-    return kernel
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, starts=None):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from common.model.attention import apply_rope_qk, per_micro_batch
-from common.model.moe_experts import GroupedExperts
+from common.model.moe_experts import GroupedExperts, _grouped_mm_usable
 from common.model.swiglu import SwiGLU
 
 
@@ -169,12 +169,16 @@ class ClampedSwiGLU(SwiGLU):  # a SwiGLU for gpt.py's check that every MLP has i
 
 
 class GptOssExperts(GroupedExperts):
-    """The local experts as a loop of two GEMMs each, fc1's bias added before the activation and
-    fc2's weighted by the router probability, as transformers' GptOssExperts. megatron-core 0.16.1's
-    MLP adds the weighted fc2 bias in place (`output += ...`) to the output of the expert-TP
-    reduction, which autograd refuses at ETP = 1 (the reduction returns its input as a view);
-    here it is added out of place. Same parameters and names as SequentialMLP (the bridge, the
-    checkpoints and the weight sync are unchanged)."""
+    """gpt-oss's local experts: fc1's bias added before the clamped SwiGLU, fc2's weighted by the router
+    probability, as transformers' GptOssExperts. Same parameters and names as SequentialMLP (the bridge,
+    the checkpoints and the weight sync are unchanged).
+
+    Where torch's grouped GEMM takes the weights (bf16 on a GPU; a CPU: its reference loop) the experts run
+    as GroupedExperts' two grouped GEMMs, the biases gathered per row (the row's expert from the groups'
+    row ends: no host sync); else a loop of two GEMMs per expert (the token counts read on the host).
+    megatron-core 0.16.1's MLP adds the weighted fc2 bias in place (`output += ...`) to the output of the
+    expert-TP reduction, which autograd refuses at ETP = 1 (the reduction returns its input as a view);
+    here it is added out of place."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -186,7 +190,32 @@ class GptOssExperts(GroupedExperts):
             if expert.linear_fc2.bias is not None:
                 expert.linear_fc2.bias.sequence_parallel = False
 
+    def grouped_path(self):
+        first = self.local_experts[0]
+        return (
+            self.grouped
+            and _grouped_mm_usable(first.linear_fc1.weight, self.num_local_experts)
+            and _grouped_mm_usable(first.linear_fc2.weight, self.num_local_experts)
+            and not self.config.moe_apply_probs_on_input
+        )
+
     def forward(self, hidden, tokens_per_expert, probs):
+        if not self.grouped_path():
+            return self._loop(hidden, tokens_per_expert, probs)
+        ends, experts, w1, w2 = self.grouped_weights(tokens_per_expert, hidden.device)
+        rows = torch.arange(hidden.shape[0], device=hidden.device, dtype=ends.dtype)
+        expert = torch.searchsorted(ends, rows, right=True)  # each row's group; len(experts) past the last
+        mine = (expert < len(experts)).unsqueeze(-1)  # rows past ends[-1]: other EP ranks' (mask_tail)
+        expert = expert.clamp(max=len(experts) - 1)
+        b1 = torch.stack([e.linear_fc1.bias for e in experts])[expert].float()  # (N, 2F/etp)
+        b2 = torch.stack([e.linear_fc2.bias for e in experts])[expert].float()  # (N, H)
+        p = probs.unsqueeze(-1)
+        y = torch.where(mine, torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends).float() + b1, 0)
+        h = (experts[0].activation_func(y) * p).to(hidden.dtype)  # (N, F/etp)
+        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends) + (b2 * p).to(hidden.dtype)
+        return torch.where(mine, out, 0), None  # zeros where other ranks' rows are, as the loop
+
+    def _loop(self, hidden, tokens_per_expert, probs):
         counts = [int(n) for n in tokens_per_expert.tolist()] if self.num_local_experts > 1 else [hidden.shape[0]]
         rows = sum(counts)  # (DeviceSortDispatcher's mask_tail: rows past these are other EP ranks')
         outputs = []

@@ -188,7 +188,16 @@ class GroupedExperts(SequentialMLP):
             n = int(tokens_per_expert.sum())
             out, bias = super().forward(hidden[:n], tokens_per_expert, probs[:n])
             return torch.cat([out, out.new_zeros(hidden.shape[0] - n, *out.shape[1:])]), bias
-        ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)  # (E_local,) row ends
+        ends, _, w1, w2 = self.grouped_weights(tokens_per_expert, hidden.device)
+        h = swiglu_weighted(torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends), probs)  # (N, F/etp)
+        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H); with mask_tail, rows past
+        return out, None  # ends[-1] (other ranks' pairs) are written by no GEMM: the combine skips them
+
+    def grouped_weights(self, tokens_per_expert, device):
+        """What the grouped GEMMs of this pass read: (ends, experts, w1, w2): the row ends of the groups
+        (E_local,) int32 on device, the local experts in the order of the rows' groups, their fc1 weights
+        (E, 2F/etp, H) and fc2 weights (E, H, F/etp) stacked in that order (views in place, or copies)."""
+        ends = torch.cumsum(tokens_per_expert.to(device), 0).to(torch.int32)
         descending, self.rows_descending = self.rows_descending, False  # this pass's rows' order
         experts = self.local_experts[::-1] if descending else self.local_experts
         stacks = self.stacks()
@@ -204,8 +213,6 @@ class GroupedExperts(SequentialMLP):
                 return torch.stack(weights)
             return view
 
-        w1 = stack([e.linear_fc1.weight for e in experts], "1")  # (E, 2F/etp, H)
-        w2 = stack([e.linear_fc2.weight for e in experts], "2")  # (E, H, F/etp)
-        h = swiglu_weighted(torch._grouped_mm(hidden, w1.transpose(1, 2), offs=ends), probs)  # (N, F/etp)
-        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # (N, H); with mask_tail, rows past
-        return out, None  # ends[-1] (other ranks' pairs) are written by no GEMM: the combine skips them
+        w1 = stack([e.linear_fc1.weight for e in experts], "1")
+        w2 = stack([e.linear_fc2.weight for e in experts], "2")
+        return ends, experts, w1, w2

@@ -181,7 +181,7 @@ def _check_numbers(args, min_group):
 def _check_services(args):
     """What the run will use besides the model: the rollout engine it was asked for, --gdn-kernel fla's kernels,
     wandb."""
-    from common.model.gdn import resolve_gdn_kernel
+    from common.model.gdn_kernels import resolve_gdn_kernel
     from common.rollout.engines import vllm_available
     from common.run.log import default_wandb_mode, wandb_credentials
 

@@ -61,7 +61,7 @@ def rel(a, b):
 
 def fla_or_skip():
     """Whether fla trains here (else forward only); skips where its kernels do not import."""
-    from common.model.gdn import fla_unavailable
+    from common.model.gdn_kernels import fla_unavailable
 
     why = fla_unavailable()
     if why and "issue #640" not in why:

@@ -6,7 +6,7 @@
 A random gpt-oss-shaped model (bf16; gpt-oss's head size 64 and YaRN as released, hidden 512,
 4 layers alternating a sliding window of 32 keys and full attention, 16 experts of 256, top-4)
 written with transformers (tests/gpu/test_moe_gpu.py's write_model). Checked:
-  1. megatron (common/model/gptoss.py's SinkAttention on torch SDPA with a mask, the experts' loop)
+  1. megatron (common/model/gptoss.py's SinkAttention on torch SDPA with a mask, the experts as grouped GEMMs)
      in bf16 against fp32 transformers: mean |logprob difference| of sampled tokens <= 0.05;
   2. vLLM (dummy weights, every tensor from export_hf_weights: the fused expert tensors under the
      checkpoint's names, through vLLM's gpt-oss load_weights) vs megatron: mean |logprob

@@ -116,7 +116,7 @@ def reward(response, answer):  # varies within a group on random text: non-zero 
 
 
 def test_grpo_on_vllm(model, tmp_path):
-    from common.model.gdn import fla_unavailable
+    from common.model.gdn_kernels import fla_unavailable
 
     variant, directory = model
     kernel = "torch" if fla_unavailable() else "fla"  # fla's fused kernels where they train, passed by the flag
