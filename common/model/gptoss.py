@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from common.model.attention import apply_rope_qk, per_micro_batch
-from common.model.moe_experts import GroupedExperts, _grouped_mm_usable
+from common.model.moe_experts import GroupedExperts
 from common.model.swiglu import SwiGLU
 
 
@@ -190,14 +190,8 @@ class GptOssExperts(GroupedExperts):
             if expert.linear_fc2.bias is not None:
                 expert.linear_fc2.bias.sequence_parallel = False
 
-    def grouped_path(self):
-        first = self.local_experts[0]
-        return (
-            self.grouped
-            and _grouped_mm_usable(first.linear_fc1.weight, self.num_local_experts)
-            and _grouped_mm_usable(first.linear_fc2.weight, self.num_local_experts)
-            and not self.config.moe_apply_probs_on_input
-        )
+    def grouped_path(self):  # the biases and the clamped SwiGLU are this forward's own
+        return self.grouped_gemm_takes()
 
     def forward(self, hidden, tokens_per_expert, probs):
         if not self.grouped_path():

@@ -127,14 +127,21 @@ class GroupedExperts(SequentialMLP):
         for param in self.parameters():
             param.allreduce = False
 
-    def grouped_path(self):
-        """Whether forward runs the grouped GEMMs (else megatron's loop over experts)."""
+    def grouped_gemm_takes(self):
+        """Whether torch's grouped GEMM takes these experts' weights (and grouping is on), the router's
+        probabilities weighing the outputs (not the inputs)."""
         first = self.local_experts[0]
         return (
             self.grouped
             and _grouped_mm_usable(first.linear_fc1.weight, self.num_local_experts)
             and _grouped_mm_usable(first.linear_fc2.weight, self.num_local_experts)
             and not self.config.moe_apply_probs_on_input
+        )
+
+    def grouped_path(self):
+        """Whether forward runs the grouped GEMMs (else megatron's loop over experts)."""
+        return (
+            self.grouped_gemm_takes()
             and self.config.gated_linear_unit
             and self.config.activation_func is F.silu
             and not self.config.add_bias_linear

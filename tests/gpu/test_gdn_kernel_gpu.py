@@ -31,26 +31,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.test_qwen35_gpu import TEXT as QWEN35_TEXT
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 RESULTS = {}
+# tests/gpu/test_qwen35_gpu.py's text model, wider (hidden 1024, 4 key / 8 value heads of the delta nets)
 TEXT = dict(
+    QWEN35_TEXT,
     architectures=["Qwen3_5ForCausalLM"],
     vocab_size=4096,
     hidden_size=1024,
     intermediate_size=2048,
-    num_hidden_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
     linear_num_key_heads=4,
     linear_num_value_heads=8,
-    rms_norm_eps=1e-6,
     max_position_embeddings=8192,
-    tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
 )
 
