@@ -62,7 +62,7 @@ def run(args):
 
     from common.model.chunks import named_global_parameters, unwrap
     from common.model.gpt import build_model, load_hf_spec
-    from common.model.gptoss import SinkAttention
+    from common.model.gptoss import GptOssExperts, SinkAttention
     from common.model.weights import export_hf_weights
     from common.model.weights_load import load_hf_weights
     from common.run.dist import init_distributed
@@ -104,6 +104,13 @@ def run(args):
     row["export_mismatch"] = sorted(k for k in set(on_disk) & set(exported) if not torch.equal(on_disk[k], exported[k]))
     if args.mxfp4:
         row["mxfp4_max_abs_diff_to_plain"] = diff(built(args.mxfp4))
+    experts = [m for c in chunks for m in c.modules() if isinstance(m, GptOssExperts)]
+    row["experts_grouped"] = all(m.grouped_path() for m in experts)  # a CPU: torch's grouped GEMM's loop
+    for m in experts:  # the per-expert loop (what fp32 on a GPU runs)
+        m.grouped = False
+    row["loop_max_abs_diff"] = diff(chunks)
+    for m in experts:
+        m.grouped = True
 
     # controls: each of these must move the logits far off
     attentions = [m for c in chunks for m in c.modules() if isinstance(m, SinkAttention)]

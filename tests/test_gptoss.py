@@ -6,12 +6,12 @@ SwiGLU, MXFP4 expert weights) in the bridge.
 The tiny gpt-oss of tests/tiny_models.py (GPTOSS_CONFIGS "gpt_oss": windows of 6 keys on layers 0
 and 2, batches of 24 tokens) against transformers (fp32): YaRN's frequencies, the MXFP4
 dequantisation bit for bit against transformers' own, one expert's clamped SwiGLU with the clamps
-active; the whole model's logits (tests/gptoss_worker.py, one launch) at TP=1 (two data-parallel
-ranks), TP=2, TP=2+SP, EP=2 and PP=2, packed rows, the export bit-identical, the expert weights loaded
-from MXFP4 blocks, controls (sinks zeroed, windows off, experts exchanged) far off; the memory
-plan's parameter count; every gradient at TP=2+SP against one rank's; convert_hf_to_mcore.py --verify
-and merge_to_hf.py bit-exact round trips (also from MXFP4); an MXFP4 --model refused;
-GRPO learning the embedded task with `--embedded-model gpt_oss`.
+active; the whole model's logits (tests/gptoss_worker.py, one launch) at TP=1 (two data-parallel ranks),
+TP=2, TP=2+SP, EP=2 and PP=2 (the experts as grouped GEMMs, and as the per-expert loop), packed rows,
+the export bit-identical, the expert weights loaded from MXFP4 blocks, controls (sinks zeroed, windows
+off, experts exchanged) far off; the memory plan's parameter count; every gradient at TP=2+SP against
+one rank's; convert_hf_to_mcore.py --verify and merge_to_hf.py bit-exact round trips (also from MXFP4);
+an MXFP4 --model refused; GRPO learning the embedded task with `--embedded-model gpt_oss`.
 """
 
 import json
@@ -247,12 +247,13 @@ def test_logits_match_transformers(layout, parity):
     for rank, row in enumerate(parity[layout]):
         where = f"{layout} rank {rank}"
         print(where, {k: v for k, v in row.items() if "diff" in k or "control" in k})
-        assert row["max_abs_diff"] <= 1e-5, where  # measured 1.8e-7 at every layout
+        assert row["max_abs_diff"] <= 1e-5, where  # measured 1.5e-7 to 2.7e-7
         assert row.get("packed_max_abs_diff", 0.0) <= 1e-5, where
         assert row.get("mxfp4_max_abs_diff_to_plain", 0.0) <= 1e-5, where
+        assert row["experts_grouped"] and row["loop_max_abs_diff"] <= 1e-5, where  # grouped GEMMs, and the loop
         assert row["export_missing"] == row["export_extra"] == row["export_mismatch"] == [], where
         for control in ("control_no_sinks", "control_no_windows", "control_experts_swapped"):
-            assert row[control] > 1e-2, (where, control)  # measured 0.17, 0.18, 0.24
+            assert row[control] > 1e-2, (where, control)  # measured 0.24, 0.24, 0.33
         spec = parse_hf_config(_config())
         tp, ep, pp = (
             (2 if layout.startswith("tp2") else 1),
