@@ -796,19 +796,14 @@ def main():
         "selective": "selective " + ",".join(args.recompute_modules),
         "full": f"full, {args.recompute_method} {args.recompute_num_layers} layer(s)",
     }[args.recompute]
-    from common.model.gdn_kernels import resolve_gdn_kernel
-
-    gdn = (
-        f", gated delta nets {resolve_gdn_kernel(args.gdn_kernel)}" if spec.gdn is not None else "",
-        ", gated delta nets torch" if spec.gdn is not None else "",
-    )
+    gdn = ", gated delta nets {}" if spec.gdn is not None else ""  # the recurrence kernel of each side
     rows = [
         (
             f"candidate: {args.attention}, recompute {recompute_text}{', CUDA graphs' if args.cuda_graphs else ''}"
-            + gdn[0],
+            + gdn.format(args.gdn_kernel),
             candidate,
         ),
-        (f"baseline: local, recompute none{gdn[1]}", baseline),
+        ("baseline: local, recompute none" + gdn.format("torch"), baseline),
     ]
 
     def fmt(value, pattern):
@@ -905,7 +900,7 @@ def main():
         packing="none (every row a full seq_len sequence; response mask = second half)",
         attention=args.attention,
         sdpa_flash=flash,
-        gdn_kernel=resolve_gdn_kernel(args.gdn_kernel) if spec.gdn is not None else None,
+        gdn_kernel=args.gdn_kernel if spec.gdn is not None else None,
         kernels=args.kernels,
         logprob_kernels=logprob_kernels,
         recompute=args.recompute,

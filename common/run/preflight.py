@@ -187,7 +187,7 @@ def _check_services(args):
 
     try:
         resolve_gdn_kernel(args.gdn_kernel)  # refuses fla where it cannot train (no GPU, no package, fla's refusal)
-    except (ValueError, ImportError) as e:
+    except ValueError as e:
         raise UsageError(str(e)) from None
 
     if args.rollout == "vllm" and not args.load_rollouts and not vllm_available():
