@@ -284,7 +284,7 @@ def main():
 
     # ---- policy (trained), reference and teacher (frozen) ----------------------------
     layout = build.model_layout(args)  # parallel layout (MoE: experts over ep x etp), aux loss, recompute
-    model = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt)
+    model = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, exact=args.true_on_policy)
     optimizer, scheduler = None, None  # --eval-only: the weights alone, no optimizer
     if args.lora:  # the base frozen, adapters (B = 0: the base itself) trained: the optimizer sees only those
         add_lora(model, **args.lora, seed=args.seed)
@@ -300,7 +300,9 @@ def main():
     use_reference = args.kl_coef > 0 and not args.eval_only
     reference = None
     if use_reference and not args.lora:
-        reference = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True)
+        reference = build.load_model(
+            spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True, exact=args.true_on_policy
+        )
     clock.mark("reference")
     # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
     teacher, teacher_spec = None, None

@@ -271,7 +271,7 @@ def main():
     # ---- actor (trained), critic (trained), reference and teacher (frozen) ------------
     layout = build.model_layout(args)  # parallel layout (MoE: experts over ep x etp), aux loss, recompute
     lr_schedule = build.optimizer_settings(args)  # all but the peak lr and the total steps, for both models
-    model = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt)
+    model = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, exact=args.true_on_policy)
     if args.lora:  # the actor's base frozen, adapters (B = 0: the base itself) trained; the critic is trained whole
         add_lora(model, **args.lora, seed=args.seed)
     model, optimizer, scheduler = setup_training(
@@ -292,7 +292,9 @@ def main():
     use_reference = args.kl_coef > 0  # with LoRA: the actor itself with its adapters off (no second copy)
     reference = None
     if use_reference and not args.lora:
-        reference = build.load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True)
+        reference = build.load_model(
+            spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True, exact=args.true_on_policy
+        )
     clock.mark("reference")
     # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
     teacher, teacher_spec = None, None

@@ -145,7 +145,47 @@ class SDPAttention(MegatronModule):
                 **{"rotary_percent": 1.0, **rotary},
             )
 
+    exact = None  # --true-on-policy (common/model/exact.py convert): the rollout engine's RoPE and attention kernels
+
     def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if self.exact is not None:
+            return self._exact(query, key, value, attention_mask, packed_seq_params)
+        return self._forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+
+    def _exact(self, query, key, value, attention_mask, packed):
+        """The forward of --true-on-policy: vLLM's rotary and FlashAttention kernels (common/model/exact.py), the
+        gradient of this module's own path. Causal samples, padded (s, b, ...) or packed (t, ...) rows."""
+        from common.model import exact
+
+        if attention_mask is not None or self.cp_group is not None or self.rotary is None:
+            raise NotImplementedError("--true-on-policy: causal self-attention with RoPE, no mask, no CP")
+        heads, d = self.heads_per_partition, self.head_dim
+        if packed is not None:
+            t = query.shape[0]
+            lengths = packed.cu_seqlens_q.diff().tolist()
+
+            def reference(q, k, v):
+                return self._packed(q, k, v, packed).view(t, heads, d)
+
+            out = exact.attention(query, key, value, lengths, d**-0.5, reference)  # vLLM's scale: head_dim**-0.5
+            return out.reshape(t, heads * d)
+        sq, b = query.shape[:2]
+
+        def tokens(x):  # (s, b, h, d) -> (b * s, h, d): each row one sequence
+            return x.transpose(0, 1).reshape(b * sq, *x.shape[2:])
+
+        def untokens(x):  # (b * s, ...) -> (s, b, heads * d)
+            return x.reshape(b, sq, heads * d).transpose(0, 1).contiguous()
+
+        def reference(q, k, v):
+            out = self._forward(*(x.view(b, sq, *x.shape[1:]).transpose(0, 1) for x in (q, k, v)), None)
+            return out.transpose(0, 1).reshape(b * sq, heads, d)
+
+        return untokens(exact.attention(tokens(query), tokens(key), tokens(value), [sq] * b, d**-0.5, reference))
+
+    def _forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
         if packed_seq_params is not None:

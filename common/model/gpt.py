@@ -44,6 +44,8 @@ class RMSNorm(torch.nn.RMSNorm):
     gradient over the TP group for every parameter with `sequence_parallel` True.
     """
 
+    exact = None  # --true-on-policy (common/model/exact.py convert): "plain" | "fused", vLLM's kernel of that norm
+
     def __init__(self, config, hidden_size, eps=1e-5, **unused):  # megatron passes normalization=, ...
         if config.normalization != "RMSNorm":
             raise ValueError(f"RMSNorm built for normalization={config.normalization!r}")
@@ -51,10 +53,17 @@ class RMSNorm(torch.nn.RMSNorm):
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel
 
+    def forward(self, x):
+        if self.exact is None:
+            return super().forward(x)
+        from common.model import exact
+
+        return exact.rms_norm(x, self.weight, self.eps, fused=self.exact == "fused")
+
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm whose weight is stored zero-centred: x_normed * (1 + w), in fp32 (Qwen3.5's norms,
-    transformers' Qwen3_5RMSNorm; the HF tensors load unchanged)."""
+    transformers' Qwen3_5RMSNorm; the HF tensors load unchanged). No --true-on-policy kernel (refused at start)."""
 
     def forward(self, x):
         normed = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, eps=self.eps)

@@ -109,10 +109,16 @@ def swiglu(y):
 class SwiGLU(MegatronModule):  # a MegatronModule: megatron's MLP asks its children for sharded_state_dict
     """The activation module of the MLP spec: (..., 2F) -> (..., F). No parameters."""
 
+    exact = None  # --true-on-policy (common/model/exact.py convert): vLLM's silu_and_mul in the forward
+
     def __init__(self, config):
         super().__init__(config=config)
         if not (config.gated_linear_unit and config.activation_func is F.silu):
             raise ValueError("SwiGLU: the config is not a gated SiLU MLP (gated_linear_unit, activation_func=F.silu)")
 
     def forward(self, y):
-        return swiglu(y)
+        if self.exact is None:
+            return swiglu(y)
+        from common.model import exact
+
+        return exact.silu_and_mul(y, swiglu)

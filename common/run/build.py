@@ -73,6 +73,8 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
 
     if args.load_rollouts:
         return None, args.rollout_tp
+    if args.true_on_policy:  # vLLM reads it at import and as its worker starts in this process
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     engine, rollout_tp = make_engine(
         use_vllm,
         hf_dir,
@@ -82,8 +84,12 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
         seed=args.seed,
         device=device,
         return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
-        enforce_eager=args.rollout_eager,
+        enforce_eager=args.rollout_eager or args.true_on_policy,  # compiled, vLLM would fuse its norms and RoPE
     )
+    if args.true_on_policy:
+        from common.model.exact import bind
+
+        bind(engine)  # the trainer repeats the engine's start-up choices (common/model/exact.py)
     engine.sleep()
     return engine, rollout_tp
 
@@ -141,10 +147,11 @@ def optimizer_settings(args):
     )
 
 
-def load_model(spec, dtype, layout, hf_dir, mcore_ckpt=None, *, frozen=False):
+def load_model(spec, dtype, layout, hf_dir, mcore_ckpt=None, *, frozen=False, exact=False):
     """This rank's chunks of the GPTModel of spec, built with `layout` (model_layout), weights from a megatron
     checkpoint (--mcore-ckpt) or else the HF safetensors of hf_dir (only this rank's slices are read).
-    frozen: eval mode, no gradients (a reference or a teacher)."""
+    frozen: eval mode, no gradients (a reference or a teacher). exact: --true-on-policy, the forward on the
+    rollout engine's kernels (common/model/exact.py)."""
     from common.model.gpt import build_model
     from common.model.weights_load import load_hf_weights
     from common.train.checkpoint import load_model_checkpoint
@@ -159,6 +166,10 @@ def load_model(spec, dtype, layout, hf_dir, mcore_ckpt=None, *, frozen=False):
     if frozen:
         for chunk in chunks:
             chunk.eval().requires_grad_(False)
+    if exact:
+        from common.model.exact import convert
+
+        convert(chunks)
     return chunks
 
 

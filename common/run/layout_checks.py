@@ -109,11 +109,43 @@ def check_layout(args, spec, critic=None, teacher=None):
             f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {replicas} rollout "
             f"replicas (world {world} / rollout tp {rollout_tp})"
         )
+    if getattr(args, "true_on_policy", False):
+        _check_true_on_policy(args, spec)
     if args.max_new_tokens >= spec.max_position_embeddings:
         raise UsageError(
             f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the model's "
             f"{spec.max_position_embeddings} positions (max_position_embeddings)"
         )
+
+
+def _check_true_on_policy(args, spec):
+    """--true-on-policy: where the trainer can run the engine's kernels (common/model/exact.py), and only there."""
+    kind = next(
+        (
+            k
+            for k, present in (
+                ("MoE", spec.moe),
+                ("multi-latent attention", spec.mla),
+                ("gated delta net", spec.gdn),
+                ("gpt-oss", spec.gptoss),
+            )
+            if present is not None
+        ),
+        None,
+    )
+    wrong = [
+        (kind is not None, f"{spec.architecture} has {kind} layers; it covers dense attention models"),
+        (spec.qk_norm, f"{spec.architecture} normalises q and k (vLLM fuses that with RoPE); it covers Qwen2, Llama"),
+        (not _uses_vllm(args) or args.load_rollouts, "it needs the vLLM engine (--rollout vllm, on GPUs)"),
+        (args.tp > 1 or args.cp > 1, f"--tp {args.tp} --cp {args.cp}: it is for --tp 1 --cp 1"),
+        (args.rollout_tp > 1, f"--rollout-tp {args.rollout_tp}: it is for --rollout-tp 1"),
+        (args.temperature != 1.0 or args.top_p != 1.0, "it samples at --temperature 1 --top-p 1"),
+        (getattr(args, "dtype", None) == "fp32", "it is for bf16 models (vLLM's batch-invariant kernels)"),
+        (getattr(args, "lora_rank", 0), "LoRA adapters have no engine kernels to repeat; drop --lora-rank"),
+    ]
+    for bad, why in wrong:
+        if bad:
+            raise UsageError(f"--true-on-policy: {why}")
 
 
 def _uses_vllm(args):

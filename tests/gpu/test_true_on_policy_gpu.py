@@ -1,0 +1,150 @@
+"""GPU: --true-on-policy (common/model/exact.py): the trainer's logprobs equal vLLM's bit for bit.
+
+    python -m pytest -q -s tests/gpu/test_true_on_policy_gpu.py      (GPU machine, stack of shared/device)
+
+1. `torchrun --nproc_per_node 1 tests/gpu/test_true_on_policy_gpu.py`: test_vllm_agreement.py's random Qwen2
+   (8 layers, head size 64, q/k/v bias, GQA), megatron on the engine's kernels, vLLM batch-invariant and eager.
+   One prompt's prefill is compared module by module (vLLM's hooks against megatron's: the first module that
+   differs is named); then 64 sampled responses of 48 tokens (T=1): every trainer logprob of a sampled token,
+   padded rows and packed rows, must equal vLLM's exactly (0 differing tokens).
+2. train_grpo.py on the same model with --true-on-policy --check-on-policy 0: logprob_mismatch 0.0 at every step
+   and the first update's mean |old - new| logprob 0.0 (the gate fails the run otherwise); the same run without
+   the flag: a mismatch > 0 (the control). Printed: rollout and step seconds of both runs (the mode's cost).
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.gpu.script_runs import launch_checked, run_script  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _differs(a, b):
+    a, b = a.reshape(-1).float(), b.reshape(-1).float()
+    n = int((a != b).sum())
+    return f"{n}/{a.numel()} differ, max {float((a - b).abs().max()):.3g}" if n else "equal"
+
+
+def prefill_by_module(engine, chunks, spec, prompt):
+    """vLLM's and megatron's outputs of every module of every layer on one prompt's prefill -> lines."""
+    vmodel, seen = engine.model, {}
+
+    def keep(name):
+        def hook(module, inputs, output):
+            seen[name] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(vmodel.model.layers):
+        for sub in ("input_layernorm", "self_attn.qkv_proj", "self_attn.attn", "self_attn.o_proj",
+                    "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn", "mlp.down_proj"):  # fmt: skip
+            handles.append(layer.get_submodule(sub).register_forward_hook(keep(f"v{i}.{sub}")))
+    handles.append(vmodel.model.norm.register_forward_hook(keep("v.norm")))
+    engine.generate([prompt], n=1, temperature=1.0, top_p=1.0, max_tokens=1, seed=0)
+    ours = {"input_layernorm": "input_layernorm", "self_attn.qkv_proj": "self_attention.linear_qkv",
+            "self_attn.attn": "self_attention.core_attention", "self_attn.o_proj": "self_attention.linear_proj",
+            "post_attention_layernorm": "pre_mlp_layernorm", "mlp.gate_up_proj": "mlp.linear_fc1",
+            "mlp.act_fn": "mlp.activation_func", "mlp.down_proj": "mlp.linear_fc2"}  # fmt: skip
+    model = chunks[0]
+    for i, layer in enumerate(model.decoder.layers):
+        for sub, mine in ours.items():
+            handles.append(layer.get_submodule(mine).register_forward_hook(keep(f"m{i}.{sub}")))
+    handles.append(model.decoder.final_layernorm.register_forward_hook(keep("m.norm")))
+    tokens = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        model(tokens, torch.arange(len(prompt), device="cuda")[None], None)
+    for h in handles:
+        h.remove()
+    heads, groups, n = spec.num_heads, spec.num_kv_heads, len(prompt)
+    lines = []
+    for i in range(len(model.decoder.layers)):
+        for sub in ours:
+            v, m = seen[f"v{i}.{sub}"], seen[f"m{i}.{sub}"].reshape(len(prompt), -1)
+            if sub == "self_attn.qkv_proj":  # megatron's per-group [q.., k, v] columns -> vLLM's [q; k; v]
+                d = m.shape[-1] // (heads + 2 * groups)
+                g = m.view(len(prompt), groups, heads // groups + 2, d)
+                m = torch.cat(
+                    [g[:, :, :-2].reshape(len(prompt), -1), g[:, :, -2].flatten(1), g[:, :, -1].flatten(1)], 1
+                )
+            lines.append(f"layer {i} {sub}: {_differs(v.reshape(len(prompt), -1), m)}")
+    lines.append(f"final norm: {_differs(seen['v.norm'], seen['m.norm'].reshape(len(prompt), -1))}")
+    return lines
+
+
+def main():
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from common.model.exact import bind, convert
+    from common.model.gpt import build_model, load_hf_spec
+    from common.model.weights import export_hf_weights
+    from common.model.weights_load import load_hf_weights
+    from common.rollout.vllm_engine import VLLMEngine
+    from common.run.dist import init_distributed
+    from tests.gpu.test_vllm_agreement import VOCAB, megatron_logprobs, write_model
+
+    init_distributed(tp=1)
+    hf_dir = tempfile.mkdtemp(prefix="true_on_policy_")
+    write_model(hf_dir)
+    spec = load_hf_spec(hf_dir)
+    chunks = build_model(spec, dtype=torch.bfloat16)
+    load_hf_weights(chunks, spec, hf_dir)
+    convert(chunks)
+    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    bind(engine)
+    engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (16,), generator=g)
+    ]
+    res = {"prefill": prefill_by_module(engine, chunks, spec, prompts[0])}
+    print("\n".join(res["prefill"]), flush=True)
+    samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=48, seed=1)
+    engine_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
+    with torch.no_grad():
+        ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
+    diff = (engine_lp - ours).abs()
+    res["padded"] = dict(tokens=diff.numel(), differing=int((diff > 0).sum()), mean=diff.mean().item(),
+                         max=diff.max().item())  # fmt: skip
+    print("RESULT", json.dumps(res), flush=True)
+    assert res["padded"]["differing"] == 0, res["padded"]
+    os._exit(0)  # an in-process engine can hang interpreter shutdown
+
+
+def test_logprobs_equal_engine():
+    out = launch_checked(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__], 400
+    )
+    print(out[-6000:])
+
+
+FLAGS = ["--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4", "--max-new-tokens", "32"]
+FLAGS += ["--eval-every", "0", "--rollout", "vllm", "--rollout-logprobs", "all"]
+
+
+def test_grpo_run_on_policy(tmp_path):
+    from tests.gpu.test_vllm_agreement import write_model
+
+    model = tmp_path / "model"
+    write_model(str(model))
+    keys = ["logprob_mismatch", "first_update_logprob_err", "ppo_kl", "rollout_s", "step_s"]
+    runs = {}
+    for name, extra in (("exact", ["--true-on-policy", "--check-on-policy", "0"]), ("default", [])):
+        rows, _ = run_script("train_grpo.py", tmp_path / name, "--model", model, *FLAGS, *extra, timeout=500)
+        runs[name] = [{k: r.get(k) for k in keys} for r in rows]
+        print(name, runs[name], flush=True)
+    assert all(r["logprob_mismatch"] == 0.0 for r in runs["exact"])
+    assert runs["exact"][0]["first_update_logprob_err"] == 0.0
+    assert all(r["logprob_mismatch"] > 0 for r in runs["default"])
+
+
+if __name__ == "__main__":
+    main()
