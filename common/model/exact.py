@@ -14,15 +14,18 @@ that hold:
      RMSNorm        the model's first norm through vLLM's Triton rms_norm; every other norm through vLLM's
                     fused_add_rms_norm with a zero residual (vLLM fuses the residual add into these norms: its
                     sum in bf16 is megatron's residual add, x + 0 leaves it unchanged);
-     attention      vLLM's rotary op with the engine's own cos/sin table, then vLLM's FlashAttention with one
-                    split over a paged copy of the keys and values (the engine's page size);
+     attention      vLLM's rotary op with the engine's own cos/sin table, then vLLM's Triton attention kernel
+                    over a paged copy of the keys and values (the engine's page size). The engine runs that
+                    backend (TRITON_ATTN): batch-invariant, it is one kernel whose per-query order does not depend
+                    on prefill or decode (FlashAttention's decode takes another tiling than its prefill: measured,
+                    its logprobs then differ from the trainer's at half of the sampled tokens);
      SwiGLU         vLLM's silu_and_mul;
      log-probs      vLLM's sampler kernel (compute_token_logprobs) over the bf16 logits.
    The backward of each is the gradient of the usual (mathematically equal) function, recomputed from the saved
    inputs: the kernels vLLM ships have no backward. So the update's gradient is the usual one, to rounding.
 
-`bind(engine)` reads what the engine decided at start-up (its rotary table, page size, FlashAttention version,
-model runner) after it started; `convert` is called by common/run/build.py load_model(exact=True). Scope: dense
+`bind(engine)` reads what the engine decided at start-up (its rotary table, page size, model runner) after it
+started; `convert` is called by common/run/build.py load_model(exact=True). Scope: dense
 attention models without q/k norms (Qwen2, Qwen2.5, Llama) at tensor, context and rollout parallel size 1, bf16,
 temperature 1 without top-p; common/run/layout_checks.py refuses the rest at start. Costs: vLLM without CUDA
 graphs and on batch-invariant kernels, the trainer on the same kernels plus a recomputed forward of each swapped
@@ -32,7 +35,7 @@ op in the backward (docs/algorithms.md measures both).
 import torch
 from megatron.core.tensor_parallel import layers as mcore_layers
 
-_ENGINE = {}  # bind(): rotary table, is_neox, page size, FlashAttention version, runner
+_ENGINE = {}  # bind(): rotary table, is_neox, page size, model runner
 
 
 def bind(engine):
@@ -40,18 +43,19 @@ def bind(engine):
     started, before the first forward). engine: a VLLMEngine started with VLLM_BATCH_INVARIANT=1."""
     import os
 
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-
     if os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         raise RuntimeError("--true-on-policy: the engine was started without VLLM_BATCH_INVARIANT=1")
     model = engine.model
     rotary = next(m for name, m in model.named_modules() if name.endswith("rotary_emb"))
     config = engine.llm.llm_engine.vllm_config
+    if config.attention_config.backend is None or config.attention_config.backend.name != "TRITON_ATTN":
+        raise RuntimeError(
+            "--true-on-policy: the engine must run vLLM's TRITON_ATTN backend (VLLMEngine batch_invariant)"
+        )
     _ENGINE.update(
         cos_sin=rotary.cos_sin_cache.detach().clone(),  # the table vLLM rotates with (bf16, built on the GPU)
         is_neox=rotary.is_neox_style,
         block_size=config.cache_config.block_size,
-        fa_version=get_flash_attn_version,
         v2_runner=config.use_v2_model_runner,
     )
     from common.rl import logprobs
@@ -174,7 +178,7 @@ def attention(query, key, value, lengths, scale, reference):
     before RoPE, the sequences of `lengths` (a list) one after another, each starting at position 0.
     -> (t, heads, d). reference(query, key, value): the same function in differentiable ops (its gradient)."""
     from vllm import _custom_ops as ops
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     engine = bound()
     device, bs = query.device, engine["block_size"]
@@ -198,25 +202,27 @@ def attention(query, key, value, lengths, scale, reference):
         pages = int(blocks.sum())
         k_cache = q.new_zeros(pages * bs, groups, d).index_copy_(0, slots, k.view(t, groups, d))
         v_cache = q.new_zeros(pages * bs, groups, d).index_copy_(0, slots, value.contiguous())
-        ones = torch.ones(len(lengths), groups, device=device, dtype=torch.float32)
-        return flash_attn_varlen_func(
+        ones = torch.ones(len(lengths), groups, device=device, dtype=torch.float32)  # vLLM's unquantised scales
+        out = torch.empty(t, heads, d, device=device, dtype=q.dtype)
+        unified_attention(
             q=q.view(t, heads, d),
             k=k_cache.view(pages, bs, groups, d),
             v=v_cache.view(pages, bs, groups, d),
+            out=out,
             cu_seqlens_q=cu,
             max_seqlen_q=most,
             seqused_k=lens,
             max_seqlen_k=most,
             softmax_scale=scale,
             causal=True,
-            window_size=[-1, -1],
+            window_size=(-1, -1),
             block_table=table,
             softcap=0,
-            fa_version=engine["fa_version"](requires_alibi=False, head_size=d),
+            q_descale=None,
             k_descale=ones,
             v_descale=ones,
-            num_splits=1,
         )
+        return out
 
     return straight_through(exact, reference, query, key, value)
 

@@ -18,13 +18,15 @@ def make_engine(
     device=None,
     return_routes=False,
     enforce_eager=False,
+    batch_invariant=False,
 ):
     """(engine, rollout TP size): a VLLMEngine (one per vLLM TP group of `rollout_tp` ranks)
     or, on CPUs, an HFEngine in fp32 (each rank its own replica: rollout TP 1). Both cap
     max_model_len at the model's positions and end a response that reaches it.
     return_routes: the engine can return MoE routes (generate(return_routes=True); vLLM turns
     on its route capture at start-up, the HF engine hooks its routers per call). enforce_eager: vLLM
-    without torch.compile and CUDA graphs (the CPU engine always runs eagerly)."""
+    without torch.compile and CUDA graphs (the CPU engine always runs eagerly). batch_invariant: --true-on-policy's
+    vLLM (common/model/exact.py)."""
     if use_vllm:
         from common.rollout.vllm_engine import VLLMEngine
 
@@ -36,6 +38,7 @@ def make_engine(
             seed=seed,
             return_routes=return_routes,
             enforce_eager=enforce_eager,
+            batch_invariant=batch_invariant,
         ), rollout_tp
     from common.rollout.hf_engine import HFEngine
 

@@ -94,6 +94,7 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
         load_format="dummy",
         eos_token_ids=None,
         return_routes=False,
+        batch_invariant=False,
         **llm_kwargs,
     ):
         """hf_dir: config.json (+ generation_config.json); with load_format="dummy" (default)
@@ -111,6 +112,8 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
         the model's generation-config eos to the stop tokens).
         return_routes: an MoE model's routes for generate(return_routes=True), through vLLM's
         enable_return_routed_experts (routing replay, common/rollout/routes.py; not yet run on a GPU).
+        batch_invariant: --true-on-policy (common/model/exact.py): vLLM's batch-invariant kernels, eager, its
+        Triton attention backend.
         llm_kwargs reach vllm.LLM unchanged (e.g. max_num_seqs, enable_prefix_caching)."""
         # flashinfer is not shipped with our GPU stack, and vLLM's sampler probes for it
         # unless told not to (shared/device/README.md). Must be set before vllm is imported.
@@ -121,7 +124,15 @@ class VLLMEngine(RequestTurns, FusedExperts, RolloutEngine):
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
         os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        if batch_invariant:  # read as vLLM imports and as its worker starts (in this process)
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         from vllm import LLM
+
+        if batch_invariant:  # compiled, vLLM would fuse its norms and RoPE; the trainer repeats the Triton attention
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            enforce_eager = True
+            llm_kwargs["attention_backend"] = AttentionBackendEnum.TRITON_ATTN
 
         self.rank = dist.get_rank()
         self.replica, self.num_replicas = rollout_replica(self.rank, rollout_tp)

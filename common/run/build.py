@@ -73,8 +73,6 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
 
     if args.load_rollouts:
         return None, args.rollout_tp
-    if args.true_on_policy:  # vLLM reads it at import and as its worker starts in this process
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     engine, rollout_tp = make_engine(
         use_vllm,
         hf_dir,
@@ -84,7 +82,8 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
         seed=args.seed,
         device=device,
         return_routes=args.routing_replay == "rollout",  # R3: the experts of every token, to replay
-        enforce_eager=args.rollout_eager or args.true_on_policy,  # compiled, vLLM would fuse its norms and RoPE
+        enforce_eager=args.rollout_eager,
+        batch_invariant=args.true_on_policy,
     )
     if args.true_on_policy:
         from common.model.exact import bind

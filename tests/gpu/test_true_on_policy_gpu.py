@@ -7,7 +7,7 @@
    One prompt's prefill is compared module by module (vLLM's hooks against megatron's: the first module that
    differs is named); then 64 sampled responses of 48 tokens (T=1): every trainer logprob of a sampled token,
    padded rows and packed rows, must equal vLLM's exactly (0 differing tokens).
-2. train_grpo.py on the same model with --true-on-policy --check-on-policy 0: logprob_mismatch 0.0 at every step
+2. train_grpo.py on a random model of Qwen2-0.5B's shape with --true-on-policy --check-on-policy 0: logprob_mismatch 0.0 at every step
    and the first update's mean |old - new| logprob 0.0 (the gate fails the run otherwise); the same run without
    the flag: a mismatch > 0 (the control). Printed: rollout and step seconds of both runs (the mode's cost).
 """
@@ -69,20 +69,17 @@ def prefill_by_module(engine, chunks, spec, prompt):
     lines = []
     for i in range(len(model.decoder.layers)):
         for sub in ours:
-            v, m = seen[f"v{i}.{sub}"], seen[f"m{i}.{sub}"].reshape(len(prompt), -1)
+            v, m = seen[f"v{i}.{sub}"], seen[f"m{i}.{sub}"].reshape(n, -1)
             if sub == "self_attn.qkv_proj":  # megatron's per-group [q.., k, v] columns -> vLLM's [q; k; v]
                 d = m.shape[-1] // (heads + 2 * groups)
-                g = m.view(len(prompt), groups, heads // groups + 2, d)
-                m = torch.cat(
-                    [g[:, :, :-2].reshape(len(prompt), -1), g[:, :, -2].flatten(1), g[:, :, -1].flatten(1)], 1
-                )
-            lines.append(f"layer {i} {sub}: {_differs(v.reshape(len(prompt), -1), m)}")
-    lines.append(f"final norm: {_differs(seen['v.norm'], seen['m.norm'].reshape(len(prompt), -1))}")
+                g = m.view(n, groups, heads // groups + 2, d)
+                m = torch.cat([g[:, :, :-2].reshape(n, -1), g[:, :, -2].flatten(1), g[:, :, -1].flatten(1)], 1)
+            lines.append(f"layer {i} {sub}: {_differs(v.reshape(n, -1), m)}")
+    lines.append(f"final norm: {_differs(seen['v.norm'], seen['m.norm'].reshape(n, -1))}")
     return lines
 
 
 def main():
-    os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from common.model.exact import bind, convert
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights import export_hf_weights
@@ -98,7 +95,7 @@ def main():
     chunks = build_model(spec, dtype=torch.bfloat16)
     load_hf_weights(chunks, spec, hf_dir)
     convert(chunks)
-    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, batch_invariant=True)
     bind(engine)
     engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16))
     g = torch.Generator().manual_seed(0)
@@ -131,10 +128,8 @@ FLAGS += ["--eval-every", "0", "--rollout", "vllm", "--rollout-logprobs", "all"]
 
 
 def test_grpo_run_on_policy(tmp_path):
-    from tests.gpu.test_vllm_agreement import write_model
-
-    model = tmp_path / "model"
-    write_model(str(model))
+    model = tmp_path / "model"  # Qwen2-0.5B's shape (24 layers, head size 64, q/k/v bias), the byte tokenizer
+    launch_checked([sys.executable, "tests/gpu/make_random_model.py", str(model), "--shape", "0.5b"], 120)
     keys = ["logprob_mismatch", "first_update_logprob_err", "ppo_kl", "rollout_s", "step_s"]
     runs = {}
     for name, extra in (("exact", ["--true-on-policy", "--check-on-policy", "0"]), ("default", [])):
