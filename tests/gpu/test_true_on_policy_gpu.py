@@ -34,13 +34,22 @@ def _differs(a, b):
     return f"{n}/{a.numel()} differ, max {float((a - b).abs().max()):.3g}" if n else "equal"
 
 
-def prefill_by_module(engine, chunks, spec, prompt):
-    """vLLM's and megatron's outputs of every module of every layer on one prompt's prefill -> lines."""
+def rows(calls, p):
+    """vLLM's rows of one sequence: the prefill call's first p, then each decode call's first (a call's batch
+    may be padded)."""
+    calls = [x.reshape(-1, x.shape[-1]) for x in calls]
+    return torch.cat([calls[0][:p]] + [x[:1] for x in calls[1:]])
+
+
+def by_module(engine, chunks, spec, prompt, max_tokens=8):
+    """vLLM's and megatron's outputs of every module of every layer on one sequence -> lines. vLLM generates
+    max_tokens from the prompt alone (its prefill, then one decode step per token), megatron runs prompt +
+    response in one forward; the rows of vLLM's calls, concatenated, are megatron's rows."""
     vmodel, seen = engine.model, {}
 
     def keep(name):
         def hook(module, inputs, output):
-            seen[name] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+            seen.setdefault(name, []).append((output[0] if isinstance(output, tuple) else output).detach().clone())
 
         return hook
 
@@ -50,33 +59,57 @@ def prefill_by_module(engine, chunks, spec, prompt):
                     "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn", "mlp.down_proj"):  # fmt: skip
             handles.append(layer.get_submodule(sub).register_forward_hook(keep(f"v{i}.{sub}")))
     handles.append(vmodel.model.norm.register_forward_hook(keep("v.norm")))
-    engine.generate([prompt], n=1, temperature=1.0, top_p=1.0, max_tokens=1, seed=0)
+    sample = engine.generate([prompt], n=1, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=0)[0]
+    for h in handles:
+        h.remove()
     ours = {"input_layernorm": "input_layernorm", "self_attn.qkv_proj": "self_attention.linear_qkv",
             "self_attn.attn": "self_attention.core_attention", "self_attn.o_proj": "self_attention.linear_proj",
             "post_attention_layernorm": "pre_mlp_layernorm", "mlp.gate_up_proj": "mlp.linear_fc1",
             "mlp.act_fn": "mlp.activation_func", "mlp.down_proj": "mlp.linear_fc2"}  # fmt: skip
-    model = chunks[0]
+    model, handles = chunks[0], []
     for i, layer in enumerate(model.decoder.layers):
         for sub, mine in ours.items():
             handles.append(layer.get_submodule(mine).register_forward_hook(keep(f"m{i}.{sub}")))
     handles.append(model.decoder.final_layernorm.register_forward_hook(keep("m.norm")))
-    tokens = torch.tensor([prompt], device="cuda")
+    ids = list(prompt) + list(sample.response_ids[:-1])
+    n, p = len(ids), len(prompt)
     with torch.no_grad():
-        model(tokens, torch.arange(len(prompt), device="cuda")[None], None)
+        model(torch.tensor([ids], device="cuda"), torch.arange(n, device="cuda")[None], None)
     for h in handles:
         h.remove()
-    heads, groups, n = spec.num_heads, spec.num_kv_heads, len(prompt)
+    heads, groups = spec.num_heads, spec.num_kv_heads
     lines = []
     for i in range(len(model.decoder.layers)):
         for sub in ours:
-            v, m = seen[f"v{i}.{sub}"], seen[f"m{i}.{sub}"].reshape(n, -1)
+            v = rows(seen[f"v{i}.{sub}"], p)
+            m = seen[f"m{i}.{sub}"][-1].reshape(n, -1)
             if sub == "self_attn.qkv_proj":  # megatron's per-group [q.., k, v] columns -> vLLM's [q; k; v]
                 d = m.shape[-1] // (heads + 2 * groups)
                 g = m.view(n, groups, heads // groups + 2, d)
                 m = torch.cat([g[:, :, :-2].reshape(n, -1), g[:, :, -2].flatten(1), g[:, :, -1].flatten(1)], 1)
-            lines.append(f"layer {i} {sub}: {_differs(v.reshape(n, -1), m)}")
-    lines.append(f"final norm: {_differs(seen['v.norm'], seen['m.norm'].reshape(n, -1))}")
+            lines.append(f"layer {i} {sub}: prefill {_differs(v[:p], m[:p])}; decode {_differs(v[p:], m[p:])}")
+    v, m = rows(seen["v.norm"], p), seen["m.norm"][-1].reshape(n, -1)
+    lines.append(f"final norm: prefill {_differs(v[:p], m[:p])}; decode {_differs(v[p:], m[p:])}")
     return lines
+
+
+def compared(samples, chunks, spec):
+    """The engine's sampled-token logprobs against the trainer's (padded rows): how many differ, where."""
+    from tests.gpu.test_vllm_agreement import megatron_logprobs
+
+    with torch.no_grad():
+        ours = megatron_logprobs(chunks, spec, samples, 1.0)
+    engine = [torch.tensor(s.response_logprobs) for s in samples]
+    diff = torch.cat(engine) - torch.cat(ours)
+    first = sum(int(e[0] != o[0]) for e, o in zip(engine, ours))
+    return dict(
+        tokens=diff.numel(),
+        differing=int((diff != 0).sum()),
+        first_token_differing=first,
+        samples=len(samples),
+        mean=diff.abs().mean().item(),
+        max=diff.abs().max().item(),
+    )
 
 
 def main():
@@ -102,16 +135,22 @@ def main():
     prompts = [
         torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (16,), generator=g)
     ]
-    res = {"prefill": prefill_by_module(engine, chunks, spec, prompts[0])}
-    print("\n".join(res["prefill"]), flush=True)
+    res = {"modules": by_module(engine, chunks, spec, prompts[0])}
+    print("\n".join(res["modules"]), flush=True)
     samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=48, seed=1)
-    engine_lp = torch.cat([torch.tensor(s.response_logprobs) for s in samples])
-    with torch.no_grad():
-        ours = torch.cat(megatron_logprobs(chunks, spec, samples, 1.0))
-    diff = (engine_lp - ours).abs()
-    res["padded"] = dict(tokens=diff.numel(), differing=int((diff > 0).sum()), mean=diff.mean().item(),
-                         max=diff.max().item())  # fmt: skip
+    res["padded"] = compared(samples, chunks, spec)
+    single = engine.generate(prompts[:1], n=1, temperature=1.0, top_p=1.0, max_tokens=48, seed=2)
+    res["one_request"] = compared(single, chunks, spec)  # the engine decoding one sequence alone
+    with torch.no_grad():  # the trainer's own batch invariance: one row at a time against the batch
+        alone = torch.cat([megatron_logprobs(chunks, spec, [s], 1.0)[0] for s in samples[:8]])
+        batched = torch.cat(megatron_logprobs(chunks, spec, samples[:8], 1.0))
+    res["trainer_one_row_vs_batch"] = int((alone != batched).sum())
+    scored = engine.score(samples[:8])  # the engine's prefill (prompt logprobs of prompt + response)
+    res["engine_prefill_vs_trainer"] = int((torch.tensor(sum(scored, [])) != batched).sum())
     print("RESULT", json.dumps(res), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "true_on_policy_probe.json"), "w") as f:
+            json.dump(res, f, indent=1)
     assert res["padded"]["differing"] == 0, res["padded"]
     os._exit(0)  # an in-process engine can hang interpreter shutdown
 
