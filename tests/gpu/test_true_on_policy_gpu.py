@@ -93,6 +93,35 @@ def by_module(engine, chunks, spec, prompt, max_tokens=8):
     return lines
 
 
+def trainer_batch_by_module(chunks, a, b):
+    """The trainer's own batch invariance, module by module: sequence a alone against a in a batch with b
+    (right-padded rows, a first) -> lines for the modules whose rows of a differ."""
+    model, seen, handles = chunks[0], {}, []
+    names = ["embedding", "output_layer", "decoder.final_layernorm"]
+    for i, _ in enumerate(model.decoder.layers):
+        names += [f"decoder.layers.{i}.{m}" for m in ("input_layernorm", "self_attention.linear_qkv",
+                  "self_attention.core_attention", "self_attention.linear_proj", "pre_mlp_layernorm",
+                  "mlp.linear_fc1", "mlp.activation_func", "mlp.linear_fc2")]  # fmt: skip
+    for name in names:
+
+        def hook(module, inputs, output, name=name):
+            seen.setdefault(name, []).append((output[0] if isinstance(output, tuple) else output).detach().clone())
+
+        handles.append(model.get_submodule(name).register_forward_hook(hook))
+    n = max(len(a), len(b))
+    with torch.no_grad():
+        for rows in ([a], [a + [0] * (n - len(a)), b + [0] * (n - len(b))]):
+            ids = torch.tensor(rows, device="cuda")
+            model(ids, torch.arange(ids.shape[1], device="cuda").expand_as(ids), None)
+    for h in handles:
+        h.remove()
+    lines = []
+    for name in names:
+        alone, batch = seen[name]  # (s, b, ...)
+        lines.append(f"{name}: {_differs(alone[: len(a), 0], batch[: len(a), 0])}")
+    return lines
+
+
 def compared(samples, chunks, spec):
     """The engine's sampled-token logprobs against the trainer's (padded rows): how many differ, where."""
     from tests.gpu.test_vllm_agreement import megatron_logprobs
@@ -145,6 +174,10 @@ def main():
         alone = torch.cat([megatron_logprobs(chunks, spec, [s], 1.0)[0] for s in samples[:8]])
         batched = torch.cat(megatron_logprobs(chunks, spec, samples[:8], 1.0))
     res["trainer_one_row_vs_batch"] = int((alone != batched).sum())
+    a, b = samples[0], samples[5]
+    res["trainer_modules"] = trainer_batch_by_module(
+        chunks, a.prompt_ids + a.response_ids, b.prompt_ids + b.response_ids
+    )
     scored = engine.score(samples[:8])  # the engine's prefill (prompt logprobs of prompt + response)
     res["engine_prefill_vs_trainer"] = int((torch.tensor(sum(scored, [])) != batched).sum())
     print("RESULT", json.dumps(res), flush=True)
