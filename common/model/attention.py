@@ -145,17 +145,17 @@ class SDPAttention(MegatronModule):
                 **{"rotary_percent": 1.0, **rotary},
             )
 
-    exact = None  # --true-on-policy (common/model/exact.py convert): the rollout engine's RoPE and attention kernels
+    exact = False  # --true-on-policy (common/model/exact.py convert): the rollout engine's RoPE and attention kernels
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
-        if self.exact is not None:
+        if self.exact:
             return self._exact(query, key, value, attention_mask, packed_seq_params)
         return self._forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
     def _exact(self, query, key, value, attention_mask, packed):
-        """The forward of --true-on-policy: vLLM's rotary and FlashAttention kernels (common/model/exact.py), the
+        """The forward of --true-on-policy: vLLM's rotary and Triton attention kernels (common/model/exact.py), the
         gradient of this module's own path. Causal samples, padded (s, b, ...) or packed (t, ...) rows."""
         from common.model import exact
 

@@ -11,9 +11,9 @@ that hold:
    policy's modules for versions whose forward calls vLLM's functions (this process holds the engine, so they are
    the very functions the engine runs):
      linears        vLLM's linear_batch_invariant (its Triton persistent matmul, then the bias added in bf16);
-     RMSNorm        the model's first norm through vLLM's Triton rms_norm; every other norm through vLLM's
-                    fused_add_rms_norm with a zero residual (vLLM fuses the residual add into these norms: its
-                    sum in bf16 is megatron's residual add, x + 0 leaves it unchanged);
+     RMSNorm        vLLM's Triton rms_norm. The engine fuses the residual add into its norms with a CUDA kernel
+                    whose sums depend on the batch's size; bind() has the engine add in bf16 (megatron's residual
+                    add) and then run the same Triton rms_norm (_unfused_rms_norm);
      attention      vLLM's rotary op with the engine's own cos/sin table, then vLLM's Triton attention kernel
                     over a paged copy of the keys and values (the engine's page size). The engine runs that
                     backend (TRITON_ATTN): batch-invariant, it is one kernel whose per-query order does not depend
@@ -58,9 +58,25 @@ def bind(engine):
         block_size=config.cache_config.block_size,
         v2_runner=config.use_v2_model_runner,
     )
+    from vllm.model_executor.layers import layernorm
+
+    layernorm.rms_norm_batch_invariant = _unfused_rms_norm  # the engine's norms, from its next forward on
     from common.rl import logprobs
 
     logprobs.EXACT_TOKEN_LOGPROBS = token_logprobs
+
+
+def _unfused_rms_norm(input, weight, eps=1e-6, residual=None):
+    """vLLM's batch-invariant RMSNorm with its residual add unfused: the add in bf16 (as its fused kernel adds),
+    then its Triton rms_norm. vLLM 0.26's fused_add_rms_norm picks its threads per row by the batch's size
+    (1024 below 256 tokens, else 256), so a row's sum depends on how many tokens share the step: measured, the
+    trainer's rows then differ from the engine's whenever one side has >= 256 tokens."""
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    if residual is None:
+        return rms_norm_batch_invariant(input, weight, eps)
+    residual = input + residual
+    return rms_norm_batch_invariant(residual, weight, eps), residual
 
 
 def bound():
@@ -143,18 +159,12 @@ class ExactRowParallelLinear(mcore_layers.RowParallelLinear):
 # ---- norms, activation, attention ---------------------------------------------------------------------------
 
 
-def rms_norm(x, weight, eps, fused):
-    """vLLM's RMSNorm of x: fused=True as its fused_add_rms_norm computes it (all norms but the model's first),
-    else its Triton rms_norm."""
-    from vllm import _custom_ops as ops
+def rms_norm(x, weight, eps):
+    """vLLM's batch-invariant RMSNorm of x (its Triton kernel, which the engine's norms run after bind())."""
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
     def exact(x, weight):
-        if not fused:
-            return rms_norm_batch_invariant(x, weight, eps)
-        out = x.contiguous().clone()
-        ops.fused_add_rms_norm(out.view(-1, x.shape[-1]), torch.zeros_like(out).view(-1, x.shape[-1]), weight, eps)
-        return out
+        return rms_norm_batch_invariant(x, weight, eps)
 
     def reference(x, weight):
         return torch.nn.functional.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
@@ -230,7 +240,7 @@ def attention(query, key, value, lengths, scale, reference):
 def convert(chunks):
     """Put a built policy (its GPTModel chunks) on the engine's kernels, in place: megatron's linears become
     the Exact* classes above, and the modules that know the mode (an `exact` attribute: RMSNorm, SwiGLU,
-    SDPAttention) are told to use it. The model's first norm is vLLM's unfused one; q/k norms too. Any other
+    SDPAttention) are told to use it. Any other
     module holding parameters (MoE, gated delta nets, LoRA adapters, ...) is refused: its kernels would differ
     from the engine's."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
@@ -242,16 +252,9 @@ def convert(chunks):
             elif isinstance(module, mcore_layers.ColumnParallelLinear):
                 module.__class__ = ExactColumnParallelLinear
             elif hasattr(module, "exact"):
-                plain = name.endswith(("q_layernorm", "k_layernorm")) or (
-                    name.endswith("input_layernorm") and getattr(_layer_of(chunk, name), "layer_number", 0) == 1
-                )
-                module.exact = "plain" if plain else "fused"
+                module.exact = True
             elif not isinstance(module, VocabParallelEmbedding) and any(True for _ in module.parameters(False)):
                 raise ValueError(f"--true-on-policy: {name} ({type(module).__name__}) has no engine-exact kernels")
-
-
-def _layer_of(chunk, name):
-    return chunk.get_submodule(name.rsplit(".", 1)[0])
 
 
 # ---- log-probabilities ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class RMSNorm(torch.nn.RMSNorm):
     gradient over the TP group for every parameter with `sequence_parallel` True.
     """
 
-    exact = None  # --true-on-policy (common/model/exact.py convert): "plain" | "fused", vLLM's kernel of that norm
+    exact = False  # --true-on-policy (common/model/exact.py convert): vLLM's batch-invariant RMSNorm kernel
 
     def __init__(self, config, hidden_size, eps=1e-5, **unused):  # megatron passes normalization=, ...
         if config.normalization != "RMSNorm":
@@ -54,11 +54,11 @@ class RMSNorm(torch.nn.RMSNorm):
             p.sequence_parallel = config.sequence_parallel
 
     def forward(self, x):
-        if self.exact is None:
+        if not self.exact:
             return super().forward(x)
         from common.model import exact
 
-        return exact.rms_norm(x, self.weight, self.eps, fused=self.exact == "fused")
+        return exact.rms_norm(x, self.weight, self.eps)
 
 
 class ZeroCenteredRMSNorm(RMSNorm):

@@ -109,7 +109,7 @@ def swiglu(y):
 class SwiGLU(MegatronModule):  # a MegatronModule: megatron's MLP asks its children for sharded_state_dict
     """The activation module of the MLP spec: (..., 2F) -> (..., F). No parameters."""
 
-    exact = None  # --true-on-policy (common/model/exact.py convert): vLLM's silu_and_mul in the forward
+    exact = False  # --true-on-policy (common/model/exact.py convert): vLLM's silu_and_mul in the forward
 
     def __init__(self, config):
         super().__init__(config=config)
@@ -117,7 +117,7 @@ class SwiGLU(MegatronModule):  # a MegatronModule: megatron's MLP asks its child
             raise ValueError("SwiGLU: the config is not a gated SiLU MLP (gated_linear_unit, activation_func=F.silu)")
 
     def forward(self, y):
-        if self.exact is None:
+        if not self.exact:
             return swiglu(y)
         from common.model import exact
 

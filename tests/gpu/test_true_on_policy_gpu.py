@@ -7,9 +7,10 @@
    One prompt's prefill is compared module by module (vLLM's hooks against megatron's: the first module that
    differs is named); then 64 sampled responses of 48 tokens (T=1): every trainer logprob of a sampled token,
    padded rows and packed rows, must equal vLLM's exactly (0 differing tokens).
-2. train_grpo.py on a random model of Qwen2-0.5B's shape with --true-on-policy --check-on-policy 0: logprob_mismatch 0.0 at every step
-   and the first update's mean |old - new| logprob 0.0 (the gate fails the run otherwise); the same run without
-   the flag: a mismatch > 0 (the control). Printed: rollout and step seconds of both runs (the mode's cost).
+2. train_grpo.py on a random model of Qwen2-0.5B's shape with --true-on-policy --check-on-policy 0:
+   logprob_mismatch 0.0 at every step and the first update's mean |old - new| logprob 0.0 (the gate fails the
+   run otherwise); the same run without the flag: a mismatch > 0 (the control). Printed: rollout and step
+   seconds of both runs (the mode's cost).
 """
 
 import json
@@ -122,6 +123,35 @@ def trainer_batch_by_module(chunks, a, b):
     return lines
 
 
+def kernel_invariance():
+    """Whether vLLM's kernels give a row the same bits alone (or among few rows) as among many -> {name: bool}."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    g, out = torch.Generator(device="cuda").manual_seed(0), {}
+    for hidden in (512, 896, 3584):
+        x, r = (torch.randn(300, hidden, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        w = torch.randn(hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+        few, many = (x[:100].clone(), r[:100].clone()), (x.clone(), r.clone())
+        ops.fused_add_rms_norm(*few, w, 1e-6)
+        ops.fused_add_rms_norm(*many, w, 1e-6)
+        out[f"fused_add_rms_norm_{hidden}"] = bool(torch.equal(few[0], many[0][:100]))
+        out[f"triton_rms_norm_{hidden}"] = bool(
+            torch.equal(rms_norm_batch_invariant(x[:100], w), rms_norm_batch_invariant(x, w)[:100])
+        )
+        weight = torch.randn(1000, hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+        out[f"linear_{hidden}"] = bool(
+            torch.equal(linear_batch_invariant(x[:1], weight), linear_batch_invariant(x, weight)[:1])
+        )
+    logits = torch.randn(300, 32000, device="cuda", generator=g)
+    ids = torch.randint(0, 32000, (300, 1), device="cuda", generator=g)
+    out["token_logprobs"] = bool(
+        torch.equal(compute_token_logprobs(logits[:1], ids[:1]), compute_token_logprobs(logits, ids)[:1])
+    )
+    return out
+
+
 def compared(samples, chunks, spec):
     """The engine's sampled-token logprobs against the trainer's (padded rows): how many differ, where."""
     from tests.gpu.test_vllm_agreement import megatron_logprobs
@@ -164,7 +194,7 @@ def main():
     prompts = [
         torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (16,), generator=g)
     ]
-    res = {"modules": by_module(engine, chunks, spec, prompts[0])}
+    res = {"kernels": kernel_invariance(), "modules": by_module(engine, chunks, spec, prompts[0])}
     print("\n".join(res["modules"]), flush=True)
     samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=48, seed=1)
     res["padded"] = compared(samples, chunks, spec)
