@@ -605,6 +605,7 @@ def test_flags_that_would_be_ignored_are_refused(tmp_path):
         (["--system-prompt", "Think."], "--system-prompt applies to --data's prompts"),
         (["--data", data, "--eval-data", odd], f"--eval-data {odd}: no prompt field found"),
         (["--routing-replay", "rollout"], "--routing-replay rollout: Qwen2ForCausalLM has no MoE routers"),
+        (["--true-on-policy"], "--true-on-policy: it needs the vLLM engine"),
     ):
         proc = run(*args, "--out", tmp_path / "out", check=False)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (

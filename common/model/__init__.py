@@ -19,6 +19,7 @@
     gptoss.py           gpt-oss's layers: attention with sinks and sliding windows, its experts and clamped SwiGLU
     moe.py, moe_router.py, moe_experts.py   MoE dispatch, routing, grouped experts
     routing_replay.py   MoE routing replay: routers sent to recorded experts, or recording their own
+    exact.py            --true-on-policy: the forward on the rollout engine's own (vLLM's) kernels, bit for bit
     swiglu.py, linear.py   the MLPs' activation kernel, the QKV bias in the GEMM
     flops.py            model FLOPs per token (MFU)
     sizes.py            parameters, activations and KV cache per rank of a layout (the memory plan's arithmetic)

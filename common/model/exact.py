@@ -16,49 +16,53 @@ that hold:
                     add) and then run the same Triton rms_norm (_unfused_rms_norm);
      attention      vLLM's rotary op with the engine's own cos/sin table, then vLLM's Triton attention kernel
                     over a paged copy of the keys and values (the engine's page size). The engine runs that
-                    backend (TRITON_ATTN): batch-invariant, it is one kernel whose per-query order does not depend
-                    on prefill or decode (FlashAttention's decode takes another tiling than its prefill: measured,
-                    its logprobs then differ from the trainer's at half of the sampled tokens);
+                    backend (TRITON_ATTN): batch-invariant, it is one kernel whose per-query order is the same in
+                    prefill and decode (vLLM's default on Hopper, FlashAttention, was not made to match);
      SwiGLU         vLLM's silu_and_mul;
-     log-probs      vLLM's sampler kernel (compute_token_logprobs) over the bf16 logits.
+     log-probs      vLLM's sampler kernel (compute_token_logprobs) over the logits in the engine's dtype.
    The backward of each is the gradient of the usual (mathematically equal) function, recomputed from the saved
    inputs: the kernels vLLM ships have no backward. So the update's gradient is the usual one, to rounding.
 
 `bind(engine)` reads what the engine decided at start-up (its rotary table, page size, model runner) after it
-started; `convert` is called by common/run/build.py load_model(exact=True). Scope: dense
+started and fills KERNELS with vLLM's functions (tests/test_exact.py puts torch references there); `convert` is
+called by common/run/build.py load_model(exact=True). Scope: dense
 attention models without q/k norms (Qwen2, Qwen2.5, Llama) at tensor, context and rollout parallel size 1, bf16,
 temperature 1 without top-p; common/run/layout_checks.py refuses the rest at start. Costs: vLLM without CUDA
 graphs and on batch-invariant kernels, the trainer on the same kernels plus a recomputed forward of each swapped
 op in the backward (docs/algorithms.md measures both).
 """
 
+import types
+
 import torch
 from megatron.core.tensor_parallel import layers as mcore_layers
 
-_ENGINE = {}  # bind(): rotary table, is_neox, page size, model runner
+ENGINE = {}  # bind(): the engine's rotary table, is_neox, page size, the sampler's logits dtype
+KERNELS = None  # bind(): vLLM's functions (a namespace: linear rms_norm rotary attention silu_and_mul token_logprobs)
 
 
 def bind(engine):
     """Record the engine's start-up choices that the trainer's kernels must repeat (call after the engine
-    started, before the first forward). engine: a VLLMEngine started with VLLM_BATCH_INVARIANT=1."""
+    started, before the first forward). engine: a VLLMEngine started with batch_invariant=True."""
     import os
 
+    global KERNELS
     if os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         raise RuntimeError("--true-on-policy: the engine was started without VLLM_BATCH_INVARIANT=1")
-    model = engine.model
-    rotary = next(m for name, m in model.named_modules() if name.endswith("rotary_emb"))
     config = engine.llm.llm_engine.vllm_config
-    if config.attention_config.backend is None or config.attention_config.backend.name != "TRITON_ATTN":
+    backend = config.attention_config.backend
+    if backend is None or backend.name != "TRITON_ATTN":
         raise RuntimeError(
             "--true-on-policy: the engine must run vLLM's TRITON_ATTN backend (VLLMEngine batch_invariant)"
         )
-    _ENGINE.update(
+    rotary = next(m for name, m in engine.model.named_modules() if name.endswith("rotary_emb"))
+    ENGINE.update(
         cos_sin=rotary.cos_sin_cache.detach().clone(),  # the table vLLM rotates with (bf16, built on the GPU)
         is_neox=rotary.is_neox_style,
         block_size=config.cache_config.block_size,
-        v2_runner=config.use_v2_model_runner,
         logits_dtype=config.model_config.dtype,  # the sampler's logits: its kernel's reduction follows their dtype
     )
+    KERNELS = _vllm_kernels(v2_runner=config.use_v2_model_runner)
     from vllm.model_executor.layers import layernorm
 
     layernorm.rms_norm_batch_invariant = _unfused_rms_norm  # the engine's norms, from its next forward on
@@ -67,23 +71,43 @@ def bind(engine):
     logprobs.EXACT_TOKEN_LOGPROBS = token_logprobs
 
 
+def _vllm_kernels(v2_runner):
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    if v2_runner:  # the V2 model runner's sampler
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs as token_logprobs
+    else:  # V1's: log_softmax in fp32 (batch-invariant through vLLM's aten override)
+
+        def token_logprobs(rows, ids):
+            return torch.log_softmax(rows.float(), dim=-1).gather(-1, ids)
+
+    return types.SimpleNamespace(
+        linear=linear_batch_invariant,
+        rms_norm=rms_norm_batch_invariant,
+        rotary=ops.rotary_embedding,
+        attention=unified_attention,
+        silu_and_mul=torch.ops._C.silu_and_mul,
+        token_logprobs=token_logprobs,
+    )
+
+
+def kernels():
+    if KERNELS is None:
+        raise RuntimeError("--true-on-policy: common.model.exact.bind(engine) was not called before the forward")
+    return KERNELS
+
+
 def _unfused_rms_norm(input, weight, eps=1e-6, residual=None):
     """vLLM's batch-invariant RMSNorm with its residual add unfused: the add in bf16 (as its fused kernel adds),
     then its Triton rms_norm. vLLM 0.26's fused_add_rms_norm picks its threads per row by the batch's size
-    (1024 below 256 tokens, else 256), so a row's sum depends on how many tokens share the step: measured, the
-    trainer's rows then differ from the engine's whenever one side has >= 256 tokens."""
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
-
+    (1024 below 256 tokens, else 256), so a row's sum depends on how many tokens share the step (measured at
+    hidden sizes 896 and 3584, not at 512): the trainer's rows would differ from the engine's."""
     if residual is None:
-        return rms_norm_batch_invariant(input, weight, eps)
+        return KERNELS.rms_norm(input, weight, eps)
     residual = input + residual
-    return rms_norm_batch_invariant(residual, weight, eps), residual
-
-
-def bound():
-    if not _ENGINE:
-        raise RuntimeError("--true-on-policy: common.model.exact.bind(engine) was not called before the forward")
-    return _ENGINE
+    return KERNELS.rms_norm(residual, weight, eps), residual
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -121,8 +145,6 @@ class _ExactLinear(mcore_layers.LinearWithGradAccumulationAndAsyncCommunication)
     @staticmethod
     @mcore_layers.custom_fwd
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit):
-        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
-
         ctx.save_for_backward(input, weight)
         ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.use_bias = bias is not None
@@ -132,7 +154,7 @@ class _ExactLinear(mcore_layers.LinearWithGradAccumulationAndAsyncCommunication)
         ctx.wgrad_deferral_limit = limit
         ctx.grad_output_buffer = grad_output_buffer
         ctx.tp_group = None
-        return linear_batch_invariant(input, weight, bias)
+        return kernels().linear(input, weight, bias)
 
 
 def _exact_forward_impl(self, input, weight, *args, **kwargs):
@@ -157,93 +179,11 @@ class ExactRowParallelLinear(mcore_layers.RowParallelLinear):
     _forward_impl = _exact_forward_impl
 
 
-# ---- norms, activation, attention ---------------------------------------------------------------------------
-
-
-def rms_norm(x, weight, eps):
-    """vLLM's batch-invariant RMSNorm of x (its Triton kernel, which the engine's norms run after bind())."""
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
-
-    def exact(x, weight):
-        return rms_norm_batch_invariant(x, weight, eps)
-
-    def reference(x, weight):
-        return torch.nn.functional.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
-
-    return straight_through(exact, reference, x, weight)
-
-
-def silu_and_mul(y, reference):
-    """silu(a) * b of y's halves by vLLM's silu_and_mul; the gradient of reference(y)."""
-
-    def exact(y):
-        out = y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
-        torch.ops._C.silu_and_mul(out, y.contiguous())
-        return out
-
-    return straight_through(exact, reference, y)
-
-
-def attention(query, key, value, lengths, scale, reference):
-    """Causal attention of packed sequences the engine's way: query (t, heads, d), key / value (t, groups, d)
-    before RoPE, the sequences of `lengths` (a list) one after another, each starting at position 0.
-    -> (t, heads, d). reference(query, key, value): the same function in differentiable ops (its gradient)."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-
-    engine = bound()
-    device, bs = query.device, engine["block_size"]
-    t, heads, d = query.shape
-    groups = key.shape[1]
-    lens = torch.tensor(lengths, device=device, dtype=torch.int32)
-    cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
-    blocks = (lens + bs - 1) // bs  # pages per sequence; sequence i owns pages [first[i], first[i] + blocks[i])
-    first = torch.cumsum(blocks, 0) - blocks
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
-    pos = torch.arange(t, device=device) - cu[seq].long()  # each token's position in its sequence
-    slots = first[seq].long() * bs + pos
-    most = max(lengths)
-    table = (first[:, None] + torch.arange(int(blocks.max()), device=device)[None, :]).to(torch.int32)
-    last = (first + blocks - 1).clamp(min=0)
-    table = torch.minimum(table, last[:, None]).to(torch.int32)  # columns past a sequence's pages: a real page
-
-    def exact(query, key, value):
-        q, k = query.reshape(t, heads * d).clone(), key.reshape(t, groups * d).clone()
-        ops.rotary_embedding(pos, q, k, d, engine["cos_sin"], engine["is_neox"])
-        pages = int(blocks.sum())
-        k_cache = q.new_zeros(pages * bs, groups, d).index_copy_(0, slots, k.view(t, groups, d))
-        v_cache = q.new_zeros(pages * bs, groups, d).index_copy_(0, slots, value.contiguous())
-        ones = torch.ones(len(lengths), groups, device=device, dtype=torch.float32)  # vLLM's unquantised scales
-        out = torch.empty(t, heads, d, device=device, dtype=q.dtype)
-        unified_attention(
-            q=q.view(t, heads, d),
-            k=k_cache.view(pages, bs, groups, d),
-            v=v_cache.view(pages, bs, groups, d),
-            out=out,
-            cu_seqlens_q=cu,
-            max_seqlen_q=most,
-            seqused_k=lens,
-            max_seqlen_k=most,
-            softmax_scale=scale,
-            causal=True,
-            window_size=(-1, -1),
-            block_table=table,
-            softcap=0,
-            q_descale=None,
-            k_descale=ones,
-            v_descale=ones,
-        )
-        return out
-
-    return straight_through(exact, reference, query, key, value)
-
-
 def convert(chunks):
     """Put a built policy (its GPTModel chunks) on the engine's kernels, in place: megatron's linears become
     the Exact* classes above, and the modules that know the mode (an `exact` attribute: RMSNorm, SwiGLU,
-    SDPAttention) are told to use it. Any other
-    module holding parameters (MoE, gated delta nets, LoRA adapters, ...) is refused: its kernels would differ
-    from the engine's."""
+    SDPAttention) are told to use it. Any other module holding parameters (MoE, gated delta nets, LoRA
+    adapters, ...) is refused: its kernels would differ from the engine's."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
     for chunk in chunks:
@@ -258,6 +198,88 @@ def convert(chunks):
                 raise ValueError(f"--true-on-policy: {name} ({type(module).__name__}) has no engine-exact kernels")
 
 
+# ---- norms, activation, attention ---------------------------------------------------------------------------
+
+
+def rms_norm(x, weight, eps):
+    """vLLM's batch-invariant RMSNorm of x (its Triton kernel, which the engine's norms run after bind())."""
+
+    def exact(x, weight):
+        return kernels().rms_norm(x, weight, eps)
+
+    def reference(x, weight):
+        return torch.nn.functional.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
+
+    return straight_through(exact, reference, x, weight)
+
+
+def silu_and_mul(y, reference):
+    """silu(a) * b of y's halves by vLLM's silu_and_mul; the gradient of reference(y)."""
+
+    def exact(y):
+        out = y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
+        kernels().silu_and_mul(out, y.contiguous())
+        return out
+
+    return straight_through(exact, reference, y)
+
+
+def paged_layout(lengths, block_size, device):
+    """The engine's view of sequences of `lengths` (a list) stored one after another: (cu_seqlens_q, seq_lens,
+    positions, slots, block_table, pages). Sequence i owns pages [first[i], first[i] + n[i]) of block_size
+    tokens; token j of it sits in slot first[i] * block_size + j."""
+    lens = torch.tensor(lengths, device=device, dtype=torch.int32)
+    cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
+    blocks = (lens + block_size - 1) // block_size
+    first = torch.cumsum(blocks, 0) - blocks
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens.long())
+    pos = torch.arange(int(cu[-1]), device=device) - cu[seq].long()  # each token's position in its sequence
+    slots = first[seq].long() * block_size + pos
+    table = first[:, None] + torch.arange(max(int(blocks.max()), 1), device=device)[None, :]
+    last = (first + blocks - 1).clamp(min=0)
+    table = torch.minimum(table, last[:, None]).to(torch.int32)  # columns past a sequence's pages: a real page
+    return cu, lens, pos, slots, table, int(blocks.sum())
+
+
+def attention(query, key, value, lengths, scale, reference):
+    """Causal attention of packed sequences the engine's way: query (t, heads, d), key / value (t, groups, d)
+    before RoPE, the sequences of `lengths` (a list) one after another, each starting at position 0.
+    -> (t, heads, d). reference(query, key, value): the same function in differentiable ops (its gradient)."""
+    k_ = kernels()
+    t, heads, d = query.shape
+    groups, bs = key.shape[1], ENGINE["block_size"]
+    cu, lens, pos, slots, table, pages = paged_layout(lengths, bs, query.device)
+
+    def exact(query, key, value):
+        q, k = query.reshape(t, heads * d).clone(), key.reshape(t, groups * d).clone()
+        k_.rotary(pos, q, k, d, ENGINE["cos_sin"], ENGINE["is_neox"])  # in place
+        k_cache = q.new_zeros(pages * bs, groups, d).index_copy_(0, slots, k.view(t, groups, d))
+        v_cache = q.new_zeros(pages * bs, groups, d).index_copy_(0, slots, value.contiguous())
+        ones = torch.ones(len(lengths), groups, device=q.device, dtype=torch.float32)  # vLLM's unquantised scales
+        out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
+        k_.attention(
+            q=q.view(t, heads, d),
+            k=k_cache.view(pages, bs, groups, d),
+            v=v_cache.view(pages, bs, groups, d),
+            out=out,
+            cu_seqlens_q=cu,
+            max_seqlen_q=max(lengths),
+            seqused_k=lens,
+            max_seqlen_k=max(lengths),
+            softmax_scale=scale,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=table,
+            softcap=0,
+            q_descale=None,
+            k_descale=ones,
+            v_descale=ones,
+        )
+        return out
+
+    return straight_through(exact, reference, query, key, value)
+
+
 # ---- log-probabilities ---------------------------------------------------------------------------------------
 
 
@@ -265,12 +287,5 @@ def token_logprobs(logits, targets, vocab_size):
     """The engine's log-probabilities of `targets` under `logits` (..., V_padded), temperature 1: its sampler's
     kernel over the first vocab_size columns, on logits of the engine's dtype (the kernel, compiled for fp32
     input, sums in another order: measured, 1 ulp off at ~5% of tokens). -> targets' shape, fp32, no autograd."""
-    rows = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].to(bound()["logits_dtype"])  # fp32 copies: exact
-    ids = targets.reshape(-1, 1).long()
-    if bound()["v2_runner"]:
-        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
-
-        out = compute_token_logprobs(rows, ids)
-    else:  # V1's sampler: log_softmax in fp32 (batch-invariant kernel through vLLM's aten override)
-        out = torch.log_softmax(rows.float(), dim=-1).gather(-1, ids)
-    return out.view(targets.shape)
+    rows = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].to(ENGINE["logits_dtype"])  # fp32 copies: exact
+    return kernels().token_logprobs(rows, targets.reshape(-1, 1).long()).view(targets.shape)

@@ -69,6 +69,8 @@ run "distill 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider test
 # --off-policy-steps: partial rollouts continued on vLLM across weight syncs, both scripts (docs/async.md)
 run "async 1 GPU"            400 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_async_gpu.py
 # MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
+# --true-on-policy: vLLM's and megatron's modules and sampled logprobs equal bit for bit; GRPO with mismatch 0.0
+run "true on-policy 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py
 run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 # agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py
 # with tools of one length and of drawn lengths
