@@ -200,8 +200,10 @@ def test_start_up_refusals(tmp_path):
     for name in ("qwen2", "qwen3", "qwen3_moe"):
         save_tiny_hf_model(name, str(tmp_path / name))
     ok = dict(rollout="vllm", load_rollouts=None, tp=1, cp=1, rollout_tp=1, temperature=1.0, top_p=1.0, dtype=None)
-    qwen2 = load_hf_spec(str(tmp_path / "qwen2"))
-    _check_true_on_policy(argparse.Namespace(**ok), qwen2)  # nothing to refuse
+    ok["rollout_logprobs"] = None
+    args = argparse.Namespace(**ok)
+    _check_true_on_policy(args, load_hf_spec(str(tmp_path / "qwen2")))  # nothing to refuse
+    assert args.rollout_logprobs == "all"  # every sampled token compared
     for model, change, says in (
         ("qwen3_moe", {}, "has MoE layers"),
         ("qwen3", {}, "normalises q and k"),
@@ -211,6 +213,7 @@ def test_start_up_refusals(tmp_path):
         ("qwen2", {"temperature": 0.7}, "--temperature 1 --top-p 1"),
         ("qwen2", {"dtype": "fp32"}, "bf16"),
         ("qwen2", {"lora_rank": 8}, "LoRA"),
+        ("qwen2", {"rollout_logprobs": "prefill"}, "--rollout-logprobs prefill: it checks all"),
     ):
         with pytest.raises(UsageError, match=says):
             _check_true_on_policy(argparse.Namespace(**{**ok, **change}), load_hf_spec(str(tmp_path / model)))
