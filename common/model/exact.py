@@ -37,6 +37,8 @@ import types
 import torch
 from megatron.core.tensor_parallel import layers as mcore_layers
 
+from common.model.linear import save_linear_context
+
 ENGINE = {}  # bind(): the engine's rotary table, is_neox, page size, the sampler's logits dtype
 KERNELS = None  # bind(): vLLM's functions (a namespace: linear rms_norm rotary attention silu_and_mul token_logprobs)
 
@@ -145,15 +147,9 @@ class _ExactLinear(mcore_layers.LinearWithGradAccumulationAndAsyncCommunication)
     @staticmethod
     @mcore_layers.custom_fwd
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit):
-        ctx.save_for_backward(input, weight)
-        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
-        ctx.use_bias = bias is not None
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        ctx.allreduce_dgrad = allreduce_dgrad
-        ctx.sequence_parallel = False
-        ctx.wgrad_deferral_limit = limit
-        ctx.grad_output_buffer = grad_output_buffer
-        ctx.tp_group = None
+        save_linear_context(
+            ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit, None
+        )
         return kernels().linear(input, weight, bias)
 
 

@@ -26,6 +26,22 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none
 ENABLED = True  # False: megatron's matmul + add (bench/train.py --ab qkv-bias-gemm)
 
 
+def save_linear_context(
+    ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit, tp_group
+):
+    """What megatron's linear backward reads from its context (megatron-core 0.16.1,
+    LinearWithGradAccumulationAndAsyncCommunication), for a forward without sequence parallelism."""
+    ctx.save_for_backward(input, weight)
+    ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
+    ctx.use_bias = bias is not None
+    ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+    ctx.allreduce_dgrad = allreduce_dgrad
+    ctx.sequence_parallel = False
+    ctx.wgrad_deferral_limit = limit
+    ctx.grad_output_buffer = grad_output_buffer
+    ctx.tp_group = tp_group
+
+
 class _LinearBiasInGemm(mcore_layers.LinearWithGradAccumulationAndAsyncCommunication):
     """megatron's autograd function with the forward's product and bias in one addmm; its backward
     is inherited unchanged and reads exactly the context fields set here (megatron-core 0.16.1)."""
@@ -45,15 +61,10 @@ class _LinearBiasInGemm(mcore_layers.LinearWithGradAccumulationAndAsyncCommunica
         tp_group,
     ):
         assert bias is not None and not sequence_parallel, "the caller keeps these cases on megatron's path"
-        ctx.save_for_backward(input, weight)
-        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
-        ctx.use_bias = True
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        ctx.allreduce_dgrad = allreduce_dgrad
-        ctx.sequence_parallel = False
-        ctx.wgrad_deferral_limit = wgrad_deferral_limit
-        ctx.grad_output_buffer = grad_output_buffer
-        ctx.tp_group = tp_group
+        save_linear_context(
+            ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer,
+            wgrad_deferral_limit, tp_group,
+        )  # fmt: skip
         output = torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t())
         return output.view(*input.shape[:-1], output.shape[-1])
 
