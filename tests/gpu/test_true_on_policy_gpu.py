@@ -3,14 +3,16 @@
     python -m pytest -q -s tests/gpu/test_true_on_policy_gpu.py      (GPU machine, stack of shared/device)
 
 1. `torchrun --nproc_per_node 1 tests/gpu/test_true_on_policy_gpu.py`: test_vllm_agreement.py's random Qwen2
-   (8 layers, head size 64, q/k/v bias, GQA), megatron on the engine's kernels, vLLM batch-invariant and eager.
-   One prompt's prefill is compared module by module (vLLM's hooks against megatron's: the first module that
-   differs is named); then 64 sampled responses of 48 tokens (T=1): every trainer logprob of a sampled token,
-   padded rows and packed rows, must equal vLLM's exactly (0 differing tokens).
-2. train_grpo.py on a random model of Qwen2-0.5B's shape with --true-on-policy --check-on-policy 0:
-   logprob_mismatch 0.0 at every step and the first update's mean |old - new| logprob 0.0 (the gate fails the
-   run otherwise); the same run without the flag: a mismatch > 0 (the control). Printed: rollout and step
-   seconds of both runs (the mode's cost).
+   (8 layers, hidden 512, head size 64, q/k/v bias, GQA), megatron on the engine's kernels, vLLM batch-invariant
+   and eager. Reported (a diagnosis, not asserted): whether vLLM's kernels give a row the same bits alone as
+   among many; every module's output, vLLM's hooks against megatron's, on the prefill rows and the decode rows
+   of one sequence; the trainer's rows alone against batched; vLLM's prompt logprobs against the trainer's.
+   Asserted: 64 sampled responses of 48 tokens (T=1), every trainer logprob of a sampled token (padded rows)
+   equal to vLLM's exactly (0 differing tokens).
+2. train_grpo.py on a random model of Qwen2-0.5B's shape (packed micro-batches) with --true-on-policy
+   --check-on-policy 0: logprob_mismatch 0.0 at every step and ppo_kl 0.0 (the gate stops the run otherwise);
+   the same run without the flag: a mismatch > 0 (the control). Printed: rollout and step seconds of both runs
+   (the mode's cost).
 """
 
 import json
