@@ -7,7 +7,8 @@ for bit there). Here exact.KERNELS holds torch references with vLLM's signatures
 paged attention that reads keys and values only through the block table, the sequence lengths and cu_seqlens
 (pages of 4 tokens, so sequences span several). Checked:
   - a converted Qwen2 (q/k/v bias, GQA) gives the unconverted model's logits and parameter gradients (<= 1e-5),
-    padded rows and packed rows (samples of 3, 9 and 6 tokens), and every swapped op ran its kernel (counted):
+    padded rows and packed rows (samples of 3, 9 and 6 tokens), Qwen3 (q/k norms, head_dim 32 != 64 / 4) padded
+    rows, and every swapped op ran its kernel (counted):
     the token layouts, positions, pages and the straight-through gradients are right;
   - a kernel answer that is off shows in the logits while the gradient stays the reference's (the forward is the
     kernel's, the backward the reference function's);
@@ -88,17 +89,18 @@ def reference_kernels(monkeypatch):
     return exact
 
 
-def qwen2_pair(tmp_path, spec_only=False):
+def model_pair(tmp_path, name="qwen2"):
+    """(spec, [chunks, chunks]): two copies of a tiny model with the same weights."""
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights_load import load_hf_weights
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
-    spec = load_hf_spec(str(tmp_path / "qwen2"))
+    save_tiny_hf_model(name, str(tmp_path / name))
+    spec = load_hf_spec(str(tmp_path / name))
     pair = []
     for _ in range(2):
         chunks = build_model(spec)
-        load_hf_weights(chunks, spec, str(tmp_path / "qwen2"))
+        load_hf_weights(chunks, spec, str(tmp_path / name))
         pair.append(chunks)
     return spec, pair
 
@@ -126,10 +128,10 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("packed", [None, [3, 9, 6]])
-def test_converted_model_equals_the_reference(dist_world_of_one, reference_kernels, tmp_path, packed):  # noqa: F811
+@pytest.mark.parametrize("model,packed", [("qwen2", None), ("qwen2", [3, 9, 6]), ("qwen3", None)])
+def test_converted_model_equals_the_reference(dist_world_of_one, reference_kernels, tmp_path, model, packed):  # noqa: F811
     exact = reference_kernels
-    spec, (plain, converted) = qwen2_pair(tmp_path)
+    spec, (plain, converted) = model_pair(tmp_path, model)
     exact.ENGINE["cos_sin"] = rope_table(spec)
     exact.convert(converted)
     torch.manual_seed(0)
@@ -144,15 +146,16 @@ def test_converted_model_equals_the_reference(dist_world_of_one, reference_kerne
     for name, g in out["plain"][1].items():
         assert (g - out["converted"][1][name]).abs().max() <= 1e-5 * g.abs().max(), name
     layers = spec.num_layers
-    # every linear (qkv, proj, fc1, fc2 per layer, the output layer), every norm (2 per layer, the final one),
+    norms = 4 if spec.qk_norm else 2  # input, pre-MLP (and Qwen3's q and k norms)
+    # every linear (qkv, proj, fc1, fc2 per layer, the output layer), every norm (per layer, the final one),
     # one attention and one activation per layer
-    assert CALLS == {"linear": 4 * layers + 1, "rms_norm": 2 * layers + 1, "rotary": layers, "attention": layers,
+    assert CALLS == {"linear": 4 * layers + 1, "rms_norm": norms * layers + 1, "rotary": layers, "attention": layers,
                      "silu_and_mul": layers}, CALLS  # fmt: skip
 
 
 def test_forward_is_the_kernel_gradient_the_reference(dist_world_of_one, reference_kernels, tmp_path):  # noqa: F811
     exact = reference_kernels
-    spec, (plain, converted) = qwen2_pair(tmp_path)
+    spec, (plain, converted) = model_pair(tmp_path)
     exact.ENGINE["cos_sin"] = rope_table(spec)
     exact.convert(converted)
     off = dict(REFERENCES, rms_norm=lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps) * 1.01)
@@ -206,14 +209,13 @@ def test_start_up_refusals(tmp_path):
     assert args.rollout_logprobs == "all"  # every sampled token compared
     for model, change, says in (
         ("qwen3_moe", {}, "has MoE layers"),
-        ("qwen3", {}, "normalises q and k"),
         ("qwen2", {"rollout": "cpu"}, "needs the vLLM engine"),
         ("qwen2", {"tp": 2}, "--tp 2 --cp 1"),
         ("qwen2", {"rollout_tp": 2}, "--rollout-tp 2"),
         ("qwen2", {"temperature": 0.7}, "--temperature 1 --top-p 1"),
         ("qwen2", {"dtype": "fp32"}, "bf16"),
         ("qwen2", {"lora_rank": 8}, "LoRA"),
-        ("qwen2", {"rollout_logprobs": "prefill"}, "--rollout-logprobs prefill: it checks all"),
+        ("qwen2", {"rollout_logprobs": "prefill"}, "--rollout-logprobs prefill: it compares every sampled token"),
     ):
         with pytest.raises(UsageError, match=says):
             _check_true_on_policy(argparse.Namespace(**{**ok, **change}), load_hf_spec(str(tmp_path / model)))

@@ -25,11 +25,11 @@ that hold:
 
 `bind(engine)` reads what the engine decided at start-up (its rotary table, page size, model runner) after it
 started and fills KERNELS with vLLM's functions (tests/test_exact.py puts torch references there); `convert` is
-called by common/run/build.py load_model(exact=True). Scope: dense
-attention models without q/k norms (Qwen2, Qwen2.5, Llama) at tensor, context and rollout parallel size 1, bf16,
-temperature 1 without top-p; common/run/layout_checks.py refuses the rest at start. Costs: vLLM without CUDA
-graphs and on batch-invariant kernels, the trainer on the same kernels plus a recomputed forward of each swapped
-op in the backward (docs/algorithms.md measures both).
+called by common/run/build.py load_model(exact=True). Scope: dense attention models (Qwen2, Qwen2.5, Llama,
+Mistral, Qwen3) at tensor, context and rollout parallel size 1, bf16, temperature 1 without top-p;
+common/run/layout_checks.py refuses the rest at start. Costs: vLLM without CUDA graphs and on batch-invariant
+kernels, the trainer on the same kernels plus a recomputed forward of each swapped op in the backward
+(docs/algorithms.md measures both).
 """
 
 import types

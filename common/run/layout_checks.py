@@ -120,29 +120,20 @@ def check_layout(args, spec, critic=None, teacher=None):
 
 def _check_true_on_policy(args, spec):
     """--true-on-policy: where the trainer can run the engine's kernels (common/model/exact.py), and only there."""
-    kind = next(
-        (
-            k
-            for k, present in (
-                ("MoE", spec.moe),
-                ("multi-latent attention", spec.mla),
-                ("gated delta net", spec.gdn),
-                ("gpt-oss", spec.gptoss),
-            )
-            if present is not None
-        ),
-        None,
-    )
+    parts = {"MoE": spec.moe, "multi-latent attention": spec.mla, "gated delta net": spec.gdn, "gpt-oss": spec.gptoss}
+    kind = next((name for name, part in parts.items() if part is not None), None)
     wrong = [
         (kind is not None, f"{spec.architecture} has {kind} layers; it covers dense attention models"),
-        (spec.qk_norm, f"{spec.architecture} normalises q and k (vLLM fuses that with RoPE); it covers Qwen2, Llama"),
         (not _uses_vllm(args) or args.load_rollouts, "it needs the vLLM engine (--rollout vllm, on GPUs)"),
         (args.tp > 1 or args.cp > 1, f"--tp {args.tp} --cp {args.cp}: it is for --tp 1 --cp 1"),
         (args.rollout_tp > 1, f"--rollout-tp {args.rollout_tp}: it is for --rollout-tp 1"),
         (args.temperature != 1.0 or args.top_p != 1.0, "it samples at --temperature 1 --top-p 1"),
         (getattr(args, "dtype", None) == "fp32", "it is for bf16 models (vLLM's batch-invariant kernels)"),
         (getattr(args, "lora_rank", 0), "LoRA adapters have no engine kernels to repeat; drop --lora-rank"),
-        (args.rollout_logprobs not in (None, "all"), f"--rollout-logprobs {args.rollout_logprobs}: it checks all"),
+        (
+            args.rollout_logprobs not in (None, "all"),
+            f"--rollout-logprobs {args.rollout_logprobs}: it compares every sampled token (all)",
+        ),
     ]
     for bad, why in wrong:
         if bad:
