@@ -169,6 +169,7 @@ def parse_args(argv=None):
     flags_run.resolve_out(args, OUT_PREFIX)  # default: one directory per model
     try:
         FA.resolve_async(args)  # --off-policy-steps K: --rollout-logprobs all, its default correction
+        FR.resolve_true_on_policy(args)  # --true-on-policy: --rollout-logprobs all
         FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
         FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
         args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)

@@ -194,6 +194,21 @@ def test_convert_refuses_modules_without_kernels(dist_world_of_one, tmp_path):  
         convert(build_model(load_hf_spec(str(tmp_path / "moe"))))
 
 
+def test_the_flag_sets_rollout_logprobs_all(capsys, tmp_path):
+    """--true-on-policy alone gets --rollout-logprobs all (where the default at --temperature 1 is the prefill
+    check); another mode given with it is refused as the script parses its flags."""
+    import train_grpo
+    from common.run.flags_rollout import resolve_true_on_policy
+
+    args = argparse.Namespace(true_on_policy=True, rollout_logprobs=None)
+    resolve_true_on_policy(args)
+    assert args.rollout_logprobs == "all"
+    assert train_grpo.parse_args(["--out", str(tmp_path)]).rollout_logprobs == "prefill"
+    with pytest.raises(SystemExit):
+        train_grpo.parse_args(["--true-on-policy", "--rollout-logprobs", "prefill"])
+    assert "--rollout-logprobs all, not prefill" in capsys.readouterr().err
+
+
 def test_start_up_refusals(tmp_path):
     from common.model.gpt import load_hf_spec
     from common.run.layout_checks import _check_true_on_policy
@@ -203,10 +218,7 @@ def test_start_up_refusals(tmp_path):
     for name in ("qwen2", "qwen3", "qwen3_moe"):
         save_tiny_hf_model(name, str(tmp_path / name))
     ok = dict(rollout="vllm", load_rollouts=None, tp=1, cp=1, rollout_tp=1, temperature=1.0, top_p=1.0, dtype=None)
-    ok["rollout_logprobs"] = None
-    args = argparse.Namespace(**ok)
-    _check_true_on_policy(args, load_hf_spec(str(tmp_path / "qwen2")))  # nothing to refuse
-    assert args.rollout_logprobs == "all"  # every sampled token compared
+    _check_true_on_policy(argparse.Namespace(**ok), load_hf_spec(str(tmp_path / "qwen2")))  # nothing to refuse
     for model, change, says in (
         ("qwen3_moe", {}, "has MoE layers"),
         ("qwen2", {"rollout": "cpu"}, "needs the vLLM engine"),
@@ -215,7 +227,6 @@ def test_start_up_refusals(tmp_path):
         ("qwen2", {"temperature": 0.7}, "--temperature 1 --top-p 1"),
         ("qwen2", {"dtype": "fp32"}, "bf16"),
         ("qwen2", {"lora_rank": 8}, "LoRA"),
-        ("qwen2", {"rollout_logprobs": "prefill"}, "--rollout-logprobs prefill: it compares every sampled token"),
     ):
         with pytest.raises(UsageError, match=says):
             _check_true_on_policy(argparse.Namespace(**{**ok, **change}), load_hf_spec(str(tmp_path / model)))

@@ -150,6 +150,18 @@ def correction_flags(p):
     return g
 
 
+def resolve_true_on_policy(args):
+    """--true-on-policy compares every sampled token: --rollout-logprobs all (given or not). ValueError: another.
+    Where the mode can run at all is checked with the model (common/run/layout_checks.py)."""
+    if not args.true_on_policy:
+        return
+    if args.rollout_logprobs not in (None, "all"):
+        raise ValueError(
+            f"--true-on-policy compares every sampled token: --rollout-logprobs all, not {args.rollout_logprobs}"
+        )
+    args.rollout_logprobs = "all"
+
+
 def resolve_corrections(args):
     """--rollout-correction and its thresholds as the run uses them (common/rl/corrections.py
     resolve_correction), --check-on-policy checked. ValueError: what to change."""

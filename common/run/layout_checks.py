@@ -130,15 +130,10 @@ def _check_true_on_policy(args, spec):
         (args.temperature != 1.0 or args.top_p != 1.0, "it samples at --temperature 1 --top-p 1"),
         (getattr(args, "dtype", None) == "fp32", "it is for bf16 models (vLLM's batch-invariant kernels)"),
         (getattr(args, "lora_rank", 0), "LoRA adapters have no engine kernels to repeat; drop --lora-rank"),
-        (
-            args.rollout_logprobs not in (None, "all"),
-            f"--rollout-logprobs {args.rollout_logprobs}: it compares every sampled token (all)",
-        ),
     ]
     for bad, why in wrong:
         if bad:
             raise UsageError(f"--true-on-policy: {why}")
-    args.rollout_logprobs = "all"  # the sampler's logprob of every token, which the trainer's then equals
 
 
 def _uses_vllm(args):
