@@ -164,7 +164,7 @@ class SDPAttention(MegatronModule):
         heads, d = self.heads_per_partition, self.head_dim
         if packed is not None:
             t = query.shape[0]
-            lengths = packed.cu_seqlens_q.diff().tolist()
+            lengths = per_micro_batch(packed, "exact_lengths", lambda: tuple(packed.cu_seqlens_q.diff().tolist()))
 
             def reference(q, k, v):
                 return self._packed(q, k, v, packed).view(t, heads, d)
@@ -183,7 +183,7 @@ class SDPAttention(MegatronModule):
             out = self._forward(*(x.view(b, sq, *x.shape[1:]).transpose(0, 1) for x in (q, k, v)), None)
             return out.transpose(0, 1).reshape(b * sq, heads, d)
 
-        return untokens(exact.attention(tokens(query), tokens(key), tokens(value), [sq] * b, d**-0.5, reference))
+        return untokens(exact.attention(tokens(query), tokens(key), tokens(value), (sq,) * b, d**-0.5, reference))
 
     def _forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None

@@ -32,6 +32,7 @@ kernels, the trainer on the same kernels plus a recomputed forward of each swapp
 (docs/algorithms.md measures both).
 """
 
+import functools
 import types
 
 import torch
@@ -220,10 +221,12 @@ def silu_and_mul(y, reference):
     return straight_through(exact, reference, y)
 
 
+@functools.lru_cache(maxsize=4)
 def paged_layout(lengths, block_size, device):
-    """The engine's view of sequences of `lengths` (a list) stored one after another: (cu_seqlens_q, seq_lens,
+    """The engine's view of sequences of `lengths` (a tuple) stored one after another: (cu_seqlens_q, seq_lens,
     positions, slots, block_table, pages). Sequence i owns pages [first[i], first[i] + n[i]) of block_size
-    tokens; token j of it sits in slot first[i] * block_size + j."""
+    tokens; token j of it sits in slot first[i] * block_size + j. Cached: every layer of a micro-batch asks for
+    the same layout (its host syncs once, not per layer); the tensors are only read."""
     lens = torch.tensor(lengths, device=device, dtype=torch.int32)
     cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
     blocks = (lens + block_size - 1) // block_size
@@ -239,7 +242,7 @@ def paged_layout(lengths, block_size, device):
 
 def attention(query, key, value, lengths, scale, reference):
     """Causal attention of packed sequences the engine's way: query (t, heads, d), key / value (t, groups, d)
-    before RoPE, the sequences of `lengths` (a list) one after another, each starting at position 0.
+    before RoPE, the sequences of `lengths` (a tuple) one after another, each starting at position 0.
     -> (t, heads, d). reference(query, key, value): the same function in differentiable ops (its gradient)."""
     k_ = kernels()
     t, heads, d = query.shape
