@@ -12,6 +12,8 @@ paged attention that reads keys and values only through the block table, the seq
     the token layouts, positions, pages and the straight-through gradients are right;
   - a kernel answer that is off shows in the logits while the gradient stays the reference's (the forward is the
     kernel's, the backward the reference function's);
+  - at --tp 2, with and without --sp (tests/exact_worker.py under torchrun): the same logits, log-probabilities
+    and gradients, each linear kernel multiplying this rank's shard, the log-probability kernel on whole rows;
   - the log-probability hook returns the sampler kernel's values, in the time-major layout too;
   - convert refuses a module it has no kernel for (MoE), and the flag's refusals at start-up.
 """
@@ -24,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import LayoutLaunches
 from tests.test_attention import dist_world_of_one  # noqa: F401 (a fixture)
 
 CALLS = collections.Counter()
@@ -153,6 +156,37 @@ def test_converted_model_equals_the_reference(dist_world_of_one, reference_kerne
                      "silu_and_mul": layers}, CALLS  # fmt: skip
 
 
+TP2_LAYOUTS = {"tp2": (2, ["--tp", 2]), "tp2_sp": (2, ["--tp", 2, "--sp"])}
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):  # both layouts in one torchrun launch (tests/exact_worker.py)
+    from tests.tiny_models import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("exact")
+    save_tiny_hf_model("qwen2", str(root / "qwen2"))
+    return LayoutLaunches("tests/exact_worker.py", TP2_LAYOUTS, ["--model-dir", root / "qwen2"], root)
+
+
+@pytest.mark.parametrize("layout", list(TP2_LAYOUTS))
+def test_converted_model_at_tp2(tp2_runs, layout):
+    """At --tp 2 (and with --sp) the converted model's logits, log-probabilities and gradients are the plain
+    model's, each linear kernel multiplies this rank's shard (the engine's at --rollout-tp 2), and the
+    log-probability kernel gets whole rows of the vocabulary (the shards gathered, as vLLM gathers them)."""
+    layers = 4  # tests/tiny_models.py qwen2: hidden 64, 4 heads of 16 / 2 groups, MLP 96, vocabulary 300
+    for rank, rows in enumerate(tp2_runs[layout]):
+        for case, row in rows.items():
+            at = f"{layout} rank {rank} {case}: {row}"
+            assert row["logits"] <= 1e-5 and row["logprobs"] <= 1e-5 and row["grad_rel"] <= 1e-5, at
+            assert row["grad_names"], at
+            assert row["calls"] == {"linear": 4 * layers + 1, "rms_norm": 2 * layers + 1, "rotary": layers,
+                                    "attention": layers, "silu_and_mul": layers, "token_logprobs": 1}, at  # fmt: skip
+            # this rank's output rows: q/k/v (2 heads + 1 + 1 group of 16), o_proj and fc2 (hidden 64),
+            # fc1 (gate and up halves of 96), the output layer (vocabulary padded to 512, halved)
+            assert row["linear_out"] == [64, 96, 256], at
+            assert row["logprob_row"] == 300, at
+
+
 def test_forward_is_the_kernel_gradient_the_reference(dist_world_of_one, reference_kernels, tmp_path):  # noqa: F811
     exact = reference_kernels
     spec, (plain, converted) = model_pair(tmp_path)
@@ -218,12 +252,14 @@ def test_start_up_refusals(tmp_path):
     for name in ("qwen2", "qwen3", "qwen3_moe"):
         save_tiny_hf_model(name, str(tmp_path / name))
     ok = dict(rollout="vllm", load_rollouts=None, tp=1, cp=1, rollout_tp=1, temperature=1.0, top_p=1.0, dtype=None)
-    _check_true_on_policy(argparse.Namespace(**ok), load_hf_spec(str(tmp_path / "qwen2")))  # nothing to refuse
+    for layout in ({}, {"tp": 2, "rollout_tp": 2}):  # nothing to refuse
+        _check_true_on_policy(argparse.Namespace(**{**ok, **layout}), load_hf_spec(str(tmp_path / "qwen2")))
     for model, change, says in (
         ("qwen3_moe", {}, "has MoE layers"),
         ("qwen2", {"rollout": "cpu"}, "needs the vLLM engine"),
-        ("qwen2", {"tp": 2}, "--tp 2 --cp 1"),
-        ("qwen2", {"rollout_tp": 2}, "--rollout-tp 2"),
+        ("qwen2", {"tp": 2}, "--tp 2 --rollout-tp 1: the engine's tensor-parallel split must be the trainer's"),
+        ("qwen2", {"rollout_tp": 2}, "--tp 1 --rollout-tp 2"),
+        ("qwen2", {"cp": 2}, "--cp 2"),
         ("qwen2", {"temperature": 0.7}, "--temperature 1 --top-p 1"),
         ("qwen2", {"dtype": "fp32"}, "bf16"),
         ("qwen2", {"lora_rank": 8}, "LoRA"),

@@ -26,10 +26,12 @@ that hold:
 `bind(engine)` reads what the engine decided at start-up (its rotary table, page size, model runner) after it
 started and fills KERNELS with vLLM's functions (tests/test_exact.py puts torch references there); `convert` is
 called by common/run/build.py load_model(exact=True). Scope: dense attention models (Qwen2, Qwen2.5, Llama,
-Mistral, Qwen3) at tensor, context and rollout parallel size 1, bf16, temperature 1 without top-p;
-common/run/layout_checks.py refuses the rest at start. Costs: vLLM without CUDA graphs and on batch-invariant
-kernels, the trainer on the same kernels plus a recomputed forward of each swapped op in the backward
-(docs/algorithms.md measures both).
+Mistral, Qwen3), bf16, temperature 1 without top-p, context parallel size 1, tensor parallel size N with the engine
+at --rollout-tp N: each rank multiplies the same weight shards as its vLLM rank, both sides add a row-parallel
+layer's partial sums with one all-reduce, and the logits' vocabulary shards are gathered before the sampler's
+kernel (token_logprobs), as vLLM gathers them. common/run/layout_checks.py refuses the rest at start. Costs:
+vLLM without CUDA graphs and on batch-invariant kernels, the trainer on the same kernels plus a recomputed forward
+of each swapped op in the backward (docs/algorithms.md measures both).
 """
 
 import functools
@@ -143,19 +145,25 @@ def straight_through(exact, reference, *inputs):
 
 class _ExactLinear(mcore_layers.LinearWithGradAccumulationAndAsyncCommunication):
     """megatron's linear function with vLLM's product in the forward; the backward is megatron's (it reads the
-    context fields set here, megatron-core 0.16.1)."""
+    context fields set here, megatron-core 0.16.1). With sequence parallelism the input's sequence shards are
+    gathered first (a copy: the engine's rows, exactly), as megatron's forward gathers them."""
 
     @staticmethod
     @mcore_layers.custom_fwd
-    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit):
-        save_linear_context(
-            ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit, None
-        )
+    def forward(
+        ctx, input, weight, bias, accumulation_fusion, allreduce_dgrad, sequence_parallel, buffer, limit, group
+    ):
+        save_linear_context(ctx, input, weight, bias, accumulation_fusion, allreduce_dgrad, buffer, limit, group)
+        if sequence_parallel:
+            ctx.sequence_parallel = True  # the backward gathers the saved shard again and reduce-scatters dgrad
+            gathered = input.new_empty((input.shape[0] * group.size(), *input.shape[1:]))
+            mcore_layers.dist_all_gather_func(gathered, input.contiguous(), group=group)
+            input = gathered
         return kernels().linear(input, weight, bias)
 
 
 def _exact_forward_impl(self, input, weight, *args, **kwargs):
-    if args or kwargs.get("sequence_parallel") or not weight.requires_grad:  # frozen weights: megatron's path
+    if args or not weight.requires_grad:  # frozen weights (the reference model): megatron's path
         return super(type(self), self)._forward_impl(input, weight, *args, **kwargs)
     return _ExactLinear.apply(
         input,
@@ -163,8 +171,10 @@ def _exact_forward_impl(self, input, weight, *args, **kwargs):
         kwargs.get("bias"),
         kwargs["gradient_accumulation_fusion"],
         kwargs["allreduce_dgrad"],
+        bool(kwargs.get("sequence_parallel")),
         kwargs.get("grad_output_buffer"),
         kwargs.get("wgrad_deferral_limit"),
+        mcore_layers.get_tensor_model_parallel_group_if_none(kwargs.get("tp_group")),
     )
 
 
@@ -282,9 +292,14 @@ def attention(query, key, value, lengths, scale, reference):
 # ---- log-probabilities ---------------------------------------------------------------------------------------
 
 
-def token_logprobs(logits, targets, vocab_size):
-    """The engine's log-probabilities of `targets` under `logits` (..., V_padded), temperature 1: its sampler's
-    kernel over the first vocab_size columns, on logits of the engine's dtype (the kernel, compiled for fp32
-    input, sums in another order: measured, 1 ulp off at ~5% of tokens). -> targets' shape, fp32, no autograd."""
+def token_logprobs(logits, targets, vocab_size, tp_group=None):
+    """The engine's log-probabilities of `targets` under `logits` (..., V_padded, or with tp_group this rank's
+    vocabulary shard of them, gathered first as vLLM gathers its shards), temperature 1: its sampler's kernel
+    over the first vocab_size columns, on logits of the engine's dtype (the kernel, compiled for fp32 input, sums
+    in another order: measured, 1 ulp off at ~5% of tokens). -> targets' shape, fp32, no autograd."""
+    if tp_group is not None:
+        parts = [torch.empty_like(logits, memory_format=torch.contiguous_format) for _ in range(tp_group.size())]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=tp_group)
+        logits = torch.cat(parts, dim=-1)
     rows = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].to(ENGINE["logits_dtype"])  # fp32 copies: exact
     return kernels().token_logprobs(rows, targets.reshape(-1, 1).long()).view(targets.shape)

@@ -15,9 +15,9 @@ from common.rl.fused import on_gpu_compiled
 # -----------------------------------------------------------------------------
 # Log-probabilities and entropy from vocab-parallel logits
 
-# --true-on-policy (common/model/exact.py bind): f(logits (..., V_padded), targets (...), vocab_size) -> the
-# rollout engine's own log-probabilities of targets, which replace the forward's values (TP 1, temperature 1;
-# the gradient stays this module's).
+# --true-on-policy (common/model/exact.py bind): f(logits (..., V_padded or its TP shard), targets (...),
+# vocab_size, tp_group or None) -> the rollout engine's own log-probabilities of targets, which replace the
+# forward's values (temperature 1; the gradient stays this module's).
 EXACT_TOKEN_LOGPROBS = None
 
 
@@ -133,8 +133,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         sum_exp, target_x = sums[0], sums[1]
         log_z = torch.log(sum_exp)  # log-partition of the shifted logits, (B, T)
         logprobs = target_x - log_z  # (B, T)
-        if EXACT_TOKEN_LOGPROBS is not None and tp_size == 1 and temperature == 1.0:
-            logprobs = EXACT_TOKEN_LOGPROBS(logits, targets, vocab_size)
+        if EXACT_TOKEN_LOGPROBS is not None and temperature == 1.0:
+            logprobs = EXACT_TOKEN_LOGPROBS(logits, targets, vocab_size, tp_group if tp_size > 1 else None)
 
         ctx.n_valid, ctx.temperature = n_valid, temperature
         mean_x = sums[2] / sum_exp if compute_entropy else None  # E_p[x - max], (B, T)

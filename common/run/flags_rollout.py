@@ -54,7 +54,7 @@ def rollout_flags(p, group_help, models):
         help=(
             "bitwise on-policy: vLLM batch-invariant and eager, the trainer's forward on vLLM's own kernels, so the "
             "trainer's logprobs equal the engine's exactly (logprob_mismatch 0.0, first ratio 1). Dense attention "
-            "models, --tp/--cp/--rollout-tp 1, --temperature 1, --top-p 1, --rollout-logprobs all; slower "
+            "models, --cp 1, --rollout-tp equal to --tp, --temperature 1, --top-p 1, --rollout-logprobs all; slower "
             "(docs/algorithms.md)"
         ),
     )

@@ -125,8 +125,12 @@ def _check_true_on_policy(args, spec):
     wrong = [
         (kind is not None, f"{spec.architecture} has {kind} layers; it covers dense attention models"),
         (not _uses_vllm(args) or args.load_rollouts, "it needs the vLLM engine (--rollout vllm, on GPUs)"),
-        (args.tp > 1 or args.cp > 1, f"--tp {args.tp} --cp {args.cp}: it is for --tp 1 --cp 1"),
-        (args.rollout_tp > 1, f"--rollout-tp {args.rollout_tp}: it is for --rollout-tp 1"),
+        (args.cp > 1, f"--cp {args.cp}: it is for --cp 1"),
+        (
+            args.rollout_tp != args.tp,
+            f"--tp {args.tp} --rollout-tp {args.rollout_tp}: the engine's tensor-parallel split must be the "
+            f"trainer's (a row-parallel layer's sums run over the same shards on both sides): --rollout-tp {args.tp}",
+        ),
         (args.temperature != 1.0 or args.top_p != 1.0, "it samples at --temperature 1 --top-p 1"),
         (getattr(args, "dtype", None) == "fp32", "it is for bf16 models (vLLM's batch-invariant kernels)"),
         (getattr(args, "lora_rank", 0), "LoRA adapters have no engine kernels to repeat; drop --lora-rank"),

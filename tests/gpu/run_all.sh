@@ -70,7 +70,8 @@ run "distill 1 GPU"          600 python -m pytest -q -s -p no:cacheprovider test
 run "async 1 GPU"            400 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_async_gpu.py
 # MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
 # --true-on-policy: vLLM's and megatron's modules and sampled logprobs equal bit for bit; GRPO with mismatch 0.0
-run "true on-policy 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py
+# (at TP=2 among the torchrun variants below)
+run "true on-policy 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py -k "1"
 run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 # agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py
 # with tools of one length and of drawn lengths
@@ -96,6 +97,8 @@ if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   # experts over EP) against one vLLM engine over both GPUs (experts TP-sharded there)
   run "moe EP=2, rollout TP=2"           400 $TR tests/gpu/test_moe_gpu.py --ep 2 --rollout-tp 2
   run "deepseek EP=2, rollout TP=2"      400 $TR tests/gpu/test_deepseek_gpu.py --ep 2 --rollout-tp 2
+  # --true-on-policy with the trainer at --tp 2 and vLLM at --rollout-tp 2 (365 s on two H200s)
+  run "true on-policy TP=2"              500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py -k "2"
   run "routing replay EP=2"              600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-2 or deepseek-2"
   # the other token dispatcher (common/model/moe.py DeviceSortDispatcher; the tests' batches have equal
   # sizes on both ranks, which it needs: bench/train.py --ab allgather measures it)

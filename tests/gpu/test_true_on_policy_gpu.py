@@ -2,14 +2,16 @@
 
     python -m pytest -q -s tests/gpu/test_true_on_policy_gpu.py      (GPU machine, stack of shared/device)
 
-1. `torchrun --nproc_per_node 1 tests/gpu/test_true_on_policy_gpu.py`: test_vllm_agreement.py's random Qwen2
+1. `torchrun --nproc_per_node N tests/gpu/test_true_on_policy_gpu.py --tp N` (N = 1, and 2 with two GPUs: the
+   trainer and the engine both at tensor parallel size N): test_vllm_agreement.py's random Qwen2
    (8 layers, hidden 512, head size 64, q/k/v bias, GQA), megatron on the engine's kernels, vLLM batch-invariant
    and eager. Reported (a diagnosis, not asserted): whether vLLM's kernels give a row the same bits alone as
    among many; every module's output, vLLM's hooks against megatron's, on the prefill rows and the decode rows
    of one sequence; the trainer's rows alone against batched; vLLM's prompt logprobs against the trainer's.
    Asserted: 64 sampled responses of 48 tokens (T=1), every trainer logprob of a sampled token (padded rows)
    equal to vLLM's exactly (0 differing tokens).
-2. train_grpo.py on a random model of Qwen2-0.5B's shape (packed micro-batches) with --true-on-policy
+2. train_grpo.py on a random model of Qwen2-0.5B's shape (packed micro-batches; at --tp 1, and at --tp 2
+   --rollout-tp 2 with two GPUs) with --true-on-policy
    --check-on-policy 0: logprob_mismatch 0.0 at every step and ppo_kl 0.0 (the gate stops the run otherwise);
    the same run without the flag: a mismatch > 0 (the control). Printed: rollout and step seconds of both runs
    (the mode's cost).
@@ -44,7 +46,7 @@ def rows(calls, p):
     return torch.cat([calls[0][:p]] + [x[:1] for x in calls[1:]])
 
 
-def by_module(engine, chunks, spec, prompt, max_tokens=8):
+def by_module(engine, chunks, spec, prompt, tp, max_tokens=8):
     """vLLM's and megatron's outputs of every module of every layer on one sequence -> lines. vLLM generates
     max_tokens from the prompt alone (its prefill, then one decode step per token), megatron runs prompt +
     response in one forward; the rows of vLLM's calls, concatenated, are megatron's rows."""
@@ -80,7 +82,7 @@ def by_module(engine, chunks, spec, prompt, max_tokens=8):
         model(torch.tensor([ids], device="cuda"), torch.arange(n, device="cuda")[None], None)
     for h in handles:
         h.remove()
-    heads, groups = spec.num_heads, spec.num_kv_heads
+    heads, groups = spec.num_heads // tp, spec.num_kv_heads // tp  # this rank's (vLLM's and megatron's alike)
     lines = []
     for i in range(len(model.decoder.layers)):
         for sub in ours:
@@ -173,7 +175,9 @@ def compared(samples, chunks, spec):
     )
 
 
-def main():
+def main(tp):
+    import torch.distributed as dist
+
     from common.model.exact import bind, convert
     from common.model.gpt import build_model, load_hf_spec
     from common.model.weights import export_hf_weights
@@ -182,21 +186,27 @@ def main():
     from common.run.dist import init_distributed
     from tests.gpu.test_vllm_agreement import VOCAB, megatron_logprobs, write_model
 
-    init_distributed(tp=1)
-    hf_dir = tempfile.mkdtemp(prefix="true_on_policy_")
-    write_model(hf_dir)
+    info = init_distributed(tp=tp)
+    hf_dir = [tempfile.mkdtemp(prefix="true_on_policy_") if info.rank == 0 else None]
+    dist.broadcast_object_list(hf_dir)  # one node: a shared /tmp
+    hf_dir = hf_dir[0]
+    if info.rank == 0:
+        write_model(hf_dir)
+    dist.barrier()
     spec = load_hf_spec(hf_dir)
-    chunks = build_model(spec, dtype=torch.bfloat16)
+    chunks = build_model(spec, tp=tp, dtype=torch.bfloat16)
     load_hf_weights(chunks, spec, hf_dir)
     convert(chunks)
-    engine = VLLMEngine(hf_dir, gpu_memory_utilization=0.3, max_model_len=512, seed=0, batch_invariant=True)
+    engine = VLLMEngine(
+        hf_dir, rollout_tp=tp, gpu_memory_utilization=0.3, max_model_len=512, seed=0, batch_invariant=True
+    )
     bind(engine)
     engine.update_weights(export_hf_weights(chunks, spec, dtype=torch.bfloat16))
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(10, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (16,), generator=g)
     ]
-    res = {"kernels": kernel_invariance(), "modules": by_module(engine, chunks, spec, prompts[0])}
+    res = {"tp": tp, "kernels": kernel_invariance(), "modules": by_module(engine, chunks, spec, prompts[0], tp)}
     print("\n".join(res["modules"]), flush=True)
     samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=48, seed=1)
     res["padded"] = compared(samples, chunks, spec)
@@ -214,16 +224,20 @@ def main():
     res["engine_prefill_vs_trainer"] = int((torch.tensor(sum(scored, [])) != batched).sum())
     print("RESULT", json.dumps(res), flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "true_on_policy_probe.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"true_on_policy_probe_tp{tp}_rank{info.rank}.json"), "w") as f:
             json.dump(res, f, indent=1)
     assert res["padded"]["differing"] == 0, res["padded"]
     os._exit(0)  # an in-process engine can hang interpreter shutdown
 
 
-def test_logprobs_equal_engine():
-    out = launch_checked(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__], 400
-    )
+def two_gpus(tp):
+    return pytest.mark.skipif(tp > torch.cuda.device_count(), reason=f"needs {tp} GPUs")
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=two_gpus(2))])
+def test_logprobs_equal_engine(tp):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp)]
+    out = launch_checked([*launch, __file__, "--tp", str(tp)], 400)
     print(out[-6000:])
 
 
@@ -231,13 +245,17 @@ FLAGS = ["--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4",
 FLAGS += ["--eval-every", "0", "--rollout", "vllm", "--rollout-logprobs", "all"]
 
 
-def test_grpo_run_on_policy(tmp_path):
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=two_gpus(2))])
+def test_grpo_run_on_policy(tmp_path, tp):
     model = tmp_path / "model"  # Qwen2-0.5B's shape (24 layers, head size 64, q/k/v bias), the byte tokenizer
     launch_checked([sys.executable, "tests/gpu/make_random_model.py", str(model), "--shape", "0.5b"], 120)
     keys = ["logprob_mismatch", "ppo_kl", "rollout_s", "step_s"]
     runs = {}
     for name, extra in (("exact", ["--true-on-policy", "--check-on-policy", "0"]), ("default", [])):
-        rows, _ = run_script("train_grpo.py", tmp_path / name, "--model", model, *FLAGS, *extra, timeout=500)
+        layout = ["--tp", tp, "--rollout-tp", tp]
+        rows, _ = run_script(
+            "train_grpo.py", tmp_path / name, "--model", model, *FLAGS, *layout, *extra, ranks=tp, timeout=500
+        )
         runs[name] = [{k: r.get(k) for k in keys} for r in rows]
         print(name, runs[name], flush=True)
     assert all(r["logprob_mismatch"] == 0.0 for r in runs["exact"])
@@ -246,4 +264,8 @@ def test_grpo_run_on_policy(tmp_path):
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1, help="the trainer's and the engine's tensor parallel size")
+    main(ap.parse_args().tp)
