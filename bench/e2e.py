@@ -31,6 +31,14 @@ Reported over the timed steps (the warm-up steps pay for compilation, CUDA graph
   device, world size, layout, the command
 Output: a table, one `BENCH_JSON {...}` line and --out/e2e.json. Step seconds are rank 0's (the
 step ends with a collective: every rank is within a metric reduction of it).
+
+What a flag costs, end to end: `--ab FLAGS` runs --pairs pairs of whole runs, A as given and B with FLAGS added
+after `--` (each its own process: flags read at start-up, such as --true-on-policy's batch-invariant engine, can
+be compared), the order alternating (A B, B A, ...; bench/harness.py run_pairs). Reported: B / A of the mean step
+seconds, of each phase's mean seconds and of tokens/s/GPU, as the median (min, max) of the per-pair ratios; each
+run's own report is kept (--out/a0, b0, a1, ...). Output: a table, `BENCH_JSON {...}` and --out/e2e_ab.json.
+    python bench/e2e.py --model /models/rand-0.5b --response-lengths lognormal:mean=500,sigma=0.6,max=2000 \
+        --ab "--true-on-policy" --pairs 3 -- --prompts-per-step 8 --samples-per-prompt 16
 """
 
 import argparse
@@ -50,6 +58,9 @@ sys.path.insert(0, ROOT)
 
 from common.rollout.lengths import draw_lengths, parse_lengths  # noqa: E402
 from common.run.plots import is_seconds  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import paired_ratios, run_pairs  # noqa: E402
 
 # NeMo-RL's Llama-3.1-8B GRPO recipe has ~1k-token responses (1,019 mean) within 4,096 tokens of
 # prompt + response: a lognormal of mean 1,000 capped so that 128-token prompts fit 4,096 positions
@@ -92,6 +103,14 @@ def build_parser():
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--seed", type=int, default=1234, help="train_grpo.py's --seed: the prompts, the draws, sampling")
     p.add_argument("--out", default="runs/bench_e2e", help="train_grpo.py's --out; e2e.json is written there")
+    p.add_argument(
+        "--ab",
+        default=None,
+        metavar="FLAGS",
+        help="compare: pairs of whole runs, A as given and B with these train_grpo.py flags added (one quoted "
+        "string, e.g. '--true-on-policy'); reports B / A per phase, the median of the per-pair ratios",
+    )
+    p.add_argument("--pairs", type=int, default=3, help="with --ab: pairs of runs (the order alternating)")
     return p
 
 
@@ -235,33 +254,33 @@ def print_table(r):
         print(f"  {name:16s} {p['s']:9.3f} {100 * p['share']:6.1f}% {rate}")
 
 
-def main(argv=None):
-    p = build_parser()
-    own, passthrough = split_argv(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(own)
-    try:
-        spec = parse_lengths(args.response_lengths)
-    except ValueError as e:
-        p.error(str(e).replace("--bench-response-lengths", "--response-lengths"))
-    given = [a for a in passthrough if a.split("=")[0] in OWN_FLAGS]
-    if given:
-        p.error(f"{given[0]} after `--`: this driver sets it (use its own flags, see --help)")
-    positions = max_positions(args.model)
-    if args.prompt_len + spec.high > positions:
-        p.error(
-            f"--prompt-len {args.prompt_len} + the longest response {spec.high} > the model's {positions} positions: "
-            "lower one of them"
-        )
-    if args.nproc is None:
-        import torch
+def ab_report(a, b, flags):
+    """B / A of two sides' reports (summarize) measured in pairs: the mean step seconds, tokens/s/GPU and each
+    phase both sides have, each as paired_ratios (median, min, max, per pair) with each side's median."""
 
-        args.nproc = max(1, torch.cuda.device_count())
-    args.out = os.path.abspath(args.out)  # train_grpo.py runs in the repository's root
-    args.model = args.model and os.path.abspath(args.model)
+    def b_over_a(key):
+        r = paired_ratios([key(x) for x in b], [key(x) for x in a])
+        r["a_median"], r["b_median"] = r["b_median"], r["a_median"]  # paired_ratios names its arguments a, b
+        return r
 
-    prompts_dir = tempfile.mkdtemp(prefix="e2e_prompts_")
-    data = os.path.join(prompts_dir, "prompts.jsonl")
-    write_prompts(data, 1024, args.prompt_len, args.seed)
+    ratios = {"step_s": b_over_a(lambda r: r["step_s_mean"])}
+    ratios["tokens_per_s_per_gpu"] = b_over_a(lambda r: r["tokens_per_s_per_gpu"])
+    phases = set(a[0]["phases"]).intersection(*(r["phases"] for r in a + b))
+    for name in sorted(phases):
+        ratios[name] = b_over_a(lambda r, name=name: r["phases"][name]["s"])
+    return dict(ab_flags=flags, pairs=len(a), ratios=ratios, a=a, b=b, device=a[0]["device"])
+
+
+def print_ab(report):
+    print(f"\nB / A over {report['pairs']} pairs on {report['device']}, B = A + {report['ab_flags']}:")
+    print(f"  {'':22s} {'median':>8s} {'min':>8s} {'max':>8s} {'A':>10s} {'B':>10s}")
+    for name, r in report["ratios"].items():
+        spread = f"{r['median']:8.3f} {r['min']:8.3f} {r['max']:8.3f}"
+        print(f"  {name:22s} {spread} {r['a_median']:10.3f} {r['b_median']:10.3f}")
+
+
+def run_once(args, spec, data, out, passthrough):
+    """One train_grpo.py run into `out`: its report (summarize, with device and command), or its exit status."""
     train = [
         "train_grpo.py",
         *(["--model", args.model] if args.model else []),
@@ -287,7 +306,7 @@ def main(argv=None):
         "--wandb",
         "disabled",
         "--out",
-        args.out,
+        out,
         "--start-over",
         *passthrough,
     ]
@@ -298,15 +317,10 @@ def main(argv=None):
     )
     command = launcher + train
     print("running: " + shlex.join(command), flush=True)
-    try:
-        rc = subprocess.run(command, cwd=ROOT).returncode
-    finally:
-        shutil.rmtree(prompts_dir, ignore_errors=True)
+    rc = subprocess.run(command, cwd=ROOT).returncode
     if rc != 0:
         print(f"train_grpo.py exited with status {rc}: no numbers", file=sys.stderr)
         return rc
-
-    out = args.out
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -323,6 +337,69 @@ def main(argv=None):
     print_table(result)
     with open(os.path.join(out, "e2e.json"), "w") as f:
         json.dump(result, f, indent=1)
+    return result
+
+
+class _RunFailed(Exception):
+    pass
+
+
+def main(argv=None):
+    p = build_parser()
+    own, passthrough = split_argv(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(own)
+    try:
+        spec = parse_lengths(args.response_lengths)
+    except ValueError as e:
+        p.error(str(e).replace("--bench-response-lengths", "--response-lengths"))
+    extra = shlex.split(args.ab) if args.ab else []
+    given = [a for a in passthrough + extra if a.split("=")[0] in OWN_FLAGS]
+    if given:
+        p.error(f"{given[0]} after `--` or in --ab: this driver sets it (use its own flags, see --help)")
+    if args.ab is not None and (not extra or args.pairs < 1):
+        p.error("--ab needs train_grpo.py flags for B (e.g. --ab '--true-on-policy') and --pairs >= 1")
+    positions = max_positions(args.model)
+    if args.prompt_len + spec.high > positions:
+        p.error(
+            f"--prompt-len {args.prompt_len} + the longest response {spec.high} > the model's {positions} positions: "
+            "lower one of them"
+        )
+    if args.nproc is None:
+        import torch
+
+        args.nproc = max(1, torch.cuda.device_count())
+    args.out = os.path.abspath(args.out)  # train_grpo.py runs in the repository's root
+    args.model = args.model and os.path.abspath(args.model)
+
+    prompts_dir = tempfile.mkdtemp(prefix="e2e_prompts_")
+    data = os.path.join(prompts_dir, "prompts.jsonl")
+    write_prompts(data, 1024, args.prompt_len, args.seed)
+    try:
+        if args.ab is None:  # its report written to --out/e2e.json
+            result = run_once(args, spec, data, args.out, passthrough)
+            if isinstance(result, int):
+                return result
+        else:
+
+            def side(label, flags):
+                def run(pair):
+                    result = run_once(args, spec, data, os.path.join(args.out, f"{label}{pair}"), passthrough + flags)
+                    if isinstance(result, int):
+                        raise _RunFailed(result)
+                    return result
+
+                return run
+
+            try:
+                a, b = run_pairs(side("a", []), side("b", extra), args.pairs, warmup=0)
+            except _RunFailed as failed:
+                return failed.args[0]
+            result = ab_report(a, b, args.ab)
+            print_ab(result)
+            with open(os.path.join(args.out, "e2e_ab.json"), "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        shutil.rmtree(prompts_dir, ignore_errors=True)
     print("BENCH_JSON " + json.dumps(result), flush=True)
     return 0
 

@@ -28,7 +28,8 @@
 - bench/e2e.py (whole train_grpo.py steps with drawn response lengths) with the CPU engine, fixed:12
   in one process and a lognormal over two processes (two rollout replicas): every response has
   exactly its drawn length, the token counts are those of the saved samples, tokens/s/GPU and
-  the phases' seconds those of metrics.jsonl, the length statistics those of the responses.
+  the phases' seconds those of metrics.jsonl, the length statistics those of the responses; with --ab,
+  B's runs get the flags and each ratio is B's over A's from the runs' own reports.
 """
 
 import importlib.util
@@ -600,6 +601,37 @@ def test_e2e_lognormal_lengths_two_replicas(tmp_path):
         assert got == drawn[0] + drawn[2] + drawn[1] + drawn[3]
     flat = [n for step in lengths for n in step]
     assert 4 <= min(flat) and max(flat) <= 48 and len(set(flat)) > 5
+
+
+def test_e2e_ab_compares_whole_runs(tmp_path):
+    """bench/e2e.py --ab: A as given, B with the flags added (each run's own config says so), A first in the first
+    pair; each ratio is B's seconds over A's from the two runs' own reports (e2e.json), e2e_ab.json is the line."""
+    out = tmp_path / "ab"
+    cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--response-lengths", "fixed:4", "--prompt-len", 8]
+    cmd += ["--warmup", 0, "--steps", 1, "--out", out, "--ab", "--micro-batch-size 1", "--pairs", 1, "--"]
+    cmd += ["--prompts-per-step", 2, "--samples-per-prompt", 2, "--mini-batch-size", 4]
+    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    r = bench_json(proc.stdout)
+    with open(out / "e2e_ab.json") as f:
+        assert json.load(f) == r
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("running: ")]
+    assert len(runs) == 2 and str(out / "a0") in runs[0] and str(out / "b0") in runs[1]
+    side = {}
+    for name in ("a0", "b0"):
+        with open(out / name / "config.json") as f:
+            side[name] = json.load(f)["args"]["micro_batch_size"]
+        with open(out / name / "e2e.json") as f:
+            side[name + ".json"] = json.load(f)
+    assert side["a0"] != 1 and side["b0"] == 1
+    a, b = side["a0.json"], side["b0.json"]
+    assert r["ab_flags"] == "--micro-batch-size 1" and r["pairs"] == 1 and r["a"] == [a] and r["b"] == [b]
+    step = r["ratios"]["step_s"]
+    assert step["ratios"] == [b["step_s_mean"] / a["step_s_mean"]] and step["median"] == step["ratios"][0]
+    assert (step["a_median"], step["b_median"]) == (a["step_s_mean"], b["step_s_mean"])
+    for phase in ("rollout_s", "train_s", "other_s"):
+        assert r["ratios"][phase]["median"] == b["phases"][phase]["s"] / a["phases"][phase]["s"], phase
+    assert r["ratios"]["tokens_per_s_per_gpu"]["median"] == b["tokens_per_s_per_gpu"] / a["tokens_per_s_per_gpu"]
 
 
 def test_agentic_bench_passes_tool_workers_to_the_episodes():
