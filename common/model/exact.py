@@ -38,6 +38,7 @@ import functools
 import types
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import layers as mcore_layers
 
 from common.model.linear import save_linear_context
@@ -174,7 +175,7 @@ def _exact_forward_impl(self, input, weight, *args, **kwargs):
         bool(kwargs.get("sequence_parallel")),
         kwargs.get("grad_output_buffer"),
         kwargs.get("wgrad_deferral_limit"),
-        mcore_layers.get_tensor_model_parallel_group_if_none(kwargs.get("tp_group")),
+        kwargs.get("tp_group") or parallel_state.get_tensor_model_parallel_group(),  # (RowParallelLinear: None)
     )
 
 
