@@ -40,6 +40,7 @@ import types
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import layers as mcore_layers
+from megatron.core.tensor_parallel import mappings
 
 from common.model.linear import save_linear_context
 
@@ -154,9 +155,10 @@ class _ExactLinear(mcore_layers.LinearWithGradAccumulationAndAsyncCommunication)
     def forward(
         ctx, input, weight, bias, accumulation_fusion, allreduce_dgrad, sequence_parallel, buffer, limit, group
     ):
-        save_linear_context(ctx, input, weight, bias, accumulation_fusion, allreduce_dgrad, buffer, limit, group)
+        save_linear_context(
+            ctx, input, weight, bias, accumulation_fusion, allreduce_dgrad, sequence_parallel, buffer, limit, group
+        )  # with sequence parallelism the backward gathers the saved shard again and reduce-scatters dgrad
         if sequence_parallel:
-            ctx.sequence_parallel = True  # the backward gathers the saved shard again and reduce-scatters dgrad
             gathered = input.new_empty((input.shape[0] * group.size(), *input.shape[1:]))
             mcore_layers.dist_all_gather_func(gathered, input.contiguous(), group=group)
             input = gathered
@@ -299,8 +301,6 @@ def token_logprobs(logits, targets, vocab_size, tp_group=None):
     over the first vocab_size columns, on logits of the engine's dtype (the kernel, compiled for fp32 input, sums
     in another order: measured, 1 ulp off at ~5% of tokens). -> targets' shape, fp32, no autograd."""
     if tp_group is not None:
-        parts = [torch.empty_like(logits, memory_format=torch.contiguous_format) for _ in range(tp_group.size())]
-        torch.distributed.all_gather(parts, logits.contiguous(), group=tp_group)
-        logits = torch.cat(parts, dim=-1)
+        logits = mappings.gather_from_tensor_model_parallel_region(logits, group=tp_group)
     rows = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].to(ENGINE["logits_dtype"])  # fp32 copies: exact
     return kernels().token_logprobs(rows, targets.reshape(-1, 1).long()).view(targets.shape)

@@ -27,16 +27,18 @@ ENABLED = True  # False: megatron's matmul + add (bench/train.py --ab qkv-bias-g
 
 
 def save_linear_context(
-    ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer, limit, tp_group
-):
+    ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, grad_output_buffer,
+    limit, tp_group,
+):  # fmt: skip
     """What megatron's linear backward reads from its context (megatron-core 0.16.1,
-    LinearWithGradAccumulationAndAsyncCommunication), for a forward without sequence parallelism."""
+    LinearWithGradAccumulationAndAsyncCommunication), its forward's arguments in their order; `input` is this
+    rank's (with sequence parallelism the backward gathers it again)."""
     ctx.save_for_backward(input, weight)
     ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
     ctx.use_bias = bias is not None
     ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
     ctx.allreduce_dgrad = allreduce_dgrad
-    ctx.sequence_parallel = False
+    ctx.sequence_parallel = sequence_parallel
     ctx.wgrad_deferral_limit = limit
     ctx.grad_output_buffer = grad_output_buffer
     ctx.tp_group = tp_group
@@ -62,8 +64,8 @@ class _LinearBiasInGemm(mcore_layers.LinearWithGradAccumulationAndAsyncCommunica
     ):
         assert bias is not None and not sequence_parallel, "the caller keeps these cases on megatron's path"
         save_linear_context(
-            ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, grad_output_buffer,
-            wgrad_deferral_limit, tp_group,
+            ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+            grad_output_buffer, wgrad_deferral_limit, tp_group,
         )  # fmt: skip
         output = torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t())
         return output.view(*input.shape[:-1], output.shape[-1])
