@@ -279,8 +279,13 @@ def print_ab(report):
         print(f"  {name:22s} {spread} {r['a_median']:10.3f} {r['b_median']:10.3f}")
 
 
+class RunFailed(Exception):
+    """A train_grpo.py run that gave no numbers; args[0]: the exit status to return."""
+
+
 def run_once(args, spec, data, out, passthrough):
-    """One train_grpo.py run into `out`: its report (summarize, with device and command), or its exit status."""
+    """One train_grpo.py run into `out`: its report (summarize, with device and command), also written to
+    out/e2e.json. RunFailed: the run exited non-zero or wrote too few steps."""
     train = [
         "train_grpo.py",
         *(["--model", args.model] if args.model else []),
@@ -320,7 +325,7 @@ def run_once(args, spec, data, out, passthrough):
     rc = subprocess.run(command, cwd=ROOT).returncode
     if rc != 0:
         print(f"train_grpo.py exited with status {rc}: no numbers", file=sys.stderr)
-        return rc
+        raise RunFailed(rc)
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -329,7 +334,7 @@ def run_once(args, spec, data, out, passthrough):
         print(
             f"{out}/metrics.jsonl holds {len(rows)} steps, not {args.warmup + args.steps}: no numbers", file=sys.stderr
         )
-        return 1
+        raise RunFailed(1)
     result = summarize(rows, config["args"], config["layout"], args.response_lengths, args.warmup)
     result.update(
         device=device_name(config["layout"], args.nproc), command=shlex.join(command), prompt_len=args.prompt_len
@@ -338,10 +343,6 @@ def run_once(args, spec, data, out, passthrough):
     with open(os.path.join(out, "e2e.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
-
-
-class _RunFailed(Exception):
-    pass
 
 
 def main(argv=None):
@@ -377,27 +378,19 @@ def main(argv=None):
     try:
         if args.ab is None:  # its report written to --out/e2e.json
             result = run_once(args, spec, data, args.out, passthrough)
-            if isinstance(result, int):
-                return result
-        else:
-
-            def side(label, flags):
-                def run(pair):
-                    result = run_once(args, spec, data, os.path.join(args.out, f"{label}{pair}"), passthrough + flags)
-                    if isinstance(result, int):
-                        raise _RunFailed(result)
-                    return result
-
-                return run
-
-            try:
-                a, b = run_pairs(side("a", []), side("b", extra), args.pairs, warmup=0)
-            except _RunFailed as failed:
-                return failed.args[0]
+        else:  # each run's report in --out/a<pair> and b<pair>, the comparison in --out/e2e_ab.json
+            a, b = run_pairs(
+                lambda pair: run_once(args, spec, data, os.path.join(args.out, f"a{pair}"), passthrough),
+                lambda pair: run_once(args, spec, data, os.path.join(args.out, f"b{pair}"), passthrough + extra),
+                args.pairs,
+                warmup=0,
+            )
             result = ab_report(a, b, args.ab)
             print_ab(result)
             with open(os.path.join(args.out, "e2e_ab.json"), "w") as f:
                 json.dump(result, f, indent=1)
+    except RunFailed as failed:
+        return failed.args[0]
     finally:
         shutil.rmtree(prompts_dir, ignore_errors=True)
     print("BENCH_JSON " + json.dumps(result), flush=True)
