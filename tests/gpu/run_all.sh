@@ -71,7 +71,7 @@ run "async 1 GPU"            400 python -m pytest -q -s -p no:cacheprovider test
 # MoE routing replay (R3) through train_grpo.py: vLLM's routes replayed, route and logprob mismatch
 # --true-on-policy: vLLM's and megatron's modules and sampled logprobs equal bit for bit; GRPO with mismatch 0.0
 # (at TP=2 among the torchrun variants below)
-run "true on-policy 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py -k "1"
+run "true on-policy 1 GPU"   900 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py -k "1"
 run "routing replay 1 GPU"   600 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_routing_replay_gpu.py -k "qwen3moe-1 or deepseek-1"
 # agentic episodes (--env game) on vLLM request by request (and in waves at TP=2 with 2 GPUs); bench/agentic.py
 # with tools of one length and of drawn lengths

@@ -11,7 +11,8 @@
    Asserted: 64 sampled responses of 48 tokens (T=1), every trainer logprob of a sampled token (padded rows)
    equal to vLLM's exactly (0 differing tokens).
 2. train_grpo.py on a random model of Qwen2-0.5B's shape (packed micro-batches; at --tp 1, and at --tp 2
-   --rollout-tp 2 with two GPUs) with --true-on-policy
+   --rollout-tp 2 with two GPUs) and of Llama-3.2-1B's (no q/k/v bias, llama3 rope scaling; --tp 1) with
+   --true-on-policy
    --check-on-policy 0: logprob_mismatch 0.0 at every step and ppo_kl 0.0 (the gate stops the run otherwise);
    the same run without the flag: a mismatch > 0 (the control). Printed: rollout and step seconds of both runs
    (the mode's cost).
@@ -245,10 +246,12 @@ FLAGS = ["--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4",
 FLAGS += ["--eval-every", "0", "--rollout", "vllm", "--rollout-logprobs", "all"]
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=two_gpus(2))])
-def test_grpo_run_on_policy(tmp_path, tp):
-    model = tmp_path / "model"  # Qwen2-0.5B's shape (24 layers, head size 64, q/k/v bias), the byte tokenizer
-    launch_checked([sys.executable, "tests/gpu/make_random_model.py", str(model), "--shape", "0.5b"], 120)
+@pytest.mark.parametrize(
+    "shape,tp", [("0.5b", 1), ("llama-1b", 1), pytest.param("0.5b", 2, marks=two_gpus(2))], ids=["1", "llama-1", "2"]
+)
+def test_grpo_run_on_policy(tmp_path, shape, tp):
+    model = tmp_path / "model"  # tests/gpu/make_random_model.py's shape, the byte tokenizer
+    launch_checked([sys.executable, "tests/gpu/make_random_model.py", str(model), "--shape", shape], 120)
     keys = ["logprob_mismatch", "ppo_kl", "rollout_s", "step_s"]
     runs = {}
     for name, extra in (("exact", ["--true-on-policy", "--check-on-policy", "0"]), ("default", [])):
