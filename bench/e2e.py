@@ -38,7 +38,7 @@ be compared), the order alternating (A B, B A, ...; bench/harness.py run_pairs).
 seconds, of each phase's mean seconds and of tokens/s/GPU, as the median (min, max) of the per-pair ratios; each
 run's own report is kept (--out/a0, b0, a1, ...). Output: a table, `BENCH_JSON {...}` and --out/e2e_ab.json.
     python bench/e2e.py --model /models/rand-0.5b --response-lengths lognormal:mean=500,sigma=0.6,max=2000 \
-        --ab "--true-on-policy" --pairs 3 -- --prompts-per-step 8 --samples-per-prompt 16
+        --ab --true-on-policy --pairs 3 -- --prompts-per-step 8 --samples-per-prompt 16
 """
 
 import argparse
@@ -115,11 +115,14 @@ def build_parser():
 
 
 def split_argv(argv):
-    """(this driver's flags, train_grpo.py's flags after `--`)."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1 :]
-    return argv, []
+    """(this driver's flags, train_grpo.py's flags after `--`). `--ab X` becomes `--ab=X`: argparse would read a
+    value that starts with a dash (`--ab --true-on-policy`) as a flag of its own."""
+    own, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    for i in range(len(own) - 1):
+        if own[i] == "--ab":
+            own = own[:i] + [f"--ab={own[i + 1]}"] + own[i + 2 :]
+            break
+    return own, passthrough
 
 
 def write_prompts(path, count, length, seed):

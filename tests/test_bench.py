@@ -608,7 +608,8 @@ def test_e2e_ab_compares_whole_runs(tmp_path):
     pair; each ratio is B's seconds over A's from the two runs' own reports (e2e.json), e2e_ab.json is the line."""
     out = tmp_path / "ab"
     cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--response-lengths", "fixed:4", "--prompt-len", 8]
-    cmd += ["--warmup", 0, "--steps", 1, "--out", out, "--ab", "--micro-batch-size 1", "--pairs", 1, "--"]
+    # one flag after --ab, as `--ab --true-on-policy` is typed (argparse alone reads it as a flag of its own)
+    cmd += ["--warmup", 0, "--steps", 1, "--out", out, "--ab", "--micro-batch-size=1", "--pairs", 1, "--"]
     cmd += ["--prompts-per-step", 2, "--samples-per-prompt", 2, "--mini-batch-size", 4]
     proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -625,7 +626,7 @@ def test_e2e_ab_compares_whole_runs(tmp_path):
             side[name + ".json"] = json.load(f)
     assert side["a0"] != 1 and side["b0"] == 1
     a, b = side["a0.json"], side["b0.json"]
-    assert r["ab_flags"] == "--micro-batch-size 1" and r["pairs"] == 1 and r["a"] == [a] and r["b"] == [b]
+    assert r["ab_flags"] == "--micro-batch-size=1" and r["pairs"] == 1 and r["a"] == [a] and r["b"] == [b]
     step = r["ratios"]["step_s"]
     assert step["ratios"] == [b["step_s_mean"] / a["step_s_mean"]] and step["median"] == step["ratios"][0]
     assert (step["a_median"], step["b_median"]) == (a["step_s_mean"], b["step_s_mean"])
