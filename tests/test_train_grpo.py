@@ -606,6 +606,10 @@ def test_flags_that_would_be_ignored_are_refused(tmp_path):
         (["--data", data, "--eval-data", odd], f"--eval-data {odd}: no prompt field found"),
         (["--routing-replay", "rollout"], "--routing-replay rollout: Qwen2ForCausalLM has no MoE routers"),
         (["--true-on-policy"], "--true-on-policy: it needs the vLLM engine"),
+        (  # the embedded model's 16-wide heads hang vLLM's start-up at rollout TP 2 (docs/gpu.md)
+            ["--dry-run", "--world-size", 2, "--tp", 2, "--rollout-tp", 2, "--rollout", "vllm", "--gpu-memory-gb", 80],
+            "--rollout-tp 2: vLLM 0.26 hangs at start-up at rollout TP > 1 on a model of head size 16",
+        ),
     ):
         proc = run(*args, "--out", tmp_path / "out", check=False)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (

@@ -103,6 +103,12 @@ def check_layout(args, spec, critic=None, teacher=None):
     rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
     if world % rollout_tp:
         raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")
+    if rollout_tp > 1 and (spec.head_dim or 64) <= 16:  # docs/gpu.md: both ranks stuck in vLLM's warm-up forward
+        raise UsageError(
+            f"--rollout-tp {rollout_tp}: vLLM 0.26 hangs at start-up at rollout TP > 1 on a model of head size "
+            f"{spec.head_dim}, such as the embedded test model (docs/gpu.md); use a model with wider heads "
+            f"(--model) or --rollout-tp 1"
+        )
     replicas = world // rollout_tp
     if args.load_rollouts is None and args.prompts_per_step % replicas:
         raise UsageError(
