@@ -96,6 +96,18 @@ def test_observation_is_the_templates_continuation_after_the_models_stop_token(n
     assert cut == [stop_id] + ids
 
 
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_turn_text_is_the_tokenizers_decode_without_special_tokens(name):
+    tokenizer = template_tokenizer(name)
+    codec = ChatCodec(tokenizer)
+    ids = codec.encode("I <tool_call>x = 1</tool_call> said: caf\u00e9  \n ok") + [
+        tokenizer.convert_tokens_to_ids(END_OF_TURN[name])
+    ]
+    text = codec.turn_text(ids)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) and END_OF_TURN[name] not in text
+    assert codec.turn_text(tuple(ids)) == text  # (not a list: the public decode)
+
+
 def test_qwen3_without_thinking_adds_the_empty_think_block_to_the_next_turn():
     codec = ChatCodec(template_tokenizer("qwen3"), template_kwargs=dict(enable_thinking=False))
     text = codec.observation_text([{"role": "tool", "content": "42"}], "<|im_end|>")

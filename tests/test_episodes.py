@@ -8,6 +8,7 @@ gloo: tests/episodes_worker.py) the replica's first rank running the episodes wh
 
 import json
 import math
+import threading
 import time
 
 import pytest
@@ -224,6 +225,31 @@ def test_an_environment_that_hangs_or_raises_answers_with_an_error_and_the_episo
     assert (
         metrics["turns_per_episode"] == 2 and metrics["env_reward"] == 1.0 and metrics["tool_s"] >= (0.5 if hang else 0)
     )
+
+
+def test_the_turns_text_and_the_observations_ids_are_made_off_the_driver_thread():
+    """The driver thread runs the engine's steps; decoding a turn and tokenising its observation run in the
+    environment's worker, beside them."""
+    threads = []
+
+    class Codec(ChatCodec):
+        def turn_text(self, ids):
+            threads.append(threading.current_thread())
+            return super().turn_text(ids)
+
+        def observation_ids(self, messages, stop_id=None):
+            threads.append(threading.current_thread())
+            return super().observation_ids(messages, stop_id)
+
+    tokenizer = template_tokenizer("qwen2.5")
+    engine = ScriptedEngine(
+        tokenizer, lambda turn: turn_text("qwen2.5", turn), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
+    options = dict(temperature=1.0, top_p=1.0, max_tokens=64, max_turns=4, max_episode_tokens=4000, step_timeout_s=5)
+    [sample] = run_episodes(engine, Codec(tokenizer, tools=ToolEnv.tools), ToolEnv, [{"prompt": "Find x."}], n=1,
+                            seed=0, **options)  # fmt: skip
+    assert sample.episode["turns"] == 3 and len(threads) == 5  # 3 turns decoded, 2 observations
+    assert threading.main_thread() not in threads
 
 
 class RequestEngine(RolloutEngine):

@@ -6,7 +6,9 @@ Each of the len(items) * n episodes (prompt-major, as RolloutEngine.generate ord
 from its item's messages (env.reset), and then, turn after turn: the engine samples a turn after
 the episode's ids so far; the environment answers the decoded turn (env.step, in a worker thread,
 at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once
-as the chat template continues (common/env/chat.py), or ends the episode with its reward. An
+as the chat template continues (common/env/chat.py), or ends the episode with its reward. The
+worker also decodes the turn and tokenises the observation, so that the driver thread, which runs
+the engine's steps, spends only the engine's time (the text work overlaps the engine's GPU steps). An
 episode whose environment is busy holds up no other: its next turn is queued when its observation
 is ready (engine.add_turn / finished_turns; the CPU engine runs the queued turns in waves, vLLM
 request by request).
@@ -86,9 +88,18 @@ _WORKERS = _Workers()
 os.register_at_fork(after_in_child=_WORKERS.__init__)  # a forked child has none of these threads
 
 
-def _start_step(env, text):
-    """env.step(text) on a worker thread (_Workers) -> its Future."""
-    return _WORKERS.submit(env.step, text)
+def _env_turn(codec, env, turn_ids, stop_id):
+    """One environment step of a finished model turn, run in a worker thread: the turn's text, env.step on it, the
+    observation's ids when the episode goes on -> (step, observation ids or None)."""
+    step = env.step(codec.turn_text(turn_ids))
+    if not isinstance(step, Step) or step.done or not step.observation:
+        return step, None
+    return step, codec.observation_ids(step.observation, stop_id)
+
+
+def _start_step(codec, env, turn_ids, stop_id):
+    """_env_turn on a worker thread (_Workers) -> its Future."""
+    return _WORKERS.submit(_env_turn, codec, env, turn_ids, stop_id)
 
 
 def run_episodes(
@@ -116,7 +127,6 @@ def run_episodes(
     if engine.wave_follower:  # a rank of a TP > 1 replica but its first: it generates the first rank's waves
         engine.follow_waves()
         return []
-    tokenizer = codec.tokenizer
     episodes = []
     for i, item in enumerate(items):
         for j in range(n):
@@ -148,8 +158,7 @@ def run_episodes(
         if s.finish_reason == "length" and len(e.prompt_ids) + len(e.ids) >= max_episode_tokens:
             return e.end("length")  # the episode's context is full: no room for an observation and a turn
         stop_id = s.response_ids[-1] if s.finish_reason == "stop" else None
-        text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        e.pending = dict(future=None, text=text, stop_id=stop_id, finish=s.finish_reason)
+        e.pending = dict(future=None, turn_ids=s.response_ids, stop_id=stop_id, finish=s.finish_reason)
         waiting.append(k)  # its environment step starts when a worker is free
         start_steps()
 
@@ -157,10 +166,12 @@ def run_episodes(
         while waiting and len(running) < max_workers:
             k = waiting.popleft()
             e, now = episodes[k], time.time()
-            e.pending.update(future=_start_step(e.env, e.pending["text"]), started=now, deadline=now + step_timeout_s)
+            future = _start_step(codec, e.env, e.pending["turn_ids"], e.pending["stop_id"])
+            e.pending.update(future=future, started=now, deadline=now + step_timeout_s)
             running.add(k)
 
-    def step_done(k, step, seconds):
+    def step_done(k, step, obs, seconds):
+        """obs: the observation's ids as the worker made them (None: made here, if the episode goes on)."""
         e = episodes[k]
         stop_id, finish = e.pending["stop_id"], e.pending["finish"]
         e.pending = None
@@ -172,7 +183,8 @@ def run_episodes(
             return e.end(finish)
         if e.counts["turns"] >= max_turns:
             return e.end("length")
-        obs = codec.observation_ids(step.observation, stop_id)
+        if obs is None:  # an error observation made here (a timeout, a raising environment)
+            obs = codec.observation_ids(step.observation, stop_id)
         if len(e.prompt_ids) + len(e.ids) + len(obs) >= max_episode_tokens:
             return e.end("length")  # the observation would leave no room for another turn
         e.ids += obs
@@ -188,8 +200,9 @@ def run_episodes(
                 future, deadline = episodes[k].pending["future"], episodes[k].pending["deadline"]
                 if not wait_all and not future.done() and time.time() < deadline:
                     continue
+                obs = None
                 try:
-                    step = future.result(timeout=max(0.0, deadline - time.time()))
+                    step, obs = future.result(timeout=max(0.0, deadline - time.time()))
                 except TimeoutError:  # the thread is left behind (daemon); its worker is given to another step
                     step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
                     step.tool_errors, step.tool_timeouts = 0, 1
@@ -198,7 +211,7 @@ def run_episodes(
                 if not isinstance(step, Step):
                     step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
                 running.discard(k)
-                step_done(k, step, time.time() - episodes[k].pending["started"])
+                step_done(k, step, obs, time.time() - episodes[k].pending["started"])
                 start_steps()
             if not wait_all:
                 return
