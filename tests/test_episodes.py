@@ -252,6 +252,25 @@ def test_the_turns_text_and_the_observations_ids_are_made_off_the_driver_thread(
     assert threading.main_thread() not in threads
 
 
+def test_an_observation_the_template_cannot_render_answers_with_an_error():
+    class Codec(ChatCodec):
+        def observation_ids(self, messages, stop_id=None):
+            if messages[0]["content"] == "result 1":
+                raise ValueError("no template for this")
+            return super().observation_ids(messages, stop_id)
+
+    tokenizer = template_tokenizer("qwen2.5")
+    engine = ScriptedEngine(
+        tokenizer, lambda turn: turn_text("qwen2.5", turn), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
+    options = dict(temperature=1.0, top_p=1.0, max_tokens=64, max_turns=4, max_episode_tokens=4000, step_timeout_s=5)
+    [sample] = run_episodes(engine, Codec(tokenizer, tools=ToolEnv.tools), ToolEnv, [{"prompt": "Find x."}], n=1,
+                            seed=0, **options)  # fmt: skip
+    observation = tokenizer.decode(sample.response_ids[turns_of(sample)[0][1] : turns_of(sample)[1][0]])
+    assert "error: ValueError: no template for this" in observation
+    assert sample.episode["tool_errors"] == 1 and sample.episode["turns"] == 3 and sample.episode["reward"] == 1.0
+
+
 class RequestEngine(RolloutEngine):
     """A request-level engine (as VLLMEngine): each finished_turns call is one engine step that
     finishes the oldest queued turn; it logs the order in which turns were added."""

@@ -8,7 +8,7 @@ the episode's ids so far; the environment answers the decoded turn (env.step, in
 at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once
 as the chat template continues (common/env/chat.py), or ends the episode with its reward. The
 worker also decodes the turn and tokenises the observation, so that the driver thread, which runs
-the engine's steps, spends only the engine's time (the text work overlaps the engine's GPU steps). An
+the engine's steps, does not do that work between them. An
 episode whose environment is busy holds up no other: its next turn is queued when its observation
 is ready (engine.add_turn / finished_turns; the CPU engine runs the queued turns in waves, vLLM
 request by request).
@@ -20,8 +20,8 @@ token (NaN on observations); finish_reason "length" when a budget ended it (--ma
 episode's tokens, the turn's --max-new-tokens on the last turn), else the last turn's; episode =
 dict(reward, turns, tool_calls, tool_errors, tool_timeouts, tool_s, episode_tokens).
 
-An environment step that raises or outlives step_timeout_s answers with an error observation (the
-model reads it; the run goes on). A budget that ends an episode keeps its last reward.
+An environment step that raises or outlives step_timeout_s, or whose observation the chat template
+cannot render, answers with an error observation (the model reads it; the run goes on). A budget that ends an episode keeps its last reward.
 """
 
 import collections

@@ -57,7 +57,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="output HF model dir")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="model size (and family) to mimic")
-    ap.add_argument("--full-vocab", action="store_true", help="Qwen2's vocabulary size and tying (see above)")
+    ap.add_argument("--full-vocab", action="store_true", help="the family's vocabulary size and tying (see above)")
     args = ap.parse_args()
     from common.run.embedded import write_embedded_model
 
