@@ -21,7 +21,8 @@ episode's tokens, the turn's --max-new-tokens on the last turn), else the last t
 dict(reward, turns, tool_calls, tool_errors, tool_timeouts, tool_s, episode_tokens).
 
 An environment step that raises or outlives step_timeout_s, or whose observation the chat template
-cannot render, answers with an error observation (the model reads it; the run goes on). A budget that ends an episode keeps its last reward.
+cannot render, answers with an error observation (the model reads it; the run goes on). A budget that
+ends an episode keeps its last reward.
 """
 
 import collections
