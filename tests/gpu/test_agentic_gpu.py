@@ -9,7 +9,7 @@
    (VLLMEngine.add_turn / finished_turns at rollout TP 1).
 2. With two GPUs: the same at --tp 2 --rollout-tp 2, where turns run in waves (each rank of a vLLM TP
    group schedules alone), on a random model of Qwen2-0.5B's shape with the same byte tokenizer (the
-   embedded model hangs in vLLM's start-up at rollout TP 2: docs/gpu.md) and shorter turns.
+   embedded model's 16-wide heads hang vLLM's start-up at rollout TP 2, refused: docs/gpu.md) and shorter turns.
 3. bench/agentic.py at qwen2-1.5b: multi-turn tokens/s with 100 ms tools, and with lognormal tool times of
    mean 100 ms (256 tool workers: none waits for another) over single-turn at equal generated tokens,
    request-level and lock-step (target >= 0.9x request-level; reported, not required).
