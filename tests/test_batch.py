@@ -13,14 +13,12 @@ a tiny Qwen2 gives the same logprobs and gradients on cut micro-batches as at fu
 
 import json
 import math
-import subprocess
-import sys
 
 import torch
 
 from common.rl.batch import micro_batches, pack_sequences, split_micro_batches
 from common.rollout.engine import Sample
-from tests.conftest import ROOT, script_env
+from tests.conftest import run_script
 
 
 def test_pack_sequences_layout_by_hand():
@@ -107,14 +105,7 @@ def test_cut_padding_same_logprobs_and_grads(tmp_path):
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model("qwen2", str(tmp_path / "qwen2"))
-    proc = subprocess.run(
-        [sys.executable, "tests/batch_worker.py", str(tmp_path / "qwen2")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=script_env(),
-    )
+    proc = run_script("tests/batch_worker.py", tmp_path / "qwen2", timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     print(r)

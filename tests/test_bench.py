@@ -36,13 +36,13 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun, script_env
+from tests.conftest import ROOT, assert_every_flag_documented, launch, run_torchrun, script_env
 
 SCRIPT = os.path.join("bench", "train.py")
 
@@ -53,10 +53,24 @@ def bench_json(output):
     return json.loads(lines[0][len("BENCH_JSON ") :])
 
 
+def run_bench(cmd, env=None, timeout=300):
+    """subprocess.run([python, script, args...]) from the repo root, captured, through the suite's zygote
+    (tests/conftest.py launch: no start-up imports)."""
+    cmd = list(map(str, cmd))
+    return launch(cmd, cmd[1], cmd[2:], env=env or script_env(), timeout=timeout)
+
+
+def run_code(code, *args, timeout=300):
+    """`python -c code args...` from the repo root, as run_bench runs a script (the code in a file of its own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "code.py")
+        with open(path, "w") as f:
+            f.write(f"import sys\nsys.path.insert(0, {ROOT!r})\n{code}\n")
+        return run_bench([sys.executable, path, *args], timeout=timeout)
+
+
 def run(*args, code=None, timeout=300):
-    env = script_env()
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, SCRIPT, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_code(code, timeout=timeout) if code else run_bench([sys.executable, SCRIPT, *args], timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc.stdout
 
@@ -123,14 +137,7 @@ def test_single_process():
 
 def test_cuda_graphs_flag_refused_on_cpu():
     """--cuda-graphs (megatron's local CUDA graphs of the layers) says why it cannot run here."""
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--shape", "tiny", "--cuda-graphs"],
-        cwd=ROOT,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_bench([sys.executable, SCRIPT, "--shape", "tiny", "--cuda-graphs"], env=script_env())
     assert proc.returncode != 0 and "--cuda-graphs: needs a GPU" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -396,14 +403,7 @@ def test_sync_bench_cpu_smoke():
     """bench/sync.py with the CPU engine (vLLM needs a GPU): the cycle runs, the engine still
     generates after it, and the bytes synced are the tiny shape's, counted by hand."""
     env = script_env()
-    proc = subprocess.run(
-        [sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_bench([sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"], env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = bench_json(proc.stdout)
     # tiny: hidden 64, ffn 192, 2 layers, 4 heads x 16, 2 kv heads, vocab 512, tied, q/k/v bias
@@ -424,13 +424,8 @@ def test_moe_bench_cpu_smoke():
     """bench/moe.py on a tiny MoE (no grouped path on a CPU, both sides run the loop): the
     timed pairs and the median of their ratios are what BENCH_JSON reports."""
     env = script_env()
-    proc = subprocess.run(
-        [sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3", "--tokens", "64"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_bench(
+        [sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3", "--tokens", "64"], env=env
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = bench_json(proc.stdout)
@@ -462,14 +457,7 @@ def test_rollout_bench_cpu_smoke():
     generate 2 prompts x 3 samples x 6 tokens = 36 tokens in every timed pair (EOS impossible),
     and the ratios are the median / min / max of one ratio per pair."""
     env = script_env()
-    proc = subprocess.run(
-        [sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_bench([sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS], env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     assert (r["engine"], r["reps"]) == ("hf", 3)
@@ -504,8 +492,7 @@ def test_rollout_bench_refuses_unequal_work():
             f"runpy.run_path({script!r}, run_name='__main__')",
         ]
     )
-    env = script_env()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_code(code)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     assert r["tokens_per_pair"] == [[36, 36], [36, 35], [36, 36]]
@@ -524,7 +511,7 @@ def run_e2e(tmp_path, spec, *, nproc, warmup, steps, prompts, group):
     cmd += ["--prompts-per-step", prompts, "--samples-per-prompt", group, "--micro-batch-size", 2]
     cmd += ["--mini-batch-size", prompts * group // 2, "--save-rollouts", saved]  # two optimizer steps
     env = script_env(TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_bench(cmd, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     with open(out / "e2e.json") as f:
@@ -611,7 +598,7 @@ def test_e2e_ab_compares_whole_runs(tmp_path):
     # one flag after --ab, as `--ab --true-on-policy` is typed (argparse alone reads it as a flag of its own)
     cmd += ["--warmup", 0, "--steps", 1, "--out", out, "--ab", "--micro-batch-size=1", "--pairs", 1, "--"]
     cmd += ["--prompts-per-step", 2, "--samples-per-prompt", 2, "--mini-batch-size", 4]
-    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    proc = run_bench(cmd, env=script_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     with open(out / "e2e_ab.json") as f:
@@ -650,10 +637,7 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
         "runpy.run_path('bench/agentic.py', run_name='__main__')\n"
     )
     args = "--shape tiny --episodes 4 --turns 2 --turn-tokens 4 --tool-ms uniform:min=20,max=40".split()
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args, "--reps", "1", "--tool-workers", "3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=script_env(),
-    )  # fmt: skip
+    proc = run_code(code, *args, "--reps", "1", "--tool-workers", "3")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     workers = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("MAX_WORKERS")}
     assert workers == {"3"}
@@ -696,7 +680,7 @@ def test_e2e_with_off_policy_steps(tmp_path):
     cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--response-lengths", spec, "--prompt-len", 8]
     cmd += ["--warmup", 0, "--steps", 3, "--out", out, "--", "--prompts-per-step", 4, "--samples-per-prompt", 2]
     cmd += ["--mini-batch-size", 8, "--off-policy-steps", 1, "--partial-chunk-tokens", 3, "--save-rollouts", saved]
-    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    proc = run_bench(cmd, env=script_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     r = bench_json(proc.stdout)
     assert r["lengths_exact"] is None and "NOT EXACT" not in proc.stdout

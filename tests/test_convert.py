@@ -22,7 +22,7 @@ import torch
 
 import convert_hf_to_mcore  # noqa: E402  (the repo root is on sys.path via conftest)
 import merge_to_hf  # noqa: E402
-from tests.conftest import ROOT, assert_every_flag_documented, run_torchrun
+from tests.conftest import ROOT, assert_every_flag_documented, run_script, run_torchrun
 from tests.tiny_models import ARCH_CONFIGS, make_tiny_hf_model
 
 
@@ -352,12 +352,7 @@ def test_bad_inputs(tiny_models_dir, tmp_path, capsys, monkeypatch):
     # the real script in a subprocess: exit code 2 and no traceback
     with open(src / shards[0], "r+b") as f:
         f.truncate(100)
-    proc = subprocess.run(
-        [sys.executable, "convert_hf_to_mcore.py", "--hf", str(src), "--out", str(tmp_path / "o")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_script("convert_hf_to_mcore.py", "--hf", src, "--out", tmp_path / "o", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(src / shards[0]) in proc.stdout
 
 

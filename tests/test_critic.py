@@ -16,13 +16,11 @@ PP=2 (torchrun, gloo):
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, LayoutLaunches, script_env
+from tests.conftest import LayoutLaunches, run_script
 
 MODELS = ["qwen2", "llama"]
 TOLERANCE = 1e-4
@@ -75,15 +73,7 @@ def test_critic_matches_transformers(layout, critic_models, critic_runs, tmp_pat
     nproc, flags = LAYOUTS[layout]
     if nproc == 1:  # one plain process, as `python train_ppo.py`
         out = tmp_path / "result.json"
-        env = script_env()
-        proc = subprocess.run(
-            [sys.executable, "tests/critic_worker.py", "--models-dir", str(root), "--out", str(out)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = run_script("tests/critic_worker.py", "--models-dir", root, "--out", out, timeout=300, check=False)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         results = json.loads(out.read_text())
     else:

@@ -23,12 +23,10 @@ host buffers and also checks that torch's allocated GPU memory dropped by the by
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_torchrun, script_env
+from tests.conftest import run_script, run_torchrun
 
 WORKER = "tests/offload_worker.py"
 # bytes per parameter moved: params + grad buffer (fp32, grad_reduce_in_fp32) + Adam (2 x fp32)
@@ -154,9 +152,7 @@ def on_gpu():
 
 
 def test_offload_roundtrip_one_process(hf_dir):
-    proc = subprocess.run(
-        [sys.executable, WORKER, str(hf_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=script_env()
-    )
+    proc = run_script(WORKER, hf_dir, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     check(parse(proc), dp=1)
 
