@@ -390,7 +390,7 @@ def test_baseline_oom_is_reported():
 def test_help_documents_every_flag():
     for script in (
         SCRIPT,
-        *(os.path.join("bench", name) for name in ("sync.py", "rollout.py", "e2e.py", "agentic.py")),
+        *(os.path.join("bench", name) for name in ("sync.py", "rollout.py", "e2e.py", "agentic.py", "lora_sync.py")),
     ):
         spec = importlib.util.spec_from_file_location("bench_module", os.path.join(ROOT, script))
         module = importlib.util.module_from_spec(spec)
@@ -690,3 +690,39 @@ def test_e2e_with_off_policy_steps(tmp_path):
         groups = [tuple(len(s.response_ids) for s in samples[i : i + 2]) for i in range(0, 8, 2)]
         assert all(g in draws for g in groups), groups
         assert r["response_tokens_per_step"][step] == sum(map(sum, groups))
+
+
+def test_lora_sync_writes_the_adapters_as_peft_does_and_needs_a_gpu(tmp_path):
+    """bench/lora_sync.py (GPU only): the adapters it hands vLLM are PEFT's layout, as merge_to_hf.py --lora peft
+    writes it (tests/test_lora.py): an A (r, in) and a B (out, r) of q, k, v, o, gate, up and down of every layer
+    of the shape; on a CPU it exits with one line saying what it needs."""
+    import transformers
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lora_sync
+    from harness import write_config_dir
+
+    config = transformers.AutoConfig.from_pretrained(write_config_dir(tmp_path / "tiny", "tiny"))
+    shapes = {n: t.shape for n, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    targets = lora_sync.adapter_targets(shapes)
+    assert len(targets) == 2 * 7  # 2 layers
+    factors = {name: (torch.randn(4, i), torch.randn(o, 4)) for name, (o, i) in targets.items()}
+    lora_sync.write_adapter(tmp_path / "peft", factors, 4, 8.0, "base")
+    saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert len(saved) == 2 * len(targets)
+    for name, (a, b) in factors.items():
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        assert torch.equal(saved[f"{prefix}.lora_A.weight"], a) and torch.equal(saved[f"{prefix}.lora_B.weight"], b)
+    peft = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (peft["peft_type"], peft["r"], peft["lora_alpha"], peft["base_model_name_or_path"]) == (
+        "LORA",
+        4,
+        8.0,
+        "base",
+    )
+    assert peft["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    proc = run_bench([sys.executable, os.path.join("bench", "lora_sync.py"), "--shape", "qwen2-0.5b"])
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        "bench/lora_sync.py: needs a GPU and vLLM (it measures vLLM's two ways of taking LoRA weights)"
+    ], proc.stderr[-2000:]
