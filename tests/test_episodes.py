@@ -66,9 +66,9 @@ def turn_text(name, turn, thinking=False):
     return think + "The answer is 3."
 
 
-def episode(name, env_class, respond, **kwargs):
+def episode(name, env_class, respond, codec_class=ChatCodec, **kwargs):
     tokenizer = template_tokenizer(name)
-    codec = ChatCodec(tokenizer, tools=env_class.tools, template_kwargs=kwargs.pop("template_kwargs", None))
+    codec = codec_class(tokenizer, tools=env_class.tools, template_kwargs=kwargs.pop("template_kwargs", None))
     engine = ScriptedEngine(tokenizer, respond, tokenizer.convert_tokens_to_ids(END_OF_TURN[name]))
     options = dict(temperature=1.0, top_p=1.0, max_tokens=64, max_turns=4, max_episode_tokens=4000, step_timeout_s=5)
     samples = run_episodes(engine, codec, env_class, [{"prompt": "Find x."}], n=1, seed=0, **dict(options, **kwargs))
@@ -241,13 +241,7 @@ def test_the_turns_text_and_the_observations_ids_are_made_off_the_driver_thread(
             threads.append(threading.current_thread())
             return super().observation_ids(messages, stop_id)
 
-    tokenizer = template_tokenizer("qwen2.5")
-    engine = ScriptedEngine(
-        tokenizer, lambda turn: turn_text("qwen2.5", turn), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    )
-    options = dict(temperature=1.0, top_p=1.0, max_tokens=64, max_turns=4, max_episode_tokens=4000, step_timeout_s=5)
-    [sample] = run_episodes(engine, Codec(tokenizer, tools=ToolEnv.tools), ToolEnv, [{"prompt": "Find x."}], n=1,
-                            seed=0, **options)  # fmt: skip
+    tokenizer, _, sample = episode("qwen2.5", ToolEnv, lambda turn: turn_text("qwen2.5", turn), codec_class=Codec)
     assert sample.episode["turns"] == 3 and len(threads) == 5  # 3 turns decoded, 2 observations
     assert threading.main_thread() not in threads
 
@@ -259,13 +253,7 @@ def test_an_observation_the_template_cannot_render_answers_with_an_error():
                 raise ValueError("no template for this")
             return super().observation_ids(messages, stop_id)
 
-    tokenizer = template_tokenizer("qwen2.5")
-    engine = ScriptedEngine(
-        tokenizer, lambda turn: turn_text("qwen2.5", turn), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    )
-    options = dict(temperature=1.0, top_p=1.0, max_tokens=64, max_turns=4, max_episode_tokens=4000, step_timeout_s=5)
-    [sample] = run_episodes(engine, Codec(tokenizer, tools=ToolEnv.tools), ToolEnv, [{"prompt": "Find x."}], n=1,
-                            seed=0, **options)  # fmt: skip
+    tokenizer, _, sample = episode("qwen2.5", ToolEnv, lambda turn: turn_text("qwen2.5", turn), codec_class=Codec)
     observation = tokenizer.decode(sample.response_ids[turns_of(sample)[0][1] : turns_of(sample)[1][0]])
     assert "error: ValueError: no template for this" in observation
     assert sample.episode["tool_errors"] == 1 and sample.episode["turns"] == 3 and sample.episode["reward"] == 1.0
