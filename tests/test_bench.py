@@ -42,7 +42,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_every_flag_documented, launch, run_torchrun, script_env
+from tests.conftest import ROOT, assert_every_flag_documented, run_script, run_torchrun
 
 SCRIPT = os.path.join("bench", "train.py")
 
@@ -53,26 +53,21 @@ def bench_json(output):
     return json.loads(lines[0][len("BENCH_JSON ") :])
 
 
-def run_bench(cmd, env=None, timeout=300):
-    """subprocess.run([python, script, args...]) from the repo root, captured, through the suite's zygote
-    (tests/conftest.py launch: no start-up imports)."""
-    cmd = list(map(str, cmd))
-    return launch(cmd, cmd[1], cmd[2:], env=env or script_env(), timeout=timeout)
-
-
 def run_code(code, *args, timeout=300):
-    """`python -c code args...` from the repo root, as run_bench runs a script (the code in a file of its own)."""
+    """`python -c code args...` from the repo root, as run_script runs a script (the code in a file of its own)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "code.py")
         with open(path, "w") as f:
             f.write(f"import sys\nsys.path.insert(0, {ROOT!r})\n{code}\n")
-        return run_bench([sys.executable, path, *args], timeout=timeout)
+        return run_script(path, *args, timeout=timeout, check=False)
 
 
 def run(*args, code=None, timeout=300):
-    proc = run_code(code, timeout=timeout) if code else run_bench([sys.executable, SCRIPT, *args], timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc.stdout
+    if code:
+        proc = run_code(code, timeout=timeout)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        return proc.stdout
+    return run_script(SCRIPT, *args, timeout=timeout).stdout
 
 
 def tiny_step_flops(seq_len, num_seqs, causal):
@@ -137,7 +132,7 @@ def test_single_process():
 
 def test_cuda_graphs_flag_refused_on_cpu():
     """--cuda-graphs (megatron's local CUDA graphs of the layers) says why it cannot run here."""
-    proc = run_bench([sys.executable, SCRIPT, "--shape", "tiny", "--cuda-graphs"], env=script_env())
+    proc = run_script(SCRIPT, "--shape", "tiny", "--cuda-graphs", check=False, timeout=300)
     assert proc.returncode != 0 and "--cuda-graphs: needs a GPU" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -402,9 +397,7 @@ def test_help_documents_every_flag():
 def test_sync_bench_cpu_smoke():
     """bench/sync.py with the CPU engine (vLLM needs a GPU): the cycle runs, the engine still
     generates after it, and the bytes synced are the tiny shape's, counted by hand."""
-    env = script_env()
-    proc = run_bench([sys.executable, os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2"], env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = run_script(os.path.join("bench", "sync.py"), "--shape", "tiny", "--reps", "2", timeout=300)
     result = bench_json(proc.stdout)
     # tiny: hidden 64, ffn 192, 2 layers, 4 heads x 16, 2 kv heads, vocab 512, tied, q/k/v bias
     per_layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 192 + 2 * 64
@@ -423,11 +416,7 @@ def test_sync_bench_cpu_smoke():
 def test_moe_bench_cpu_smoke():
     """bench/moe.py on a tiny MoE (no grouped path on a CPU, both sides run the loop): the
     timed pairs and the median of their ratios are what BENCH_JSON reports."""
-    env = script_env()
-    proc = run_bench(
-        [sys.executable, os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3", "--tokens", "64"], env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = run_script(os.path.join("bench", "moe.py"), "--shape", "tiny", "--reps", "3", "--tokens", "64", timeout=300)
     result = bench_json(proc.stdout)
     assert result["grouped_path"] is False and len(result["ratios"]) == 3
     assert result["speedup_median_of_pairs"] == pytest.approx(statistics.median(result["ratios"]), rel=1e-3)
@@ -456,9 +445,7 @@ def test_rollout_bench_cpu_smoke():
     """bench/rollout.py with the CPU engine (HFEngine vs transformers' generate): both sides
     generate 2 prompts x 3 samples x 6 tokens = 36 tokens in every timed pair (EOS impossible),
     and the ratios are the median / min / max of one ratio per pair."""
-    env = script_env()
-    proc = run_bench([sys.executable, os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS], env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = run_script(os.path.join("bench", "rollout.py"), *ROLLOUT_ARGS, timeout=300)
     r = bench_json(proc.stdout)
     assert (r["engine"], r["reps"]) == ("hf", 3)
     assert r["tokens_per_pair"] == [[36, 36]] * 3  # baseline, ours
@@ -506,13 +493,11 @@ def run_e2e(tmp_path, spec, *, nproc, warmup, steps, prompts, group):
     every step's samples saved by train_grpo.py (--save-rollouts after `--`). Returns (BENCH_JSON,
     the timed steps' metrics.jsonl rows, their saved samples, the run dir)."""
     out, saved = tmp_path / "run", tmp_path / "rollouts"
-    cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--nproc", nproc, "--response-lengths", spec]
+    cmd = [os.path.join("bench", "e2e.py"), "--nproc", nproc, "--response-lengths", spec]
     cmd += ["--prompt-len", 8, "--warmup", warmup, "--steps", steps, "--out", out, "--"]
     cmd += ["--prompts-per-step", prompts, "--samples-per-prompt", group, "--micro-batch-size", 2]
     cmd += ["--mini-batch-size", prompts * group // 2, "--save-rollouts", saved]  # two optimizer steps
-    env = script_env(TOKENIZERS_PARALLELISM="false")
-    proc = run_bench(cmd, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = run_script(*cmd, env=dict(TOKENIZERS_PARALLELISM="false"), timeout=300)
     r = bench_json(proc.stdout)
     with open(out / "e2e.json") as f:
         assert json.load(f) == r
@@ -594,12 +579,11 @@ def test_e2e_ab_compares_whole_runs(tmp_path):
     """bench/e2e.py --ab: A as given, B with the flags added (each run's own config says so), A first in the first
     pair; each ratio is B's seconds over A's from the two runs' own reports (e2e.json), e2e_ab.json is the line."""
     out = tmp_path / "ab"
-    cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--response-lengths", "fixed:4", "--prompt-len", 8]
+    cmd = [os.path.join("bench", "e2e.py"), "--response-lengths", "fixed:4", "--prompt-len", 8]
     # one flag after --ab, as `--ab --true-on-policy` is typed (argparse alone reads it as a flag of its own)
     cmd += ["--warmup", 0, "--steps", 1, "--out", out, "--ab", "--micro-batch-size=1", "--pairs", 1, "--"]
     cmd += ["--prompts-per-step", 2, "--samples-per-prompt", 2, "--mini-batch-size", 4]
-    proc = run_bench(cmd, env=script_env())
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = run_script(*cmd, timeout=300)
     r = bench_json(proc.stdout)
     with open(out / "e2e_ab.json") as f:
         assert json.load(f) == r
@@ -677,11 +661,10 @@ def test_e2e_with_off_policy_steps(tmp_path):
 
     spec = "uniform:min=2,max=9"
     out, saved = tmp_path / "run", tmp_path / "rollouts"
-    cmd = [sys.executable, os.path.join("bench", "e2e.py"), "--response-lengths", spec, "--prompt-len", 8]
+    cmd = [os.path.join("bench", "e2e.py"), "--response-lengths", spec, "--prompt-len", 8]
     cmd += ["--warmup", 0, "--steps", 3, "--out", out, "--", "--prompts-per-step", 4, "--samples-per-prompt", 2]
     cmd += ["--mini-batch-size", 8, "--off-policy-steps", 1, "--partial-chunk-tokens", 3, "--save-rollouts", saved]
-    proc = run_bench(cmd, env=script_env())
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = run_script(*cmd, timeout=300)
     r = bench_json(proc.stdout)
     assert r["lengths_exact"] is None and "NOT EXACT" not in proc.stdout
     draws = {tuple(draw_lengths(spec, 1, 2, seed=1234, step=g, round_=-1)[0]) for g in range(40)}
@@ -722,7 +705,7 @@ def test_lora_sync_writes_the_adapters_as_peft_does_and_needs_a_gpu(tmp_path):
         "base",
     )
     assert peft["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    proc = run_bench([sys.executable, os.path.join("bench", "lora_sync.py"), "--shape", "qwen2-0.5b"])
+    proc = run_script(os.path.join("bench", "lora_sync.py"), "--shape", "qwen2-0.5b", check=False, timeout=300)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         "bench/lora_sync.py: needs a GPU and vLLM (it measures vLLM's two ways of taking LoRA weights)"
     ], proc.stderr[-2000:]

@@ -73,8 +73,7 @@ def test_critic_matches_transformers(layout, critic_models, critic_runs, tmp_pat
     nproc, flags = LAYOUTS[layout]
     if nproc == 1:  # one plain process, as `python train_ppo.py`
         out = tmp_path / "result.json"
-        proc = run_script("tests/critic_worker.py", "--models-dir", root, "--out", out, timeout=300, check=False)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        run_script("tests/critic_worker.py", "--models-dir", root, "--out", out, timeout=300)
         results = json.loads(out.read_text())
     else:
         results = critic_runs[layout]

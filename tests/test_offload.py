@@ -152,8 +152,7 @@ def on_gpu():
 
 
 def test_offload_roundtrip_one_process(hf_dir):
-    proc = run_script(WORKER, hf_dir, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_script(WORKER, hf_dir, timeout=600)
     check(parse(proc), dp=1)
 
 
