@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from harness import SHAPES, paired_ratios, write_config_dir  # noqa: E402
 
+from common.run.lora_export import write_peft_files  # noqa: E402
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHASES = ("sync_s", "rollout_s", "step_s")
 
@@ -69,24 +71,6 @@ def adapter_targets(shapes):
         for name, shape in shapes.items()
         if name.endswith(".weight") and name.rsplit(".", 2)[-2] in TARGETS
     }
-
-
-def write_adapter(out_dir, factors, rank, alpha, base):
-    """The PEFT directory of `factors` ({HF weight name: (A (r, in), B (out, r))}), as merge_to_hf.py --lora peft
-    writes one (common/run/lora_export.py)."""
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, (a, b) in factors.items():
-        prefix = "base_model.model." + name.removesuffix(".weight")
-        tensors[f"{prefix}.lora_A.weight"] = a.to("cpu", copy=True).contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = b.to("cpu", copy=True).contiguous()
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), {"format": "pt"})
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base, r=rank, lora_alpha=alpha)
-    config.update(target_modules=sorted(TARGETS), lora_dropout=0.0, bias="none", inference_mode=True)
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
 
 
 def one_side(args):
@@ -135,7 +119,7 @@ def one_side(args):
             torch.cuda.synchronize()
             start = time.perf_counter()
             if adapters:
-                write_adapter(shm, factors, args.rank, alpha, hf_dir)
+                write_peft_files(shm, factors, args.rank, alpha, hf_dir)  # as merge_to_hf.py --lora peft
             else:  # the merged weights, made and loaded as the trainer's sync makes and loads them
                 scale = alpha / args.rank
 

@@ -691,7 +691,8 @@ def test_lora_sync_writes_the_adapters_as_peft_does_and_needs_a_gpu(tmp_path):
     targets = lora_sync.adapter_targets(shapes)
     assert len(targets) == 2 * 7  # 2 layers
     factors = {name: (torch.randn(4, i), torch.randn(o, 4)) for name, (o, i) in targets.items()}
-    lora_sync.write_adapter(tmp_path / "peft", factors, 4, 8.0, "base")
+    os.makedirs(tmp_path / "peft")
+    lora_sync.write_peft_files(tmp_path / "peft", factors, 4, 8.0, "base")
     saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     assert len(saved) == 2 * len(targets)
     for name, (a, b) in factors.items():
