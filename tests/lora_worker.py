@@ -71,6 +71,18 @@ def grads(args):
     for module in modules.values():
         module.lora_b.data.copy_(torch.randn(module.lora_b.shape, generator=gen) * 0.05)
     weights = torch.randn(base.shape, generator=gen)
+    # one row (b = 1, as rollout rows are packed): the frozen output layer's backward must be one GEMM over the
+    # tokens, not a batched (1 x V) @ (V x H) product per token (megatron's transposed logits; lora._RowMajorGrad)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        (model(ids[:1], positions, None) * weights[:1]).sum().backward()
+    result["vocab_bmm"] = sum(
+        e.name == "aten::bmm" and any(shape and shape[-1] == base.shape[-1] for shape in e.input_shapes)
+        for e in prof.events()
+    )
+    for module in modules.values():  # (the gradients checked below are of the next backward alone)
+        module.lora_a.grad = module.lora_b.grad = None
     (model(ids, positions, None) * weights).sum().backward()
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     result["trainable_only_adapters"] = all(lora.is_adapter(n) for n in trainable) and len(trainable) == 2 * adapted

@@ -40,6 +40,7 @@ def test_b0_is_the_base_and_gradients_are_the_chain_rule(qwen2_dir, tmp_path):
     print(r)
     assert r["adapted"] == 16  # qkv, proj, fc1, fc2 of 4 layers
     assert r["b0_equal"] and r["disabled_equal"] and r["trainable_only_adapters"]
+    assert r["vocab_bmm"] == 0  # the frozen output layer's backward on one row: a GEMM, not a bmm per token
     assert r["grad_tensors"] == 32 and r["grad_max_rel_err"] < 1e-5
     assert r["merged_logits_err"] < 1e-5
     n = ADAPTERS
