@@ -197,6 +197,13 @@ def build_parser():
     )
     p.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP gradient reduce with backward")
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="the candidate trains LoRA adapters of this rank on attention and MLP (alpha 2 r), the base frozen, "
+        "as the scripts' --lora-rank (0: full fine-tuning); the baseline stays full fine-tuning",
+    )
+    p.add_argument(
         "--wgrad-fusion",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -355,8 +362,10 @@ def run_config(
     wgrad_fusion=True,
     device_sort=True,
     ab=None,
+    lora_rank=0,
 ):
-    """Build the model, run warmup + timed training steps, free everything.
+    """Build the model, run warmup + timed training steps, free everything (lora_rank > 0: the base frozen,
+    rank-r adapters on attention and MLP trained, as --lora-rank does in the scripts).
 
     All ranks call this. Returns dict(step_times, phase_times, peak_bytes, profile) or dict(oom=True):
     per timed step its seconds and [logprob pass, forward/backward, optimizer] seconds, each the
@@ -485,6 +494,10 @@ def run_config(
             attention=attention,
             **overrides,
         )
+        if lora_rank:
+            from common.model.lora import add_lora
+
+            add_lora(chunks, rank=lora_rank, alpha=2.0 * lora_rank)
         model, optimizer, scheduler = setup_training(
             chunks,
             lr=1e-6,
@@ -778,6 +791,7 @@ def main():
             trace=args.trace,
             ab=args.ab,
             count=args.count_ops,
+            lora_rank=args.lora_rank,
             **common,
         ),
         **numbers,
