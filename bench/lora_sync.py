@@ -13,9 +13,9 @@ A LoRA step changes only the adapters. The engine can get them two ways:
 Per step: sync seconds (merged: the merge and the load; adapters: writing the directory), rollout seconds of
 --prompts x --max-tokens tokens (EOS ignored; new random prompts each step, so no prefix is cached; with
 adapters, vLLM reads the directory at the step's first request: inside the rollout's seconds), and their sum.
-Random weights of a Qwen2 shape (bench/harness.py): the engine starts with dummy weights, the base comes from one
-sync. Rank-r adapters on q, k, v, o, gate, up and down of every layer (the scripts' --lora-targets
-attention,mlp).
+Random weights of a Qwen2 shape (bench/harness.py), written as the model's safetensors before the engine starts:
+both ways load the base from disk. Rank-r adapters on q, k, v, o, gate, up and down of every layer (the scripts'
+--lora-targets attention,mlp).
 
 vLLM holds one engine per process, so each way runs in a process of its own: --pairs pairs of the two processes,
 the order alternating (merged first in the first pair), each --warmup + --reps steps. Reported per pair: the
@@ -77,6 +77,7 @@ def one_side(args):
     """One way (args.mode) in this process: its engine, --warmup + --reps steps -> {phase: [seconds per step]}."""
     import torch
     import transformers
+    from safetensors.torch import save_file
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
@@ -86,14 +87,6 @@ def one_side(args):
     init_distributed(tp=1)
     adapters, alpha = args.mode == "adapters", args.alpha or 2.0 * args.rank
     hf_dir = write_config_dir(tempfile.mkdtemp(prefix="bench_lora_"), args.shape)
-    lora = dict(enable_lora=True, max_lora_rank=args.rank, max_loras=1) if adapters else {}
-    engine = VLLMEngine(
-        hf_dir,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.prompt_len + args.max_tokens + 8,
-        eos_token_ids=[],
-        **lora,
-    )
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -107,7 +100,18 @@ def one_side(args):
     base = {name: randn(*shape, std=0.02) for name, shape in shapes.items()}
     factors = {name: (randn(args.rank, i, std=0.02), randn(o, args.rank, std=0.02)) for name, (o, i) in
                adapter_targets(shapes).items()}  # fmt: skip
-    engine.update_weights(iter(base.items()))  # the base, once (adapters: every later step sends only them)
+    # the base from disk at start, as a LoRA run's engine would load it: an engine with enable_lora names its
+    # targeted linears' weights base_layer.weight, which a sync of HF names (update_weights) does not reach
+    save_file({name: w.cpu() for name, w in base.items()}, os.path.join(hf_dir, "model.safetensors"))
+    lora = dict(enable_lora=True, max_lora_rank=args.rank, max_loras=1) if adapters else {}
+    engine = VLLMEngine(
+        hf_dir,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.prompt_len + args.max_tokens + 8,
+        eos_token_ids=[],
+        load_format="auto",
+        **lora,
+    )
     shm = tempfile.mkdtemp(prefix="bench_lora_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     request = LoRARequest("policy", 1, shm, load_inplace=True) if adapters else None
     times = {phase: [] for phase in PHASES}
