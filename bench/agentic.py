@@ -22,7 +22,10 @@ real tools make them, where equal times make all of them wait together)
 
 tokens/s counts the model's tokens only. Where the episodes' time goes: engine_s (inside the engine's steps,
 engine.finished_turns), engine_steps (their number) and driver_s (the rest: waiting for tools with the
-engine idle, the driver's own work). Paired rounds (harness.run_pairs), one warm-up pair.
+engine idle, the driver's own work), add_s (of it, handing turns to the engine). On vLLM, both sides' engine
+steps: their number, median time, the seconds in slow steps (over 3x the median: prefills, mixed batches) and
+the share of finished requests' prompt tokens that vLLM's prefix cache held (a turn's prompt is the episode so
+far). Paired rounds (harness.run_pairs), one warm-up pair.
 Reported: episodes / single and lockstep / single, median of the per-pair ratios with min and max.
 Target (docs/agentic.md): episodes >= 0.9x single with 100 ms tools.
 """
@@ -41,6 +44,8 @@ from harness import SHAPES, paired_ratios, run_pairs, shared_config_dir  # noqa:
 
 from common.env.base import Environment, Step  # noqa: E402
 from common.rollout.lengths import draw_lengths  # noqa: E402
+
+STEP_KEYS = ("vllm_steps", "vllm_step_ms_median", "vllm_slow_steps_s", "prompt_cached_share")
 
 
 def build_parser():
@@ -125,12 +130,28 @@ def main():
     sampling = dict(temperature=1.0, top_p=1.0)
 
     def single(pair):
+        steps.clear()
         start = time.perf_counter()
         samples = engine.generate(prompts, n=1, max_tokens=args.turns * args.turn_tokens, seed=pair, **sampling)
-        return dict(tokens=sum(len(s.response_ids) for s in samples), seconds=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return dict(tokens=sum(len(s.response_ids) for s in samples), seconds=seconds, **step_stats())
 
-    clock = dict(engine_s=0.0, engine_steps=0)
-    finished_turns = engine.finished_turns
+    clock = dict(engine_s=0.0, engine_steps=0, add_s=0.0)
+    steps = []  # vLLM: each engine step of the current side (seconds, prompt tokens, of them cached) of finished turns
+    if on_gpu:
+        vllm_step = engine.llm.llm_engine.step
+
+        def timed_vllm_step():  # both sides' engine steps (engine.generate's loop and the episodes' turns)
+            start = time.perf_counter()
+            outs = vllm_step()
+            done = [o for o in outs if o.finished]
+            prompt = sum(len(o.prompt_token_ids or ()) for o in done)
+            cached = sum(o.num_cached_tokens or 0 for o in done)
+            steps.append((time.perf_counter() - start, prompt, cached))
+            return outs
+
+        engine.llm.llm_engine.step = timed_vllm_step
+    finished_turns, add_turn = engine.finished_turns, engine.add_turn
 
     def timed_finished_turns():  # the episodes' engine steps, timed (the instance's attribute shadows the method)
         start = time.perf_counter()
@@ -141,9 +162,32 @@ def main():
 
     engine.finished_turns = timed_finished_turns
 
+    def timed_add_turn(*a):  # the driver's time handing turns to the engine
+        start = time.perf_counter()
+        add_turn(*a)
+        clock["add_s"] += time.perf_counter() - start
+
+    engine.add_turn = timed_add_turn
+
+    def step_stats():
+        """The side's vLLM steps: their number, median ms, seconds in steps over 3x the median (prefills,
+        mixed batches), the share of finished requests' prompt tokens the prefix cache held."""
+        if not steps:
+            return {}
+        times = sorted(t for t, _, _ in steps)
+        median = times[len(times) // 2]
+        prompt = sum(p for _, p, _ in steps)
+        return dict(
+            vllm_steps=len(steps),
+            vllm_step_ms_median=1000 * median,
+            vllm_slow_steps_s=sum(t for t in times if t > 3 * median),
+            prompt_cached_share=sum(c for _, _, c in steps) / prompt if prompt else None,
+        )
+
     def episodes(pair, lockstep=False):
         engine.lockstep_turns = lockstep  # (HFEngine: waves either way)
-        clock.update(engine_s=0.0, engine_steps=0)
+        clock.update(engine_s=0.0, engine_steps=0, add_s=0.0)
+        steps.clear()
         start = time.perf_counter()
         samples = run_episodes(
             engine,
@@ -163,7 +207,8 @@ def main():
         engine.lockstep_turns = False
         tool_s = sum(s.episode["tool_s"] for s in samples) / sum(s.episode["turns"] for s in samples)
         tokens = sum(sum(s.response_mask) for s in samples)
-        return dict(tokens=tokens, seconds=seconds, tool_s=tool_s, driver_s=seconds - clock["engine_s"], **clock)
+        driver_s = seconds - clock["engine_s"]
+        return dict(tokens=tokens, seconds=seconds, tool_s=tool_s, driver_s=driver_s, **clock, **step_stats())
 
     result = dict(vars(args), engine="vllm" if on_gpu else "cpu")
     result["tool_ms_drawn_mean"] = 1000 * sum(map(sum, delays)) / (args.episodes * args.turns)
@@ -173,9 +218,12 @@ def main():
         stats = paired_ratios([m["tokens"] / m["seconds"] for m in multi], [b["tokens"] / b["seconds"] for b in base])
         result[f"{name}_tokens"] = multi[0]["tokens"]
         result[f"{name}_tool_ms_per_turn"] = 1000 * sum(m["tool_s"] for m in multi) / len(multi)  # as measured
-        for key in ("seconds", "engine_s", "driver_s", "engine_steps"):  # where the time went (means over pairs)
-            result[f"{name}_{key}"] = sum(m[key] for m in multi) / len(multi)
-        result[f"{name}_single_seconds"] = sum(b["seconds"] for b in base) / len(base)  # this comparison's baseline
+        for key in ("seconds", "engine_s", "driver_s", "engine_steps", "add_s", *STEP_KEYS):  # means over pairs
+            if key in multi[0] and multi[0][key] is not None:
+                result[f"{name}_{key}"] = sum(m[key] for m in multi) / len(multi)
+        for key in ("seconds", *STEP_KEYS):  # this comparison's baseline
+            if key in base[0] and base[0][key] is not None:
+                result[f"{name}_single_{key}"] = sum(b[key] for b in base) / len(base)
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
         result[f"{name}_tok_s"], result[f"{name}_single_tok_s"] = stats["a_median"], stats["b_median"]
@@ -184,9 +232,16 @@ def main():
             f"{stats['median']:.3f}x (min {stats['min']:.3f}, max {stats['max']:.3f})"
             + ("" if equal else "; UNEQUAL token counts, no ratio")
             + f"; {result[f'{name}_seconds']:.2f} s a rollout: engine {result[f'{name}_engine_s']:.2f} s in "
-            f"{result[f'{name}_engine_steps']:.0f} steps, driver {result[f'{name}_driver_s']:.2f} s; single "
-            f"{result[f'{name}_single_seconds']:.2f} s"
+            f"{result[f'{name}_engine_steps']:.0f} steps, driver {result[f'{name}_driver_s']:.2f} s (adding turns "
+            f"{result[f'{name}_add_s']:.2f} s); single {result[f'{name}_single_seconds']:.2f} s"
         )
+        if f"{name}_vllm_steps" in result:
+            print0(
+                "  vLLM steps: {:.0f} (median {:.2f} ms, {:.2f} s in slow ones), prompt tokens cached {:.2f}; "
+                "single-turn {:.0f} (median {:.2f} ms, {:.2f} s slow)".format(
+                    *(result[f"{name}_{k}"] for k in STEP_KEYS), *(result[f"{name}_single_{k}"] for k in STEP_KEYS[:3])
+                )
+            )
     print0("BENCH_JSON " + json.dumps(result))
     sys.stdout.flush()
     unequal = result["episodes_over_single"] is None or result["lockstep_over_single"] is None
