@@ -187,6 +187,19 @@ SHAPES["qwen3.5-35b-a3b-4l"] = {
 }
 # the same widths and experts with every layer full attention: what the delta nets cost against attention
 SHAPES["qwen3.5-35b-a3b-4l-attn"] = dict(SHAPES["qwen3.5-35b-a3b-4l"], layer_types=["full_attention"] * 4)
+# Qwen3.5-27B's text model (dense: 64 layers, gated delta nets in 3 of 4, a full-attention layer with an
+# output gate after them), its first 4 layers: one GPU with the optimizer state; "-attn": all 4 full attention
+SHAPES["qwen3.5-27b-4l"] = {
+    **{k: v for k, v in SHAPES["qwen3.5-35b-a3b-4l"].items() if "expert" not in k and "moe" not in k},
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "linear_num_value_heads": 48,
+}
+SHAPES["qwen3.5-27b-4l-attn"] = dict(SHAPES["qwen3.5-27b-4l"], layer_types=["full_attention"] * 4)
 # gpt-oss-20b (attention sinks, windows of 128 keys on alternate layers, 32 biased experts, top-4; bf16
 # experts as merge_to_hf.py writes them), its first 4 of 24 layers
 SHAPES["gpt-oss-20b-4l"] = {
