@@ -144,14 +144,6 @@ def add_lora(chunks, *, rank, alpha, targets=("attention", "mlp"), seed=0):
     return count
 
 
-def _row_major_strides(shape):
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
 class _RowMajorGrad(torch.autograd.Function):
     """Identity forward; the backward hands on the gradient with row-major strides.
 
@@ -168,7 +160,7 @@ class _RowMajorGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        row_major = _row_major_strides(grad.shape)
+        row_major = torch.empty(grad.shape, device="meta").stride()  # (a new tensor's strides: row-major)
         if grad.stride() == row_major:
             return grad
         if grad.is_contiguous():  # only the strides of size-1 dims differ: the same memory, relabelled
