@@ -144,10 +144,10 @@ def main():
         def timed_vllm_step():  # both sides' engine steps (engine.generate's loop and the episodes' turns)
             start = time.perf_counter()
             outs = vllm_step()
+            seconds = time.perf_counter() - start  # the step alone, not this accounting
             done = [o for o in outs if o.finished]
             prompt = sum(len(o.prompt_token_ids or ()) for o in done)
-            cached = sum(o.num_cached_tokens or 0 for o in done)
-            steps.append((time.perf_counter() - start, prompt, cached))
+            steps.append((seconds, prompt, sum(o.num_cached_tokens or 0 for o in done)))
             return outs
 
         engine.llm.llm_engine.step = timed_vllm_step
