@@ -125,6 +125,14 @@ def rollout_replica(rank, rollout_tp, world_size=None):
     return rank // rollout_tp, world_size // rollout_tp
 
 
+def replica_share(items, replica, num_replicas):
+    """This replica's contiguous share of items (sizes differ by at most one), so the
+    replicas' results concatenated in replica order are in the original order."""
+    base, extra = divmod(len(items), num_replicas)
+    start = replica * base + min(replica, extra)
+    return items[start : start + base + (replica < extra)]
+
+
 def cap_max_model_len(max_model_len, max_positions, rank=0):
     """max_model_len (prompt + response tokens per request) capped at the model's
     max_position_embeddings, as vLLM requires; said on rank 0 when it is. Both engines use it, so

@@ -155,7 +155,7 @@ class PartialRollouts:
                 {
                     "prompt": g.prompt,
                     "version": g.version,
-                    "samples": [_sample_state(s) for s in g.samples],
+                    "samples": [sample_state(s) for s in g.samples],
                     "targets": g.targets,
                 }
                 for g in self.groups
@@ -164,7 +164,7 @@ class PartialRollouts:
 
     def load_state_dict(self, state):
         self.groups = [
-            Group(g["prompt"], g["version"], [_sample_from_state(s) for s in g["samples"]], g.get("targets"))
+            Group(g["prompt"], g["version"], [sample_from_state(s) for s in g["samples"]], g.get("targets"))
             for g in state["groups"]
         ]
         self.draws = state.get("draws", 0)
@@ -179,7 +179,7 @@ def _complete(group):
     return all(s.finish_reason is not None for s in group.samples)
 
 
-def _sample_state(s):
+def sample_state(s):
     runs = []
     for v in s.versions:
         if runs and runs[-1][0] == v:
@@ -191,7 +191,7 @@ def _sample_state(s):
                 versions=runs)  # fmt: skip
 
 
-def _sample_from_state(d):
+def sample_from_state(d):
     versions = [v for v, count in d["versions"] for _ in range(count)]
     logprobs = [math.nan if x is None else x for x in d["logprobs"]]
     return Sample(list(d["prompt_ids"]), list(d["response_ids"]), logprobs, d["finish"], versions=versions)

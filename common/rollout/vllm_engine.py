@@ -11,7 +11,7 @@ Colocation (see shared/device/README.md, where each call below was measured on H
     (vLLM creates its groups and agrees on the KV-cache size with collectives).
   - within a replica every rank must call generate() with the same prompts and seed (each
     rank schedules independently and deterministically); replicas get different prompts:
-    rollout_replica() (common/rollout/engine.py) and replica_share() below say which.
+    rollout_replica() and replica_share() (common/rollout/engine.py) say which.
   - memory: sleep() = sleep(level=2) discards weights and KV cache (level 1 would copy the
     weights to CPU: 9.8 s at 7B, wasted since the next sync overwrites them). The step is
         engine.wake_weights(); engine.update_weights(export_hf_weights(...)); engine.wake_kv_cache()
@@ -45,19 +45,11 @@ import torch
 import torch.distributed as dist
 
 from common.model.bridge_vl import checkpoint_name, text_config, vision_language_config
-from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len, rollout_replica
+from common.rollout.engine import RolloutEngine, Sample, cap_max_model_len, replica_share, rollout_replica  # noqa: F401
 from common.rollout.routes import routes_from_vllm
 from common.rollout.vllm_experts import FusedExperts
 from common.rollout.vllm_turns import RequestTurns
 from common.rollout.weight_replay import WritePlan
-
-
-def replica_share(items, replica, num_replicas):
-    """This replica's contiguous share of items (sizes differ by at most one), so the
-    replicas' results concatenated in replica order are in the original order."""
-    base, extra = divmod(len(items), num_replicas)
-    start = replica * base + min(replica, extra)
-    return items[start : start + base + (replica < extra)]
 
 
 def eos_token_ids_of(hf_dir):
