@@ -242,6 +242,8 @@ def main():
 
     # torch.distributed and megatron's groups (torchrun / Slurm: common/run/dist.py); bf16 on GPUs, fp32 on CPUs
     info, dtype = build.start_distributed(args)
+    if info.serves_rollouts:  # --rollout-gpus: this rank runs the rollout engine for the trainer ranks, nothing else
+        return build.serve_rollouts(args, info)
 
     # ---- model source, tokenizer, prompts, reward ---------------------------------------
     hf_dir, spec = build.model_source(args.model, args.out, args.embedded_model, info)  # (or the embedded model)
@@ -692,7 +694,7 @@ def main():
                 times,
                 forward_passes=2 + use_reference + 6 * args.ppo_epochs,
                 other_models=[teacher_spec] if teacher is not None else [],  # its own size
-                world_size=info.world_size,
+                world_size=info.global_world_size,  # per GPU: the engines' own (--rollout-gpus) included
                 device=info.device,
             ),
         )

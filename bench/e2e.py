@@ -167,7 +167,7 @@ def length_stats(lengths):
 def summarize(rows, run_args, layout, spec_text, warmup):
     """The report (module docstring) of metrics.jsonl rows of steps >= warmup; run_args and
     layout: the run's config.json."""
-    world = layout["world_size"]
+    world = layout["world_size"] + layout.get("rollout_gpus", 0)  # per GPU: --rollout-gpus' engines' included
     prompts, group = run_args["prompts_per_step"], run_args["samples_per_prompt"]
     timed = [r for r in rows if r["step"] >= warmup]
     drawn = {

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -125,10 +126,16 @@ class Zygote:
     """This pytest process's tests/zygote.py, started at its first launch."""
 
     proc = env = has_gpu = None
+    lock = threading.Lock()  # launches from several threads of one test (one request and reply at a time)
 
     @classmethod
     def start(cls, script, args, *, nproc, torchrun, env, out, err):
         """A Forked for this launch, or None where it must be a real process."""
+        with cls.lock:
+            return cls._start(script, args, nproc=nproc, torchrun=torchrun, env=env, out=out, err=err)
+
+    @classmethod
+    def _start(cls, script, args, *, nproc, torchrun, env, out, err):
         if os.environ.get("TESTS_REAL_PROCESSES") == "1" or cls.gpu():
             return None
         # A new zygote when there is none, or when this worker's own environment has changed since

@@ -12,6 +12,7 @@
     evaluate.py       validation: greedy or sampled answers on held-out prompts, scored
     episodes.py       agentic episodes: many multi-turn episodes at once on an engine, token-in token-out
     partial.py        --off-policy-steps: partial rollouts carried between steps, per-token versions, staleness bound
+    remote.py         --rollout-gpus: engines on ranks of their own, the trainer's requests and weights sent to them
 
 May import common.env, common.model and common.rl (not common.train or common.run).
 """

@@ -2,6 +2,8 @@
 model's source, the rollout engine, the models (trained and frozen), the run's records.
 
     info, dtype = start_distributed(args)
+    if info.serves_rollouts:                  # --rollout-gpus: an engine rank runs serve_rollouts, nothing else
+        return serve_rollouts(args, info)
     hf_dir, spec = model_source(args.model, args.out, args.embedded_model, info)
     engine, rollout_tp = start_engine(args, hf_dir, info.device, use_vllm, max_model_len=...)
     layout = model_layout(args)
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.run.dist import print0
+from common.run.dist import print0, role_store
 
 
 def start_distributed(args):
@@ -27,13 +29,23 @@ def start_distributed(args):
     one line; --out made."""
     from common.run.dist import init_distributed
 
-    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp, seed=args.seed)
+    info = init_distributed(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        cp=args.cp,
+        ep=args.ep,
+        etp=args.etp,
+        seed=args.seed,
+        rollout_gpus=getattr(args, "rollout_gpus", 0),
+    )
     on_gpu = info.device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
     print0(
         f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
         + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "")
         + f" on {info.device}, {dtype}"
+        + (f"; {info.rollout_gpus} more ranks run the rollout engine only" if info.rollout_gpus else "")
     )
     os.makedirs(args.out, exist_ok=True)
     return info, dtype
@@ -73,6 +85,16 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
 
     if args.load_rollouts:
         return None, args.rollout_tp
+    if getattr(args, "rollout_gpus", 0):  # the engines on their own ranks: this side sends them requests
+        import torch.distributed as dist
+
+        from common.rollout.remote import Link, RemoteEngine
+
+        trainers = dist.get_world_size()  # (the trainer ranks' group)
+        link = Link(role_store(), trainers, args.rollout_gpus, dist.get_rank(), device)
+        engine = RemoteEngine(link, bucket_mb=args.sync_bucket_mb)
+        engine.start(hf_dir=hf_dir, max_model_len=max_model_len)  # (stopped as the run ends: common/run/cli.py)
+        return engine, trainers  # the trainer ranks are one replica to the loop: the first one's samples count
     engine, rollout_tp = make_engine(
         use_vllm,
         hf_dir,
@@ -91,6 +113,49 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
         bind(engine)  # the trainer repeats the engine's start-up choices (common/model/exact.py)
     engine.sleep()
     return engine, rollout_tp
+
+
+def serve_rollouts(args, info):
+    """--rollout-gpus: an engine rank's whole run. Waits for the first trainer rank's start-up settings (the model's
+    directory, prompt + response tokens), builds the engine (--rollout, --rollout-tp, --gpu-memory-utilization,
+    default 0.85 of its own GPU, --seed, --rollout-eager), answers the trainer's requests until it says stop
+    (common/rollout/remote.py), then leaves (with vLLM: os._exit, as the trainer ranks do)."""
+    import sys
+
+    from common.rollout.engine import rollout_replica
+    from common.rollout.engines import make_engine
+    from common.rollout.remote import Link, serve
+
+    use_vllm = wants_vllm(args.rollout, info.device)
+    rollout_tp = args.rollout_tp if use_vllm else 1
+    trainers = info.global_world_size - info.rollout_gpus
+    link = Link(role_store(), trainers, info.rollout_gpus, info.global_rank, info.device)
+
+    if use_vllm and "VLLM_CACHE_ROOT" not in os.environ:
+        # vLLM keeps its compiled kernels per vLLM rank and they stay bound to the GPU they were built on: this
+        # rank's vLLM rank 0 sits on GPU LOCAL_RANK, a colocated run's on GPU 0, and loading the other's kernels
+        # fails ("CUDA driver error: invalid argument", seen on two H200s): a cache of the engine ranks' own
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(cache, "vllm", f"rollout-gpu{info.local_rank}")
+
+    def build(hf_dir, max_model_len):
+        engine, _ = make_engine(
+            use_vllm,
+            hf_dir,
+            rollout_tp=rollout_tp,
+            gpu_memory_utilization=args.gpu_memory_utilization or 0.85,
+            max_model_len=max_model_len,
+            seed=args.seed,
+            device=info.device,
+            enforce_eager=args.rollout_eager,
+        )
+        return engine
+
+    replica, num_replicas = rollout_replica(info.rank, rollout_tp, info.world_size)
+    serve(link, build, replica, num_replicas, first_of_replica=info.rank % rollout_tp == 0)
+    sys.stdout.flush(), sys.stderr.flush()
+    if use_vllm:  # vLLM's in-process engine can block interpreter exit
+        os._exit(0)
 
 
 def engine_weights(model, spec, engine, *, use_vllm, bucket_mb):

@@ -266,6 +266,7 @@ def run_training(main):
     an in-process engine can block interpreter exit: the rank would live on and the others wait for it in
     their next collective with nothing said, where torchrun ends them once it sees this one exit."""
     from common.model.weights_load import WeightsError
+    from common.rollout.remote import close_all
     from common.train.checkpoint_io import CheckpointWriteError
     from common.train.guard import NonFiniteError, OffPolicyError, UsageError
 
@@ -282,11 +283,13 @@ def run_training(main):
     except OffPolicyError as e:  # --check-on-policy, once the step's metrics and checkpoint are written
         code, message = 5, f"{prog}: stopped: {e}"
     except Exception:
+        close_all()  # --rollout-gpus: the engine ranks stop too
         if "vllm" not in sys.modules:
             raise
         traceback.print_exc()
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(1)
+    close_all()
     if launcher_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -314,8 +317,11 @@ def finish_training(writer, logger, *, summary, exit_hard):
     after its last step, docs/gpu.md); everything is written by then."""
     import torch.distributed as dist
 
+    from common.rollout.remote import close_all
+
     writer.wait()
     logger.close()
+    close_all()  # --rollout-gpus: the engine ranks stop
     if summary is not None:
         print0("{" + ", ".join(f"{json.dumps(k)}: {summary_number(v)}" for k, v in summary.items()) + "}")
     if writer.last.get("dir"):  # the closing line: where the weights are, and how to export them
@@ -335,6 +341,9 @@ def finish_evaluation(*, exit_hard):
     os._exit once every rank is here, for vLLM's in-process engine)."""
     import torch.distributed as dist
 
+    from common.rollout.remote import close_all
+
+    close_all()  # --rollout-gpus: the engine ranks stop
     if exit_hard:
         dist.barrier()
         sys.stdout.flush(), sys.stderr.flush()

@@ -9,6 +9,12 @@ One call, `init_distributed(...)`, on every rank at start-up:
     applies common/model/cpu_compat.py;
   - megatron parallel_state with the TP/PP/VPP/CP/EP sizes;
   - seeds python, numpy, torch and megatron's model-parallel RNG tracker.
+
+With rollout_gpus = R > 0 (--rollout-gpus, docs/async.md) the world splits in two: the first world - R ranks
+train (torch.distributed's default group and megatron's groups are theirs alone, so megatron sees a world of
+world - R), the last R only generate (their own default group, which vLLM's external launcher takes as its
+world). Both groups come from the launcher's one store, under their own prefixes; the store itself, shared by
+both sides, carries their messages (role_store(), common/rollout/remote.py).
 """
 
 import os
@@ -38,10 +44,19 @@ class DistInfo:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    # --rollout-gpus: the ranks of the whole launch, and how many of them (the last) serve rollouts only
+    global_rank: int = 0
+    global_world_size: int = 1
+    rollout_gpus: int = 0
+
+    @property
+    def serves_rollouts(self):
+        """True on the --rollout-gpus ranks: they run the engine for the trainer's requests, nothing else."""
+        return self.global_rank >= self.global_world_size - self.rollout_gpus
 
     @property
     def master_process(self):
-        return self.rank == 0
+        return self.rank == 0 and not self.serves_rollouts
 
     def layout(self):
         """The parallel layout, for the run record (config.json)."""
@@ -55,6 +70,7 @@ class DistInfo:
             etp=self.etp_size,
             dp=self.dp_size,
             device=str(self.device),
+            rollout_gpus=self.rollout_gpus,  # more ranks, the engine's alone (world_size: the trainer's)
         )
 
 
@@ -84,19 +100,38 @@ def _launcher_env():
     return 0, 1, 0
 
 
-def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout_minutes=60):
+# --rollout-gpus: (global rank, global world size, rollout GPUs, the launcher's store); None without
+_SPLIT = None
+
+
+def role_store():
+    """The launcher's store both sides of a --rollout-gpus world reach (None in a world that is not split)."""
+    return _SPLIT[3] if _SPLIT else None
+
+
+def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout_minutes=60, rollout_gpus=0):
     """Initialise torch.distributed and megatron's parallel groups. All ranks call this.
 
     The data-parallel size is what is left: world_size / (tp * pp * cp). MoE layers fold
     the same ranks differently (megatron's "parallel folding"): their experts are split
     over ep * etp ranks of each pipeline stage, and expert-data-parallel is what is left.
-    Returns a DistInfo with this rank's coordinates.
+    rollout_gpus: the last that many ranks serve rollouts only (module docstring); the others' world is
+    what is left. Returns a DistInfo with this rank's coordinates (a rollout rank's: its place among them,
+    no megatron groups).
     """
+    global _SPLIT
     from megatron.core import parallel_state as mpu
 
     rank, world_size, local_rank = _launcher_env()
+    global_rank, global_world = rank, world_size
+    if rollout_gpus:
+        if not 0 < rollout_gpus < world_size:
+            raise ValueError(f"--rollout-gpus {rollout_gpus} must leave ranks to train: launch more than {world_size}")
+        trainers = world_size - rollout_gpus
+        rank, world_size = (rank, trainers) if rank < trainers else (rank - trainers, rollout_gpus)
     model_parallel = tp * pp * cp
-    if world_size % model_parallel:
+    serves = global_rank >= global_world - rollout_gpus
+    if world_size % model_parallel and not serves:
         raise ValueError(
             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
             f"{model_parallel}; launch a multiple of {model_parallel} processes or change "
@@ -121,6 +156,19 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
         cpu_compat.apply()
         device, backend = torch.device("cpu"), "gloo"
 
+    if rollout_gpus and not dist.is_initialized():  # two default groups, one per side, on the launcher's store
+        store, _, _ = next(dist.rendezvous("env://", global_rank, global_world))
+        _SPLIT = (global_rank, global_world, rollout_gpus, store)
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            store=dist.PrefixStore("rollout/" if serves else "train/", store),
+            timeout=timedelta(minutes=timeout_minutes),
+            device_id=device if backend == "nccl" else None,
+        )
+        if serves:  # vLLM's external launcher reads its rank and world from these (env://)
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     if not dist.is_initialized():
         # A world of one (plain python) keeps its store in memory: a TCP store would bind the
         # port _launcher_env picked seconds earlier, which another process may have taken by
@@ -134,6 +182,10 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
             timeout=timedelta(minutes=timeout_minutes),
             device_id=device if backend == "nccl" else None,
         )
+    split = dict(global_rank=global_rank, global_world_size=global_world, rollout_gpus=rollout_gpus)
+    if serves:  # no megatron here: the engine's ranks
+        random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
+        return DistInfo(rank, world_size, local_rank, device, 1, 1, None, 1, 1, 1, 1, 0, 0, 0, **split)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
@@ -161,6 +213,7 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
+        **split,
     )
 
 
@@ -186,6 +239,8 @@ def destroy_distributed():
 
 def is_master():
     """Global rank 0 (before init_process_group: the launcher's RANK, so torchrun ranks stay quiet)."""
+    if _SPLIT:
+        return _SPLIT[0] == 0
     return dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
 
 
@@ -210,6 +265,8 @@ def launcher_world_size():
 
 def _launcher_rank_and_world():
     """_launcher_env's reading of torchrun / srun / a plain process, without its side effects."""
+    if _SPLIT:  # (a rollout rank's RANK and WORLD_SIZE are its group's now)
+        return _SPLIT[0], _SPLIT[1]
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"])

@@ -1,6 +1,7 @@
-"""Flags of asynchronous RL on shared GPUs (docs/async.md): --off-policy-steps, --partial-chunk-tokens.
+"""Flags of asynchronous RL (docs/async.md): --off-policy-steps, --partial-chunk-tokens, --rollout-gpus.
 
-Shared by train_grpo.py and train_ppo.py; the mechanism is common/rollout/partial.py."""
+Shared by train_grpo.py and train_ppo.py; the mechanisms are common/rollout/partial.py (partial rollouts on shared
+GPUs) and common/rollout/remote.py (engines on their own GPUs)."""
 
 # what --off-policy-steps K > 0 does not work with yet: (flag's attribute, its value when off, why)
 UNSUPPORTED = (
@@ -8,6 +9,13 @@ UNSUPPORTED = (
     ("dynamic_sampling", False, "--dynamic-sampling draws its extra prompts within the step"),
     ("load_rollouts", None, "--load-rollouts replays saved samples as they are (versions included)"),
     ("routing_replay", "none", "--routing-replay rollout needs each sample's routes from one engine call"),
+)
+# what --rollout-gpus does not work with yet: (flag's attribute, its value when off, why)
+REMOTE_UNSUPPORTED = (
+    ("env", None, "--env's episodes talk to an engine in their process"),
+    ("load_rollouts", None, "--load-rollouts needs no engine"),
+    ("routing_replay", "none", "--routing-replay rollout is not carried between the two sides yet"),
+    ("true_on_policy", False, "--true-on-policy binds the trainer to an engine in its process"),
 )
 # docs/async.md#which-correction: IcePop's band mask of the behaviour ratio; the PPO clip is against the trainer's
 # recomputed old logprobs (decoupled PPO's proximal policy) in every mode
@@ -39,15 +47,43 @@ def async_flags(p):
             "--max-new-tokens, rounded up); smaller stops nearer the needed groups, at more engine calls"
         ),
     )
+    g.add_argument(
+        "--rollout-gpus",
+        type=int,
+        default=0,
+        metavar="R",
+        help=(
+            "the last R ranks of the launch run only the rollout engine, the others only the trainer (nothing "
+            "offloaded); weights go to the engines over NCCL after each update. With --off-policy-steps 1 the "
+            "engines generate the next step's samples while the trainer trains on this step's (one step off-policy); "
+            "0: the engine shares the trainer's GPUs"
+        ),
+    )
     return g
 
 
 def resolve_async(args):
     """--off-policy-steps and what it implies, in place (before resolve_corrections and the --rollout-logprobs
     mode): the chunk size, --rollout-logprobs all, the default correction. ValueError: what to change."""
-    k = args.off_policy_steps
+    k, remote = args.off_policy_steps, args.rollout_gpus
     if k < 0:
         raise ValueError(f"--off-policy-steps must be >= 0 (0: synchronous), not {k}")
+    if remote < 0:
+        raise ValueError(f"--rollout-gpus must be >= 0 (0: the engine shares the trainer's GPUs), not {remote}")
+    if remote:
+        for name, off, why in REMOTE_UNSUPPORTED:
+            if getattr(args, name, off) != off:
+                raise ValueError(f"--rollout-gpus is not supported with {why}: drop one of them")
+        if k > 1:  # a weight sync waits for the engines' current request: a second step ahead overlaps no more
+            raise ValueError(
+                f"--rollout-gpus runs --off-policy-steps 0 or 1 (the engines one step ahead), not {k}: with "
+                "engines on their own GPUs a step further ahead adds staleness and no overlap"
+            )
+        if args.partial_chunk_tokens is not None:
+            raise ValueError("--partial-chunk-tokens is for partial rollouts on shared GPUs, not with --rollout-gpus")
+        # the trainer's GPUs hold no engine: nothing to make room for
+        args.offload_params = False if args.offload_params is None else args.offload_params
+        args.offload_optimizer = False if args.offload_optimizer is None else args.offload_optimizer
     if k == 0:
         if args.partial_chunk_tokens is not None:
             raise ValueError("--partial-chunk-tokens is for partial rollouts: add --off-policy-steps K (K >= 1)")
@@ -63,6 +99,8 @@ def resolve_async(args):
     args.rollout_logprobs = "all"
     if args.rollout_correction is None and not args.tis_cap:
         args.rollout_correction = CORRECTION_DEFAULT
+    if remote:  # whole samples, one step ahead: nothing partial
+        return
     chunk = args.partial_chunk_tokens
     if chunk is None:
         args.partial_chunk_tokens = -(-args.max_new_tokens // 4)

@@ -18,6 +18,10 @@ def check_layout(args, spec, critic=None, teacher=None):
     """The parallel layout against the world size and the shapes of the model (and of
     --critic-model: the critic is sharded like the actor, with the same stage sizes)."""
     world = getattr(args, "world_size", None) or launcher_world_size()  # --world-size: a dry run's
+    engines = getattr(args, "rollout_gpus", 0)  # --rollout-gpus: the last ranks run the engine only
+    if engines >= world:
+        raise UsageError(f"--rollout-gpus {engines} leaves no rank to train in a world of {world}: launch more ranks")
+    world -= engines
     model_parallel = args.tp * args.pp * args.cp
     if world % model_parallel:
         raise UsageError(
@@ -101,19 +105,23 @@ def check_layout(args, spec, critic=None, teacher=None):
                 f"of {flag} {size}"
             )
     rollout_tp = args.rollout_tp if _uses_vllm(args) else 1
-    if world % rollout_tp:
-        raise UsageError(f"world size {world} is not divisible by --rollout-tp {rollout_tp}")
+    rollout_world = engines or world
+    if rollout_world % rollout_tp:
+        raise UsageError(
+            f"{'--rollout-gpus' if engines else 'world size'} {rollout_world} is not divisible by --rollout-tp "
+            f"{rollout_tp}"
+        )
     if rollout_tp > 1 and (spec.head_dim or 64) <= 16:  # docs/gpu.md: both ranks stuck in vLLM's warm-up forward
         raise UsageError(
             f"--rollout-tp {rollout_tp}: vLLM 0.26 hangs at start-up at rollout TP > 1 on a model of head size "
             f"{spec.head_dim}, such as the embedded test model (docs/gpu.md); use a model with wider heads "
             f"(--model) or --rollout-tp 1"
         )
-    replicas = world // rollout_tp
+    replicas = rollout_world // rollout_tp
     if args.load_rollouts is None and args.prompts_per_step % replicas:
         raise UsageError(
             f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {replicas} rollout "
-            f"replicas (world {world} / rollout tp {rollout_tp})"
+            f"replicas ({'--rollout-gpus' if engines else 'world'} {rollout_world} / rollout tp {rollout_tp})"
         )
     if getattr(args, "true_on_policy", False):
         _check_true_on_policy(args, spec)

@@ -37,7 +37,7 @@ def target_machine(args):
     """(world size, GPU bytes or None for a CPU run, ranks per node, node host bytes or None)."""
     from common.run.host_memory import host_memory_available
 
-    world = args.world_size or launcher_world_size()
+    world = (args.world_size or launcher_world_size()) - getattr(args, "rollout_gpus", 0)  # the trainers (not engines)
     gpu_bytes = args.gpu_memory_gb * M.GB if args.gpu_memory_gb else visible_gpu_bytes()
     per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or 1
     node = args.host_memory_gb * M.GB if args.host_memory_gb else host_memory_available()
@@ -65,7 +65,7 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
     """plan_memory's keywords for the scripts' flags on this machine. share_scale: the real GPU's memory over
     the planned one's (--gpu-memory-gb on a larger card): vLLM's share of the whole card, in the plan's unit."""
     on_gpu = gpu_bytes is not None
-    if args.load_rollouts:
+    if args.load_rollouts or getattr(args, "rollout_gpus", 0):  # (--rollout-gpus: the engines on GPUs of their own)
         engine = None
     elif args.rollout == "vllm" or (args.rollout == "auto" and on_gpu and (args.dry_run or _vllm_available())):
         engine = "vllm"  # the scripts' choice (use_vllm); a dry run plans for vLLM on the GPUs it plans for

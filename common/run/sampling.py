@@ -11,7 +11,8 @@
 
 sample: the prompt sampler's next batch (the same on every rank); each vLLM replica samples --samples-per-prompt
 responses for its share of the prompts (multi-turn episodes with --env, common/rollout/episodes.py;
---off-policy-steps: the oldest complete groups of the partial rollouts in flight, common/rollout/partial.py;
+--off-policy-steps: the oldest complete groups of the partial rollouts in flight, common/rollout/partial.py, or with
+--rollout-gpus the request sent a step earlier, common/rollout/remote.py;
 --bench-response-lengths: each sample its drawn length); the ranks of one vLLM TP group hold the same samples (the
 first contributes), then every rank has all of them, prompt-major. The reward: the environment's with --env, else
 --rule-reward-weight x the rule reward of the decoded response (+ DAPO's soft overlong penalty, train_grpo.py);
@@ -25,10 +26,11 @@ import torch
 
 from common.rl import batch as B
 from common.rl import dapo
-from common.rollout.engine import empty_responses_warning, generate_checked, rollout_replica
+from common.rollout.engine import ROLLOUT_LOGPROBS, empty_responses_warning, generate_checked, rollout_replica
 from common.rollout.episodes import episode_metrics, run_episodes
 from common.rollout.lengths import draw_lengths
 from common.rollout.partial import PartialRollouts, spread_generate
+from common.rollout.remote import RequestsAhead
 from common.run import flags_rollout as FR
 from common.run.dist import print0
 from common.train.guard import check_finite
@@ -45,7 +47,11 @@ class StepRollouts:
         self.args, self.task, self.engine, self.sampler, self.reward_model = args, task, engine, sampler, reward_model
         self.group = args.samples_per_prompt
         self.carry = None  # --off-policy-steps K: groups in flight between steps, continued under newer weights
-        if args.off_policy_steps:  # (its state is in the checkpoint: the scripts save and resume it)
+        if args.off_policy_steps and getattr(args, "rollout_gpus", 0):  # engines of their own: requests K steps ahead
+            self.carry = RequestsAhead(
+                args.off_policy_steps, lambda s, p: engine.submit(**self._request(s, p, 0)), engine.collect
+            )
+        elif args.off_policy_steps:  # (its state is in the checkpoint: the scripts save and resume it)
             self.carry = PartialRollouts(
                 args.off_policy_steps,
                 args.prompts_per_step,
@@ -63,7 +69,10 @@ class StepRollouts:
     def sample(self, step, timer, metrics):
         """This step's samples and rewards (engine awake) -> (samples, rewards (N,), each group's prompt index;
         None after dynamic sampling, which preflight refuses with a reward model)."""
-        args, prompts = self.args, self.sampler.next_batch()
+        args = self.args
+        if isinstance(self.carry, RequestsAhead):  # --rollout-gpus: sent K steps ago, generated meanwhile
+            return self._ahead(step, timer, metrics)
+        prompts = self.sampler.next_batch()
         if self.carry:  # --off-policy-steps: the oldest complete groups in flight, the rest carried on
             with timer("rollout"):
                 generate = spread_generate(
@@ -87,8 +96,23 @@ class StepRollouts:
             group_prompts = None  # the kept groups come from several rounds
         return samples, rewards, group_prompts
 
-    def _round(self, step, prompts, round_, timer, metrics):
-        """One sampling round of `prompts` (round_ > 0: dynamic sampling's extra rounds, their own seeds)."""
+    def _ahead(self, step, timer, metrics):
+        """--rollout-gpus with --off-policy-steps K: this step's samples, from the request sent K steps ago (the
+        requests up to step + K sent now, after this step's weight sync); each token's version is the step whose
+        weights the engines held."""
+        with timer("rollout"):
+            prompts, local = self.carry.next(step, self.sampler.next_batch)
+            samples = B.gather_samples(local if self.first_of_replica else [])
+        ages = [step - s.versions[0] if s.versions else 0 for s in samples]
+        metrics.update({f"staleness_share_{a}": ages.count(a) / len(ages) for a in range(self.carry.k + 1)})
+        metrics.update(staleness_mean=sum(ages) / len(ages))
+        if self.master_process:  # the engines' own time for it (the rest of rollout_s was hidden by training)
+            metrics["engine_busy_sec"] = self.engine.last_generate_s
+        group_prompts = list(prompts)
+        return samples, self.rewards(samples, group_prompts, timer, metrics), group_prompts
+
+    def _request(self, step, prompts, round_):
+        """generate's arguments for this replica's share of `prompts` at this step and round."""
         args, group = self.args, self.group
         exact = None  # --bench-response-lengths: sample j of prompt i gets exactly lengths[i][j] tokens
         if getattr(args, "bench_response_lengths", None):
@@ -96,9 +120,26 @@ class StepRollouts:
                 args.bench_response_lengths, len(prompts), group, seed=args.seed, step=step, round_=round_
             )
             exact = [n for row in lengths[self.replica :: self.num_replicas] for n in row]  # this replica's prompts
+        return dict(
+            prompts=[self.task.prompt_ids[i] for i in prompts[self.replica :: self.num_replicas]],
+            logprob_samples=ROLLOUT_LOGPROBS[args.rollout_logprobs],
+            n=group,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_new_tokens,
+            seed=self._seed(step, round_),
+            response_lengths=exact,
+            return_routes=args.routing_replay == "rollout",
+        )
+
+    def _seed(self, step, round_):
+        return self.args.seed * 100_003 + step * 1009 + self.replica + 7919 * round_
+
+    def _round(self, step, prompts, round_, timer, metrics):
+        """One sampling round of `prompts` (round_ > 0: dynamic sampling's extra rounds, their own seeds)."""
+        args, group = self.args, self.group
         with timer("rollout"):
             mine = prompts[self.replica :: self.num_replicas]
-            seed = args.seed * 100_003 + step * 1009 + self.replica + 7919 * round_
             if self.task.make_env:  # --env: multi-turn episodes, observations masked
                 items = [self.task.items[i] for i in mine]
                 local = run_episodes(
@@ -107,22 +148,13 @@ class StepRollouts:
                     self.task.make_env,
                     items,
                     n=group,
-                    seed=seed,
+                    seed=self._seed(step, round_),
                     **FR.episode_settings(args),
                 )
             else:
-                local = generate_checked(
-                    self.engine,
-                    [self.task.prompt_ids[i] for i in mine],
-                    args.rollout_logprobs,
-                    n=group,
-                    temperature=args.temperature,
-                    top_p=args.top_p,
-                    max_tokens=args.max_new_tokens,
-                    seed=seed,
-                    response_lengths=exact,
-                    return_routes=args.routing_replay == "rollout",
-                )
+                request = self._request(step, prompts, round_)
+                request.pop("logprob_samples")  # (generate_checked's from the mode)
+                local = generate_checked(self.engine, request.pop("prompts"), args.rollout_logprobs, **request)
             samples = B.gather_samples(local if self.first_of_replica else [])
         group_prompts = [i for r in range(self.num_replicas) for i in prompts[r :: self.num_replicas]]
         return samples, self.rewards(samples, group_prompts, timer, metrics), group_prompts

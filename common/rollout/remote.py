@@ -1,0 +1,337 @@
+"""Rollout engines on their own GPUs (--rollout-gpus, docs/async.md): the trainer's side and the engines' side.
+
+A launch of W ranks with --rollout-gpus R splits in two (common/run/dist.py): ranks 0..W-R-1 train, the last R
+only generate. They talk through the launcher's store (commands, prompts, samples: small) and one process group
+of the first trainer rank and the R engine ranks (weights: NCCL on GPUs, gloo on CPUs):
+
+    trainer ranks                                       engine ranks
+    engine = RemoteEngine(link)                         serve(link, make_engine)   # until the trainer says stop
+    engine.update_weights(export_hf_weights(...))  ->   buckets received, engine.update_weights(...)
+    engine.generate(prompts, n=..., seed=...)      ->   each engine replica its share, samples back
+    ticket = engine.submit(...); engine.collect(ticket) (the same, the trainer free in between)
+
+Commands run on the engines in the order the trainer sends them, so a weight sync sent while the engines still
+generate an earlier request waits for it: with requests sent ahead (RequestsAhead, --off-policy-steps K) the
+engines generate the next step's samples under the weights they hold while the trainer trains on this step's.
+Every wait on the other side has a deadline, and each side writes a heartbeat: an engine rank that died or
+hangs stops the trainer with a message naming it (and the other way round), rather than a silent wait.
+"""
+
+import pickle
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from common.rollout.engine import RolloutEngine, replica_share
+from common.rollout.partial import sample_from_state, sample_state
+
+_OPEN = []  # RemoteEngines not yet closed: close_all() stops their engines, however the run ends
+HEARTBEAT_S = 5.0  # how often each side says it is alive
+SILENT_LIMIT_S = 300.0  # a side silent this long is taken for dead (a checkpoint's pickling holds the GIL a while)
+WAIT_SLICE_S = 10.0  # a wait looks at the other side's heartbeats this often
+
+
+class Link:
+    """The two sides' channel: messages through the launcher's store, weights through a process group of the
+    first trainer rank (its rank 0) and the engine ranks (1..R). store: common.run.dist.role_store();
+    trainers, rollout_gpus: the split; global_rank: this process's; device: cuda for NCCL, cpu for gloo;
+    timeout_minutes: the longest any wait may take."""
+
+    def __init__(self, store, trainers, rollout_gpus, global_rank, device, timeout_minutes=60):
+        self.store = dist.PrefixStore("link/", store)
+        self.trainers, self.rollout_gpus, self.global_rank = trainers, rollout_gpus, global_rank
+        self.timeout_s = timeout_minutes * 60
+        self.engine_side = global_rank >= trainers
+        self.group = None  # the weights' group: the first trainer rank and every engine rank
+        if global_rank == 0 or self.engine_side:
+            rank = global_rank - trainers + 1 if self.engine_side else 0
+            size = rollout_gpus + 1
+            xfer = dist.PrefixStore("xfer/", self.store)
+            if device.type == "cuda":
+                self.group = dist.ProcessGroupNCCL(xfer, rank, size)
+            else:
+                self.group = dist.ProcessGroupGloo(xfer, rank, size, timedelta(seconds=self.timeout_s))
+            # heartbeats on a client of their own (the main thread's may be blocked in a wait)
+            beat = dist.PrefixStore("link/", _client_like(store))
+            threading.Thread(target=_beat, args=(beat, f"alive/{global_rank}"), daemon=True).start()
+
+    def post(self, key, obj):
+        self.store.set(key, pickle.dumps(obj))
+
+    def take(self, key, watch, what, delete=True):
+        """The object at key once it is there; meanwhile checks that the ranks in watch still beat (RuntimeError
+        naming the silent one, or after timeout_minutes, naming what was waited for)."""
+        start = time.time()
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=min(WAIT_SLICE_S, self.timeout_s)))
+                break
+            except dist.DistStoreError:
+                for rank in watch:
+                    seen = float(self.store.get(f"alive/{rank}")) if self.store.check([f"alive/{rank}"]) else start
+                    if time.time() - seen > SILENT_LIMIT_S:
+                        side = "engine" if rank >= self.trainers else "trainer"
+                        raise RuntimeError(
+                            f"--rollout-gpus: {side} rank {rank} has not answered for {time.time() - seen:.0f} s while "
+                            f"this rank waited for {what}: it stopped or hangs (see its log)"
+                        ) from None
+                if time.time() - start > self.timeout_s:
+                    raise RuntimeError(f"--rollout-gpus: no {what} within {self.timeout_s / 60:.0f} minutes") from None
+        obj = pickle.loads(self.store.get(key))
+        if delete:
+            self.store.delete_key(key)
+        return obj
+
+    def engine_ranks(self):
+        return range(self.trainers, self.trainers + self.rollout_gpus)
+
+    def broadcast(self, flat):
+        """The weights' group: the first trainer rank's flat byte buffer into every engine rank's (same size)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([flat], opts).wait()
+
+
+def _client_like(store):
+    """Another client of the launcher's TCP store (a HashStore, a single process's, is shared as it is)."""
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(minutes=5))
+    return store
+
+
+def _beat(store, key):
+    while True:
+        try:
+            store.set(key, repr(time.time()))
+        except Exception:  # the store's host left: the run is ending
+            return
+        time.sleep(HEARTBEAT_S)
+
+
+class RemoteEngine(RolloutEngine):
+    """The trainer ranks' engine when the engines run on other GPUs: every trainer rank calls its methods (the
+    weight export runs collectives); the first sends the commands and gets the samples, which it alone returns
+    (the other ranks get [], as the ranks of one colocated replica but its first: the scripts gather the first's).
+    sync counts the weight syncs sent: a sample generated after sync i and trained after sync j is j - i steps
+    old (one sync a step)."""
+
+    def __init__(self, link, bucket_mb=512):
+        self.link, self.bucket_bytes = link, bucket_mb * 2**20
+        self.leader = link.global_rank == 0
+        self.commands = 0  # commands sent (their keys: cmd/0, cmd/1, ...)
+        self.sync = 0
+        self.closed = False
+        self.last_generate_s = 0.0  # the engines' own seconds of the last request collected (slowest replica)
+        _OPEN.append(self)
+
+    def _send(self, kind, **fields):
+        self.link.post(f"cmd/{self.commands}", dict(kind=kind, **fields))
+        self.commands += 1
+        return self.commands - 1
+
+    def start(self, **settings):
+        """The engines' start-up settings (hf_dir, max_model_len): they build their engines on receiving them."""
+        if self.leader:
+            self._send("start", **settings)
+
+    def update_weights(self, named_tensors):
+        """(HF name, full tensor) pairs -> the engines, in flat byte buckets of bucket_mb: names, dtypes and shapes
+        through the store, bytes through the weights' group. All trainer ranks iterate (the export's
+        collectives); the first sends."""
+        self.sync += 1
+        if not self.leader:
+            for _ in named_tensors:
+                pass
+            return
+        cmd, bucket, size, index = self._send("weights", sync=self.sync), [], 0, 0
+        for name, tensor in named_tensors:
+            bucket.append((name, tensor.contiguous()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                self._send_bucket(cmd, index, bucket)
+                bucket, size, index = [], 0, index + 1
+        if bucket:
+            self._send_bucket(cmd, index, bucket)
+            index += 1
+        self.link.post(f"w/{cmd}/{index}", None)  # the end
+
+    def _send_bucket(self, cmd, index, bucket):
+        meta = [(name, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for name, t in bucket]
+        self.link.post(f"w/{cmd}/{index}", meta)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+        self.link.broadcast(flat)
+
+    def submit(self, prompts, **kwargs):
+        """Send a generate request (RolloutEngine.generate's arguments) -> its ticket; the trainer goes on."""
+        return self._send("generate", prompts=prompts, kwargs=kwargs) if self.leader else None
+
+    def collect(self, ticket):
+        """The samples of a submitted request (waits for them): [] but on the first trainer rank. Each sample's
+        age in syncs: self.sync - the sync it was generated after (ages)."""
+        if not self.leader:
+            return [], []
+        results = [
+            self.link.take(f"res/{ticket}/{r}", self.link.engine_ranks(), f"the samples of request {ticket}")
+            for r in range(self._replicas(ticket))
+        ]
+        for res in results:
+            if res.get("error"):
+                raise RuntimeError(f"--rollout-gpus: the engine failed on request {ticket}:\n{res['error']}")
+        self.last_generate_s = max(res["seconds"] for res in results)
+        samples = [s for res in results for s in res["samples"]]
+        return samples, [self.sync - res["sync"] for res in results for _ in res["samples"]]
+
+    def _replicas(self, ticket):
+        if not hasattr(self, "_num_replicas"):  # the engines say how many replicas answer (at start-up)
+            self._num_replicas = self.link.take("replicas", self.link.engine_ranks(), "the engines' start-up")
+        return self._num_replicas
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, **kwargs):
+        kwargs.update(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        return self.collect(self.submit(prompts, logprob_samples=logprob_samples, **kwargs))[0]
+
+    def score(self, samples):
+        if not self.leader:
+            return []
+        ticket = self._send("score", samples=samples)
+        results = [
+            self.link.take(f"res/{ticket}/{r}", self.link.engine_ranks(), "scores") for r in range(self._replicas(0))
+        ]
+        return [row for res in results for row in res["samples"]]
+
+    def close(self):
+        """The engines stop (the trainer's last word; every way out of a run says it, common/run/cli.py)."""
+        if self.leader and not self.closed:
+            self._send("stop")
+            self.closed = True
+
+
+def close_all():
+    """Every RemoteEngine of this process tells its engines to stop (the first trainer rank's last word; every way
+    out of a training script calls this, common/run/cli.py)."""
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def serve(link, make_engine, replica, num_replicas, first_of_replica):
+    """An engine rank's whole life: wait for the trainer's start-up settings, build the engine
+    (make_engine(**settings)), then run the trainer's commands in order until it says stop. replica,
+    num_replicas: this rank's engine replica (its rollout TP group) and how many; the replica's first rank
+    (first_of_replica) sends its share's samples back. A failed command is reported to the trainer (its
+    traceback), then raised."""
+    trainer0 = [0]
+    engine, index, sync = None, 0, 0
+    while True:
+        cmd = link.take(f"cmd/{index}", trainer0, "the trainer's next command", delete=False)
+        kind = cmd["kind"]
+        if kind == "stop":
+            return
+        try:
+            if kind == "start":
+                engine = make_engine(**{k: v for k, v in cmd.items() if k != "kind"})
+                if link.global_rank == link.trainers:
+                    link.post("replicas", num_replicas)
+            elif kind == "weights":
+                engine.wake_weights()
+                engine.update_weights(_received(link, index, buckets := []))
+                engine.wake_kv_cache()
+                sync = cmd["sync"]
+            elif kind in ("generate", "score"):
+                tick = time.time()
+                if kind == "generate":
+                    samples = _generate_share(engine, cmd, replica, num_replicas)
+                else:
+                    samples = engine.score(replica_share(cmd["samples"], replica, num_replicas))
+                if first_of_replica:
+                    link.post(f"res/{index}/{replica}", dict(samples=samples, sync=sync, seconds=time.time() - tick))
+        except Exception:
+            if first_of_replica and kind in ("generate", "score"):
+                link.post(f"res/{index}/{replica}", dict(error=traceback.format_exc()))
+            raise
+        dist.barrier()  # every engine rank has read the command before it goes
+        if link.global_rank == link.trainers:
+            weights = [f"w/{index}/{b}" for b in range(len(buckets) + 1)] if kind == "weights" else []
+            for key in [f"cmd/{index}", *weights]:
+                link.store.delete_key(key)
+        index += 1
+
+
+def _generate_share(engine, cmd, replica, num_replicas):
+    """This replica's contiguous share of the request's prompts (replica 0 with the request's own seed, so one
+    engine replica samples what a colocated world of one samples)."""
+    kwargs, prompts, n = dict(cmd["kwargs"]), cmd["prompts"], cmd["kwargs"]["n"]
+    rows = replica_share(list(range(len(prompts))), replica, num_replicas)
+    if kwargs.get("response_lengths") is not None:
+        kwargs["response_lengths"] = [kwargs["response_lengths"][i * n + j] for i in rows for j in range(n)]
+    kwargs["seed"] += replica
+    return engine.generate([prompts[i] for i in rows], **kwargs) if rows else []
+
+
+def _received(link, cmd, buckets):
+    """The pairs of one weight sync as they arrive, bucket by bucket (names from the store, bytes from the
+    first trainer rank); each bucket's tensors are views of its buffer, which the consumer copies from. buckets:
+    a list that gets one entry per bucket received."""
+    index = 0
+    while (meta := link.take(f"w/{cmd}/{index}", [0], "the weights", delete=False)) is not None:
+        flat = torch.empty(sum(m[3] for m in meta), dtype=torch.uint8, device=_device(link))
+        link.broadcast(flat)
+        offset = 0
+        for name, dtype, shape, nbytes in meta:
+            yield name, flat[offset : offset + nbytes].view(dtype).view(shape)
+            offset += nbytes
+        buckets.append(index)
+        index += 1
+
+
+def _device(link):
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class RequestsAhead:
+    """--off-policy-steps K with --rollout-gpus: each step's generate request sent K steps before the step trains
+    on it, so the engines generate while the trainer trains (a request goes after its step's weight sync: step s
+    trains on samples of step s - K's weights, or step 0's). submit(step, prompt indices) -> ticket sends one;
+    collect(ticket) -> (samples, ages in syncs) waits for it (RemoteEngine's, for the scripts' arguments).
+    state_dict() waits for the requests in flight and keeps their samples (the engines would finish them before
+    the next step's sync anyway): a resumed run trains on exactly those, then continues as the run would have."""
+
+    def __init__(self, k, submit, collect):
+        self.k, self.submit, self.collect = k, submit, collect
+        self.in_flight = []  # [(step, prompt indices, ticket or None, samples or None)]
+        self.step = 0  # the last step served (the versions of what state_dict collects)
+
+    def next(self, step, next_prompts):
+        """(prompt indices, samples with their versions) of this step, the requests up to step + K sent first."""
+        self.step = step
+        while len(self.in_flight) <= self.k:
+            s = step + len(self.in_flight)
+            prompts = next_prompts()
+            self.in_flight.append((s, prompts, self.submit(s, prompts), None))
+        s, prompts, ticket, samples = self.in_flight.pop(0)
+        assert s == step, f"the request of step {s} taken at step {step}"
+        return prompts, samples if samples is not None else self._collected(ticket, step)
+
+    def _collected(self, ticket, step):
+        samples, ages = self.collect(ticket)
+        for sample, age in zip(samples, ages):
+            sample.versions = [step - age] * len(sample.response_ids)
+        return samples
+
+    def state_dict(self):
+        self.in_flight = [
+            (s, p, None, samples if samples is not None else self._collected(ticket, self.step))
+            for s, p, ticket, samples in self.in_flight
+        ]
+        return {"in_flight": [[s, list(p), [sample_state(x) for x in samples]] for s, p, _, samples in self.in_flight]}
+
+    def load_state_dict(self, state):
+        if state.get("groups"):
+            raise ValueError(
+                "--resume: this checkpoint holds partial rollouts of engines on the trainer's GPUs; resume it without "
+                "--rollout-gpus"
+            )
+        self.in_flight = [(s, p, None, [sample_from_state(x) for x in xs]) for s, p, xs in state.get("in_flight", [])]
