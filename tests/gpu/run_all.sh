@@ -92,6 +92,8 @@ fi
 if [ "$NGPU" -ge 2 ] && [ "$MODE" != 1gpu ] && [ "$MODE" != exit ]; then
   TR="python -m torch.distributed.run --standalone --nproc_per_node 2"
   run "sdpa TP=2"                        300 $TR tests/gpu/test_sdpa_gpu.py --tp 2
+  # --rollout-gpus 1: the trainer on one GPU, vLLM on the other, weights over NCCL (415 s on two H200s)
+  run "rollout gpus (2 GPUs)"            500 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_rollout_gpus_gpu.py
   # training checkpoints on NCCL: background saves staged through pinned host memory equal
   # synchronous ones, resume at TP=2/PP=2/DP=2 (the CPU suite's test, here on GPUs)
   run "training checkpoints (2 GPUs)"    400 python -m pytest -q -p no:cacheprovider tests/test_train_checkpoint.py

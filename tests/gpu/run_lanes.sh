@@ -10,6 +10,7 @@
 #   bash tests/gpu/run_lanes.sh replay    # routing replay per model and layout: 1 GPU, 1 GPU, EP=2 (~8 min)
 #   bash tests/gpu/run_lanes.sh pairs     # the 2-GPU cases of the features: agentic waves at TP=2 (GPUs 0,1),
 #                                         # LoRA at TP=2 with its 1-GPU pair (2,3) (~8 min)
+#   bash tests/gpu/run_lanes.sh split     # --rollout-gpus: the trainer and vLLM on GPUs of their own (0,1; ~7 min)
 # Each lane's log goes to $OUT/lane_*.log when OUT
 # is set (with the tests' JSON results); the exit code is the number of failed lanes.
 set -u
@@ -50,7 +51,9 @@ case ${1:-} in
     CUDA_VISIBLE_DEVICES=0,1 $P "tests/gpu/test_agentic_gpu.py::test_episodes_on_vllm_train_on_the_engines_ids[2]" \
       > "$LOGS/lane_agentic_tp2.log" 2>&1 & A=$!
     CUDA_VISIBLE_DEVICES=2,3 $P tests/gpu/test_lora_gpu.py > "$LOGS/lane_lora_tp2.log" 2>&1 & B=$! ;;
-  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu|features|replay|pairs"; exit 2 ;;
+  split)
+    lane split 0,1 2gpu 'rollout gpus' & A=$! ;;
+  *) echo "usage: bash tests/gpu/run_lanes.sh 2gpu|1gpu|features|replay|pairs|split"; exit 2 ;;
 esac
 FAILED=0
 for pid in ${A:-} ${B:-} ${E:-} ${F:-}; do wait "$pid" || FAILED=$((FAILED + 1)); done
