@@ -5,8 +5,10 @@
 - one trainer rank + one engine rank, synchronous: every metric of every step equals the colocated run's of one
   rank (the same engine, seeds and weights: the weights went over the link bit for bit);
 - --off-policy-steps 1: every step after the first trains samples of the previous step's weights (staleness 1);
-  stopped after 2 steps and resumed to 4, every step equals the uninterrupted run's (the request in flight was
-  saved with the checkpoint); PPO with two trainer ranks (TP 2) and two engine replicas runs the same way;
+  stopped by SIGTERM during step 1 (the engine generating step 2's request meanwhile: the trainer finishes the
+  step, saves, tells the engine to stop, every rank exits 0) and resumed to 4, every step equals the
+  uninterrupted run's (the request in flight was saved with the checkpoint); PPO with two trainer ranks (TP 2)
+  and two engine replicas runs the same way;
 - learning: one step off-policy on engines of their own reaches the synchronous run's reward in 50 steps;
 - the flags it refuses, in one line each; a silent engine rank stops the trainer's wait with its rank named.
 """
@@ -36,17 +38,37 @@ def assert_same_steps(a_steps, b_steps):
             assert b.get(key) == pytest.approx(value, rel=1e-6, abs=1e-7), (a["step"], key)
 
 
+# --reward FILE.py:NAME: the embedded task's reward; the second sends the trainer SIGTERM during step 1's rewards
+# (32 samples a step), as a preemption would
+REWARD = """
+import os, signal
+from common.rl.rewards import synthetic_reward
+calls = 0
+def reward(response, answer):
+    return synthetic_reward(response, answer, format_credit=0.0)
+def stop_in_step_1(response, answer):
+    global calls
+    calls += 1
+    if calls == 40:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return reward(response, answer)
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_gpus")
-    ahead = [*FLAGS, "--rollout-gpus", 1, "--off-policy-steps", 1]
+    (root / "reward.py").write_text(REWARD)
+    plain, stopping = f"{root / 'reward.py'}:reward", f"{root / 'reward.py'}:stop_in_step_1"
+    ahead = [*FLAGS, "--rollout-gpus", 1, "--off-policy-steps", 1, "--steps", 4, "--eval-every", 0]  # (40: step 1)
     launches = [
         lambda: run_script("train_grpo.py", *FLAGS, "--steps", 3, "--out", root / "colocated"),
         lambda: run_torchrun("train_grpo.py", 2, *FLAGS, "--steps", 3, "--rollout-gpus", 1, "--out", root / "split"),
-        lambda: run_torchrun("train_grpo.py", 2, *ahead, "--steps", 4, "--out", root / "ahead"),
+        lambda: run_torchrun("train_grpo.py", 2, *ahead, "--reward", plain, "--out", root / "ahead"),
         lambda: (
-            run_torchrun("train_grpo.py", 2, *ahead, "--steps", 2, "--out", root / "resumed"),
-            run_torchrun("train_grpo.py", 2, *ahead, "--steps", 4, "--resume", "--out", root / "resumed"),
+            run_torchrun("train_grpo.py", 2, *ahead, "--reward", stopping, "--out", root / "resumed"),
+            (root / "stopped_steps").write_text(str(len(read_metrics(root / "resumed")))),
+            run_torchrun("train_grpo.py", 2, *ahead, "--reward", plain, "--resume", "--out", root / "resumed"),
         ),
     ]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -68,6 +90,7 @@ def test_one_step_ahead_trains_the_previous_steps_samples(runs):
 
 
 def test_resume_trains_the_saved_request_in_flight(runs):
+    assert (runs / "stopped_steps").read_text() == "2"  # SIGTERM in step 1: that step finished and saved, exit 0
     assert_same_steps(read_metrics(runs / "ahead"), read_metrics(runs / "resumed"))
 
 
