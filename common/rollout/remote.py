@@ -97,7 +97,8 @@ class Link:
 
 
 def _client_like(store):
-    """Another client of the launcher's TCP store (a HashStore, a single process's, is shared as it is)."""
+    """Another client of the launcher's TCP store; any other store (torchrun's agent store comes wrapped in a
+    prefix) is shared as it is: its client takes one call at a time, so a beat may wait for a wait's slice."""
     if isinstance(store, dist.TCPStore):
         return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(minutes=5))
     return store
