@@ -37,7 +37,8 @@ def rollout_flags(p, group_help, models):
         default=None,
         help=(
             "vLLM's share of each GPU (weights + KV cache + its workspace); default: derived from the memory plan, "
-            "what the trainer leaves on the GPU during the rollout (at most 0.9; --dry-run shows it)"
+            "what the trainer leaves on the GPU during the rollout (at most 0.9; --dry-run shows it); with "
+            "--rollout-gpus, of the engine's own GPUs: default 0.85"
         ),
     )
     g.add_argument(
