@@ -71,12 +71,18 @@ def rollout_flags(p, group_help, models):
             "--rollout-correction, else prefill at --temperature 1, else one-per-prompt)"
         ),
     )
-    g.add_argument("--sync-bucket-mb", type=int, default=512, help="weight sync bucket size (MB of full tensors)")
+    g.add_argument(
+        "--sync-bucket-mb",
+        type=int,
+        default=512,
+        help="weight sync bucket size (MB of full tensors; with --rollout-gpus, of each NCCL send to the engines)",
+    )
     g.add_argument(
         "--offload-params",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"move Megatron's params ({models}) to host memory while they idle (default: on with vLLM)",
+        help=f"move Megatron's params ({models}) to host memory while they idle (default: on with vLLM on the "
+        "trainer's GPUs, off with --rollout-gpus)",
     )
     g.add_argument(
         "--offload-optimizer",
@@ -84,7 +90,7 @@ def rollout_flags(p, group_help, models):
         default=None,
         help=(
             "move the optimizer state (Adam moments, fp32 main params) to host memory and free the grad buffers "
-            "between updates (default: on with vLLM)"
+            "between updates (default: on with vLLM on the trainer's GPUs, off with --rollout-gpus)"
         ),
     )
     return g
