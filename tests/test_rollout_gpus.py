@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tests.conftest import read_metrics, run_script, run_torchrun
+from tests.test_async import REWARD  # --reward: the embedded task's, and one that sends SIGTERM in step 1
 
 SMALL = ["--prompts-per-step", 8, "--samples-per-prompt", 4, "--micro-batch-size", 4, "--mini-batch-size", 16]
 FLAGS = [*SMALL, "--max-new-tokens", 4, "--eval-every", 2]
@@ -34,23 +35,6 @@ def assert_same_steps(a_steps, b_steps):
     for a, b in zip(a_steps, b_steps, strict=True):
         for key, value in numbers(a).items():
             assert b.get(key) == pytest.approx(value, rel=1e-6, abs=1e-7), (a["step"], key)
-
-
-# --reward FILE.py:NAME: the embedded task's reward; the second sends the trainer SIGTERM during step 1's rewards
-# (32 samples a step), as a preemption would
-REWARD = """
-import os, signal
-from common.rl.rewards import synthetic_reward
-calls = 0
-def reward(response, answer):
-    return synthetic_reward(response, answer, format_credit=0.0)
-def stop_in_step_1(response, answer):
-    global calls
-    calls += 1
-    if calls == 40:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return reward(response, answer)
-"""
 
 
 @pytest.fixture(scope="module")
