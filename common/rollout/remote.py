@@ -175,21 +175,23 @@ class RemoteEngine(RolloutEngine):
         age in syncs: self.sync - the sync it was generated after (ages)."""
         if not self.leader:
             return [], []
-        results = [
-            self.link.take(f"res/{ticket}/{r}", self.link.engine_ranks(), f"the samples of request {ticket}")
-            for r in range(self._replicas(ticket))
-        ]
-        for res in results:
-            if res.get("error"):
-                raise RuntimeError(f"--rollout-gpus: the engine failed on request {ticket}:\n{res['error']}")
+        results = self._results(ticket, f"the samples of request {ticket}")
         self.last_generate_s = max(res["seconds"] for res in results)
         samples = [s for res in results for s in res["samples"]]
         return samples, [self.sync - res["sync"] for res in results for _ in res["samples"]]
 
-    def _replicas(self, ticket):
-        if not hasattr(self, "_num_replicas"):  # the engines say how many replicas answer (at start-up)
+    def _results(self, ticket, what):
+        """Every engine replica's answer to command `ticket`, in replica order; an engine's failure raised here
+        with its traceback. The number of replicas the engines said at start-up."""
+        if not hasattr(self, "_num_replicas"):
             self._num_replicas = self.link.take("replicas", self.link.engine_ranks(), "the engines' start-up")
-        return self._num_replicas
+        results = [
+            self.link.take(f"res/{ticket}/{r}", self.link.engine_ranks(), what) for r in range(self._num_replicas)
+        ]
+        for res in results:
+            if res.get("error"):
+                raise RuntimeError(f"--rollout-gpus: the engine failed on command {ticket}:\n{res['error']}")
+        return results
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, **kwargs):
         kwargs.update(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
@@ -198,10 +200,7 @@ class RemoteEngine(RolloutEngine):
     def score(self, samples):
         if not self.leader:
             return []
-        ticket = self._send("score", samples=samples)
-        results = [
-            self.link.take(f"res/{ticket}/{r}", self.link.engine_ranks(), "scores") for r in range(self._replicas(0))
-        ]
+        results = self._results(self._send("score", samples=samples), "scores")
         return [row for res in results for row in res["samples"]]
 
     def close(self):
@@ -228,7 +227,7 @@ def serve(link, make_engine, replica, num_replicas, first_of_replica):
     engine, index, sync = None, 0, 0
     while True:
         cmd = link.take(f"cmd/{index}", trainer0, "the trainer's next command", delete=False)
-        kind = cmd["kind"]
+        kind, read = cmd["kind"], []  # read: a weight sync's bucket keys, deleted with the command's
         if kind == "stop":
             return
         try:
@@ -238,7 +237,7 @@ def serve(link, make_engine, replica, num_replicas, first_of_replica):
                     link.post("replicas", num_replicas)
             elif kind == "weights":
                 engine.wake_weights()
-                engine.update_weights(_received(link, index, buckets := []))
+                engine.update_weights(_received(link, index, read))
                 engine.wake_kv_cache()
                 sync = cmd["sync"]
             elif kind in ("generate", "score"):
@@ -255,8 +254,7 @@ def serve(link, make_engine, replica, num_replicas, first_of_replica):
             raise
         dist.barrier()  # every engine rank has read the command before it goes
         if link.global_rank == link.trainers:
-            weights = [f"w/{index}/{b}" for b in range(len(buckets) + 1)] if kind == "weights" else []
-            for key in [f"cmd/{index}", *weights]:
+            for key in [f"cmd/{index}", *read]:
                 link.store.delete_key(key)
         index += 1
 
@@ -272,20 +270,21 @@ def _generate_share(engine, cmd, replica, num_replicas):
     return engine.generate([prompts[i] for i in rows], **kwargs) if rows else []
 
 
-def _received(link, cmd, buckets):
+def _received(link, cmd, read):
     """The pairs of one weight sync as they arrive, bucket by bucket (names from the store, bytes from the
-    first trainer rank); each bucket's tensors are views of its buffer, which the consumer copies from. buckets:
-    a list that gets one entry per bucket received."""
-    index = 0
-    while (meta := link.take(f"w/{cmd}/{index}", [0], "the weights", delete=False)) is not None:
+    first trainer rank); each bucket's tensors are views of its buffer, which the consumer copies from. read: a
+    list that gets the store key of every bucket's names read, the end's included."""
+    while True:
+        read.append(f"w/{cmd}/{len(read)}")
+        meta = link.take(read[-1], [0], "the weights", delete=False)
+        if meta is None:
+            return
         flat = torch.empty(sum(m[3] for m in meta), dtype=torch.uint8, device=_device(link))
         link.broadcast(flat)
         offset = 0
         for name, dtype, shape, nbytes in meta:
             yield name, flat[offset : offset + nbytes].view(dtype).view(shape)
             offset += nbytes
-        buckets.append(index)
-        index += 1
 
 
 def _device(link):
