@@ -156,24 +156,15 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
         cpu_compat.apply()
         device, backend = torch.device("cpu"), "gloo"
 
-    if rollout_gpus and not dist.is_initialized():  # two default groups, one per side, on the launcher's store
-        store, _, _ = next(dist.rendezvous("env://", global_rank, global_world))
-        _SPLIT = (global_rank, global_world, rollout_gpus, store)
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world_size,
-            store=dist.PrefixStore("rollout/" if serves else "train/", store),
-            timeout=timedelta(minutes=timeout_minutes),
-            device_id=device if backend == "nccl" else None,
-        )
-        if serves:  # vLLM's external launcher reads its rank and world from these (env://)
-            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     if not dist.is_initialized():
         # A world of one (plain python) keeps its store in memory: a TCP store would bind the
         # port _launcher_env picked seconds earlier, which another process may have taken by
         # then (EADDRINUSE seen on a GPU machine running tests side by side).
         store = dist.HashStore() if world_size == 1 and "RANK" not in os.environ else None
+        if rollout_gpus:  # two default groups, one per side, on the launcher's one store
+            launcher_store, _, _ = next(dist.rendezvous("env://", global_rank, global_world))
+            _SPLIT = (global_rank, global_world, rollout_gpus, launcher_store)
+            store = dist.PrefixStore("rollout/" if serves else "train/", launcher_store)
         dist.init_process_group(
             backend=backend,
             rank=rank,
@@ -182,6 +173,8 @@ def init_distributed(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, seed=1234, timeout
             timeout=timedelta(minutes=timeout_minutes),
             device_id=device if backend == "nccl" else None,
         )
+        if serves:  # vLLM's external launcher reads its rank and world from these (env://)
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     split = dict(global_rank=global_rank, global_world_size=global_world, rollout_gpus=rollout_gpus)
     if serves:  # no megatron here: the engine's ranks
         random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
