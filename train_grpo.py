@@ -35,15 +35,13 @@ Launch:
 
 import functools
 import json
-import os
 import sys
 import time
 
 import torch
 
-from common.rollout.engine import rollout_logprobs_mode
-from common.rollout.lengths import parse_lengths
 from common.run import flags as F
+from common.run import flags_algo as FL
 from common.run import flags_async as FA
 from common.run import flags_rollout as FR
 from common.run import flags_run
@@ -70,61 +68,8 @@ def build_parser():
     F.parallel_flags(p)
     FR.rollout_flags(p, group_help="group size G", models="policy, reference")
     a = p.add_argument_group("algorithm (GRPO)")
-    a.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
-    a.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
-    a.add_argument(
-        "--dual-clip",
-        type=float,
-        default=0.0,
-        help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)",
-    )
-    a.add_argument(
-        "--gspo",
-        action="store_true",
-        help=(
-            "GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the "
-            "paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean"
-        ),
-    )
-    a.add_argument(
-        "--loss-agg",
-        choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
-        default="token_mean",
-        help="loss aggregation (DAPO / GRPO / Dr.GRPO)",
-    )
-    a.add_argument(
-        "--dynamic-sampling",
-        action="store_true",
-        help=(
-            "DAPO: drop prompt groups whose rewards are all equal and sample more prompts until the batch holds only "
-            "groups with a signal"
-        ),
-    )
-    a.add_argument(
-        "--max-sampling-rounds",
-        type=int,
-        default=3,
-        help="--dynamic-sampling: at most this many extra rounds per step, then zero-signal groups fill the batch",
-    )
-    a.add_argument(
-        "--overlong-buffer",
-        type=int,
-        default=0,
-        help=(
-            "DAPO's soft overlong penalty over the last N tokens before --max-new-tokens, added to the reward (0: off)"
-        ),
-    )
-    a.add_argument(
-        "--overlong-penalty-factor",
-        type=float,
-        default=1.0,
-        help="the penalty at --max-new-tokens (it grows linearly over --overlong-buffer)",
-    )
-    a.add_argument(
-        "--mask-truncated",
-        action="store_true",
-        help="DAPO's overlong filtering: responses cut at --max-new-tokens are left out of the loss",
-    )
+    FL.policy_loss_flags(a, agg_help="loss aggregation (DAPO / GRPO / Dr.GRPO)")
+    FL.dapo_flags(a)  # --dynamic-sampling, --overlong-buffer, --mask-truncated (common/rl/dapo.py)
     a.add_argument(
         "--no-std-norm", action="store_true", help="advantages r - mean without dividing by the group std (Dr.GRPO)"
     )
@@ -135,7 +80,6 @@ def build_parser():
         help="KL penalty to the frozen reference (0 disables it and the reference model)",
     )
     a.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k3", help="per-token KL estimator")
-    a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     FR.correction_flags(p)
     FA.async_flags(p)
     FR.reward_flags(p)
@@ -148,15 +92,7 @@ def build_parser():
     o.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm")
     flags_run.plan_flags(p)
     r = flags_run.run_flags(p, out_prefix=OUT_PREFIX)
-    r.add_argument(
-        "--eval-only",
-        action="store_true",
-        help=(
-            "no training: validate the weights of --model, --mcore-ckpt (a converted or a training checkpoint step) "
-            "or, with --resume, --out's newest checkpoint, once, as the run's validation does (--eval-*); writes "
-            "<out>/eval_only/step_N.jsonl and appends the metrics to <out>/eval_only/metrics.jsonl"
-        ),
-    )
+    flags_run.eval_only_flag(r)  # validation of given weights, no training
     flags_run.bench_flags(p)
     return p
 
@@ -168,41 +104,14 @@ def parse_args(argv=None):
         p, argv, lambda known: flags_run.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
     )
     flags_run.resolve_out(args, OUT_PREFIX)  # default: one directory per model
-    try:
-        FA.resolve_async(args)  # --off-policy-steps K: --rollout-logprobs all, its default correction
-        FR.resolve_true_on_policy(args)  # --true-on-policy: --rollout-logprobs all
-        FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
-        FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
-        args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)
-        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
-        if args.bench_response_lengths:  # checked now, drawn every step
-            parse_lengths(args.bench_response_lengths, max_tokens=args.max_new_tokens)
-            if args.load_rollouts:
-                raise ValueError("--bench-response-lengths sets what the engine samples: not with --load-rollouts")
+    try:  # what the flags imply for one another: --off-policy-steps, --true-on-policy, corrections, --env, LoRA
+        FL.resolve_training_flags(args)
     except ValueError as e:
         p.error(str(e))
-    if args.eval_only and args.lora:  # (a LoRA checkpoint holds adapters, the engine needs whole weights)
-        p.error(
-            "--eval-only with --lora-rank: merge the LoRA checkpoint first (python merge_to_hf.py --ckpt STEP --out "
-            "DIR), then --eval-only --model DIR"
-        )
-    if args.eval_only and (args.start_over or args.resume == "auto" or args.load_rollouts):  # (may move --out aside)
-        p.error(
-            "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "
-            "--resume auto and --load-rollouts"
-        )
+    flags_run.check_eval_only(p, args, checked=False)  # what --eval-only rules out
     spec = check_training_run(p, args, min_group=2)  # every mistake found here, before anything is built
-    if args.eval_only:  # writes into <out>/eval_only/ and nothing else
-        if args.data and not args.eval_data:
-            p.error("--eval-only validates held-out prompts: pass --eval-data (with --data there are none by default)")
-        if args.resume:  # the newest checkpoint of --out (common/run/preflight.py made sure there is one)
-            from common.train.checkpoint_dirs import latest_complete
-
-            args.mcore_ckpt = latest_complete(os.path.join(args.out, "checkpoints"))
-            if args.mcore_ckpt is None:
-                p.error(f"--eval-only --resume: no complete checkpoint in {args.out}/checkpoints")
-    # GPU and host memory per rank and phase (common/run/memory_plan.py): derives the defaults it
-    # can (--gpu-memory-utilization, --save-any-layout), refuses what cannot fit (exit 2)
+    flags_run.check_eval_only(p, args, checked=True)  # --eval-only --resume: the newest checkpoint
+    # GPU and host memory per rank and phase (common/run/memory_plan.py): derived defaults, refusals (exit 2)
     check_memory(p, args, spec)
     if args.dry_run:  # the plan printed is all a dry run does
         sys.exit(0)
@@ -237,25 +146,21 @@ def main():
     from common.rl import batch as B
     from common.rl.advantages import group_advantages
     from common.rl.corrections import correction_weights, loss_weights, uses_old_logprobs
-    from common.rl.distill import (
-        distill_advantages,
-        reverse_kl_sum,
-        topk_forward_kl,
-        topk_student_logprobs,
-    )
+    from common.rl.distill import distill_advantages, reverse_kl_sum, teacher_topk_kl
     from common.rl.logprobs import vocab_parallel_logprobs
-    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss
+    from common.rl.losses import aggregate_loss, kl_penalty, masked_sum, policy_loss, policy_metrics
     from common.rollout.evaluate import evaluate_once
     from common.run import build
     from common.run.console import progress_bar
     from common.run.data import PromptSampler
     from common.run.dist import print0
     from common.run.sampling import StepRollouts
+    from common.run.step import StepBatches, StepCheckpoints, teacher_pass
     from common.run.task import load_task, make_evaluator
     from common.train import passes, schedule
     from common.train.checkpoint import checkpoint_step
     from common.train.colocation import Colocation, PhaseMemory, Timer
-    from common.train.guard import OffPolicyError, RunControl, check_finite, on_policy_failure
+    from common.train.guard import RunControl, check_finite, gate_on_policy
     from common.train.save import CheckpointWriter
     from common.train.setup import setup_training
 
@@ -272,19 +177,14 @@ def main():
     task = load_task(args, hf_dir, spec, user_reward, env_class)
     tokenizer, pad_id = task.tokenizer, task.pad_id
 
-    # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches
-    # (optimizer steps) -> micro-batches
+    # ---- batch geometry (checked in common/run/preflight.py): rollout batch -> mini-batches -> micro-batches
     group = args.samples_per_prompt
     rollout_batch = args.prompts_per_step * group  # samples per step, global
     mini_batch = args.mini_batch_size or rollout_batch
-    per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank
 
     # ---- rollout engine, started first and asleep (with --load-rollouts: replayed samples, no engine) ----
     use_vllm = build.wants_vllm(args.rollout, info.device)
-    # the longest prompt (at most --max-prompt-len) + a whole response, or --env: a whole episode's context
-    # (capped at the model's positions)
-    longest = max(map(len, task.prompt_ids + task.eval_prompt_ids)) if not env_class else None
-    max_model_len = args.max_episode_tokens if env_class else longest + args.max_new_tokens
+    max_model_len = build.context_len(args, task)  # the longest prompt + a response, or --env: an episode
     engine, rollout_tp = build.start_engine(args, hf_dir, info.device, use_vllm, max_model_len=max_model_len)
     clock.mark("engine")
 
@@ -302,19 +202,12 @@ def main():
             **build.optimizer_settings(args),
         )
     clock.mark("policy")
-    # with LoRA the reference is the base: the policy itself with its adapters off (no second copy)
+    # the frozen reference (with LoRA: the policy itself with its adapters off, no second copy) and --teacher's
+    # model of on-policy distillation, sharded like the policy and offloaded between their passes
     use_reference = args.kl_coef > 0 and not args.eval_only
-    reference = None
-    if use_reference and not args.lora:
-        reference = build.load_model(
-            spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True, exact=args.true_on_policy
-        )
-    clock.mark("reference")
-    # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
-    teacher, teacher_spec = None, None
-    if args.teacher and not args.eval_only:
-        teacher, teacher_spec = build.load_teacher(args.teacher, dtype, layout)
-    clock.mark("teacher")
+    reference, teacher, teacher_spec = build.load_frozen(
+        args, spec, dtype, layout, hf_dir, use_reference=use_reference, clock=clock
+    )
 
     folder = "eval_only" if args.eval_only else "eval"
     evaluator = make_evaluator(args, task, info, rollout_tp, user_reward, folder=folder)  # held-out validation
@@ -328,9 +221,8 @@ def main():
         )
         print0(json.dumps({"step": step, **metrics}))
         return finish_evaluation(exit_hard=use_vllm)
-    # Memory choreography on a shared GPU (common/train/colocation.py): what the rollout does not use
-    # waits in pinned host memory, the reference but for its logprob pass. No-ops for tensors
-    # already on the CPU.
+    # Memory choreography on a shared GPU (common/train/colocation.py): what the rollout does not use waits in
+    # pinned host memory, the reference but for its logprob pass. No-ops for tensors already on the CPU.
     offload_params = use_vllm if args.offload_params is None else args.offload_params
     colo = Colocation(
         engine,
@@ -345,8 +237,6 @@ def main():
     reward_model = build.load_reward_model(args, dtype, offload=offload_params) if args.reward_model else None
     clock.mark("reward model")
 
-    # LoRA's adapters are trained on this base (merge_to_hf.py loads it from here, then the adapters)
-    lora_meta = {"lora": dict(args.lora, base=args.model or hf_dir, base_mcore=args.mcore_ckpt)} if args.lora else {}
     checkpointed = [(model, optimizer)]  # what a checkpoint holds (staged in the offload's host buffers)
     build.check_pinned_memory(colo, checkpointed)  # this node's ranks within what it has, before pinning any
     clock.mark("set-up")
@@ -358,26 +248,13 @@ def main():
     # steps 2 and 3: samples and rewards; carry: --off-policy-steps' groups in flight (common/rollout/partial.py)
     rollouts = StepRollouts(args, task, engine, info, rollout_tp, sampler, reward_model)
     carry = rollouts.carry
-    ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
-    if args.resume:  # common/run/preflight.py made sure there is a checkpoint
-        start_step = build.resume_training(
-            ckpt_root, sampler, model, optimizer, scheduler, schedule_flags=F.schedule_flags(args), carry=carry
-        )
-        clock.mark("resume")
-    logger = build.open_logger(
-        args,
-        info,
-        dtype,
-        rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
-        rollout_tp=rollout_tp,
-        offload_params=offload_params,
-        offload_optimizer=colo.optimizer_state,
-    )
+    start_step = build.resume_training(args, sampler, model, optimizer, scheduler, carry=carry)  # 0 unless --resume
+    clock.mark("resume")
+    logger = build.open_logger(args, info, dtype, engine=engine, use_vllm=use_vllm, rollout_tp=rollout_tp, colo=colo)
     logger.truncate_after(start_step)
     # the groups and length multiples of the trainer's passes (SP, CP, the experts' all-to-all)
     groups = build.pass_layout(spec, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp)
-    tp_group, cp_group, expert_peers = groups.tp_group, groups.cp_group, groups.expert_peers
-    multiple, sample_multiple = groups.multiple, groups.sample_multiple
+    tp_group, cp_group, multiple = groups.tp_group, groups.cp_group, groups.multiple
     # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
     norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
     # forward-only logprobs into a (N, T) store (common/train/passes.py): old, reference, teacher
@@ -399,6 +276,7 @@ def main():
         steps=None if args.bench_response_lengths else args.steps,  # a benchmark saves no last checkpoint
     )
     writer = CheckpointWriter(models=checkpointed, shared=colo.host_buffers)  # background saves
+    saves = StepCheckpoints(writer, args, spec=spec, dtype=dtype, sampler=sampler, carry=carry, hf_dir=hf_dir)
     clock.mark("pinned host memory")
     print0(clock.line())
     progress = progress_bar(range(start_step, args.steps), "grpo", enabled=info.master_process)
@@ -430,44 +308,18 @@ def main():
         batch["row"] = torch.arange(len(samples))
         num_rows, seq_len = batch["tokens"].shape
 
-        # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
-        def my_micro_batches(order, m, sizes=(args.micro_batch_size, args.micro_batch_tokens)):
-            rows = order[m * mini_batch + info.dp_rank * per_dp :][:per_dp]
-            # rows ordered by length, each micro-batch cut after its longest row (one length
-            # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
-            return B.micro_batches(
-                batch,
-                rows,
-                sizes[0],
-                length_multiple=multiple,
-                same_length=args.pp > 1,
-                max_tokens=sizes[1],
-                pack=args.pack,
-                same_count_group=expert_peers,  # (all-to-all in every pass)
-                same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
-                sample_multiple=sample_multiple,
-            )
+        # this rank's micro-batches: .of(order, m) of mini-batch m, .forward_only() of all rows (common/run/step.py)
+        micro = StepBatches(batch, args, info, groups, mini_batch=mini_batch, rollout_batch=rollout_batch)
 
         # ---- 5. old (behaviour) and reference logprobs, recomputed by the trainer
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
-        identity = torch.arange(num_rows)
-
-        def forward_only_micro_batches():
-            return [
-                mb
-                for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
-                for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
-            ]
-
-        all_mine = forward_only_micro_batches()
+        all_mine = micro.forward_only()
         # On-policy (one epoch, one mini-batch, no correction that weighs old against engine logprobs): the old
         # logprobs are the update's own forward (detached; dropout is 0), so that pass is skipped (~8% of a 1.5B
         # step); not when --routing-replay old must record the routes the reference pass replays
         record_routes = args.routing_replay == "old"
-        on_policy = (
-            args.ppo_epochs == 1 and mini_batch == rollout_batch and not uses_old_logprobs(args.rollout_correction)
-        )
-        on_policy = on_policy and not (record_routes and use_reference)
+        on_policy = args.ppo_epochs == 1 and mini_batch == rollout_batch and not (record_routes and use_reference)
+        on_policy = on_policy and not uses_old_logprobs(args.rollout_correction)
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         if not on_policy:
             with timer("old_logprob"):
@@ -475,24 +327,16 @@ def main():
                 logprob_pass(model, all_mine, batch["old_logprobs"], routes)
                 if routes is not None:  # R2: the reference pass and the updates route as this pass did
                     batch["routes"] = RR.gathered_routes(routes)
-                    all_mine = forward_only_micro_batches()
+                    all_mine = micro.forward_only()
             check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if use_reference:  # LoRA: the policy's own chunks with the adapters off, else the frozen copy
             with timer("ref"), adapters_disabled(model) if args.lora else colo.frozen_model(reference):
                 logprob_pass(model if args.lora else reference, all_mine, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
-        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
-            batch["teacher_logprobs"] = torch.zeros(num_rows, seq_len)
-            topk = torch.zeros(num_rows, seq_len, 2 * args.distill_topk) if args.distill_topk else None
+        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token (+ its top-K)
             with timer("teacher"), colo.frozen_model(teacher):
-                own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
-                logprob_pass(
-                    teacher, own_routes, batch["teacher_logprobs"], vocab_size=teacher_spec.vocab_size, topk_store=topk
-                )
-            if topk is not None:  # --distill-topk: the teacher's top-K logprobs and ids at every position
-                batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = topk.split(args.distill_topk, dim=-1)
-                batch["teacher_topk_ids"] = batch["teacher_topk_ids"].long()
+                teacher_pass(teacher, teacher_spec, all_mine, batch, args, tp_group, info.device)
             check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         memory.end("logprob")
         # --rollout-correction's per-token weights of the policy term (common/rl/corrections.py), and their metrics
@@ -516,14 +360,12 @@ def main():
                 rows = order[m * mini_batch : (m + 1) * mini_batch]
                 # global normalisers of this mini-batch (all DP ranks, all micro-batches)
                 norm = dict(num_tokens=batch["mask"][rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
-                mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
+                mbs = micro.of(order, m)  # how many depends on the lengths with --micro-batch-tokens
                 scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
 
                 def loss_fn(mb, logits):
-                    mask, norm_mb = (
-                        mb["mask"],
-                        dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
-                    )  # packing / CP
+                    mask = mb["mask"]
+                    norm_mb = dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))  # packing / CP
                     logprobs, entropy = vocab_parallel_logprobs(
                         logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
                     )
@@ -556,24 +398,13 @@ def main():
                     if args.entropy_coef:
                         loss = loss - args.entropy_coef * aggregate_loss(entropy, mask, args.loss_agg, **norm_mb)
                     if args.distill_topk:  # + coef x forward KL from the teacher's top-K to the student, per token
-                        ids = mb["teacher_topk_ids"]
-                        student = topk_student_logprobs(
-                            logits, ids, mb["targets"], logprobs, tp_group, args.temperature
-                        )
-                        topk_kl = topk_forward_kl(mb["teacher_topk_logprobs"], student)
+                        topk_kl = teacher_topk_kl(mb, logits, logprobs, tp_group, args.temperature)
                         loss = loss + args.distill_coef * aggregate_loss(topk_kl, mask, args.loss_agg, **norm_mb)
-                    n = mask.sum()
-                    metrics = {
-                        "policy_loss": loss.detach(),
-                        "policy_loss__n": n / norm["num_tokens"],
-                        "entropy": masked_sum(entropy.detach(), mask),
-                        "entropy__n": n,
-                        "clip_frac": masked_sum(clipped.float(), mask),
-                        "clip_frac__n": n,
-                        "ppo_kl": masked_sum(old - logprobs.detach(), mask),
-                        "ppo_kl__n": n,
-                        **masked,
-                    }  # mean old - new
+                    n = mask.sum()  # the policy loss's metrics; first: before any update, old = new but for rounding
+                    first = epoch == 0 and m == 0 and not on_policy  # (else the two passes disagree with each other)
+                    drift = old - logprobs.detach()
+                    metrics = policy_metrics(loss, entropy, clipped, drift, mask, norm["num_tokens"], first=first)
+                    metrics.update(masked)  # --rollout-correction's masked shares
                     if use_reference:
                         metrics.update(kl=masked_sum(kl.detach(), mask), kl__n=n)
                     if teacher is not None:  # mean student - teacher logprob: the sampled reverse KL per token
@@ -581,9 +412,6 @@ def main():
                         metrics.update(distill_reverse_kl=rkl, distill_reverse_kl__n=n)
                     if args.distill_topk:
                         metrics.update(distill_topk_kl=masked_sum(topk_kl.detach(), mask), distill_topk_kl__n=n)
-                    if epoch == 0 and m == 0 and not on_policy:  # before any update: old = new but for rounding
-                        drift = (old - logprobs.detach()).abs()  # else the two passes disagree with each other
-                        metrics.update(first_update_logprob_err=masked_sum(drift, mask), first_update_logprob_err__n=n)
                     if on_policy and args.rollout_logprobs != "none":  # the one update's forward = old logprobs
                         mismatch = (mb["rollout_logprobs"] - logprobs.detach()).abs()
                         has_lp = mb["rollout_mask"]  # the samples that brought the engine's logprobs
@@ -634,28 +462,8 @@ def main():
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
             metrics["save_total_sec"] = writer.last["total_s"]  # its whole time, mostly hidden
         save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal
-        if save:
-            tick = time.time()  # save_s: what the loop waits for (checks, planning, copies to host memory)
-            writer.save(
-                ckpt_root,
-                step + 1,
-                model,
-                optimizer,
-                scheduler,
-                extra={
-                    "step": step + 1,
-                    "sampler": sampler.state_dict(),
-                    "flags": F.schedule_flags(args),
-                    **({"partial": carry.state_dict()} if carry else {}),  # in flight: continued on resume
-                },
-                keep_last=args.keep_checkpoints,
-                hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py
-                # LoRA: the checkpoint holds the adapters; the base they go with is named here
-                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1, **lora_meta},
-                optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
-            )
-            times["save_s"] = time.time() - tick
-            metrics["save_wait_sec"] = writer.wait_s  # of save_s: the previous save's files still being written
+        if save:  # in the background: the loop waits for checks, planning and copies to host memory (save_s)
+            saves.save(step + 1, model, optimizer, scheduler, times, metrics)
         times["step_s"] = time.time() - t0
         metrics.update(
             times,
@@ -671,18 +479,12 @@ def main():
                 device=info.device,
             ),
         )
-        logger.log_samples(
-            step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group
-        )  # rank 0 prints
+        logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
         if args.check_on_policy is not None and step == start_step:  # slime's CI gate on the run's first update
-            failed = on_policy_failure(metrics, args.check_on_policy, step)
-            if failed:  # exit 5 once the step's checkpoint and metrics are written
-                writer.wait()
-                logger.close()
-                raise OffPolicyError(failed)
+            gate_on_policy(metrics, args.check_on_policy, step, flush=lambda: (writer.wait(), logger.close()))
         if stop:
             print0(control.stop_message(step))
             break

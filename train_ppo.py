@@ -6,7 +6,7 @@ a per-token KL penalty to a frozen reference (or put the KL in the loss), estima
 token's advantage with GAE (Schulman et al. 2015) from a learned value function (the
 critic: the same transformer with a scalar head), then take PPO-clipped policy steps and
 clipped value-regression steps. Not GRPO (no groups needed, no group-normalised reward:
-that is train_grpo.py), no reward model (the reward is a rule), no LoRA.
+that is train_grpo.py). The reward: a rule, a reward model (--reward-model) or both.
 
 Every rank runs this same program (SPMD): it builds its shard of the actor, the critic and the
 frozen reference (Megatron-Core GPTModels, sharded alike by TP/PP) from the HF config.json, hosts
@@ -31,14 +31,13 @@ Launch:
 
 import functools
 import math
-import os
 import sys
 import time
 
 import torch
 
-from common.rollout.engine import rollout_logprobs_mode
 from common.run import flags as F
+from common.run import flags_algo as FL
 from common.run import flags_async as FA
 from common.run import flags_rollout as FR
 from common.run import flags_run
@@ -104,35 +103,13 @@ def build_parser():
         ),
     )
     # losses
-    a.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
-    a.add_argument("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO clip-higher: 0.28)")
-    a.add_argument(
-        "--dual-clip",
-        type=float,
-        default=0.0,
-        help="dual-clip PPO: for negative advantages the loss is capped at C x |A| (C > 1; verl uses 3; 0 = off)",
-    )
-    a.add_argument(
-        "--gspo",
-        action="store_true",
-        help=(
-            "GSPO: one importance ratio per sequence (exp of the mean token log-ratio), clipped per sequence; the "
-            "paper uses --clip-low 3e-4 --clip-high 4e-4 --loss-agg seq_mean_token_mean"
-        ),
-    )
+    FL.policy_loss_flags(a, agg_help="policy loss aggregation (the value loss is always token_mean)")
     a.add_argument(
         "--vf-clip",
         type=float,
         default=0.2,
         help="value clip: new values stay within this distance of the rollout's values",
     )
-    a.add_argument(
-        "--loss-agg",
-        choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
-        default="token_mean",
-        help="policy loss aggregation (the value loss is always token_mean)",
-    )
-    a.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     a.add_argument(
         "--critic-warmup-steps",
         type=int,
@@ -167,13 +144,8 @@ def parse_args(argv=None):
         p, argv, lambda known: flags_run.embedded_defaults(EMBEDDED_DEFAULTS, known) if known.model is None else None
     )
     flags_run.resolve_out(args, OUT_PREFIX)  # default: one directory per model
-    try:
-        FA.resolve_async(args)  # --off-policy-steps K: --rollout-logprobs all, its default correction
-        FR.resolve_true_on_policy(args)  # --true-on-policy: --rollout-logprobs all
-        FR.resolve_corrections(args)  # --rollout-correction's thresholds (common/rl/corrections.py)
-        FR.check_env_flags(args)  # --env: multi-turn episodes (docs/agentic.md)
-        args.lora = F.lora_settings(args)  # --lora-*: dict(rank, alpha, targets), or None (full fine-tuning)
-        args.rollout_logprobs = rollout_logprobs_mode(args.rollout_logprobs, args.temperature, args.rollout_correction)
+    try:  # what the flags imply for one another: --off-policy-steps, --true-on-policy, corrections, --env, LoRA
+        FL.resolve_training_flags(args)
     except ValueError as e:
         p.error(str(e))
     spec = check_training_run(p, args, critic_model=args.critic_model)  # every mistake, before anything is built
@@ -210,14 +182,12 @@ def main():
 
     from common.model import moe
     from common.model import routing_replay as RR
-    from common.model.critic import build_critic, load_critic_weights
     from common.model.flops import step_throughput
-    from common.model.gpt import load_hf_spec
     from common.model.lora import adapters_disabled, add_lora
     from common.rl import batch as B
     from common.rl.advantages import gae, masked_whiten
     from common.rl.corrections import correction_weights, loss_weights
-    from common.rl.distill import distill_advantages, topk_forward_kl, topk_student_logprobs, vocab_parallel_topk
+    from common.rl.distill import distill_advantages, teacher_topk_kl
     from common.rl.logprobs import vocab_parallel_logprobs
     from common.rl.losses import (
         aggregate_loss,
@@ -226,6 +196,7 @@ def main():
         masked_mean,
         masked_sum,
         policy_loss,
+        policy_metrics,
         value_loss,
     )
     from common.run import build
@@ -233,10 +204,11 @@ def main():
     from common.run.data import PromptSampler
     from common.run.dist import print0
     from common.run.sampling import StepRollouts
+    from common.run.step import StepBatches, StepCheckpoints, teacher_pass
     from common.run.task import load_task, make_evaluator
     from common.train import passes, schedule
     from common.train.colocation import Colocation, PhaseMemory, Timer
-    from common.train.guard import OffPolicyError, RunControl, check_finite, on_policy_failure
+    from common.train.guard import RunControl, check_finite, gate_on_policy
     from common.train.save import CheckpointWriter
     from common.train.setup import setup_training
 
@@ -248,8 +220,6 @@ def main():
     # ---- model source, tokenizer, prompts, reward ---------------------------------------
     hf_dir, spec = build.model_source(args.model, args.out, args.embedded_model, info)  # (or the embedded model)
     clock.mark("set-up")
-    critic_dir = args.critic_model or hf_dir  # vocabulary checked in common/run/preflight.py
-    critic_spec = load_hf_spec(critic_dir)
     # --data's prompts, or the embedded task: repeat the digit ("7=" -> "7"), reward 1 when right; held-out
     # prompts for validation; --env: episodes of the environment (docs/agentic.md)
     task = load_task(args, hf_dir, spec, user_reward, env_class)
@@ -259,15 +229,11 @@ def main():
     group = args.samples_per_prompt
     rollout_batch = args.prompts_per_step * group  # samples per step, global
     mini_batch = args.mini_batch_size or rollout_batch
-    per_dp = mini_batch // info.dp_size  # samples of one mini-batch on one data-parallel rank (checked: divides)
     updates_per_step = args.ppo_epochs * (rollout_batch // mini_batch)  # optimizer steps per model per step
 
     # ---- rollout engine, started first and asleep (with --load-rollouts: replayed samples, no engine) ----
     use_vllm = build.wants_vllm(args.rollout, info.device)
-    # the longest prompt (at most --max-prompt-len) + a whole response, or --env: a whole episode's context
-    # (capped at the model's positions)
-    longest = max(map(len, task.prompt_ids + task.eval_prompt_ids)) if not env_class else None
-    max_model_len = args.max_episode_tokens if env_class else longest + args.max_new_tokens
+    max_model_len = build.context_len(args, task)  # the longest prompt + a response, or --env: an episode
     engine, rollout_tp = build.start_engine(args, hf_dir, info.device, use_vllm, max_model_len=max_model_len)
     clock.mark("engine")
 
@@ -284,26 +250,17 @@ def main():
         **lr_schedule,
     )
     clock.mark("policy")
-    # The critic: the same GPTModel body (same TP/PP sharding) with a scalar value head on the
-    # last pipeline stage; its forward returns values (B, T, 1) where the actor's returns logits.
-    critic_chunks = build_critic(critic_spec, dtype=dtype, **layout)
-    load_critic_weights(critic_chunks, critic_spec, critic_dir)  # body from HF; head zero unless the dir has one
-    critic, critic_optimizer, critic_scheduler = setup_training(
-        critic_chunks, lr=args.critic_lr, total_steps=args.steps * updates_per_step, **lr_schedule
+    # the critic: a GPTModel body sharded like the actor with a scalar value head (values where the actor has logits)
+    critic_spec, critic, critic_optimizer, critic_scheduler = build.load_critic(
+        args, hf_dir, dtype, layout, total_steps=args.steps * updates_per_step, lr_schedule=lr_schedule
     )
     clock.mark("critic")
-    use_reference = args.kl_coef > 0  # with LoRA: the actor itself with its adapters off (no second copy)
-    reference = None
-    if use_reference and not args.lora:
-        reference = build.load_model(
-            spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True, exact=args.true_on_policy
-        )
-    clock.mark("reference")
-    # on-policy distillation: a frozen teacher, sharded and offloaded like the reference
-    teacher, teacher_spec = None, None
-    if args.teacher:
-        teacher, teacher_spec = build.load_teacher(args.teacher, dtype, layout)
-    clock.mark("teacher")
+    # the frozen reference (with LoRA: the actor itself with its adapters off, no second copy) and --teacher's
+    # model of on-policy distillation, sharded like the actor and offloaded between their passes
+    use_reference = args.kl_coef > 0
+    reference, teacher, teacher_spec = build.load_frozen(
+        args, spec, dtype, layout, hf_dir, use_reference=use_reference, clock=clock
+    )
 
     evaluator = make_evaluator(args, task, info, rollout_tp, user_reward)  # held-out validation
     # Memory choreography on a shared GPU (common/train/colocation.py, as in train_grpo.py): the critic
@@ -327,8 +284,6 @@ def main():
     reward_model = build.load_reward_model(args, dtype, offload=offload_params) if args.reward_model else None
     clock.mark("reward model")
 
-    # LoRA's adapters are trained on this base (merge_to_hf.py loads it from here, then the adapters)
-    lora_meta = {"lora": dict(args.lora, base=args.model or hf_dir, base_mcore=args.mcore_ckpt)} if args.lora else {}
     # what a checkpoint holds (staged in the offload's host buffers)
     checkpointed = [(model, optimizer), (critic, critic_optimizer)]
     build.check_pinned_memory(colo, checkpointed)  # this node's ranks within what it has, before pinning any
@@ -341,34 +296,17 @@ def main():
     # steps 2 and 3: samples and rewards; carry: --off-policy-steps' groups in flight (common/rollout/partial.py)
     rollouts = StepRollouts(args, task, engine, info, rollout_tp, sampler, reward_model)
     carry = rollouts.carry
-    ckpt_root, start_step = os.path.join(args.out, "checkpoints"), 0
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
-    if args.resume:  # common/run/preflight.py made sure there is a checkpoint
-        start_step = build.resume_training(
-            ckpt_root,
-            sampler,
-            model,
-            optimizer,
-            scheduler,
-            schedule_flags=F.schedule_flags(args),
-            extra_models=critic_state,
-            carry=carry,
-        )
-        clock.mark("resume")
-    logger = build.open_logger(
-        args,
-        info,
-        dtype,
-        rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
-        rollout_tp=rollout_tp,
-        offload_params=offload_params,
-        offload_optimizer=colo.optimizer_state,
+    # 0 unless --resume: then the newest checkpoint's step
+    start_step = build.resume_training(
+        args, sampler, model, optimizer, scheduler, extra_models=critic_state, carry=carry
     )
+    clock.mark("resume")
+    logger = build.open_logger(args, info, dtype, engine=engine, use_vllm=use_vllm, rollout_tp=rollout_tp, colo=colo)
     logger.truncate_after(start_step)
     # the groups and length multiples of the trainer's passes (SP, CP, the experts' all-to-all)
     groups = build.pass_layout(spec, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp)
-    tp_group, cp_group, expert_peers = groups.tp_group, groups.cp_group, groups.expert_peers
-    multiple, sample_multiple = groups.multiple, groups.sample_multiple
+    tp_group, cp_group, multiple = groups.tp_group, groups.cp_group, groups.multiple
     # Dr.GRPO's constant length normaliser (--env: the model's tokens of a whole episode at most)
     norm_len = args.max_new_tokens * (args.max_turns if env_class else 1)
     # forward-only per-token numbers into a (N, T) store on every rank (common/train/passes.py)
@@ -376,15 +314,6 @@ def main():
 
     def logprobs_of(mb, logits, vocab_size=spec.vocab_size):  # logits (b, T, V/tp) -> (b, T)
         return vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, args.temperature)[0]
-
-    def teacher_scores_of(mb, logits):  # (b, T, 1 + 2K): the sampled token's logprob | --distill-topk's logprobs | ids
-        scores = [logprobs_of(mb, logits, teacher_spec.vocab_size).unsqueeze(-1)]  # its own (padded) vocabulary
-        if args.distill_topk:  # the global top-K over the TP vocabulary shards (ids < 2**24: exact as floats)
-            values, ids = vocab_parallel_topk(
-                logits, args.distill_topk, teacher_spec.vocab_size, tp_group, args.temperature
-            )
-            scores += [values, ids.float()]
-        return torch.cat(scores, dim=-1)
 
     memory = PhaseMemory()  # peak GPU memory per phase (mem_*_gb), sampled in the background
     # SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C, Slurm's time limit): finish the step, save, exit 0
@@ -402,6 +331,18 @@ def main():
     def save_turn(name):  # before each model's part of a save ("": the actor, then "critic")
         colo.turn(critic_optimizer if name else optimizer, timer)
         colo.wait_optimizers(timer)
+
+    saves = StepCheckpoints(
+        writer,
+        args,
+        spec=spec,
+        dtype=dtype,
+        sampler=sampler,
+        carry=carry,
+        hf_dir=hf_dir,
+        extra_models=critic_state,
+        before_model=save_turn,  # one optimizer state on the GPU at a time, as in the update
+    )
 
     progress = progress_bar(range(start_step, args.steps), "ppo", enabled=info.master_process)
     for step in progress:
@@ -428,58 +369,28 @@ def main():
         num_rows, seq_len = batch["tokens"].shape
         mask = batch["mask"]  # (N, T): 1 where the target is a response token
 
-        # This rank's rows of each mini-batch: mini-batch m, DP rank d -> a contiguous slice.
-        def my_micro_batches(order, m, sizes=(args.micro_batch_size, args.micro_batch_tokens)):
-            rows = order[m * mini_batch + info.dp_rank * per_dp :][:per_dp]
-            # rows ordered by length, each micro-batch cut after its longest row (one length
-            # for all with a pipeline): padding costs no FLOPs, the losses are unchanged
-            return B.micro_batches(
-                batch,
-                rows,
-                sizes[0],
-                length_multiple=multiple,
-                same_length=args.pp > 1,
-                max_tokens=sizes[1],
-                pack=args.pack,
-                same_count_group=expert_peers,  # (all-to-all in every pass)
-                same_tokens=args.moe_dispatcher == "allgather",  # (its all-gather: equal sizes)
-                sample_multiple=sample_multiple,
-            )
+        # this rank's micro-batches: .of(order, m) of mini-batch m, .forward_only() of all rows (common/run/step.py)
+        micro = StepBatches(batch, args, info, groups, mini_batch=mini_batch, rollout_batch=rollout_batch)
 
         # ---- 4. old (behaviour) and reference logprobs, and the critic's values V(s_t)
         memory.start()  # vLLM is asleep and the policy back: the trainer's passes from here
-        identity = torch.arange(num_rows)
-
-        def forward_only_micro_batches():
-            return [
-                mb
-                for m in range(rollout_batch // mini_batch)  # the forward-only passes' micro-batches
-                for mb in my_micro_batches(identity, m, F.logprob_micro_batching(args))
-            ]
-
-        all_mine = forward_only_micro_batches()
+        all_mine = micro.forward_only()
         batch["old_logprobs"] = torch.zeros(num_rows, seq_len)
         with timer("old_logprob"):
             routes = RR.route_store(num_rows, seq_len, spec, info.device) if args.routing_replay == "old" else None
             forward_pass(model, all_mine, logprobs_of, batch["old_logprobs"], routes)
             if routes is not None:  # R2: the reference, values and update passes route as this pass did
                 batch["routes"] = RR.gathered_routes(routes)
-                all_mine = forward_only_micro_batches()
+                all_mine = micro.forward_only()
         check_finite("old logprobs", batch["old_logprobs"], batch["mask"], step)  # the same on every rank
         batch["ref_logprobs"] = torch.zeros(num_rows, seq_len)
         if use_reference:  # LoRA: the actor's own chunks with the adapters off, else the frozen copy
             with timer("ref"), adapters_disabled(model) if args.lora else colo.frozen_model(reference):
                 forward_pass(model if args.lora else reference, all_mine, logprobs_of, batch["ref_logprobs"])
             check_finite("reference logprobs", batch["ref_logprobs"], batch["mask"], step)
-        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token
-            scores = torch.zeros(num_rows, seq_len, 1 + 2 * args.distill_topk)
+        if teacher is not None:  # on-policy distillation: the teacher scores every sampled token (+ its top-K)
             with timer("teacher"), colo.frozen_model(teacher):
-                own_routes = [{k: v for k, v in mb.items() if k != "routes"} for mb in all_mine]  # not the policy's
-                forward_pass(teacher, own_routes, teacher_scores_of, scores)
-            batch["teacher_logprobs"] = scores[..., 0]
-            if args.distill_topk:  # the teacher's top-K logprobs and ids at every position
-                topk_logprobs, topk_ids = scores[..., 1:].split(args.distill_topk, dim=-1)
-                batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = topk_logprobs, topk_ids.long()
+                teacher_pass(teacher, teacher_spec, all_mine, batch, args, tp_group, info.device)
             check_finite("teacher logprobs", batch["teacher_logprobs"], batch["mask"], step)
         batch["old_values"] = torch.zeros(num_rows, seq_len)  # V(s_t), s_t = the tokens up to position t
         with timer("values"):
@@ -502,7 +413,7 @@ def main():
         # end); with --kl-mode reward every response token also gets -kl_coef * its KL(pi_old || ref).
         token_rewards = torch.zeros(num_rows, seq_len)
         last = seq_len - 1 - mask.flip(1).argmax(1)  # (N,) position of each row's last response token
-        token_rewards[identity, last] = rewards * (mask.sum(1) > 0)
+        token_rewards[torch.arange(num_rows), last] = rewards * (mask.sum(1) > 0)
         if use_reference:
             kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask  # (N, T)
             if args.kl_mode == "reward":
@@ -522,10 +433,8 @@ def main():
         # are independent: the same steps as interleaved), each with only its own optimizer state on
         # the GPU when the optimizers are offloaded (common/train/colocation.py turn)
         def actor_loss_fn(mb, logits, norm, scale, first):  # first: this step's first mini-batch
-            mb_mask, norm_mb = (
-                mb["mask"],
-                dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts")),
-            )  # packing / CP
+            mb_mask = mb["mask"]
+            norm_mb = dict(norm, seq_ids=mb.get("seq"), seq_counts=mb.get("seq_counts"))  # packing / CP
             logprobs, entropy = vocab_parallel_logprobs(
                 logits, mb["targets"], spec.vocab_size, tp_group, args.temperature, compute_entropy=True
             )
@@ -550,28 +459,13 @@ def main():
             if args.entropy_coef:
                 loss = loss - args.entropy_coef * aggregate_loss(entropy, mb_mask, args.loss_agg, **norm_mb)
             if args.distill_topk:  # + coef x forward KL from the teacher's top-K to the student, per token
-                ids = mb["teacher_topk_ids"]
-                student = topk_student_logprobs(logits, ids, mb["targets"], logprobs, tp_group, args.temperature)
-                topk_kl = topk_forward_kl(mb["teacher_topk_logprobs"], student)
+                topk_kl = teacher_topk_kl(mb, logits, logprobs, tp_group, args.temperature)
                 loss = loss + args.distill_coef * aggregate_loss(topk_kl, mb_mask, args.loss_agg, **norm_mb)
-            n = mb_mask.sum()
-            drift = mb["old_logprobs"] - logprobs.detach()  # (b, T) old - new
-            metrics = {
-                "policy_loss": loss.detach(),
-                "policy_loss__n": n / norm["num_tokens"],
-                "entropy": masked_sum(entropy.detach(), mb_mask),
-                "entropy__n": n,
-                "clip_frac": masked_sum(clipped.float(), mb_mask),
-                "clip_frac__n": n,
-                "ppo_kl": masked_sum(drift, mb_mask),
-                "ppo_kl__n": n,
-                **masked,
-            }
+            drift = mb["old_logprobs"] - logprobs.detach()  # (b, T) old - new; first: before any update of the step
+            metrics = policy_metrics(loss, entropy, clipped, drift, mb_mask, norm["num_tokens"], first=first)
+            metrics.update(masked)  # --rollout-correction's masked shares
             if args.distill_topk:
-                metrics.update(distill_topk_kl=masked_sum(topk_kl.detach(), mb_mask), distill_topk_kl__n=n)
-            if first:  # before any update of this step: old = new but for rounding
-                metrics.update(first_update_logprob_err=masked_sum(drift.abs(), mb_mask))
-                metrics.update(first_update_logprob_err__n=n)
+                metrics.update(distill_topk_kl=masked_sum(topk_kl.detach(), mb_mask), distill_topk_kl__n=mb_mask.sum())
             return loss * scale, metrics
 
         def critic_loss_fn(mb, values, norm, scale, first):  # values: (b, T, 1) from the value head
@@ -596,7 +490,7 @@ def main():
                     rows = order[m * mini_batch : (m + 1) * mini_batch]
                     # global normalisers of this mini-batch (all DP ranks, all micro-batches)
                     norm = dict(num_tokens=mask[rows].sum().clamp(min=1), num_seqs=len(rows), max_len=norm_len)
-                    mbs = my_micro_batches(order, m)  # how many depends on the lengths with --micro-batch-tokens
+                    mbs = micro.of(order, m)  # how many depends on the lengths with --micro-batch-tokens
                     scale = len(mbs) * info.dp_size  # undo megatron's 1/num_micro and DDP's DP averaging
                     lrs_seen.append(opt.param_groups[0]["lr"])
                     mb_metrics, grad_norm = schedule.train_step(
@@ -659,30 +553,8 @@ def main():
         if writer.poll():  # a background save finished on every rank: published, `latest` moved
             metrics["save_total_sec"] = writer.last["total_s"]  # its whole time, mostly hidden
         save, stop = control.step_end(step, info.device)  # --save-every(-minutes), last step, a signal
-        if save:
-            tick = time.time()  # save_s: what the loop waits for (checks, planning, copies to host memory)
-            writer.save(
-                ckpt_root,
-                step + 1,
-                model,
-                optimizer,
-                scheduler,
-                extra={
-                    "step": step + 1,
-                    "sampler": sampler.state_dict(),
-                    "flags": F.schedule_flags(args),
-                    **({"partial": carry.state_dict()} if carry else {}),  # in flight: continued on resume
-                },
-                keep_last=args.keep_checkpoints,
-                extra_models=critic_state,
-                hf_source_dir=hf_dir,  # + hf/: merge_to_hf.py converts the actor
-                # LoRA: the checkpoint holds the actor's adapters; the base they go with is named here
-                meta={"architecture": spec.architecture, "dtype": str(dtype), "step": step + 1, **lora_meta},
-                optimizer_sharding="fully_reshardable" if args.save_any_layout else "dp_reshardable",
-                before_model=save_turn,  # one optimizer state on the GPU at a time, as in the update
-            )
-            times["save_s"] = time.time() - tick
-            metrics["save_wait_sec"] = writer.wait_s  # of save_s: the previous save's files still being written
+        if save:  # in the background: the loop waits for checks, planning and copies to host memory (save_s)
+            saves.save(step + 1, model, optimizer, scheduler, times, metrics)
         times["step_s"] = time.time() - t0
         metrics.update(
             times,
@@ -698,20 +570,14 @@ def main():
                 device=info.device,
             ),
         )
-        logger.log_samples(
-            step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group
-        )  # rank 0 prints
+        logger.log_samples(step, tokenizer, samples, rewards, every=args.log_samples_every, stride=group)  # rank 0
         logger.log(step, metrics)
         if info.master_process:
             progress.set_postfix(
                 reward=f"{metrics['reward_mean']:.3f}", ev=f"{metrics.get('explained_variance', math.nan):.2f}"
             )
         if args.check_on_policy is not None and step == max(start_step, args.critic_warmup_steps):  # the first update
-            failed = on_policy_failure(metrics, args.check_on_policy, step)  # slime's CI gate
-            if failed:  # exit 5 once the step's checkpoint and metrics are written
-                writer.wait()
-                logger.close()
-                raise OffPolicyError(failed)
+            gate_on_policy(metrics, args.check_on_policy, step, flush=lambda: (writer.wait(), logger.close()))
         if stop:
             print0(control.stop_message(step))
             break

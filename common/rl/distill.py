@@ -120,6 +120,14 @@ def topk_student_logprobs(logits, ids, targets, target_logprobs, tp_group=None, 
     return x[..., :-1] - x[..., -1:] + target_logprobs.unsqueeze(-1)
 
 
+def teacher_topk_kl(mb, logits, logprobs, tp_group=None, temperature=1.0):
+    """--distill-topk's per-token loss term (B, T) of a micro-batch: topk_forward_kl of the teacher's top-K
+    (mb["teacher_topk_logprobs"], mb["teacher_topk_ids"]) against the student's logprobs at those ids, from its
+    logits and sampled tokens' logprobs (differentiable)."""
+    student = topk_student_logprobs(logits, mb["teacher_topk_ids"], mb["targets"], logprobs, tp_group, temperature)
+    return topk_forward_kl(mb["teacher_topk_logprobs"], student)
+
+
 def topk_forward_kl(teacher_topk_logprobs, student_topk_logprobs):
     """(B, T) per-token KL(p || pi_student) with p the teacher renormalised over its top k:
     sum_k p_k (log p_k - log pi_student(v_k)); both (B, T, k)."""

@@ -192,6 +192,27 @@ def aggregate_loss(per_token, mask, mode, num_tokens=None, num_seqs=None, max_le
 # KL
 
 
+def policy_metrics(loss, entropy, clipped, drift, mask, num_tokens, *, first=False):
+    """A micro-batch's metrics of the policy loss, as sums with their counts (key__n; the update's mean over all
+    micro-batches and ranks is their ratio): the loss (weighed by its share of the mini-batch's num_tokens), the
+    entropy, the share of tokens clipped, ppo_kl = the mean of drift (old - new logprobs) and, first (before the
+    step's first optimizer step, where old = new but for rounding), first_update_logprob_err = its mean |drift|."""
+    n = mask.sum()
+    metrics = {
+        "policy_loss": loss.detach(),
+        "policy_loss__n": n / num_tokens,
+        "entropy": masked_sum(entropy.detach(), mask),
+        "entropy__n": n,
+        "clip_frac": masked_sum(clipped.float(), mask),
+        "clip_frac__n": n,
+        "ppo_kl": masked_sum(drift, mask),
+        "ppo_kl__n": n,
+    }
+    if first:
+        metrics.update(first_update_logprob_err=masked_sum(drift.abs(), mask), first_update_logprob_err__n=n)
+    return metrics
+
+
 def kl_penalty(logprobs, ref_logprobs, kind):
     """Per-token estimators of KL(pi || ref) from tokens sampled from pi (J. Schulman,
     "Approximating KL Divergence", 2020), with log r = log ref - log pi:

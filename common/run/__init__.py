@@ -4,12 +4,14 @@
     flags_run.py    their run's groups: data, steps and outputs, the memory plan; the default --out
     flags_rollout.py the shared groups of the rollout side: engine and sampling, corrections, reward
     flags_async.py  --off-policy-steps (partial rollouts with bounded staleness) and what it implies
+    flags_algo.py   the algorithm's shared groups (the clipped policy loss, DAPO); what the groups imply together
     preflight.py    checks of a run's arguments and inputs before anything heavy is built (exit 2)
     layout_checks.py  their part on the parallel layout: world size, model shapes, micro-batches
     out_dir.py      --out's rules: the run lock, what counts as a run, --resume / --start-over
     model_checks.py the model directories a run is given: config, tokenizer, whole weights
     cli.py          what all four scripts share: the parser, output directories, error messages
     build.py        the training scripts' start-up: process groups, the engine, the models, resume, the logger
+    step.py         what both loops do alike within a step: this rank's micro-batches, the teacher's pass, the save
     task.py         a run's task: tokenizer, prompts, held-out prompts, reward; the evaluator on them
     sampling.py     a step's samples and rewards (single-turn, episodes, partial rollouts, reward model)
     data.py         prompts: datasets, chat formatting, a resumable sampler

@@ -73,6 +73,14 @@ def wants_vllm(rollout, device):
     return rollout == "vllm" or (rollout == "auto" and device.type == "cuda" and vllm_available())
 
 
+def context_len(args, task):
+    """The engine's context: the longest prompt (at most --max-prompt-len) + a whole response, or with --env a
+    whole episode's (--max-episode-tokens, capped at the model's positions)."""
+    if args.env:
+        return args.max_episode_tokens
+    return max(map(len, task.prompt_ids + task.eval_prompt_ids)) + args.max_new_tokens
+
+
 def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
     """(engine, rollout TP size): one replica per rank (CPU / vLLM TP=1) or per vLLM TP group of
     --rollout-tp ranks (common/rollout/engines.py), asleep; with --load-rollouts no engine (None: replayed
@@ -247,6 +255,36 @@ def load_teacher(teacher_dir, dtype, layout):
     return load_model(teacher_spec, dtype, layout, teacher_dir, frozen=True), teacher_spec
 
 
+def load_frozen(args, spec, dtype, layout, hf_dir, *, use_reference, clock):
+    """The frozen models beside the policy, each sharded like it, and their start-up seconds (clock): the KL's
+    reference when use_reference (None with LoRA: the policy with its adapters off is the base) and on-policy
+    distillation's teacher (--teacher) with its spec. (reference, teacher, teacher_spec); None where absent."""
+    reference, teacher, teacher_spec = None, None, None
+    if use_reference and not args.lora and not getattr(args, "eval_only", False):
+        reference = load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True, exact=args.true_on_policy)
+    clock.mark("reference")
+    if args.teacher and not getattr(args, "eval_only", False):  # (train_grpo.py --eval-only: the policy alone)
+        teacher, teacher_spec = load_teacher(args.teacher, dtype, layout)
+    clock.mark("teacher")
+    return reference, teacher, teacher_spec
+
+
+def load_critic(args, hf_dir, dtype, layout, *, total_steps, lr_schedule):
+    """PPO's critic, (critic_spec, chunks, optimizer, scheduler): the body of --critic-model (default the actor's
+    model; its vocabulary checked in common/run/preflight.py), a GPTModel sharded like the actor, with a scalar
+    value head on the last pipeline stage (its forward returns values (B, T, 1) where the actor's returns logits);
+    the body from HF, the head zero unless the directory has one; its own Adam at --critic-lr."""
+    from common.model.critic import build_critic, load_critic_weights
+    from common.model.gpt import load_hf_spec
+    from common.train.setup import setup_training
+
+    critic_dir = args.critic_model or hf_dir
+    critic_spec = load_hf_spec(critic_dir)
+    chunks = build_critic(critic_spec, dtype=dtype, **layout)
+    load_critic_weights(chunks, critic_spec, critic_dir)
+    return critic_spec, *setup_training(chunks, lr=args.critic_lr, total_steps=total_steps, **lr_schedule)
+
+
 def load_reward_model(args, dtype, *, offload):
     """--reward-model's frozen scorer (common/train/reward_model.py), sharded like the policy (--tp --pp
     --vpp --cp --sp), scoring --micro-batch-size samples a pass; offload: kept in host memory but for its
@@ -308,28 +346,32 @@ def pass_layout(spec, *, tp, cp, ep, etp):
     )
 
 
-def resume_training(ckpt_root, sampler, model, optimizer, scheduler, *, schedule_flags, extra_models=None, carry=None):
-    """The step to start from: the newest checkpoint of ckpt_root loaded into the model, optimizer, scheduler
-    (and extra_models, {name: (chunks, optimizer, scheduler)}), the prompt sampler and carry (--off-policy-steps'
-    samples in flight, common/rollout/partial.py, their versions included); the schedule flags that changed
-    since, said (the schedule follows this run's flags from the resumed step on)."""
+def resume_training(args, sampler, model, optimizer, scheduler, *, extra_models=None, carry=None):
+    """The step to start from: 0, or with --resume the newest checkpoint of <out>/checkpoints loaded into the
+    model, optimizer, scheduler (and extra_models, {name: (chunks, optimizer, scheduler)}), the prompt sampler
+    and carry (--off-policy-steps' samples in flight, common/rollout/partial.py, their versions included); the
+    schedule flags that changed since, said (the schedule follows this run's flags from the resumed step on)."""
+    from common.run.flags import schedule_flags
     from common.train.resume import changed_flags, load_training_checkpoint
 
+    if not args.resume:
+        return 0
+    ckpt_root = os.path.join(args.out, "checkpoints")  # (common/run/preflight.py made sure there is one)
     extra = load_training_checkpoint(ckpt_root, model, optimizer, scheduler, extra_models=extra_models)
     start_step = extra["step"]
     sampler.load_state_dict(extra["sampler"])  # (refused if the data or --seed changed)
     if carry is not None:
         carry.load_state_dict(extra.get("partial", {"groups": []}))
     print0(f"resumed from step {start_step}")
-    for line in changed_flags(extra.get("flags", {}), schedule_flags, start_step):
+    for line in changed_flags(extra.get("flags", {}), schedule_flags(args), start_step):
         print0(line)
     return start_step
 
 
-def open_logger(args, info, dtype, *, rollout, rollout_tp, offload_params, offload_optimizer):
+def open_logger(args, info, dtype, *, engine, use_vllm, rollout_tp, colo):
     """metrics.jsonl (and wandb: --wandb --wandb-project --run-name) under --out, written by the first rank;
     its run record holds the arguments as resolved (what ran: dtype, engine, offloads, wandb) and the
-    command line as given. rollout: the engine that ran, in words."""
+    command line as given. colo: the run's Colocation (what it offloads)."""
     from common.run.log import MetricsLogger, default_wandb_mode, run_record
 
     return MetricsLogger(
@@ -338,10 +380,10 @@ def open_logger(args, info, dtype, *, rollout, rollout_tp, offload_params, offlo
             dict(
                 vars(args),
                 dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
-                rollout=rollout,
+                rollout="none (--load-rollouts)" if engine is None else "vllm" if use_vllm else "cpu",
                 rollout_tp=rollout_tp,
-                offload_params=offload_params,
-                offload_optimizer=offload_optimizer,
+                offload_params=colo.params,
+                offload_optimizer=colo.optimizer_state,
                 wandb=args.wandb or default_wandb_mode(),
             ),
             dict(info.layout(), dtype=str(dtype)),

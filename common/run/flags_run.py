@@ -188,6 +188,46 @@ def bench_flags(p):
     return g
 
 
+def eval_only_flag(g):
+    """--eval-only (train_grpo.py) into the script's run group g; check_eval_only says what it rules out."""
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help=(
+            "no training: validate the weights of --model, --mcore-ckpt (a converted or a training checkpoint step) "
+            "or, with --resume, --out's newest checkpoint, once, as the run's validation does (--eval-*); writes "
+            "<out>/eval_only/step_N.jsonl and appends the metrics to <out>/eval_only/metrics.jsonl"
+        ),
+    )
+
+
+def check_eval_only(p, args, *, checked):
+    """--eval-only samples with the engine and writes into <out>/eval_only/ and nothing else: what that rules out
+    (before the run's checks, checked=False: they may move --out aside), and with --resume, --out's newest
+    checkpoint as args.mcore_ckpt (after them, checked=True: they made sure there is one). Exits 2 on a mistake."""
+    if not args.eval_only:
+        return
+    if not checked:
+        if args.lora:  # (a LoRA checkpoint holds adapters, the engine needs whole weights)
+            p.error(
+                "--eval-only with --lora-rank: merge the LoRA checkpoint first (python merge_to_hf.py --ckpt STEP "
+                "--out DIR), then --eval-only --model DIR"
+            )
+        if args.start_over or args.resume == "auto" or args.load_rollouts:
+            p.error(
+                "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "
+                "--resume auto and --load-rollouts"
+            )
+        if args.data and not args.eval_data:
+            p.error("--eval-only validates held-out prompts: pass --eval-data (with --data there are none by default)")
+    elif args.resume:
+        from common.train.checkpoint_dirs import latest_complete
+
+        args.mcore_ckpt = latest_complete(os.path.join(args.out, "checkpoints"))
+        if args.mcore_ckpt is None:
+            p.error(f"--eval-only --resume: no complete checkpoint in {args.out}/checkpoints")
+
+
 def plan_flags(p):
     """The memory plan (common/run/memory_check.py): --dry-run, and the machine a plan is for."""
     g = p.add_argument_group("memory plan")

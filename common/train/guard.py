@@ -215,6 +215,15 @@ def on_policy_failure(metrics, bound, step=None):
     )
 
 
+def gate_on_policy(metrics, bound, step, flush):
+    """--check-on-policy BOUND on the step of the first update: OffPolicyError (exit 5) when on_policy_failure
+    finds one, raised after flush() (the step's checkpoint and metrics written)."""
+    failed = on_policy_failure(metrics, bound, step)
+    if failed:
+        flush()
+        raise OffPolicyError(failed)
+
+
 HINTS = (
     "Usual causes: a learning rate too high for this model (--lr), a reward function returning "
     "NaN, fp16/bf16 overflow in a custom loss. The checkpoints in --out/checkpoints (if any) are "
