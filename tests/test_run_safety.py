@@ -169,6 +169,10 @@ def test_argument_mistakes_are_one_line_exit_2(inputs, tmp_path, capsys, monkeyp
         (["--moe-dispatcher", "allgather"], 1, "--moe-dispatcher allgather: Qwen2ForCausalLM has no experts"),
         (["--rollout-correction", "tis", "--correction-delta", "1"], 1, "--correction-delta has no meaning with"),
         (["--check-on-policy", "--rollout-logprobs", "none"], 1, "--check-on-policy compares the engine's logprobs"),
+        (["--eval-only", "--start-over"], 1, "writes into <out>/eval_only/ only: drop --start-over"),
+        (["--eval-only", "--lora-rank", "4"], 1, "merge the LoRA checkpoint first"),
+        (["--eval-only", "--data", str(inputs / "prompts.jsonl")], 1, "pass --eval-data"),
+        (["--eval-only", "--resume"], 1, "there is no checkpoint"),
     ]
     for argv, world, says in cases:
         err = parse_error(capsys, train_grpo.parse_args, argv + out, monkeypatch, world)
