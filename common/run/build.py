@@ -260,7 +260,7 @@ def load_frozen(args, spec, dtype, layout, hf_dir, *, use_reference, clock):
     reference when use_reference (None with LoRA: the policy with its adapters off is the base) and on-policy
     distillation's teacher (--teacher) with its spec. (reference, teacher, teacher_spec); None where absent."""
     reference, teacher, teacher_spec = None, None, None
-    if use_reference and not args.lora and not getattr(args, "eval_only", False):
+    if use_reference and not args.lora:
         reference = load_model(spec, dtype, layout, hf_dir, args.mcore_ckpt, frozen=True, exact=args.true_on_policy)
     clock.mark("reference")
     if args.teacher and not getattr(args, "eval_only", False):  # (train_grpo.py --eval-only: the policy alone)
