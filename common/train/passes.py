@@ -1,7 +1,6 @@
 """The trainer's forward-only passes: a per-token number of every sampled token, into the rows of the batch.
 
-logprob_pass(chunks, mbs, store, ...)   logprobs (old, reference, teacher; + the teacher's top-K): every rank
-                                        of the last stage
+logprob_pass(chunks, mbs, store, ...)   logprobs (old, reference): every rank of the last stage
 forward_pass(chunks, mbs, fn, store, ...)  any per-token number (logprobs, values): every rank, all rows
 
 All ranks call both (megatron's schedule and the sums are collective).
@@ -10,38 +9,29 @@ All ranks call both (megatron's schedule and the sums are collective).
 import torch
 
 from common.rl.batch import scatter_tokens
-from common.rl.distill import vocab_parallel_topk
 from common.rl.logprobs import vocab_parallel_logprobs
 from common.train import schedule
 
 
-def logprob_pass(chunks, mbs, store, routes=None, topk_store=None, *, vocab_size, tp_group, temperature, device):
+def logprob_pass(chunks, mbs, store, routes=None, *, vocab_size, tp_group, temperature, device):
     """Forward-only logprobs of every micro-batch into store[row] (last pipeline stage only);
-    routes: a routing_replay.route_store that takes the pass's MoE routes; topk_store (N, T, 2K): the
-    global top-K logprobs | ids at every position (--distill-topk); vocab_size: the model's (the teacher's
-    may be padded otherwise); temperature: the sampling temperature the logits are divided by."""
+    routes: a routing_replay.route_store that takes the pass's MoE routes; vocab_size: the model's;
+    temperature: the sampling temperature the logits are divided by."""
     from megatron.core import parallel_state as mpu
 
     # filled without a host sync per micro-batch; + a spare row for the tails of packed passes
     on_device = torch.zeros(store.shape[0] + 1, store.shape[1], device=device)
-    on_topk = None if topk_store is None else torch.zeros(len(on_device), *topk_store.shape[1:], device=device)
 
     def loss_fn(mb, logits):
         logprobs, _ = vocab_parallel_logprobs(logits, mb["targets"], vocab_size, tp_group, temperature)
         scatter_tokens(on_device, mb, logprobs.float())  # (b, T_mb) back to the samples' rows
-        if on_topk is not None:  # the global top-K over the TP vocabulary shards, (b, T_mb, K) each
-            k = topk_store.shape[-1] // 2
-            values, ids = vocab_parallel_topk(logits, k, vocab_size, tp_group, temperature)
-            scatter_tokens(on_topk, mb, torch.cat([values, ids.float()], dim=-1))  # ids < 2**24: exact
         return logprobs.sum() * 0, {}
 
     with torch.no_grad():
         schedule.run_micro_batches(chunks, mbs, loss_fn, forward_only=True, device=device, record_routes=routes)
     # each DP rank filled its own rows (each CP rank its columns): sum, so every rank has all rows
     group = mpu.get_data_parallel_group(with_context_parallel=True)
-    for target, filled in ((store, on_device), (topk_store, on_topk)):
-        if target is not None:
-            target.copy_(schedule.all_reduce_sum(filled[:-1], group, device))
+    store.copy_(schedule.all_reduce_sum(on_device[:-1], group, device))
 
 
 def forward_pass(chunks, mbs, per_token_fn, store, routes=None, *, device):
