@@ -108,9 +108,9 @@ def parse_args(argv=None):
         FL.resolve_training_flags(args)
     except ValueError as e:
         p.error(str(e))
-    flags_run.check_eval_only(p, args, checked=False)  # what --eval-only rules out
+    flags_run.check_eval_only(p, args)  # what --eval-only rules out
     spec = check_training_run(p, args, min_group=2)  # every mistake found here, before anything is built
-    flags_run.check_eval_only(p, args, checked=True)  # --eval-only --resume: the newest checkpoint
+    flags_run.eval_only_resume(p, args)  # --eval-only --resume: the newest checkpoint
     # GPU and host memory per rank and phase (common/run/memory_plan.py): derived defaults, refusals (exit 2)
     check_memory(p, args, spec)
     if args.dry_run:  # the plan printed is all a dry run does

@@ -189,7 +189,8 @@ def bench_flags(p):
 
 
 def eval_only_flag(g):
-    """--eval-only (train_grpo.py) into the script's run group g; check_eval_only says what it rules out."""
+    """--eval-only (train_grpo.py) into the script's run group g; check_eval_only says what it rules out,
+    eval_only_resume what it validates with --resume."""
     g.add_argument(
         "--eval-only",
         action="store_true",
@@ -201,31 +202,35 @@ def eval_only_flag(g):
     )
 
 
-def check_eval_only(p, args, *, checked):
-    """--eval-only samples with the engine and writes into <out>/eval_only/ and nothing else: what that rules out
-    (before the run's checks, checked=False: they may move --out aside), and with --resume, --out's newest
-    checkpoint as args.mcore_ckpt (after them, checked=True: they made sure there is one). Exits 2 on a mistake."""
+def check_eval_only(p, args):
+    """--eval-only samples with the engine and writes into <out>/eval_only/ and nothing else: what that rules
+    out, before the run's checks (they may move --out aside). Exits 2 on a mistake."""
     if not args.eval_only:
         return
-    if not checked:
-        if args.lora:  # (a LoRA checkpoint holds adapters, the engine needs whole weights)
-            p.error(
-                "--eval-only with --lora-rank: merge the LoRA checkpoint first (python merge_to_hf.py --ckpt STEP "
-                "--out DIR), then --eval-only --model DIR"
-            )
-        if args.start_over or args.resume == "auto" or args.load_rollouts:
-            p.error(
-                "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "
-                "--resume auto and --load-rollouts"
-            )
-        if args.data and not args.eval_data:
-            p.error("--eval-only validates held-out prompts: pass --eval-data (with --data there are none by default)")
-    elif args.resume:
-        from common.train.checkpoint_dirs import latest_complete
+    if args.lora:  # (a LoRA checkpoint holds adapters, the engine needs whole weights)
+        p.error(
+            "--eval-only with --lora-rank: merge the LoRA checkpoint first (python merge_to_hf.py --ckpt STEP "
+            "--out DIR), then --eval-only --model DIR"
+        )
+    if args.start_over or args.resume == "auto" or args.load_rollouts:
+        p.error(
+            "--eval-only samples with the engine and writes into <out>/eval_only/ only: drop --start-over, "
+            "--resume auto and --load-rollouts"
+        )
+    if args.data and not args.eval_data:
+        p.error("--eval-only validates held-out prompts: pass --eval-data (with --data there are none by default)")
 
-        args.mcore_ckpt = latest_complete(os.path.join(args.out, "checkpoints"))
-        if args.mcore_ckpt is None:
-            p.error(f"--eval-only --resume: no complete checkpoint in {args.out}/checkpoints")
+
+def eval_only_resume(p, args):
+    """--eval-only --resume: --out's newest checkpoint as args.mcore_ckpt, after the run's checks (they made sure
+    there is one). Exits 2 when none is complete."""
+    if not (args.eval_only and args.resume):
+        return
+    from common.train.checkpoint_dirs import latest_complete
+
+    args.mcore_ckpt = latest_complete(os.path.join(args.out, "checkpoints"))
+    if args.mcore_ckpt is None:
+        p.error(f"--eval-only --resume: no complete checkpoint in {args.out}/checkpoints")
 
 
 def plan_flags(p):
