@@ -1,13 +1,15 @@
 """Write a random-weight Qwen2-shaped (or Llama-shaped) HF model dir for GPU runs (no downloads).
 
-    python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape [--shape 0.5b|1.5b|7b|llama-1b] [--full-vocab]
+    python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape [--shape 0.5b|1.5b|7b|llama-1b|llama-8b] [--full-vocab]
 
 The transformer shapes are Qwen2's; llama-1b is Llama-3.2-1B's (LlamaForCausalLM: no q/k/v bias, head
-size 64, 8 kv heads, rope theta 5e5 with llama3 scaling, 131072 positions, tied embeddings). The vocabulary is
-the embedded byte-level tokenizer's (259 tokens, common/run/embedded.py) so that every sampled id decodes.
---full-vocab gives the embedding and output layer the family's sizes (Qwen2: 151936, 152064 at 7B, untied at 7B;
-Llama 3: 128256), as the memory and speed of a real model need: the tokenizer stays the byte-level one, and ids
-beyond it decode to nothing. Weights are fp32 (vLLM and the trainer cast to bf16).
+size 64, 8 kv heads, rope theta 5e5 with llama3 scaling, 131072 positions, tied embeddings); llama-8b is
+Llama-3.1-8B's (head size 128, 8 kv heads, untied embeddings: the model of NeMo-RL's published async
+figures). The vocabulary is the embedded byte-level tokenizer's (259 tokens, common/run/embedded.py) so that
+every sampled id decodes. --full-vocab gives the embedding and output layer the family's sizes (Qwen2:
+151936, 152064 at 7B, untied at 7B; Llama 3: 128256), as the memory and speed of a real model need: the
+tokenizer stays the byte-level one, and ids beyond it decode to nothing. Weights are fp32 (vLLM and the
+trainer cast to bf16).
 """
 
 import argparse
@@ -22,7 +24,12 @@ FULL_VOCAB = {
     "1.5b": dict(vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(vocab_size=152064, tie_word_embeddings=False),
     "llama-1b": dict(vocab_size=128256, tie_word_embeddings=True),
+    "llama-8b": dict(vocab_size=128256, tie_word_embeddings=False),
 }
+LLAMA3 = dict(  # Llama 3.1 / 3.2's config.json: positions and rope
+    architecture="LlamaForCausalLM", rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0
+)
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2 / Qwen2.5 configs)
     "0.5b": dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
@@ -34,22 +41,22 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2 / Qwen2.5 con
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
     ),
     "llama-1b": dict(  # Llama-3.2-1B's config.json
-        architecture="LlamaForCausalLM",
         hidden_size=2048,
         intermediate_size=8192,
         num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),  # fmt: skip
+        rope_scaling=dict(LLAMA3_ROPE, factor=32.0),
+        **LLAMA3,
+    ),
+    "llama-8b": dict(  # Llama-3.1-8B's config.json
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_scaling=dict(LLAMA3_ROPE, factor=8.0),
+        **LLAMA3,
     ),
 }
 
