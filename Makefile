@@ -26,9 +26,10 @@ test: $(STAMP)
 # Two pytest workers (pytest-xdist), each taking whole files (module fixtures shared, e.g. the
 # layouts of a torchrun launch): single-process tests fill the second core while another file
 # runs. Scripts the tests run start as forks of tests/zygote.py (torch and megatron-core imported
-# once per worker; TESTS_REAL_PROCESSES=1 for real processes). The slowest 15 listed: the suite
+# once per worker; TESTS_REAL_PROCESSES=1 for real processes). The longest files first
+# (tests/schedule.py; xdist's own reorder by test count off). The slowest 15 listed: the suite
 # must stay under 20 min on 2 cores.
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # ruff: the formatter's check and the linter (pyproject.toml); `.venv/bin/ruff format .` applies the format
 lint: $(STAMP)

@@ -21,6 +21,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two pytest workers
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (tests/schedule.py: `make test`'s two workers finish together)."""
+    from tests.schedule import load_table, longest_first
+
+    items[:] = longest_first(items, load_table())
+
+
 def run_torchrun(script, nproc, *args, timeout=600):
     """Run `torchrun --nproc_per_node nproc script args...` on gloo (CPU) from the repo root
     (through tests/zygote.py: torchrun's environment, no start-up imports).
