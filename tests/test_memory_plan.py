@@ -458,6 +458,29 @@ def test_a_plan_that_cannot_fit_exits_2_with_one_line(qwen2_7b, tmp_path):
     )
 
 
+def test_engines_of_their_own_plan_the_trainer_gpus_and_advise_trainer_gpus(qwen2_7b, tmp_path):
+    """--rollout-gpus: the plan is the trainer ranks' (no engine beside them), so the advice adds trainer GPUs
+    (the engines' added to the launch) and leaves the engines' --rollout-tp alone; the 8-GPU line keeps the
+    engines' GPUs out of the trainer's. Qwen2-7B at TP 2 on two of four 80 GB GPUs: the whole optimizer
+    state stays on the trainer's GPUs (nothing is offloaded in this mode) and the update does not fit."""
+    flags = ("--world-size", 4, "--gpus-per-node", 4, "--tp", 2, "--rollout-gpus", 2, "--off-policy-steps", 1)
+    proc = run_script(
+        "train_grpo.py",
+        *("--model", qwen2_7b, "--dry-run", "--out", tmp_path / "never", "--gpu-memory-gb", 80),
+        *("--host-memory-gb", 500, *flags, "--kl-coef", 0, "--micro-batch-tokens", 2048),
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "memory plan: Qwen2ForCausalLM" in proc.stdout and "world 2 (tp 2 dp 1)" in proc.stdout
+    (line,) = proc.stderr.strip().splitlines()
+    print(line)
+    assert "error: the update phase needs 81.5 GB on each GPU of 80.0 GB (Adam moments 30.5, gradients 15.2" in line
+    assert "4 trainer GPUs (a launch of 6) (57.6 GB), 4 trainer GPUs (a launch of 6) with --tp 4 (43.2 GB)" in line
+    assert "--rollout-tp" not in line
+    other = next(row for row in proc.stdout.splitlines() if row.startswith("on 8 x 80 GB GPUs"))
+    assert "--gpu-memory-gb 80), 6 of them training (--rollout-gpus 2): " in other and other.endswith("fits")
+
+
 def test_default_micro_batches_that_do_not_fit_become_a_token_budget(qwen2_7b, tmp_path):
     """The same 4 x 80 GB TP 2 plan with --micro-batch-size left to its default: instead of a refusal
     the update gets the largest power-of-two token budget that fits (4096: 16384 and 8192 do not),

@@ -165,6 +165,7 @@ def _check_memory(args, spec, has_critic):
     real = None if args.dry_run else visible_gpu_bytes()
     scale = real / gpu_bytes if args.gpu_memory_gb and real and real > gpu_bytes else 1.0
     machine = (world, gpu_bytes, per_node, node_bytes, critic_spec, reward_spec)
+    engines = getattr(args, "rollout_gpus", 0)  # GPUs of the launch that run only the engine (not in the plan)
     inputs = plan_inputs(args, spec, *machine, share_scale=scale)
     plan = first = M.plan_memory(**inputs)
     if _pass_problems(plan) and getattr(args, "micro_batch_size_derived", False) and not args.micro_batch_tokens:
@@ -200,11 +201,12 @@ def _check_memory(args, spec, has_critic):
     master = launcher_rank() == 0
     if master:
         text = format_plan(plan, inputs) if args.dry_run else format_summary(plan)
-        if args.dry_run and gpu_bytes is not None and (world, per_node, gpu_bytes) != tuple(H100_NODE.values()):
-            text += "\n" + other_machine_line(inputs, **H100_NODE)
+        launch = (world + engines, gpu_bytes)  # (--rollout-gpus: the engines' GPUs too)
+        if args.dry_run and gpu_bytes is not None and launch != (H100_NODE["world"], H100_NODE["gpu_bytes"]):
+            text += "\n" + other_machine_line(inputs, **H100_NODE, engines=engines)
         print("\n".join(line for line in [text] + [f"derived: {d}" for d in derived] if line), flush=True)
     refused = [(phase, stage) for level, phase, stage in plan.problems() if level == "refuse"]
-    refusal = refusal_message(plan, refused, inputs, args.dry_run) if refused else None
+    refusal = refusal_message(plan, refused, inputs, args.dry_run, engines=engines) if refused else None
     capacity, place = (plan.device_bytes, "per GPU") if plan.on_gpu else (plan.capacity, "per rank")
     for level, phase, stage in plan.problems():
         if level == "warn" and master:
@@ -249,10 +251,11 @@ def _critic_spec(critic_dir, spec):
 # ---------------------------------------------------------------------------------------
 # What a phase that does not fit would need: the same plan with one flag changed
 # ---------------------------------------------------------------------------------------
-def alternatives(inputs):
+def alternatives(inputs, engines=0):
     """[(flags, plan)]: the plan again with one change each: recompute, smaller micro-batches
     (the largest power of two that fits), sequence parallelism, more tensor parallelism, the
-    offloads, the engine's share derived, a larger engine TP, twice the GPUs."""
+    offloads, the engine's share derived, a larger engine TP, twice the GPUs. engines: --rollout-gpus
+    (the plan is the trainer ranks'; twice the GPUs means twice the trainer's, the engines' added)."""
     layout_ok = _layout_check(inputs)
     out = []
 
@@ -284,13 +287,13 @@ def alternatives(inputs):
     if inputs["engine"] == "vllm":
         candidate(f"--rollout-tp {rollout_tp}", rollout_tp=rollout_tp)
     more = dict(world=world, gpus_per_node=min(inputs["gpus_per_node"] * 2, 8))
-    candidate(f"{world} GPUs", **more)
-    if not wider:
+    gpus = f"{world} GPUs" if not engines else f"{world} trainer GPUs (a launch of {world + engines})"
+    candidate(gpus, **more)
+    if not wider and engines:  # the engines keep their own --rollout-tp
+        candidate(f"{gpus} with --tp {tp}", tp=tp, **more)
+    elif not wider:
         candidate(
-            f"{world} GPUs with --tp {tp} --rollout-tp {max(rollout_tp, tp)}",
-            tp=tp,
-            rollout_tp=max(rollout_tp, tp),
-            **more,
+            f"{gpus} with --tp {tp} --rollout-tp {max(rollout_tp, tp)}", tp=tp, rollout_tp=max(rollout_tp, tp), **more
         )
     return out
 
@@ -321,7 +324,8 @@ def _refused(plan):
 
 def _layout_check(inputs):
     def ok(new):
-        if new["world"] % (new["tp"] * new["pp"] * new["cp"]) or new["world"] % new["rollout_tp"]:
+        engine_tp = new["rollout_tp"] if new["engine"] else 1  # (no engine among these ranks: --rollout-gpus)
+        if new["world"] % (new["tp"] * new["pp"] * new["cp"]) or new["world"] % engine_tp:
             return False
         try:
             check_parallel_layout(
@@ -341,13 +345,13 @@ def _layout_check(inputs):
     return ok
 
 
-def refusal_message(plan, refused, inputs, dry_run=False):
+def refusal_message(plan, refused, inputs, dry_run=False, engines=0):
     """One line: the first phase that does not fit, the place, the shortfall, its largest items, the
-    other phases over, and the single changes that make every phase fit."""
+    other phases over, and the single changes that make every phase fit (engines: --rollout-gpus)."""
     phase, stage = refused[0]
     fixes = [
         flags + ("" if phase == "kv cache" else f" ({max(s.total(phase) for s in other.stages) / M.GB:.1f} GB)")
-        for flags, other in alternatives(inputs)
+        for flags, other in alternatives(inputs, engines)
         if not _refused(other)
     ]
     if fixes:
@@ -399,11 +403,14 @@ def _short(name):
     return name.split(" (")[0]
 
 
-def other_machine_line(inputs, world, gpus_per_node, gpu_bytes):
-    """One line: the same flags on another machine (8 x 80 GB GPUs)."""
+def other_machine_line(inputs, world, gpus_per_node, gpu_bytes, engines=0):
+    """One line: the same flags on another machine (8 x 80 GB GPUs; engines: --rollout-gpus of them)."""
     what = f"{world} x {gpu_bytes / M.GB:.0f} GB GPUs (--world-size {world} --gpus-per-node {gpus_per_node} "
     what += f"--gpu-memory-gb {gpu_bytes / M.GB:.0f})"
-    new = dict(inputs, world=world, gpus_per_node=gpus_per_node, gpu_bytes=gpu_bytes)
+    if engines:
+        what += f", {world - engines} of them training (--rollout-gpus {engines})"
+        world -= engines
+    new = dict(inputs, world=world, gpus_per_node=min(gpus_per_node, world), gpu_bytes=gpu_bytes)
     if not _layout_check(inputs)(new):
         return f"on {what}: this layout does not divide {world} ranks"
     plan = M.plan_memory(**new)
