@@ -37,9 +37,16 @@ def seconds_per_file(junit_xml):
     file (fixtures' set-up included)."""
     seconds = {}
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        path = case.get("file") or "tests/" + case.get("classname", "").split(".")[1] + ".py"
+        path = case.get("file") or _module_path(case.get("classname", ""))
         seconds[path] = seconds.get(path, 0.0) + float(case.get("time", 0))
     return dict(sorted(((k, round(v, 1)) for k, v in seconds.items()), key=lambda kv: -kv[1]))
+
+
+def _module_path(classname):
+    """xunit2's classname ("tests.gpu.test_x" or "tests.test_x.TestCase") -> "tests/gpu/test_x.py"."""
+    parts = classname.split(".")
+    module = next(i for i, part in enumerate(parts) if part.startswith("test_"))
+    return "/".join(parts[: module + 1]) + ".py"
 
 
 if __name__ == "__main__":

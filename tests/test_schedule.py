@@ -21,8 +21,9 @@ def test_seconds_per_file_from_a_junit_report(tmp_path):
         '<testcase classname="tests.test_a" name="x" file="tests/test_a.py" time="1.25"/>'
         '<testcase classname="tests.test_b" name="y" file="tests/test_b.py" time="7.5"/>'
         '<testcase classname="tests.test_a" name="z" time="2.5"/>'  # xunit2 writes no file
+        '<testcase classname="tests.gpu.test_c.TestCase" name="v" time="0.5"/>'
         "</testsuite></testsuites>"
     )
     table = seconds_per_file(report)
-    assert table == {"tests/test_b.py": 7.5, "tests/test_a.py": 3.8}
-    assert list(table) == ["tests/test_b.py", "tests/test_a.py"]
+    assert table == {"tests/test_b.py": 7.5, "tests/test_a.py": 3.8, "tests/gpu/test_c.py": 0.5}
+    assert list(table) == ["tests/test_b.py", "tests/test_a.py", "tests/gpu/test_c.py"]
