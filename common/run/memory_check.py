@@ -289,7 +289,7 @@ def alternatives(inputs, engines=0):
     more = dict(world=world, gpus_per_node=min(inputs["gpus_per_node"] * 2, 8))
     gpus = f"{world} GPUs" if not engines else f"{world} trainer GPUs (a launch of {world + engines})"
     candidate(gpus, **more)
-    if not wider and engines:  # the engines keep their own --rollout-tp
+    if not wider and inputs["engine"] is None:  # no engine on these ranks (--rollout-gpus, --load-rollouts)
         candidate(f"{gpus} with --tp {tp}", tp=tp, **more)
     elif not wider:
         candidate(
