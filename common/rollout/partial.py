@@ -64,24 +64,41 @@ class PartialRollouts:
         generate(rows, max_tokens, seed, lengths=[...]), row i exactly lengths[i] tokens, EOS ignored).
         Returns (samples, prompts, metrics): prompts_per_step complete groups, oldest first, G samples each with
         their versions (group-major); each group's prompt index; the step's staleness metrics."""
+        dropped = self.admit(step, new_prompts, more_prompts, prompt_ids)
+        calls, chunks, self.generated = 0, 0, 0
+        while self.running():
+            if chunks and self.complete() >= self.prompts_per_step:
+                break  # at least one chunk each phase: what runs moves on under the newest weights
+            calls = self._chunk(step, generate, calls)
+            chunks += 1
+        done = self.take()
+        return [s for g in done for s in g.samples], [g.prompt for g in done], self.metrics(step, done, dropped, chunks)
+
+    def admit(self, step, new_prompts, more_prompts, prompt_ids):
+        """A phase's start: the groups too old to train within the bound dropped, their prompts and new_prompts
+        started as new groups of version `step`, more_prompts() while fewer than (K + 1) x prompts_per_step are in
+        flight. Returns the groups dropped."""
         stale = [g for g in self.groups if g.version < step - self.k]  # would be trained beyond the bound
         self.groups = [g for g in self.groups if g.version >= step - self.k]
         for prompt in [g.prompt for g in stale] + list(new_prompts):  # a dropped group's prompt, sampled afresh
             self.groups.append(self._new_group(prompt, step, prompt_ids))
         while len(self.groups) < (self.k + 1) * self.prompts_per_step:
             self.groups += [self._new_group(p, step, prompt_ids) for p in more_prompts()]
-        calls, chunks, self.generated = 0, 0, 0
-        while any(s.finish_reason is None for g in self.groups for s in g.samples):
-            if chunks and sum(map(_complete, self.groups)) >= self.prompts_per_step:
-                break  # at least one chunk each phase: what runs moves on under the newest weights
-            calls = self._chunk(step, generate, calls)
-            chunks += 1
+        return len(stale)
+
+    def running(self):
+        return any(s.finish_reason is None for g in self.groups for s in g.samples)
+
+    def complete(self):
+        return sum(map(_complete, self.groups))
+
+    def take(self):
+        """The oldest prompts_per_step complete groups, out of the store (there must be so many)."""
         done = [g for g in self.groups if _complete(g)][: self.prompts_per_step]
         assert len(done) == self.prompts_per_step, "every sample ends within max_tokens"
         taken = {id(g) for g in done}
         self.groups = [g for g in self.groups if id(g) not in taken]
-        samples = [s for g in done for s in g.samples]
-        return samples, [g.prompt for g in done], self._metrics(step, done, len(stale), chunks)
+        return done
 
     def _new_group(self, prompt, step, prompt_ids):
         ids = list(map(int, prompt_ids[prompt]))
@@ -92,46 +109,54 @@ class PartialRollouts:
         return Group(prompt, step, [Sample(ids, [], [], None, versions=[]) for _ in range(self.group)], targets)
 
     def _chunk(self, step, generate, calls):
-        """Every running sample continued by up to chunk_tokens tokens under this step's weights: one generate call
-        per remaining budget (a budget is chunk_tokens but near max_tokens), or with drawn lengths one call whose
-        rows each get their own exact budget (a call per budget would be one per distinct draw: ~100 small calls a
-        chunk on a lognormal profile). Returns the calls made so far."""
-        cap_of = {  # each running sample's length at most (exactly: with targets), by id (samples compare by value)
-            id(s): g.targets[j] if g.targets else self.max_tokens
-            for g in self.groups
-            for j, s in enumerate(g.samples)
-            if s.finish_reason is None
-        }
-        running = [s for g in self.groups for s in g.samples if s.finish_reason is None]
-        budget = [min(self.chunk_tokens, cap_of[id(s)] - len(s.response_ids)) for s in running]
-        if self.lengths:  # (samples, each one's budget) of each call
-            calls_of = [(running, budget)]
-        else:
-            calls_of = [
-                ([s for s, b in zip(running, budget) if b == t], [t] * budget.count(t))
-                for t in sorted(set(budget), reverse=True)
-            ]
-        for batch, tokens in calls_of:
+        """Every running sample continued by up to chunk_tokens tokens under this step's weights (plan's calls, each
+        generated and applied). Returns the calls made so far."""
+        for call in self.plan():
             seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)
-            rows = [s.prompt_ids + s.response_ids for s in batch]
-            if self.lengths:
-                outs = generate(rows, max(tokens), seed, lengths=tokens)
-            else:
-                outs = generate(rows, tokens[0], seed)
+            self.apply(step, call, generate(*self.request(call, seed)))
             calls += 1
-            self.generated += sum(len(out.response_ids) for out in outs)
-            for s, out, asked in zip(batch, outs, tokens, strict=True):
-                s.response_ids += out.response_ids
-                s.response_logprobs += out.response_logprobs
-                s.versions += [step] * len(out.response_ids)
-                # ended: on a stop token, at max_tokens (its drawn length), or short of the chunk (max_model_len)
-                if out.finish_reason == "stop" or len(s.response_ids) >= cap_of[id(s)]:
-                    s.finish_reason = out.finish_reason
-                elif len(out.response_ids) < asked:
-                    s.finish_reason = "length"
         return calls
 
-    def _metrics(self, step, done, dropped_groups, chunks):
+    def plan(self):
+        """One chunk's engine calls, each (samples, their budgets, their caps): a call per remaining budget (a budget
+        is chunk_tokens but near max_tokens), or with drawn lengths one call whose rows each get their own exact
+        budget (a call per budget would be one per distinct draw: ~100 small calls a chunk on a lognormal profile).
+        A sample's cap: its length at most (exactly, with drawn lengths)."""
+        running = [(s, g.targets[j] if g.targets else self.max_tokens) for g in self.groups
+                   for j, s in enumerate(g.samples) if s.finish_reason is None]  # fmt: skip
+        budget = [min(self.chunk_tokens, cap - len(s.response_ids)) for s, cap in running]
+        if self.lengths:
+            return [([s for s, _ in running], budget, [cap for _, cap in running])]
+        calls = []
+        for t in sorted(set(budget), reverse=True):
+            mine = [(s, cap) for (s, cap), b in zip(running, budget) if b == t]
+            calls.append(([s for s, _ in mine], [t] * len(mine), [cap for _, cap in mine]))
+        return calls
+
+    def request(self, call, seed):
+        """generate's arguments for one of plan's calls: (rows, max_tokens, seed) or, with drawn lengths,
+        (rows, max_tokens, seed, lengths)."""
+        batch, tokens, _ = call
+        rows = [s.prompt_ids + s.response_ids for s in batch]
+        return (rows, max(tokens), seed, tokens) if self.lengths else (rows, tokens[0], seed)
+
+    def apply(self, version, call, outs):
+        """One engine call's Samples (outs) appended to the samples of plan's call that it continued, their tokens
+        recorded as sampled by the weights of step `version`."""
+        batch, tokens, caps = call
+        self.generated += sum(len(out.response_ids) for out in outs)
+        for s, out, asked, cap in zip(batch, outs, tokens, caps, strict=True):
+            s.response_ids += out.response_ids
+            s.response_logprobs += out.response_logprobs
+            s.versions += [version] * len(out.response_ids)
+            # ended: on a stop token, at max_tokens (its drawn length), or short of the chunk (max_model_len)
+            if out.finish_reason == "stop" or len(s.response_ids) >= cap:
+                s.finish_reason = out.finish_reason
+            elif len(out.response_ids) < asked:
+                s.finish_reason = "length"
+
+    def metrics(self, step, done, dropped_groups, chunks):
+        """The staleness metrics of a phase that took the groups `done` (docs/async.md#metrics)."""
         samples = [s for g in done for s in g.samples]
         ages = [step - g.version for g in done for _ in g.samples]  # the version of every sample's first token
         metrics = {f"staleness_share_{a}": sum(age == a for age in ages) / len(ages) for a in range(self.k + 1)}

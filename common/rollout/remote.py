@@ -14,9 +14,13 @@ Commands run on the engines in the order the trainer sends them, so a weight syn
 generate an earlier request waits for it: with requests sent ahead (RequestsAhead, --off-policy-steps K) the
 engines generate the next step's samples under the weights they hold while the trainer trains on this step's.
 Every wait on the other side has a deadline, and each side writes a heartbeat: an engine rank that died or
-hangs stops the trainer with a message naming it (and the other way round), rather than a silent wait.
+hangs stops the trainer with a message naming it (and the other way round), rather than a silent wait. Streaming
+partial rollouts (common/rollout/stream.py) send chunks from a thread of their own; RemoteEngine.turn keeps each
+chunk and each weight sync whole on the engines.
 """
 
+import contextlib
+import copy
 import pickle
 import threading
 import time
@@ -86,6 +90,13 @@ class Link:
             self.store.delete_key(key)
         return obj
 
+    def clone(self):
+        """This link with a store client of its own, for another thread (a client takes one call at a time: the
+        main thread's posts would wait for the other thread's waits)."""
+        other = copy.copy(self)
+        other.store = self.store.clone()
+        return other
+
     def engine_ranks(self):
         return range(self.trainers, self.trainers + self.rollout_gpus)
 
@@ -127,12 +138,35 @@ class RemoteEngine(RolloutEngine):
         self.sync = 0
         self.closed = False
         self.last_generate_s = 0.0  # the engines' own seconds of the last request collected (slowest replica)
+        self._counter = threading.Lock()  # the commands' numbers, sent from two threads (common/rollout/stream.py)
+        self._start_up = threading.Lock()  # the first answer's reader learns the number of replicas
+        self._turns = threading.Condition()  # whose turn it is to talk to the engines: turn()
+        self._busy, self._waiting = False, 0
         _OPEN.append(self)
 
-    def _send(self, kind, **fields):
-        self.link.post(f"cmd/{self.commands}", dict(kind=kind, **fields))
-        self.commands += 1
-        return self.commands - 1
+    @contextlib.contextmanager
+    def turn(self, background=False):
+        """The engines to this thread alone while the block runs (requests sent and answered, or a weight sync),
+        so that whatever it sends runs under the weights it saw. Streaming partial rollouts' thread
+        (common/rollout/stream.py) takes background turns, one chunk each: a waiting foreground turn (the loop's
+        weight sync or validation) goes first."""
+        with self._turns:
+            self._waiting += not background
+            self._turns.wait_for(lambda: not self._busy and not (background and self._waiting))
+            self._waiting -= not background
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._busy = False
+                self._turns.notify_all()
+
+    def _send(self, kind, link=None, **fields):
+        with self._counter:
+            index, self.commands = self.commands, self.commands + 1
+        (link or self.link).post(f"cmd/{index}", dict(kind=kind, **fields))
+        return index
 
     def start(self, **settings):
         """The engines' start-up settings (hf_dir, max_model_len): they build their engines on receiving them."""
@@ -143,11 +177,16 @@ class RemoteEngine(RolloutEngine):
         """(HF name, full tensor) pairs -> the engines, in flat byte buckets of bucket_mb: names, dtypes and shapes
         through the store, bytes through the weights' group. All trainer ranks iterate (the export's
         collectives); the first sends."""
-        self.sync += 1
         if not self.leader:
+            self.sync += 1
             for _ in named_tensors:
                 pass
             return
+        with self.turn():  # (streaming rollouts read the sync count in their turns: it changes in this one)
+            self.sync += 1
+            self._send_weights(named_tensors)
+
+    def _send_weights(self, named_tensors):
         cmd, bucket, size, index = self._send("weights", sync=self.sync), [], 0, 0
         for name, tensor in named_tensors:
             bucket.append((name, tensor.contiguous()))
@@ -166,28 +205,28 @@ class RemoteEngine(RolloutEngine):
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
         self.link.broadcast(flat)
 
-    def submit(self, prompts, **kwargs):
-        """Send a generate request (RolloutEngine.generate's arguments) -> its ticket; the trainer goes on."""
-        return self._send("generate", prompts=prompts, kwargs=kwargs) if self.leader else None
+    def submit(self, prompts, link=None, **kwargs):
+        """Send a generate request (RolloutEngine.generate's arguments) -> its ticket; the trainer goes on. link:
+        another thread's (Link.clone)."""
+        return self._send("generate", link, prompts=prompts, kwargs=kwargs) if self.leader else None
 
-    def collect(self, ticket):
+    def collect(self, ticket, link=None):
         """The samples of a submitted request (waits for them): [] but on the first trainer rank. Each sample's
         age in syncs: self.sync - the sync it was generated after (ages)."""
         if not self.leader:
             return [], []
-        results = self._results(ticket, f"the samples of request {ticket}")
+        results = self._results(ticket, f"the samples of request {ticket}", link or self.link)
         self.last_generate_s = max(res["seconds"] for res in results)
         samples = [s for res in results for s in res["samples"]]
         return samples, [self.sync - res["sync"] for res in results for _ in res["samples"]]
 
-    def _results(self, ticket, what):
+    def _results(self, ticket, what, link):
         """Every engine replica's answer to command `ticket`, in replica order; an engine's failure raised here
         with its traceback. The number of replicas the engines said at start-up."""
-        if not hasattr(self, "_num_replicas"):
-            self._num_replicas = self.link.take("replicas", self.link.engine_ranks(), "the engines' start-up")
-        results = [
-            self.link.take(f"res/{ticket}/{r}", self.link.engine_ranks(), what) for r in range(self._num_replicas)
-        ]
+        with self._start_up:
+            if not hasattr(self, "_num_replicas"):
+                self._num_replicas = link.take("replicas", link.engine_ranks(), "the engines' start-up")
+        results = [link.take(f"res/{ticket}/{r}", link.engine_ranks(), what) for r in range(self._num_replicas)]
         for res in results:
             if res.get("error"):
                 raise RuntimeError(f"--rollout-gpus: the engine failed on command {ticket}:\n{res['error']}")
@@ -195,12 +234,16 @@ class RemoteEngine(RolloutEngine):
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed, logprob_samples=None, **kwargs):
         kwargs.update(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
-        return self.collect(self.submit(prompts, logprob_samples=logprob_samples, **kwargs))[0]
+        if not self.leader:
+            return []
+        with self.turn():
+            return self.collect(self.submit(prompts, logprob_samples=logprob_samples, **kwargs))[0]
 
     def score(self, samples):
         if not self.leader:
             return []
-        results = self._results(self._send("score", samples=samples), "scores")
+        with self.turn():
+            results = self._results(self._send("score", samples=samples), "scores", self.link)
         return [row for res in results for row in res["samples"]]
 
     def close(self):

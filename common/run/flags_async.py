@@ -1,7 +1,8 @@
 """Flags of asynchronous RL (docs/async.md): --off-policy-steps, --partial-chunk-tokens, --rollout-gpus.
 
 Shared by train_grpo.py and train_ppo.py; the mechanisms are common/rollout/partial.py (partial rollouts on shared
-GPUs) and common/rollout/remote.py (engines on their own GPUs)."""
+GPUs), common/rollout/remote.py (engines on their own GPUs) and common/rollout/stream.py (partial rollouts on
+them)."""
 
 # what --off-policy-steps K > 0 does not work with yet: (flag's attribute, its value when off, why)
 UNSUPPORTED = (
@@ -44,7 +45,9 @@ def async_flags(p):
         metavar="N",
         help=(
             "--off-policy-steps: tokens per sample between checks for complete groups (default: a quarter of "
-            "--max-new-tokens, rounded up); smaller stops nearer the needed groups, at more engine calls"
+            "--max-new-tokens, rounded up); smaller stops nearer the needed groups, at more engine calls. With "
+            "--rollout-gpus it turns partial rollouts on: the engines generate all the time, a weight sync waits "
+            "for one chunk and running samples continue under the new weights (else whole requests one step ahead)"
         ),
     )
     g.add_argument(
@@ -56,6 +59,7 @@ def async_flags(p):
             "the last R ranks of the launch run only the rollout engine, the others only the trainer (nothing "
             "offloaded); weights go to the engines over NCCL after each update. With --off-policy-steps 1 the "
             "engines generate the next step's samples while the trainer trains on this step's (one step off-policy); "
+            "with --off-policy-steps K --partial-chunk-tokens N partial rollouts stream on them across updates; "
             "0: the engine shares the trainer's GPUs"
         ),
     )
@@ -74,13 +78,12 @@ def resolve_async(args):
         for name, off, why in REMOTE_UNSUPPORTED:
             if getattr(args, name, off) != off:
                 raise ValueError(f"--rollout-gpus is not supported with {why}: drop one of them")
-        if k > 1:  # a weight sync waits for the engines' current request: a second step ahead overlaps no more
+        if k > 1 and args.partial_chunk_tokens is None:  # whole requests: a sync waits for the one in flight
             raise ValueError(
-                f"--rollout-gpus runs --off-policy-steps 0 or 1 (the engines one step ahead), not {k}: with "
-                "engines on their own GPUs a step further ahead adds staleness and no overlap"
+                f"--rollout-gpus runs whole requests one step ahead (--off-policy-steps 1), not {k} steps: a step "
+                "further ahead adds staleness and no overlap; for partial rollouts that continue across weight "
+                "updates add --partial-chunk-tokens N"
             )
-        if args.partial_chunk_tokens is not None:
-            raise ValueError("--partial-chunk-tokens is for partial rollouts on shared GPUs, not with --rollout-gpus")
         # the trainer's GPUs hold no engine: nothing to make room for
         args.offload_params = False if args.offload_params is None else args.offload_params
         args.offload_optimizer = False if args.offload_optimizer is None else args.offload_optimizer
@@ -99,7 +102,7 @@ def resolve_async(args):
     args.rollout_logprobs = "all"
     if args.rollout_correction is None and not args.tis_cap:
         args.rollout_correction = CORRECTION_DEFAULT
-    if remote:  # whole samples, one step ahead: nothing partial
+    if remote and args.partial_chunk_tokens is None:  # whole samples, one step ahead: nothing partial
         return
     chunk = args.partial_chunk_tokens
     if chunk is None:

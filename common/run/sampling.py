@@ -11,8 +11,9 @@
 
 sample: the prompt sampler's next batch (the same on every rank); each vLLM replica samples --samples-per-prompt
 responses for its share of the prompts (multi-turn episodes with --env, common/rollout/episodes.py;
---off-policy-steps: the oldest complete groups of the partial rollouts in flight, common/rollout/partial.py, or with
---rollout-gpus the request sent a step earlier, common/rollout/remote.py;
+--off-policy-steps: the oldest complete groups of the partial rollouts in flight, common/rollout/partial.py, with
+--rollout-gpus the request sent a step earlier, common/rollout/remote.py, or with --rollout-gpus and
+--partial-chunk-tokens the complete groups of the engines' stream, common/rollout/stream.py;
 --bench-response-lengths: each sample its drawn length); the ranks of one vLLM TP group hold the same samples (the
 first contributes), then every rank has all of them, prompt-major. The reward: the environment's with --env, else
 --rule-reward-weight x the rule reward of the decoded response (+ DAPO's soft overlong penalty, train_grpo.py);
@@ -31,6 +32,7 @@ from common.rollout.episodes import episode_metrics, run_episodes
 from common.rollout.lengths import draw_lengths
 from common.rollout.partial import PartialRollouts, spread_generate
 from common.rollout.remote import RequestsAhead
+from common.rollout.stream import StreamingRollouts
 from common.run import flags_rollout as FR
 from common.run.dist import print0
 from common.train.guard import check_finite
@@ -47,7 +49,8 @@ class StepRollouts:
         self.args, self.task, self.engine, self.sampler, self.reward_model = args, task, engine, sampler, reward_model
         self.group = args.samples_per_prompt
         self.carry = None  # --off-policy-steps K: groups in flight between steps, continued under newer weights
-        if args.off_policy_steps and getattr(args, "rollout_gpus", 0):  # engines of their own: requests K steps ahead
+        remote = getattr(args, "rollout_gpus", 0)
+        if args.off_policy_steps and remote and not args.partial_chunk_tokens:  # engines of their own, one step ahead
             self.carry = RequestsAhead(
                 args.off_policy_steps, lambda s, p: engine.submit(**self._request(s, p, 0)), engine.collect
             )
@@ -61,6 +64,8 @@ class StepRollouts:
                 args.seed,
                 lengths=getattr(args, "bench_response_lengths", None),  # a benchmark's exact lengths, drawn per group
             )
+            if remote:  # engines of their own, generating all the time: its chunks run in a thread
+                self.carry = StreamingRollouts(engine, self.carry, args.temperature, args.top_p)
         self.replica, self.num_replicas = rollout_replica(info.rank, rollout_tp, info.world_size)
         self.first_of_replica = info.rank % rollout_tp == 0
         self.master_process, self.device = info.master_process, info.device
@@ -72,6 +77,8 @@ class StepRollouts:
         args = self.args
         if isinstance(self.carry, RequestsAhead):  # --rollout-gpus: sent K steps ago, generated meanwhile
             return self._ahead(step, timer, metrics)
+        if isinstance(self.carry, StreamingRollouts):  # --rollout-gpus --partial-chunk-tokens: generated all along
+            return self._stream(step, timer, metrics)
         prompts = self.sampler.next_batch()
         if self.carry:  # --off-policy-steps: the oldest complete groups in flight, the rest carried on
             with timer("rollout"):
@@ -109,6 +116,17 @@ class StepRollouts:
         if self.master_process:  # the engines' own time for it (the rest of rollout_s was hidden by training)
             metrics["engine_busy_sec"] = self.engine.last_generate_s
         group_prompts = list(prompts)
+        return samples, self.rewards(samples, group_prompts, timer, metrics), group_prompts
+
+    def _stream(self, step, timer, metrics):
+        """--rollout-gpus with partial rollouts: the oldest complete groups the engines' stream holds, from the
+        first trainer rank to every other (which groups are complete depends on timing: only the first knows)."""
+        with timer("rollout"):
+            taken = None
+            if self.master_process:
+                taken = self.carry.take(step, self.sampler.next_batch(), self.sampler.next_batch, self.task.prompt_ids)
+            samples, group_prompts, carried = B.broadcast_object(taken)
+        metrics.update(carried)  # staleness_share_*, partial_frac, dropped_samples, ..., engine_busy_sec
         return samples, self.rewards(samples, group_prompts, timer, metrics), group_prompts
 
     def _request(self, step, prompts, round_):

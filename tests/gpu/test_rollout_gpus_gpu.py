@@ -7,8 +7,9 @@ of the split run (rank 0 trains, rank 1 runs vLLM) in both modes; in every split
 step 0 agree with the trainer's (logprob_mismatch < 0.05: the weights crossed the NCCL link intact; random weights
 would be far off); synchronous, the split run samples what the colocated one samples (the same response lengths
 and rewards: one vLLM engine, seeds and weights); one step ahead (--off-policy-steps 1), every later step trains
-samples of the previous step's weights, with the IcePop correction's metrics. Printed: each step's sync, rollout
-and train seconds.
+samples of the previous step's weights, with the IcePop correction's metrics; streaming partial rollouts
+(--off-policy-steps 2 --partial-chunk-tokens 4, 5 steps), every trained sample within the bound, step 0's samples
+(all of step 0's weights) agreeing with the trainer. Printed: each step's sync, rollout and train seconds.
 """
 
 import os
@@ -26,11 +27,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 G
 FLAGS = ["--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4", "--mini-batch-size", "32"]
 FLAGS += ["--max-new-tokens", "16", "--eval-every", "0", "--rollout", "vllm"]
 KEYS = ["sync_s", "rollout_s", "train_s", "step_s", "logprob_mismatch", "reward_mean", "response_len_mean"]
+MORE = ["staleness_mean", "engine_busy_sec", "partial_frac", "dropped_samples", "rollout_chunks"]
 
 
 def show(name, rows):
     for r in rows:
-        print(name, {k: r.get(k) for k in KEYS + ["staleness_mean", "engine_busy_sec"] if k in r})
+        print(name, {k: r.get(k) for k in KEYS + MORE if k in r})
 
 
 def test_split_samples_as_the_colocated_engine(tmp_path):
@@ -51,3 +53,13 @@ def test_one_step_ahead(tmp_path):
     assert rows[0]["logprob_mismatch"] < 0.05 and rows[0]["staleness_share_0"] == 1.0
     assert all(r["staleness_share_1"] == 1.0 for r in rows[1:])
     assert all("correction_masked_frac" in r for r in rows)
+
+
+def test_streaming_partial_rollouts(tmp_path):
+    flags = [*FLAGS, "--steps", "5", "--rollout-gpus", "1", "--off-policy-steps", "2", "--partial-chunk-tokens", "4"]
+    rows, _ = run_script("train_grpo.py", tmp_path, *flags, ranks=2, timeout=300)
+    show("streaming", rows)
+    assert len(rows) == 5 and rows[0]["logprob_mismatch"] < 0.05 and rows[0]["staleness_share_0"] == 1.0
+    for r in rows:
+        assert sum(r[f"staleness_share_{a}"] for a in range(3)) == pytest.approx(1.0)
+        assert "correction_masked_frac" in r and "partial_frac" in r
