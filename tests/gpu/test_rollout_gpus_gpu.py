@@ -9,7 +9,9 @@ would be far off); synchronous, the split run samples what the colocated one sam
 and rewards: one vLLM engine, seeds and weights); one step ahead (--off-policy-steps 1), every later step trains
 samples of the previous step's weights, with the IcePop correction's metrics; streaming partial rollouts
 (--off-policy-steps 2 --partial-chunk-tokens 4, 5 steps), every trained sample within the bound, step 0's samples
-(all of step 0's weights) agreeing with the trainer. Printed: each step's sync, rollout and train seconds.
+(all of step 0's weights) agreeing with the trainer; a random Qwen3-MoE (tests/gpu/test_moe_gpu.py) streaming on
+an engine of its own, its experts sent as per-expert tensors: step 0's samples agreeing with the trainer. Printed:
+each step's sync, rollout and train seconds.
 """
 
 import os
@@ -63,3 +65,17 @@ def test_streaming_partial_rollouts(tmp_path):
     for r in rows:
         assert sum(r[f"staleness_share_{a}"] for a in range(3)) == pytest.approx(1.0)
         assert "correction_masked_frac" in r and "partial_frac" in r
+
+
+def test_moe_streaming(tmp_path):
+    from common.run.embedded import build_tokenizer
+    from tests.gpu import test_moe_gpu as moe
+
+    model = tmp_path / "qwen3moe"
+    moe.write_model(str(model), "Qwen3MoeForCausalLM", moe.MODEL)
+    build_tokenizer().save_pretrained(model)
+    flags = [*FLAGS, "--model", model, "--steps", "2", "--rollout-gpus", "1", "--off-policy-steps", "1"]
+    flags += ["--partial-chunk-tokens", "8", "--rollout-eager", "--save-every", "0"]
+    rows, _ = run_script("train_grpo.py", tmp_path / "run", *flags, ranks=2, timeout=300)
+    show("moe streaming", rows)
+    assert len(rows) == 2 and rows[0]["logprob_mismatch"] < 0.05 and rows[0]["staleness_share_0"] == 1.0
