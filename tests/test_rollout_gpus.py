@@ -58,7 +58,9 @@ def runs(tmp_path_factory):
             run_torchrun("train_grpo.py", 2, *ahead, "--reward", plain, "--resume", "--out", root / "resumed"),
         ),
         lambda: (
-            run_torchrun("train_grpo.py", 2, *stream_stopping, "--out", root / "stream"),
+            (root / "stream.log").write_text(
+                run_torchrun("train_grpo.py", 2, *stream_stopping, "--out", root / "stream").stdout
+            ),
             (root / "stream_stopped").write_text(str(len(read_metrics(root / "stream")))),
             run_torchrun("train_grpo.py", 2, *stream, "--reward", plain, "--resume", "--out", root / "stream"),
         ),
@@ -93,6 +95,8 @@ def test_streaming_partial_rollouts_keep_the_bound_and_resume(runs):
     step 4. (How old each step's samples are depends
     on how far the engine got while the trainer trained: which, is not compared.)"""
     assert (runs / "stream_stopped").read_text() == "2"
+    start_up = "1 more rank(s) run the rollout engine only: streaming partial rollouts: samples at most 2 steps old"
+    assert start_up in (runs / "stream.log").read_text()
     steps = read_metrics(runs / "stream")
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
     for m in steps:

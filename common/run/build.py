@@ -28,6 +28,7 @@ def start_distributed(args):
     (common/run/dist.py), --seed; the trainer's dtype (--dtype, default bf16 on GPUs, fp32 on CPUs), said in
     one line; --out made."""
     from common.run.dist import init_distributed
+    from common.run.flags_async import remote_mode
 
     info = init_distributed(
         tp=args.tp,
@@ -45,7 +46,11 @@ def start_distributed(args):
         f"world {info.world_size}: tp {info.tp_size} pp {info.pp_size} dp {info.dp_size}"
         + (f" ep {info.ep_size} etp {info.etp_size}" if args.ep * args.etp > 1 else "")
         + f" on {info.device}, {dtype}"
-        + (f"; {info.rollout_gpus} more ranks run the rollout engine only" if info.rollout_gpus else "")
+        + (
+            f"; {info.rollout_gpus} more rank(s) run the rollout engine only: {remote_mode(args)}"
+            if info.rollout_gpus
+            else ""
+        )
     )
     os.makedirs(args.out, exist_ok=True)
     return info, dtype

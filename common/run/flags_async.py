@@ -109,3 +109,15 @@ def resolve_async(args):
         args.partial_chunk_tokens = -(-args.max_new_tokens // 4)
     elif chunk < 1:
         raise ValueError(f"--partial-chunk-tokens must be >= 1, not {chunk}")
+
+
+def remote_mode(args):
+    """What the engines on GPUs of their own do, in words (the start-up line); '' without --rollout-gpus."""
+    k, chunk = args.off_policy_steps, args.partial_chunk_tokens
+    if not getattr(args, "rollout_gpus", 0):
+        return ""
+    if not k:
+        return "synchronous: each step's samples of its own weights"
+    if chunk is None:
+        return "whole requests one step ahead"
+    return f"streaming partial rollouts: samples at most {k} steps old, {chunk}-token chunks"
