@@ -1,6 +1,6 @@
 """Write a random-weight Qwen2-shaped (or Llama-shaped) HF model dir for GPU runs (no downloads).
 
-    python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape [--shape 0.5b|1.5b|7b|llama-1b|llama-8b] [--full-vocab]
+    python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape [--shape 0.5b|1.5b|7b|14b|llama-1b|llama-8b] [--full-vocab]
 
 The transformer shapes are Qwen2's; llama-1b is Llama-3.2-1B's (LlamaForCausalLM: no q/k/v bias, head
 size 64, 8 kv heads, rope theta 5e5 with llama3 scaling, 131072 positions, tied embeddings); llama-8b is
@@ -23,6 +23,7 @@ FULL_VOCAB = {
     "0.5b": dict(vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(vocab_size=152064, tie_word_embeddings=False),
     "llama-1b": dict(vocab_size=128256, tie_word_embeddings=True),
     "llama-8b": dict(vocab_size=128256, tie_word_embeddings=False),
 }
@@ -39,6 +40,9 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2 / Qwen2.5 con
     ),
     "7b": dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+    ),
+    "14b": dict(  # Qwen2.5-14B
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8
     ),
     "llama-1b": dict(  # Llama-3.2-1B's config.json
         hidden_size=2048,
