@@ -99,6 +99,37 @@ def test_a_sync_goes_between_chunks_and_running_samples_continue_under_it():
     assert not stream.thread.is_alive()
 
 
+def test_a_group_started_before_a_sync_is_as_old_as_its_first_tokens():
+    """Step 1 starts prompts 4 and 5 while the engine runs a chunk of prompts 2 and 3; step 2's weight sync goes
+    before their first chunk, so their tokens, and their age at step 2, are step 2's weights' (age 0, not 1)."""
+    engine = GatedEngine()
+    stream = StreamingRollouts(engine, PartialRollouts(1, 2, 2, max_tokens=6, chunk_tokens=2), 1.0, 1.0)
+    remote._OPEN.remove(stream)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    taken = pool.submit(stream.take, 0, [0, 1], lambda: [2, 3], PROMPT_IDS)
+    engine.let_one_call_through()
+    assert taken.result(timeout=60)[1] == [0, 1]
+    assert engine.waiting.acquire(timeout=60)  # prompts 2 and 3: tokens 3-4
+    synced = pool.submit(engine.weight_sync)  # step 1's, waiting before that chunk ends: it goes next
+    time.sleep(0.3)
+    engine.go.release()
+    synced.result(timeout=60)
+    assert engine.waiting.acquire(timeout=60)  # prompts 2 and 3: tokens 5-6, under step 1's weights
+    taken = pool.submit(stream.take, 1, [4, 5], None, PROMPT_IDS)  # prompts 4 and 5 wait for the next chunk
+    time.sleep(0.3)
+    synced = pool.submit(engine.weight_sync)  # step 2's: waits for the chunk, goes before the next
+    time.sleep(0.3)
+    engine.go.release()
+    assert taken.result(timeout=60)[1] == [2, 3]
+    synced.result(timeout=60)
+    taken = pool.submit(stream.take, 2, [6, 7], None, PROMPT_IDS)
+    engine.let_one_call_through()  # prompts 4-7 under step 2's weights
+    samples, prompts, metrics = taken.result(timeout=60)
+    assert prompts == [4, 5] and all(s.versions == [2, 2] for s in samples)
+    assert metrics["staleness_share_0"] == 1.0
+    stream.close()
+
+
 def test_an_engine_failure_stops_the_step_with_its_message():
     engine = GatedEngine()
     engine.collect = lambda ticket, link=None: (_ for _ in ()).throw(RuntimeError("the engine rank 1 died"))

@@ -78,6 +78,7 @@ class PartialRollouts:
         """A phase's start: the groups too old to train within the bound dropped, their prompts and new_prompts
         started as new groups of version `step`, more_prompts() while fewer than (K + 1) x prompts_per_step are in
         flight. Returns the groups dropped."""
+        self._settle()
         stale = [g for g in self.groups if g.version < step - self.k]  # would be trained beyond the bound
         self.groups = [g for g in self.groups if g.version >= step - self.k]
         for prompt in [g.prompt for g in stale] + list(new_prompts):  # a dropped group's prompt, sampled afresh
@@ -94,11 +95,19 @@ class PartialRollouts:
 
     def take(self):
         """The oldest prompts_per_step complete groups, out of the store (there must be so many)."""
+        self._settle()
         done = [g for g in self.groups if _complete(g)][: self.prompts_per_step]
         assert len(done) == self.prompts_per_step, "every sample ends within max_tokens"
         taken = {id(g) for g in done}
         self.groups = [g for g in self.groups if id(g) not in taken]
         return done
+
+    def _settle(self):
+        """Each group's version: its first tokens' once it has any (on shared GPUs the step that started it; streaming
+        on engines of their own, a weight sync may come between a group's start and its first chunk)."""
+        for g in self.groups:
+            if g.samples[0].versions:
+                g.version = g.samples[0].versions[0]
 
     def _new_group(self, prompt, step, prompt_ids):
         ids = list(map(int, prompt_ids[prompt]))
@@ -173,6 +182,7 @@ class PartialRollouts:
     def state_dict(self):
         """The carried groups, JSON-able (the checkpoint's train_state.json): ids, logprobs, finish reasons and
         versions (as [version, count] runs) of every sample."""
+        self._settle()
         return {
             "off_policy_steps": self.k,
             "draws": self.draws,
