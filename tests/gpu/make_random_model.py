@@ -1,6 +1,7 @@
 """Write a random-weight Qwen2-shaped (or Llama-shaped) HF model dir for GPU runs (no downloads).
 
-    python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape [--shape 0.5b|1.5b|7b|14b|llama-1b|llama-8b] [--full-vocab]
+    python tests/gpu/make_random_model.py /tmp/qwen2-0.5b-shape \
+        [--shape 0.5b|1.5b|7b|14b|llama-1b|llama-8b] [--full-vocab]
 
 The transformer shapes are Qwen2's; llama-1b is Llama-3.2-1B's (LlamaForCausalLM: no q/k/v bias, head
 size 64, 8 kv heads, rope theta 5e5 with llama3 scaling, 131072 positions, tied embeddings); llama-8b is
