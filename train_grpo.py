@@ -25,9 +25,10 @@ Launch:
       python train_grpo.py --model Qwen/Qwen2-1.5B --data openai/gsm8k --data-config main   # hub ids, or local paths
   8 GPUs (Megatron TP=4 x DP=2; vLLM TP=2 x 4 replicas):
       torchrun --nproc_per_node 8 train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4 --rollout-tp 2
-  8 GPUs, vLLM on 4 of them generating the next step's samples while the other 4 train (docs/async.md):
+  8 GPUs, vLLM on 4 of them generating all the time while the other 4 train, samples at most 2 steps old
+  and continued across weight updates (docs/async.md):
       torchrun --nproc_per_node 8 train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4 \
-          --rollout-gpus 4 --off-policy-steps 1
+          --rollout-gpus 4 --off-policy-steps 2 --partial-chunk-tokens 512
   Slurm, several nodes (same flags):
       sbatch launch/slurm.sh train_grpo.py --model /models/Qwen2-7B --data gsm8k.parquet --tp 4
   On CPUs, torchrun works the same on gloo: torchrun --nproc_per_node 2 train_grpo.py --tp 2
