@@ -111,7 +111,7 @@ class StreamingRollouts:
             return self.carry.state_dict()
 
     def load_state_dict(self, state):
-        if state.get("in_flight"):
+        if "in_flight" in state:
             raise ValueError(
                 "--resume: this checkpoint holds whole requests sent ahead (--rollout-gpus without "
                 "--partial-chunk-tokens); resume it with the run's own flags"
