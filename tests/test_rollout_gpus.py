@@ -119,7 +119,7 @@ def test_ppo_two_trainer_ranks_two_engine_replicas(tmp_path, streaming):
     steps = read_metrics(tmp_path)
     assert len(steps) == 3 and all(m["tokens"] > 0 and m["value_loss"] == m["value_loss"] for m in steps)  # not NaN
     if streaming:  # (age 0 where an engine fell behind the trainer: which groups are complete first is timing)
-        assert all(m["staleness_share_0"] + m["staleness_share_1"] == 1.0 and "partial_frac" in m for m in steps)
+        assert all(m["staleness_mean"] <= 1 and "partial_frac" in m for m in steps)
     else:
         assert all(m["staleness_share_1"] == 1.0 for m in steps[1:])
 
