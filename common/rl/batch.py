@@ -36,15 +36,6 @@ def gather_samples(local_samples, group=None):
     return [s for part in parts for s in part]
 
 
-def broadcast_object(obj, group=None):
-    """The first rank's Python object on every rank (the others pass anything). All ranks call this."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
 def pack_sequences(samples, pad_id, length=None, length_multiple=8, routes=False):
     """Right-pad prompt+response of each sample into (B, T) tensors.
 

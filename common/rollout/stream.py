@@ -31,7 +31,7 @@ class StreamingRollouts:
     state_dict and load_state_dict run on the first trainer rank (the others get their samples from it)."""
 
     def __init__(self, engine, carry, temperature, top_p):
-        self.engine, self.carry, self.k = engine, carry, carry.k
+        self.engine, self.carry = engine, carry
         self.sampling = dict(temperature=temperature, top_p=top_p)
         self.changed = threading.Condition()  # the groups (the thread's chunks, the loop's takes)
         self.thread, self.error, self.stopping = None, None, False

@@ -112,10 +112,8 @@ def resolve_async(args):
 
 
 def remote_mode(args):
-    """What the engines on GPUs of their own do, in words (the start-up line); '' without --rollout-gpus."""
+    """What the engines on GPUs of their own (--rollout-gpus) do, in words (the start-up line)."""
     k, chunk = args.off_policy_steps, args.partial_chunk_tokens
-    if not getattr(args, "rollout_gpus", 0):
-        return ""
     if not k:
         return "synchronous: each step's samples of its own weights"
     if chunk is None:

@@ -36,6 +36,7 @@ from common.rollout.stream import StreamingRollouts
 from common.run import flags_rollout as FR
 from common.run.dist import print0
 from common.train.guard import check_finite
+from common.train.save import broadcast_from_rank0
 
 
 class StepRollouts:
@@ -125,7 +126,7 @@ class StepRollouts:
             taken = None
             if self.master_process:
                 taken = self.carry.take(step, self.sampler.next_batch(), self.sampler.next_batch, self.task.prompt_ids)
-            samples, group_prompts, carried = B.broadcast_object(taken)
+            samples, group_prompts, carried = broadcast_from_rank0(taken)
         metrics.update(carried)  # staleness_share_*, partial_frac, dropped_samples, ..., engine_busy_sec
         return samples, self.rewards(samples, group_prompts, timer, metrics), group_prompts
 
