@@ -25,6 +25,9 @@ Reported over the timed steps (the warm-up steps pay for compilation, CUDA graph
   phases                 every *_s metric of the scripts (sync, wake, offload, rollout, reward,
                          old_logprob, ref, reload, train, ...; other_s: the rest of step_s): mean
                          seconds, share of the step, tokens / phase seconds / world size
+  within_s               mean seconds of the *_sec metrics, which are not phases of the step: engine_busy_sec
+                         (--rollout-gpus: the engines' own), sync_wait_sec (the optimizer step's wait for a
+                         weight sync sent behind, within train_s)
   lengths                the response lengths drawn (count, mean, std, min, p50, p90, p99, max);
                          lengths_exact: each step's response tokens equal the sum of its draws (None with
                          --off-policy-steps after `--`: groups draw when they start, a step trains older ones)
@@ -212,6 +215,12 @@ def summarize(rows, run_args, layout, spec_text, warmup):
         else all(sum(drawn[r["step"]]) == r["response_tokens"] for r in timed),
         memory_gb={
             k: max(r[k] for r in timed if k in r) for k in sorted({k for r in timed for k in r}) if k.startswith("mem_")
+        },
+        # seconds that are not phases of the step (engine_busy_sec: the engines' own; sync_wait_sec: within train_s)
+        within_s={
+            k: sum(r.get(k, 0.0) for r in timed) / len(timed)
+            for k in sorted({k for r in timed for k in r})
+            if k.endswith("_sec")
         },
         world_size=world,
         layout=layout,

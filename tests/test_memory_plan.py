@@ -242,6 +242,17 @@ def test_every_phase_counted_by_hand():
 LORA = 2 * 4352
 
 
+def test_engines_of_their_own_count_the_sync_buckets_where_they_are_sent():
+    """--rollout-gpus (no engine beside the trainer): the first rank's flat buckets in the sync phase, or, with the
+    sync sent behind the next step's passes (--sync-overlap), in every phase but the save."""
+    alone, step, behind = (small_plan(engine=None, remote_sync=r) for r in (None, "step", "behind"))
+    buckets = min(2 * 2**20, 2 * 2 * ENGINE) * (1 + M.FRAGMENTATION)  # two 1 MB buckets at most, bf16
+    for phase in ("sync", "rollout", "logprob", "update", "save"):
+        sent_behind = phase != "save"
+        assert step.total(phase) - alone.total(phase) == pytest.approx(buckets * (phase == "sync"), rel=1e-9)
+        assert behind.total(phase) - alone.total(phase) == pytest.approx(buckets * sent_behind, rel=1e-9)
+
+
 def test_lora_counts_adapters_alone_and_no_reference():
     """--lora-rank: bf16 weights of the base and the adapters; gradients, main weights and Adam of the
     adapters only; no reference copy (the policy with its adapters off)."""

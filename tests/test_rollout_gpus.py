@@ -3,7 +3,8 @@
     .venv/bin/python -m pytest -q tests/test_rollout_gpus.py
 
 - one trainer rank + one engine rank, synchronous: every metric of every step equals the colocated run's of one
-  rank (the same engine, seeds and weights: the weights went over the link bit for bit);
+  rank (the same engine, seeds and weights: the weights went over the link bit for bit, sent behind the step's
+  passes: --sync-overlap auto at --tp 1);
 - --off-policy-steps 1: every step after the first trains samples of the previous step's weights (staleness 1);
   stopped by SIGTERM during step 1 (the engine generating step 2's request meanwhile: the trainer finishes the
   step, saves, tells the engine to stop, every rank exits 0) and resumed to 4, every step equals the
@@ -97,12 +98,13 @@ def test_streaming_partial_rollouts_keep_the_bound_and_resume(runs):
     assert (runs / "stream_stopped").read_text() == "2"
     start_up = "1 more rank(s) run the rollout engine only: streaming partial rollouts: samples at most 2 steps old"
     assert start_up in (runs / "stream.log").read_text()
+    assert "weight syncs sent behind the next step's passes" in (runs / "stream.log").read_text()  # --tp 1
     steps = read_metrics(runs / "stream")
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
     for m in steps:
         shares = [m[f"staleness_share_{a}"] for a in range(3)]
         assert sum(shares) == pytest.approx(1.0) and 0 <= m["staleness_mean"] <= 2
-        assert "correction_masked_frac" in m and m["engine_busy_sec"] >= 0
+        assert "correction_masked_frac" in m and m["engine_busy_sec"] >= 0 and m["sync_wait_sec"] >= 0
     assert steps[0]["staleness_share_0"] == 1.0  # the first step's groups began under its weights
     assert steps[2]["staleness_share_0"] < 1.0  # the resumed step trained groups carried in the checkpoint
     assert "eval_accuracy" in steps[2]
@@ -118,6 +120,7 @@ def test_ppo_two_trainer_ranks_two_engine_replicas(tmp_path, streaming):
     run_torchrun("train_ppo.py", 4, *FLAGS, "--tp", 2, "--rollout-gpus", 2, *flags, "--steps", 3, "--out", tmp_path)
     steps = read_metrics(tmp_path)
     assert len(steps) == 3 and all(m["tokens"] > 0 and m["value_loss"] == m["value_loss"] for m in steps)  # not NaN
+    assert not any("sync_wait_sec" in m for m in steps)  # at TP 2 the export gathers: the sync is in the step
     if streaming:  # (age 0 where an engine fell behind the trainer: which groups are complete first is timing)
         assert all(m["staleness_mean"] <= 1 and "partial_frac" in m for m in steps)
     else:

@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from common.rollout import remote
 from common.rollout.engine import Sample
@@ -29,7 +30,7 @@ class GatedEngine(remote.RemoteEngine):
     def __init__(self):
         super().__init__(SimpleNamespace(global_rank=0, clone=lambda: None))
         remote._OPEN.remove(self)
-        self.sync = 1  # the first weight sync: step 0's
+        self.sync = self.held = 1  # the first weight sync: step 0's
         self.waiting, self.go = threading.Semaphore(0), threading.Semaphore(0)
         self.request = None
 
@@ -45,7 +46,7 @@ class GatedEngine(remote.RemoteEngine):
         for row in rows:
             n = min(kwargs["max_tokens"], LENGTHS[row[0]] - (len(row) - 1))
             finish = "stop" if len(row) - 1 + n == LENGTHS[row[0]] else "length"
-            out.append(Sample(row, [9] * n, [-float(self.sync)] * n, finish))
+            out.append(Sample(row, [9] * n, [-float(self.held)] * n, finish))
         return out, [0] * len(out)
 
     def let_one_call_through(self):
@@ -53,8 +54,9 @@ class GatedEngine(remote.RemoteEngine):
         self.go.release()
 
     def weight_sync(self):  # as RemoteEngine.update_weights: in a turn of its own
+        self.sync += 1
         with self.turn():
-            self.sync += 1
+            self.held += 1
 
 
 def test_a_sync_goes_between_chunks_and_running_samples_continue_under_it():
@@ -144,3 +146,71 @@ def test_a_checkpoint_of_whole_requests_is_refused():
     remote._OPEN.remove(stream)
     with pytest.raises(ValueError, match="without --partial-chunk-tokens"):
         stream.load_state_dict({"in_flight": [[0, [0, 1], []]]})
+
+
+class HeldLink:
+    """A link whose weight transfer waits until the test opens its gate; what was sent, in order."""
+
+    global_rank, timeout_s = 0, 60
+
+    def __init__(self):
+        self.gate, self.sending = threading.Event(), threading.Event()
+        self.posted, self.sent = {}, []
+
+    def clone(self):
+        return self
+
+    def post(self, key, obj):
+        self.posted[key] = obj
+
+    def broadcast(self, flat):
+        self.sending.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.sent.append(("weights", flat.clone()))
+
+
+def test_a_sync_sent_behind_reads_the_weights_before_the_optimizer_changes_them():
+    """--sync-overlap: update_weights returns while the weights are still on their way; the training step's
+    settle() (before the optimizer step) waits for them, so the engines get the weights of the step that sent
+    them; a streaming chunk waiting meanwhile goes after the sync."""
+    link = HeldLink()
+    engine = remote.RemoteEngine(link, bucket_mb=1, behind=True)
+    remote._OPEN.remove(engine)
+    weight = torch.ones(8)
+
+    def chunk():  # streaming's thread: a background turn, waiting before the sync was made
+        with engine.turn(background=True):
+            link.sent.append(("chunk", engine.held))
+
+    def optimizer_step():  # the training step: settle, then the parameters change
+        engine.settle()
+        weight.add_(1.0)
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    validation = engine.turn()  # (a turn the test holds: the chunk, then the sync, wait for it)
+    validation.__enter__()
+    chunked = pool.submit(chunk)
+    time.sleep(0.2)
+    engine.update_weights(iter([("w", weight)]))  # returns at once: the sync waits its turn
+    assert engine.sync == 1 and engine.held == 0
+    validation.__exit__(None, None, None)
+    assert link.sending.wait(60)  # the sync went first; its transfer is held
+    stepped = pool.submit(optimizer_step)
+    time.sleep(0.3)
+    assert not stepped.done() and not chunked.done() and weight.eq(1.0).all()
+    link.gate.set()
+    stepped.result(timeout=60), chunked.result(timeout=60)
+    (what, flat), after = link.sent
+    assert what == "weights" and flat.view(torch.float32).eq(1.0).all()  # the weights as the step made them
+    assert after == ("chunk", 1)  # the chunk ran under the new weights
+    assert link.posted["cmd/0"] == {"kind": "weights", "sync": 1} and weight.eq(2.0).all()
+
+
+def test_a_failed_sync_sent_behind_stops_the_next_step():
+    link = HeldLink()
+    link.broadcast = lambda flat: (_ for _ in ()).throw(RuntimeError("NCCL error: the engine rank 1 died"))
+    engine = remote.RemoteEngine(link, behind=True)
+    remote._OPEN.remove(engine)
+    engine.update_weights(iter([("w", torch.ones(2))]))
+    with pytest.raises(RuntimeError, match="the weight sync failed:(.|\n)*the engine rank 1 died"):
+        engine.settle()

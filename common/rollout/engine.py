@@ -154,6 +154,7 @@ class RolloutEngine:
 
     expert_blocks = False  # True: update_weights takes routed experts as (module, common.weights.ExpertBlock)
     local_reads = None  # else export_hf_weights(local_reads=): update_weights takes TP pieces (LocalShard)
+    behind = False  # True: update_weights may return before it has read the parameters (settle)
 
     def generate(
         self,
@@ -263,6 +264,11 @@ class RolloutEngine:
         """Copy (HF name, full tensor) pairs into the engine's model. Consumes the whole
         iterator even on error (the producer may run collectives on every rank), then raises."""
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Return once the last update_weights has read every parameter it sends (engines on GPUs of their own
+        may send behind the trainer's next passes: common/rollout/remote.py); the training scripts call it before
+        anything changes the parameters. Here: at once (update_weights returns when done)."""
 
     def sleep(self) -> None:
         """Release accelerator memory (weights + KV cache) for the training phase."""

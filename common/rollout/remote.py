@@ -128,14 +128,21 @@ class RemoteEngine(RolloutEngine):
     """The trainer ranks' engine when the engines run on other GPUs: every trainer rank calls its methods (the
     weight export runs collectives); the first sends the commands and gets the samples, which it alone returns
     (the other ranks get [], as the ranks of one colocated replica but its first: the scripts gather the first's).
-    sync counts the weight syncs sent: a sample generated after sync i and trained after sync j is j - i steps
-    old (one sync a step)."""
+    sync counts the weight syncs made: a sample generated after sync i and trained after sync j is j - i steps
+    old (one sync a step); held, those the engines hold (a sync sent behind lags sync until it is sent).
 
-    def __init__(self, link, bucket_mb=512):
-        self.link, self.bucket_bytes = link, bucket_mb * 2**20
+    behind (--sync-overlap, where the trainer's export runs no collectives: TP = PP = EP = 1): update_weights
+    returns at once and the first rank sends the weights from a thread of its own, reading the parameters while
+    the trainer's next passes run; settle() waits for it (the scripts call it before the optimizer step changes
+    the parameters: common/train/colocation.py wait_optimizers). Every other call settles first, so a request or a
+    validation goes after the sync as before. The other trainer ranks send nothing and skip the export."""
+
+    def __init__(self, link, bucket_mb=512, behind=False):
+        self.link, self.bucket_bytes, self.behind = link, bucket_mb * 2**20, behind
         self.leader = link.global_rank == 0
         self.commands = 0  # commands sent (their keys: cmd/0, cmd/1, ...)
-        self.sync = 0
+        self.sync = self.held = 0
+        self.sender, self.sender_error = None, None  # a sync sent behind: its thread, its failure
         self.closed = False
         self.last_generate_s = 0.0  # the engines' own seconds of the last request collected (slowest replica)
         self._counter = threading.Lock()  # the commands' numbers, sent from two threads (common/rollout/stream.py)
@@ -145,13 +152,14 @@ class RemoteEngine(RolloutEngine):
         _OPEN.append(self)
 
     @contextlib.contextmanager
-    def turn(self, background=False):
+    def turn(self, background=False, reserved=False):
         """The engines to this thread alone while the block runs (requests sent and answered, or a weight sync),
         so that whatever it sends runs under the weights it saw. Streaming partial rollouts' thread
         (common/rollout/stream.py) takes background turns, one chunk each: a waiting foreground turn (the loop's
-        weight sync or validation) goes first."""
+        weight sync or validation) goes first. reserved: a foreground turn counted as waiting already (a sync
+        sent behind: from the moment update_weights returned)."""
         with self._turns:
-            self._waiting += not background
+            self._waiting += not background and not reserved
             self._turns.wait_for(lambda: not self._busy and not (background and self._waiting))
             self._waiting -= not background
             self._busy = True
@@ -176,38 +184,76 @@ class RemoteEngine(RolloutEngine):
     def update_weights(self, named_tensors):
         """(HF name, full tensor) pairs -> the engines, in flat byte buckets of bucket_mb: names, dtypes and shapes
         through the store, bytes through the weights' group. All trainer ranks iterate (the export's
-        collectives); the first sends."""
+        collectives); the first sends. behind: the first sends from a thread (class docstring), the others skip."""
+        self.settle()  # (one sync at a time)
+        self.sync += 1
         if not self.leader:
-            self.sync += 1
-            for _ in named_tensors:
-                pass
+            if not self.behind:
+                for _ in named_tensors:
+                    pass
             return
-        with self.turn():  # (streaming rollouts read the sync count in their turns: it changes in this one)
-            self.sync += 1
-            self._send_weights(named_tensors)
+        if not self.behind:
+            with self.turn():  # (streaming rollouts read the engines' weights, held, in their turns)
+                self._send_weights(named_tensors, self.link)
+            return
+        with self._turns:
+            self._waiting += 1  # the streaming chunks wait from now on: this sync goes next
+        ready = None  # on a GPU: (this device, an event after the work queued so far: the optimizer step)
+        if torch.cuda.is_available():
+            ready = (torch.cuda.current_device(), torch.cuda.Event())
+            ready[1].record()
+        self.sender = threading.Thread(
+            target=self._send_behind, args=(named_tensors, ready), name="weight sync", daemon=True
+        )
+        self.sender.start()
 
-    def _send_weights(self, named_tensors):
-        cmd, bucket, size, index = self._send("weights", sync=self.sync), [], 0, 0
+    def _send_behind(self, named_tensors, ready):
+        """The thread of a sync sent behind: its own store client, on a CUDA stream of its own (the parameters
+        are read beside the trainer's passes); done once the GPU has read them."""
+        try:
+            link = self.link.clone()
+            with self.turn(reserved=True), _side_stream(ready) as stream:
+                self._send_weights(named_tensors, link)
+                if stream is not None:
+                    stream.synchronize()
+        except BaseException:
+            self.sender_error = traceback.format_exc()
+
+    def settle(self):
+        """Wait for a sync sent behind (if any) to finish; its failure raised here."""
+        sender, self.sender = self.sender, None
+        if sender is None:
+            return
+        sender.join()
+        error, self.sender_error = self.sender_error, None
+        if error:
+            raise RuntimeError(f"--rollout-gpus: the weight sync failed:\n{error}")
+
+    def _send_weights(self, named_tensors, link):
+        self.held += 1  # (in the turn: streaming rollouts read it in theirs)
+        cmd, bucket, size, index = self._send("weights", link, sync=self.held), [], 0, 0
         for name, tensor in named_tensors:
             bucket.append((name, tensor.contiguous()))
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
-                self._send_bucket(cmd, index, bucket)
+                self._send_bucket(link, cmd, index, bucket)
                 bucket, size, index = [], 0, index + 1
         if bucket:
-            self._send_bucket(cmd, index, bucket)
+            self._send_bucket(link, cmd, index, bucket)
             index += 1
-        self.link.post(f"w/{cmd}/{index}", None)  # the end
+        link.post(f"w/{cmd}/{index}", None)  # the end
 
-    def _send_bucket(self, cmd, index, bucket):
+    def _send_bucket(self, link, cmd, index, bucket):
         meta = [(name, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for name, t in bucket]
-        self.link.post(f"w/{cmd}/{index}", meta)
+        link.post(f"w/{cmd}/{index}", meta)
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
-        self.link.broadcast(flat)
+        link.broadcast(flat)
 
     def submit(self, prompts, link=None, **kwargs):
         """Send a generate request (RolloutEngine.generate's arguments) -> its ticket; the trainer goes on. link:
-        another thread's (Link.clone)."""
+        another thread's (Link.clone: streaming's chunks, which a sync sent behind goes before by its turn)."""
+        if link is None:
+            self.settle()
         return self._send("generate", link, prompts=prompts, kwargs=kwargs) if self.leader else None
 
     def collect(self, ticket, link=None):
@@ -236,12 +282,14 @@ class RemoteEngine(RolloutEngine):
         kwargs.update(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
         if not self.leader:
             return []
+        self.settle()  # (before the turn: the sync's thread takes one)
         with self.turn():
             return self.collect(self.submit(prompts, logprob_samples=logprob_samples, **kwargs))[0]
 
     def score(self, samples):
         if not self.leader:
             return []
+        self.settle()
         with self.turn():
             results = self._results(self._send("score", samples=samples), "scores", self.link)
         return [row for res in results for row in res["samples"]]
@@ -249,6 +297,8 @@ class RemoteEngine(RolloutEngine):
     def close(self):
         """The engines stop (the trainer's last word; every way out of a run says it, common/run/cli.py)."""
         if self.leader and not self.closed:
+            if self.sender is not None:  # (its failure, if any, is the run's to report: not raised here)
+                self.sender.join(self.link.timeout_s)
             self._send("stop")
             self.closed = True
 
@@ -332,6 +382,21 @@ def _received(link, cmd, read):
 
 def _device(link):
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _side_stream(ready):
+    """A CUDA stream of this thread's own on the device of ready = (device, event), after the event; None on a
+    CPU (ready None)."""
+    if ready is None:
+        yield None
+        return
+    device, event = ready
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield stream
 
 
 class RequestsAhead:

@@ -35,7 +35,7 @@ class StreamingRollouts:
         self.sampling = dict(temperature=temperature, top_p=top_p)
         self.changed = threading.Condition()  # the groups (the thread's chunks, the loop's takes)
         self.thread, self.error, self.stopping = None, None, False
-        self.base = 0  # a chunk's version: base + the weight syncs sent (set at the first take)
+        self.base = 0  # a chunk's version: base + the weight syncs the engines hold (set at the first take)
         self.calls = 0  # engine calls so far (each its own seed)
         self.chunks, self.busy_s = 0, 0.0  # since the last take: chunks run, the engines' seconds for them
         remote._OPEN.append(self)  # closed before the engine (close_all goes newest first): the thread stops
@@ -45,7 +45,7 @@ class StreamingRollouts:
         answer, the chunks run by the thread (started here at the first step or resume). Call it after the step's
         weight sync: its new groups start under this step's weights."""
         if self.thread is None:
-            self.base = step - self.engine.sync
+            self.base = step - self.engine.sync  # (the syncs made: this step's, if sent behind, counted)
             self.thread = threading.Thread(target=self._run, name="streaming rollouts", daemon=True)
             self.thread.start()
         with self.changed:
@@ -76,7 +76,7 @@ class StreamingRollouts:
                     if self.stopping:
                         return
                 with self.engine.turn(background=True):
-                    version = self.base + self.engine.sync  # the weights the engines hold: no sync in this turn
+                    version = self.base + self.engine.held  # the weights the engines hold: no sync in this turn
                     with self.changed:
                         calls = self.carry.plan()
                     for call in calls:

@@ -105,7 +105,7 @@ def start_engine(args, hf_dir, device, use_vllm, *, max_model_len):
 
         trainers = dist.get_world_size()  # (the trainer ranks' group)
         link = Link(role_store(), trainers, args.rollout_gpus, dist.get_rank(), device)
-        engine = RemoteEngine(link, bucket_mb=args.sync_bucket_mb)
+        engine = RemoteEngine(link, bucket_mb=args.sync_bucket_mb, behind=args.sync_overlap == "on")
         engine.start(hf_dir=hf_dir, max_model_len=max_model_len)  # (stopped as the run ends: common/run/cli.py)
         return engine, trainers  # the trainer ranks are one replica to the loop: the first one's samples count
     engine, rollout_tp = make_engine(

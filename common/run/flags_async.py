@@ -63,6 +63,17 @@ def async_flags(p):
             "0: the engine shares the trainer's GPUs"
         ),
     )
+    g.add_argument(
+        "--sync-overlap",
+        choices=("auto", "off"),
+        default="auto",
+        help=(
+            "--rollout-gpus: auto sends each weight sync from a thread of the first trainer rank while the next "
+            "step's passes run (the optimizer step waits for it: metric sync_wait_sec), where the trainer's export "
+            "gathers nothing (--tp, --pp, --ep, --etp 1); off: the step waits for the sync, as it does at "
+            "larger layouts"
+        ),
+    )
     return g
 
 
@@ -87,6 +98,11 @@ def resolve_async(args):
         # the trainer's GPUs hold no engine: nothing to make room for
         args.offload_params = False if args.offload_params is None else args.offload_params
         args.offload_optimizer = False if args.offload_optimizer is None else args.offload_optimizer
+        gathers = (args.tp, args.pp, args.ep, args.etp) != (1, 1, 1, 1)  # collectives: in the loop's thread only
+        args.sync_overlap = "off" if gathers or args.offload_params else args.sync_overlap
+        args.sync_overlap = "on" if args.sync_overlap == "auto" else args.sync_overlap
+    else:
+        args.sync_overlap = "off"
     if k == 0:
         if args.partial_chunk_tokens is not None:
             raise ValueError("--partial-chunk-tokens is for partial rollouts: add --off-policy-steps K (K >= 1)")
@@ -114,8 +130,9 @@ def resolve_async(args):
 def remote_mode(args):
     """What the engines on GPUs of their own (--rollout-gpus) do, in words (the start-up line)."""
     k, chunk = args.off_policy_steps, args.partial_chunk_tokens
+    sync = "; weight syncs sent behind the next step's passes" if args.sync_overlap == "on" else ""
     if not k:
-        return "synchronous: each step's samples of its own weights"
+        return "synchronous: each step's samples of its own weights" + sync
     if chunk is None:
-        return "whole requests one step ahead"
-    return f"streaming partial rollouts: samples at most {k} steps old, {chunk}-token chunks"
+        return "whole requests one step ahead" + sync
+    return f"streaming partial rollouts: samples at most {k} steps old, {chunk}-token chunks" + sync

@@ -75,6 +75,9 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
     if getattr(args, "env", None):  # --env: an episode's whole context (first prompt, turns, observations)
         max_len = args.max_episode_tokens or spec.max_position_embeddings
     update_tokens = args.micro_batch_tokens or args.micro_batch_size * max_len
+    remote_sync = None  # --rollout-gpus: the weight sync's buckets, in its phase or beside the next step's passes
+    if getattr(args, "rollout_gpus", 0):
+        remote_sync = "behind" if getattr(args, "sync_overlap", "off") == "on" else "step"
     lp_size, lp_tokens = logprob_micro_batching(args)
     dp = world // (args.tp * args.pp * args.cp)
     per_dp = (args.mini_batch_size or args.prompts_per_step * args.samples_per_prompt) // max(dp, 1)
@@ -116,6 +119,7 @@ def plan_inputs(args, spec, world, gpu_bytes, per_node, node_bytes, critic=None,
         offload_optimizer=engine == "vllm" if args.offload_optimizer is None else args.offload_optimizer,
         save_any_layout=bool(args.save_any_layout),
         sync_bucket_mb=args.sync_bucket_mb,
+        remote_sync=remote_sync,
         gpu_bytes=gpu_bytes,
         gpus_per_node=per_node,
         node_bytes=node_bytes,

@@ -226,6 +226,7 @@ def plan_memory(
     offload_optimizer=True,
     save_any_layout=False,
     sync_bucket_mb=512,
+    remote_sync=None,
     gpu_bytes=None,
     gpus_per_node=1,
     node_bytes=None,
@@ -239,7 +240,9 @@ def plan_memory(
     runs per optimizer step (bounds what a pipeline holds in flight). gpu_bytes: memory of one
     GPU, None for a CPU run (then every phase is host memory, compared with node_bytes /
     gpus_per_node). node_bytes: host memory of a node, None if unknown. lora: dict(rank=, targets=) of
-    --lora-rank: gradients and the optimizer for the adapters alone, the reference is the policy itself."""
+    --lora-rank: gradients and the optimizer for the adapters alone, the reference is the policy itself.
+    remote_sync (--rollout-gpus; engine None): "step" or "behind" (--sync-overlap): the sync's buckets in the sync
+    phase, or beside every phase of the next step's passes."""
     on_gpu = gpu_bytes is not None
     device = "cuda" if on_gpu else "cpu"
     b = dtype_bytes
@@ -358,6 +361,11 @@ def plan_memory(
             add("weight sync buckets", 2 * sync_bucket_mb * 2**20, "sync")
             items["engine KV cache"] = Item("engine KV cache", torch=False)  # sized below, from the share
             add("engine workspace (activations, CUDA graphs)", ENGINE_WORKSPACE, "rollout", torch=False)
+
+        if remote_sync:  # engines on GPUs of their own: the flat buckets the first rank sends them
+            sent = "sync" if remote_sync == "step" else " ".join(p for p in phases if p != "save")
+            exported = hf_parameter_count(spec) * (2 if on_gpu else FP32)  # bf16 to vLLM, fp32 to the CPU engine
+            add("weight sync buckets (to the engines' GPUs)", min(2 * sync_bucket_mb * 2**20, 2 * exported), sent)
 
         # -- activations and logits of one micro-batch (per rank: CP splits the tokens)
         saved, recomputed = stage_activation_bytes(spec, layers[s], **layer_kw, **recompute_kw)

@@ -109,6 +109,7 @@ class Colocation:
             self.engine.update_weights(self.weights())
         with timer("offload"):
             if self.params:
+                self._settle()  # (a sync sent behind reads the parameters; --rollout-gpus offloads none by default)
                 self.policy.offload()  # its weights now live in the engine
         with timer("wake"):
             self.engine.wake_kv_cache()
@@ -160,10 +161,24 @@ class Colocation:
 
     def wait_optimizers(self, timer):
         """Block until reload_optimizers' copies have landed; the wait (the part of the copies
-        the passes did not hide) is timed into reload_s."""
+        the passes did not hide) is timed into reload_s. Also (the scripts call this before each
+        optimizer step) until a weight sync sent behind has read the parameters (engines on GPUs
+        of their own: common/rollout/remote.py), timed into sync_wait_sec (a part of train_s, not a
+        phase of its own: not stacked in the plot)."""
         with timer("reload"):
             for off in self.optimizers:
                 off.wait()
+        tick = time.time()
+        if self._settle():
+            timer.times["sync_wait_sec"] = timer.times.get("sync_wait_sec", 0.0) + time.time() - tick
+
+    def _settle(self):
+        """Wait for a weight sync sent behind (RemoteEngine with behind: common/rollout/remote.py) -> whether the
+        engine sends so."""
+        if not getattr(self.engine, "behind", False):
+            return False
+        self.engine.settle()
+        return True
 
 
 # ---------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ def test_streaming_partial_rollouts(tmp_path):
     for r in rows:
         assert sum(r[f"staleness_share_{a}"] for a in range(3)) == pytest.approx(1.0)
         assert "correction_masked_frac" in r and "partial_frac" in r
+        assert r["sync_wait_sec"] >= 0  # --tp 1: each sync sent behind the next step's passes
 
 
 def test_moe_streaming(tmp_path):
