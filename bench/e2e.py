@@ -25,6 +25,9 @@ Reported over the timed steps (the warm-up steps pay for compilation, CUDA graph
   phases                 every *_s metric of the scripts (sync, wake, offload, rollout, reward,
                          old_logprob, ref, reload, train, ...; other_s: the rest of step_s): mean
                          seconds, share of the step, tokens / phase seconds / world size
+  steady_state           --rollout-gpus: the engines' rate over their busy seconds, a step's engine and trainer
+                         seconds, which bounds it, and the tokens/s/GPU of that bound (timed steps that train
+                         samples banked during the warm-up can run faster than the engines allow: run more steps)
   within_s               mean seconds of the *_sec metrics, which are not phases of the step: engine_busy_sec
                          (--rollout-gpus: the engines' own), sync_wait_sec (the optimizer step's wait for a
                          weight sync sent behind, within train_s)
@@ -167,6 +170,30 @@ def length_stats(lengths):
     )
 
 
+def engines_bound(timed, world):
+    """--rollout-gpus: what the timed steps say of the steady state (None without engines of their own, or when
+    the engines did nothing in them). The engines' rate: the tokens they generated (generated_tokens; whole
+    requests: the step's response tokens) over their busy seconds (engine_busy_sec); a step's engine seconds: its
+    response tokens at that rate; its trainer seconds: step_s less the wait for samples (rollout_s). Steps that
+    train samples banked earlier (the warm-up's) can run at the trainer's pace; in steady state a step takes the
+    longer of the two, and tokens/s/GPU follows."""
+    busy = sum(r.get("engine_busy_sec", 0.0) for r in timed)
+    if busy <= 0:
+        return None
+    rate = sum(r.get("generated_tokens", r["response_tokens"]) for r in timed) / busy
+    n = len(timed)
+    engine_s = sum(r["response_tokens"] for r in timed) / n / rate
+    trainer_s = sum(r["step_s"] - r.get("rollout_s", 0.0) for r in timed) / n
+    step_s = max(engine_s, trainer_s)
+    return dict(
+        engine_tokens_per_s=rate,
+        engine_s_per_step=engine_s,
+        trainer_s_per_step=trainer_s,
+        bound="engines" if engine_s > trainer_s else "trainer",
+        tokens_per_s_per_gpu=sum(r["tokens"] for r in timed) / n / step_s / world,
+    )
+
+
 def summarize(rows, run_args, layout, spec_text, warmup):
     """The report (module docstring) of metrics.jsonl rows of steps >= warmup; run_args and
     layout: the run's config.json."""
@@ -222,6 +249,7 @@ def summarize(rows, run_args, layout, spec_text, warmup):
             for k in sorted({k for r in timed for k in r})
             if k.endswith("_sec")
         },
+        steady_state=engines_bound(timed, world) if layout.get("rollout_gpus") else None,
         world_size=world,
         layout=layout,
         prompts_per_step=prompts,
@@ -264,6 +292,13 @@ def print_table(r):
     for name, p in sorted(r["phases"].items(), key=lambda kv: -kv[1]["s"]):
         rate = f"{p['tokens_per_s_per_gpu']:14.1f}" if p["tokens_per_s_per_gpu"] else f"{'-':>14s}"
         print(f"  {name:16s} {p['s']:9.3f} {100 * p['share']:6.1f}% {rate}")
+    steady = r.get("steady_state")
+    if steady:
+        print(
+            f"steady state (estimate, --rollout-gpus): the engines generate {steady['engine_tokens_per_s']:.0f} "
+            f"tokens/s; a step needs {steady['engine_s_per_step']:.2f} s of them and {steady['trainer_s_per_step']:.2f}"
+            f" s of the trainer: bound by the {steady['bound']}, ~{steady['tokens_per_s_per_gpu']:.1f} tokens/s/GPU"
+        )
 
 
 def ab_report(a, b, flags):

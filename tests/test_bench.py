@@ -285,6 +285,35 @@ def test_run_pairs_alternates_and_drops_warmup():
     assert (a, b) == ([11, 12, 13], [21, 22, 23])  # pair 0 warmed up
 
 
+def test_e2e_steady_state_of_engines_of_their_own_by_hand():
+    """bench/e2e.py's estimate with --rollout-gpus: two timed steps, the first on banked samples (10 s, no wait),
+    the second waiting 15 s for them. The engines made 100k + 200k tokens in 5 + 15 busy seconds: 15k tokens/s, so
+    a step's 120k response tokens need 8 s of them, under the trainer's (10 + 10) / 2 s: bound by the trainer at
+    150k tokens / 10 s / 2 GPUs; halve the engines' rate and they bound it (16 s a step)."""
+    spec = importlib.util.spec_from_file_location("e2e_module", os.path.join(ROOT, "bench", "e2e.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    timed = [
+        dict(step_s=10.0, rollout_s=0.0, tokens=150_000, response_tokens=120_000, generated_tokens=100_000),
+        dict(step_s=25.0, rollout_s=15.0, tokens=150_000, response_tokens=120_000, generated_tokens=200_000),
+    ]
+    for r, busy in zip(timed, (5.0, 15.0)):
+        r["engine_busy_sec"] = busy
+    est = e2e.engines_bound(timed, world=2)
+    assert est["engine_tokens_per_s"] == 15_000 and est["engine_s_per_step"] == 8.0
+    assert est["trainer_s_per_step"] == 10.0 and est["bound"] == "trainer" and est["tokens_per_s_per_gpu"] == 7_500
+    for r in timed:
+        r["engine_busy_sec"] *= 2
+    est = e2e.engines_bound(timed, world=2)
+    assert (
+        est["engine_s_per_step"] == 16.0 and est["bound"] == "engines" and est["tokens_per_s_per_gpu"] == 150_000 / 32
+    )
+    # whole requests (no generated_tokens): a step's own response tokens over the engines' seconds for them
+    whole = [dict(step_s=12.0, rollout_s=2.0, tokens=150_000, response_tokens=120_000, engine_busy_sec=12.0)]
+    assert e2e.engines_bound(whole, world=2)["engine_s_per_step"] == 12.0
+    assert e2e.engines_bound([dict(whole[0], engine_busy_sec=0.0)], world=2) is None
+
+
 def test_paired_ratios_by_hand():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from harness import paired_ratios
