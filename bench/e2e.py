@@ -41,7 +41,8 @@ step ends with a collective: every rank is within a metric reduction of it).
 What a flag costs, end to end: `--ab FLAGS` runs --pairs pairs of whole runs, A as given and B with FLAGS added
 after `--` (each its own process: flags read at start-up, such as --true-on-policy's batch-invariant engine, can
 be compared), the order alternating (A B, B A, ...; bench/harness.py run_pairs). Reported: B / A of the mean step
-seconds, of each phase's mean seconds and of tokens/s/GPU, as the median (min, max) of the per-pair ratios; each
+seconds, of each phase's mean seconds and of tokens/s/GPU (and of the steady-state estimates where both sides have
+one), as the median (min, max) of the per-pair ratios; each
 run's own report is kept (--out/a0, b0, a1, ...). Output: a table, `BENCH_JSON {...}` and --out/e2e_ab.json.
     python bench/e2e.py --model /models/rand-0.5b --response-lengths lognormal:mean=500,sigma=0.6,max=2000 \
         --ab --true-on-policy --pairs 3 -- --prompts-per-step 8 --samples-per-prompt 16
@@ -312,6 +313,8 @@ def ab_report(a, b, flags):
 
     ratios = {"step_s": b_over_a(lambda r: r["step_s_mean"])}
     ratios["tokens_per_s_per_gpu"] = b_over_a(lambda r: r["tokens_per_s_per_gpu"])
+    if all(r.get("steady_state") for r in a + b):  # --rollout-gpus on both sides: the steady-state estimates too
+        ratios["steady_tokens_per_s_per_gpu"] = b_over_a(lambda r: r["steady_state"]["tokens_per_s_per_gpu"])
     phases = set(a[0]["phases"]).intersection(*(r["phases"] for r in a + b))
     for name in sorted(phases):
         ratios[name] = b_over_a(lambda r, name=name: r["phases"][name]["s"])

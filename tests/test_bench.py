@@ -312,6 +312,14 @@ def test_e2e_steady_state_of_engines_of_their_own_by_hand():
     whole = [dict(step_s=12.0, rollout_s=2.0, tokens=150_000, response_tokens=120_000, engine_busy_sec=12.0)]
     assert e2e.engines_bound(whole, world=2)["engine_s_per_step"] == 12.0
     assert e2e.engines_bound([dict(whole[0], engine_busy_sec=0.0)], world=2) is None
+    # --ab: B / A of the estimates beside the measured ratios, where both sides have one
+    side = dict(step_s_mean=10.0, tokens_per_s_per_gpu=100.0, phases={}, device="cpu")
+    a, b = (
+        dict(side, steady_state=dict(tokens_per_s_per_gpu=80.0)),
+        dict(side, steady_state=dict(tokens_per_s_per_gpu=60.0)),
+    )
+    assert e2e.ab_report([a], [b], "--x")["ratios"]["steady_tokens_per_s_per_gpu"]["median"] == 0.75
+    assert "steady_tokens_per_s_per_gpu" not in e2e.ab_report([side], [b], "--x")["ratios"]
 
 
 def test_paired_ratios_by_hand():

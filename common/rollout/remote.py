@@ -211,9 +211,8 @@ class RemoteEngine(RolloutEngine):
         """The thread of a sync sent behind: its own store client, on a CUDA stream of its own (the parameters
         are read beside the trainer's passes); done once the GPU has read them."""
         try:
-            link = self.link.clone()
-            with self.turn(reserved=True), _side_stream(ready) as stream:
-                self._send_weights(named_tensors, link)
+            with self.turn(reserved=True), _side_stream(ready) as stream:  # (the reservation ends with the turn)
+                self._send_weights(named_tensors, self.link.clone())
                 if stream is not None:
                     stream.synchronize()
         except BaseException:
