@@ -143,6 +143,7 @@ class RemoteEngine(RolloutEngine):
         self.commands = 0  # commands sent (their keys: cmd/0, cmd/1, ...)
         self.sync = self.held = 0
         self.sender, self.sender_error = None, None  # a sync sent behind: its thread, its failure
+        self.stream = None  # on a GPU, the CUDA stream of the syncs sent behind
         self.closed = False
         self.last_generate_s = 0.0  # the engines' own seconds of the last request collected (slowest replica)
         self._counter = threading.Lock()  # the commands' numbers, sent from two threads (common/rollout/stream.py)
@@ -198,18 +199,20 @@ class RemoteEngine(RolloutEngine):
             return
         with self._turns:
             self._waiting += 1  # the streaming chunks wait from now on: this sync goes next
-        ready = None  # on a GPU: (this device, an event after the work queued so far: the optimizer step)
+        ready = None  # on a GPU: (this device, the sync's stream, an event after the work queued so far)
         if torch.cuda.is_available():
-            ready = (torch.cuda.current_device(), torch.cuda.Event())
-            ready[1].record()
+            if self.stream is None:  # one stream for every sync: the allocator keeps freed blocks per stream
+                self.stream = torch.cuda.Stream()
+            ready = (torch.cuda.current_device(), self.stream, torch.cuda.Event())
+            ready[2].record()  # (after the optimizer step's work: the parameters as it leaves them)
         self.sender = threading.Thread(
             target=self._send_behind, args=(named_tensors, ready), name="weight sync", daemon=True
         )
         self.sender.start()
 
     def _send_behind(self, named_tensors, ready):
-        """The thread of a sync sent behind: its own store client, on a CUDA stream of its own (the parameters
-        are read beside the trainer's passes); done once the GPU has read them."""
+        """The thread of a sync sent behind: its own store client, on the syncs' CUDA stream (the parameters are
+        read beside the trainer's passes); done once the GPU has read them."""
         try:
             with self.turn(reserved=True), _side_stream(ready) as stream:  # (the reservation ends with the turn)
                 self._send_weights(named_tensors, self.link.clone())
@@ -385,14 +388,13 @@ def _device(link):
 
 @contextlib.contextmanager
 def _side_stream(ready):
-    """A CUDA stream of this thread's own on the device of ready = (device, event), after the event; None on a
-    CPU (ready None)."""
+    """ready = (device, stream, event): the stream, after the event, current in this thread on that device; None on
+    a CPU (ready None)."""
     if ready is None:
         yield None
         return
-    device, event = ready
+    device, stream, event = ready
     with torch.cuda.device(device):
-        stream = torch.cuda.Stream()
         stream.wait_event(event)
         with torch.cuda.stream(stream):
             yield stream
