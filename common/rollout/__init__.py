@@ -13,6 +13,7 @@
     episodes.py       agentic episodes: many multi-turn episodes at once on an engine, token-in token-out
     partial.py        --off-policy-steps: partial rollouts carried between steps, per-token versions, staleness bound
     remote.py         --rollout-gpus: engines on ranks of their own, the trainer's requests and weights sent to them
+    ahead.py          --rollout-gpus --off-policy-steps 1: whole requests sent a step ahead to those engines
     stream.py         --rollout-gpus with --partial-chunk-tokens: partial rollouts streaming on those engines
 
 May import common.env, common.model and common.rl (not common.train or common.run).

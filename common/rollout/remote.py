@@ -11,7 +11,7 @@ of the first trainer rank and the R engine ranks (weights: NCCL on GPUs, gloo on
     ticket = engine.submit(...); engine.collect(ticket) (the same, the trainer free in between)
 
 Commands run on the engines in the order the trainer sends them, so a weight sync sent while the engines still
-generate an earlier request waits for it: with requests sent ahead (RequestsAhead, --off-policy-steps K) the
+generate an earlier request waits for it: with requests sent ahead (common/rollout/ahead.py, --off-policy-steps K) the
 engines generate the next step's samples under the weights they hold while the trainer trains on this step's.
 Every wait on the other side has a deadline, and each side writes a heartbeat: an engine rank that died or
 hangs stops the trainer with a message naming it (and the other way round), rather than a silent wait. Streaming
@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from common.rollout.engine import RolloutEngine, replica_share
-from common.rollout.partial import sample_from_state, sample_state
 
 _OPEN = []  # RemoteEngines not yet closed: close_all() stops their engines, however the run ends
 HEARTBEAT_S = 5.0  # how often each side says it is alive
@@ -398,49 +397,3 @@ def _side_stream(ready):
         stream.wait_event(event)
         with torch.cuda.stream(stream):
             yield stream
-
-
-class RequestsAhead:
-    """--off-policy-steps K with --rollout-gpus: each step's generate request sent K steps before the step trains
-    on it, so the engines generate while the trainer trains (a request goes after its step's weight sync: step s
-    trains on samples of step s - K's weights, or step 0's). submit(step, prompt indices) -> ticket sends one;
-    collect(ticket) -> (samples, ages in syncs) waits for it (RemoteEngine's, for the scripts' arguments).
-    state_dict() waits for the requests in flight and keeps their samples (the engines would finish them before
-    the next step's sync anyway): a resumed run trains on exactly those, then continues as the run would have."""
-
-    def __init__(self, k, submit, collect):
-        self.k, self.submit, self.collect = k, submit, collect
-        self.in_flight = []  # [(step, prompt indices, ticket or None, samples or None)]
-        self.step = 0  # the last step served (the versions of what state_dict collects)
-
-    def next(self, step, next_prompts):
-        """(prompt indices, samples with their versions) of this step, the requests up to step + K sent first."""
-        self.step = step
-        while len(self.in_flight) <= self.k:
-            s = step + len(self.in_flight)
-            prompts = next_prompts()
-            self.in_flight.append((s, prompts, self.submit(s, prompts), None))
-        s, prompts, ticket, samples = self.in_flight.pop(0)
-        assert s == step, f"the request of step {s} taken at step {step}"
-        return prompts, samples if samples is not None else self._collected(ticket, step)
-
-    def _collected(self, ticket, step):
-        samples, ages = self.collect(ticket)
-        for sample, age in zip(samples, ages):
-            sample.versions = [step - age] * len(sample.response_ids)
-        return samples
-
-    def state_dict(self):
-        self.in_flight = [
-            (s, p, None, samples if samples is not None else self._collected(ticket, self.step))
-            for s, p, ticket, samples in self.in_flight
-        ]
-        return {"in_flight": [[s, list(p), [sample_state(x) for x in samples]] for s, p, _, samples in self.in_flight]}
-
-    def load_state_dict(self, state):
-        if state.get("groups"):
-            raise ValueError(
-                "--resume: this checkpoint holds partial rollouts of engines on the trainer's GPUs; resume it without "
-                "--rollout-gpus"
-            )
-        self.in_flight = [(s, p, None, [sample_from_state(x) for x in xs]) for s, p, xs in state.get("in_flight", [])]

@@ -12,7 +12,7 @@
 sample: the prompt sampler's next batch (the same on every rank); each vLLM replica samples --samples-per-prompt
 responses for its share of the prompts (multi-turn episodes with --env, common/rollout/episodes.py;
 --off-policy-steps: the oldest complete groups of the partial rollouts in flight, common/rollout/partial.py, with
---rollout-gpus the request sent a step earlier, common/rollout/remote.py, or with --rollout-gpus and
+--rollout-gpus the request sent a step earlier, common/rollout/ahead.py, or with --rollout-gpus and
 --partial-chunk-tokens the complete groups of the engines' stream, common/rollout/stream.py;
 --bench-response-lengths: each sample its drawn length); the ranks of one vLLM TP group hold the same samples (the
 first contributes), then every rank has all of them, prompt-major. The reward: the environment's with --env, else
@@ -27,11 +27,11 @@ import torch
 
 from common.rl import batch as B
 from common.rl import dapo
+from common.rollout.ahead import RequestsAhead
 from common.rollout.engine import ROLLOUT_LOGPROBS, empty_responses_warning, generate_checked, rollout_replica
 from common.rollout.episodes import episode_metrics, run_episodes
 from common.rollout.lengths import draw_lengths
 from common.rollout.partial import PartialRollouts, spread_generate
-from common.rollout.remote import RequestsAhead
 from common.rollout.stream import StreamingRollouts
 from common.run import flags_rollout as FR
 from common.run.dist import print0
