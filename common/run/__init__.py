@@ -25,6 +25,7 @@
     dist.py         torchrun / Slurm -> torch.distributed and megatron's parallel groups
     host_memory.py  pinned host memory of a node's ranks against what the node has
     memory_plan.py  GPU and pinned host memory per rank and phase, from the config and flags
+    memory_result.py what a plan is (items x phases per pipeline stage) and its verdicts on the GPU and the node
     memory_check.py the plan at start-up: derived defaults, refusals
     memory_print.py the plan in words: the start-up summary, --dry-run's table
     convert_io.py   the disk side of convert_hf_to_mcore.py
