@@ -121,10 +121,14 @@ class PartialRollouts:
         """Every running sample continued by up to chunk_tokens tokens under this step's weights (plan's calls, each
         generated and applied). Returns the calls made so far."""
         for call in self.plan():
-            seed = self.seed * 100_003 + step * 1009 + 7919 * (calls + 1)  # (round 0 is the synchronous loop's)
-            self.apply(step, call, generate(*self.request(call, seed)))
+            self.apply(step, call, generate(*self.request(call, self.call_seed(step, calls))))
             calls += 1
         return calls
+
+    def call_seed(self, version, calls):
+        """The seed of an engine call under the weights of step `version`, after `calls` calls (round 0 of that
+        formula is the synchronous loop's)."""
+        return self.seed * 100_003 + version * 1009 + 7919 * (calls + 1)
 
     def plan(self):
         """One chunk's engine calls, each (samples, their budgets, their caps): a call per remaining budget (a budget

@@ -82,7 +82,7 @@ class StreamingRollouts:
                     for call in calls:
                         if self.stopping:
                             return
-                        seed = self.carry.seed * 100_003 + version * 1009 + 7919 * (self.calls + 1)
+                        seed = self.carry.call_seed(version, self.calls)
                         self.calls += 1
                         outs = self._generate(link, *self.carry.request(call, seed))
                         with self.changed:

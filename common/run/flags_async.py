@@ -99,8 +99,7 @@ def resolve_async(args):
         args.offload_params = False if args.offload_params is None else args.offload_params
         args.offload_optimizer = False if args.offload_optimizer is None else args.offload_optimizer
         gathers = (args.tp, args.pp, args.ep, args.etp) != (1, 1, 1, 1)  # collectives: in the loop's thread only
-        args.sync_overlap = "off" if gathers or args.offload_params else args.sync_overlap
-        args.sync_overlap = "on" if args.sync_overlap == "auto" else args.sync_overlap
+        args.sync_overlap = "off" if gathers or args.offload_params or args.sync_overlap == "off" else "on"
     else:
         args.sync_overlap = "off"
     if k == 0:
