@@ -26,7 +26,8 @@ engine idle, the driver's own work), add_s (of it, handing turns to the engine).
 steps: their number, median time, the seconds in slow steps (over 3x the median: prefills, mixed batches) and
 the share of finished requests' prompt tokens that vLLM's prefix cache held (a turn's prompt is the episode so
 far). Paired rounds (harness.run_pairs), one warm-up pair.
-Reported: episodes / single and lockstep / single, median of the per-pair ratios with min and max.
+Reported: episodes / single and lockstep / single, median of the per-pair ratios with min and max, and each side's
+ceiling (ceilings(): what it could reach with no overhead at all, the tools it cannot hide counted; median over pairs).
 Target (docs/agentic.md): episodes >= 0.9x single with 100 ms tools.
 """
 
@@ -93,6 +94,17 @@ def tool_delays(spec, episodes, turns):
         return [[float(spec) / 1000] * turns for _ in range(episodes)]
     except ValueError:
         return [[ms / 1000 for ms in row] for row in draw_lengths(spec, episodes, turns, seed=0, step=0)]
+
+
+def ceilings(delays, single_seconds):
+    """The best tokens/s ratio each side can reach against a single-turn rollout of single_seconds, where a decode
+    step takes as long whatever the batch and every tool runs as soon as its turn ends: an episode cannot finish
+    before its own turns and tools, so request by request the rollout takes at least single_seconds + the longest
+    episode's sum of tool times; in waves every turn waits for the slowest tool of the wave. -> (request by
+    request, lock-step)."""
+    request = max(map(sum, delays))
+    waves = sum(max(row[t] for row in delays) for t in range(len(delays[0])))
+    return single_seconds / (single_seconds + request), single_seconds / (single_seconds + waves)
 
 
 def main():
@@ -225,12 +237,15 @@ def main():
             if key in base[0] and base[0][key] is not None:
                 result[f"{name}_single_{key}"] = sum(b[key] for b in base) / len(base)
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
+        ceiling = sorted(ceilings(delays, b["seconds"])[name == "lockstep"] for b in base)[len(base) // 2]
+        result[f"{name}_ceiling"] = ceiling
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
         result[f"{name}_tok_s"], result[f"{name}_single_tok_s"] = stats["a_median"], stats["b_median"]
         print0(
             f"{name}: {stats['a_median']:.0f} tok/s, single-turn {stats['b_median']:.0f} tok/s: "
             f"{stats['median']:.3f}x (min {stats['min']:.3f}, max {stats['max']:.3f})"
             + ("" if equal else "; UNEQUAL token counts, no ratio")
+            + f"; ceiling {ceiling:.3f}x (the single-turn seconds over those plus the tool time an episode waits)"
             + f"; {result[f'{name}_seconds']:.2f} s a rollout: engine {result[f'{name}_engine_s']:.2f} s in "
             f"{result[f'{name}_engine_steps']:.0f} steps, driver {result[f'{name}_driver_s']:.2f} s (adding turns "
             f"{result[f'{name}_add_s']:.2f} s); single {result[f'{name}_single_seconds']:.2f} s"

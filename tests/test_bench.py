@@ -16,7 +16,8 @@
   another sequence length, MFU null without --peak-tflops on a CPU, and the first step's mean
   logprob and gradient norm equal at both layouts (CP's attention over the other rank's keys);
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
-- bench/agentic.py (CPU smoke): --tool-workers reaches the episode driver, equal tokens on both sides;
+- bench/agentic.py (CPU smoke): --tool-workers reaches the episode driver, equal tokens on both sides, each side's
+  ceiling from its own single-turn seconds (and the ceilings by hand);
 - every shape of bench/harness.py is read by the bridge and by transformers;
 - every flag of --help has a help string (train.py, sync.py, rollout.py, e2e.py, agentic.py);
 - bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
@@ -670,6 +671,24 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
     for name in ("episodes", "lockstep"):
         assert result["tool_ms_drawn_mean"] <= result[f"{name}_tool_ms_per_turn"] < 1000
         assert result[f"{name}_single_tok_s"] > 0 and result[f"{name}_single_seconds"] > 0  # each its own baseline
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from agentic import ceilings, tool_delays
+
+    delays = tool_delays("uniform:min=20,max=40", 4, 2)  # what the run drew
+    for i, name in enumerate(("episodes", "lockstep")):  # one timed pair: its ceiling from its single-turn seconds
+        assert result[f"{name}_ceiling"] == pytest.approx(ceilings(delays, result[f"{name}_single_seconds"])[i])
+
+
+def test_agentic_bench_ceilings_by_hand():
+    """bench/agentic.py's ceilings: request by request the longest episode's tool time is added to the single-turn
+    seconds, in waves each turn's slowest tool."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from agentic import ceilings
+
+    delays = [[0.1, 0.2], [0.3, 0.05]]  # episode sums 0.3, 0.35; per turn the slowest 0.3, 0.2
+    request, waves = ceilings(delays, 1.0)
+    assert request == pytest.approx(1 / 1.35) and waves == pytest.approx(1 / 1.5)
+    assert ceilings([[0.1] * 4] * 256, 2.51)[0] == pytest.approx(2.51 / 2.91)  # docs/agentic.md: 0.86
 
 
 def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
