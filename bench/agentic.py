@@ -245,7 +245,7 @@ def main():
             f"{name}: {stats['a_median']:.0f} tok/s, single-turn {stats['b_median']:.0f} tok/s: "
             f"{stats['median']:.3f}x (min {stats['min']:.3f}, max {stats['max']:.3f})"
             + ("" if equal else "; UNEQUAL token counts, no ratio")
-            + f"; ceiling {ceiling:.3f}x (the single-turn seconds over those plus the tool time an episode waits)"
+            + f"; ceiling {ceiling:.3f}x (no overhead, the tools it cannot hide counted)"
             + f"; {result[f'{name}_seconds']:.2f} s a rollout: engine {result[f'{name}_engine_s']:.2f} s in "
             f"{result[f'{name}_engine_steps']:.0f} steps, driver {result[f'{name}_driver_s']:.2f} s (adding turns "
             f"{result[f'{name}_add_s']:.2f} s); single {result[f'{name}_single_seconds']:.2f} s"
