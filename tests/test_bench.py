@@ -16,6 +16,8 @@
   another sequence length, MFU null without --peak-tflops on a CPU, and the first step's mean
   logprob and gradient norm equal at both layouts (CP's attention over the other rank's keys);
 - a baseline that runs out of memory is reported as OOM and the candidate's numbers stand;
+- bench/episode_driver.py: the episodes reach their turns, --tool-workers (default one per episode) reaches the
+  driver, the driver's seconds by hand from the run's own;
 - bench/agentic.py (CPU smoke): --tool-workers reaches the episode driver, equal tokens on both sides, each side's
   ceiling from its own single-turn seconds (and the ceilings by hand);
 - every shape of bench/harness.py is read by the bridge and by transformers;
@@ -421,10 +423,8 @@ def test_baseline_oom_is_reported():
 
 
 def test_help_documents_every_flag():
-    for script in (
-        SCRIPT,
-        *(os.path.join("bench", name) for name in ("sync.py", "rollout.py", "e2e.py", "agentic.py", "lora_sync.py")),
-    ):
+    others = ("sync.py", "rollout.py", "e2e.py", "agentic.py", "lora_sync.py", "episode_driver.py")
+    for script in (SCRIPT, *(os.path.join("bench", name) for name in others)):
         spec = importlib.util.spec_from_file_location("bench_module", os.path.join(ROOT, script))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -689,6 +689,35 @@ def test_agentic_bench_ceilings_by_hand():
     request, waves = ceilings(delays, 1.0)
     assert request == pytest.approx(1 / 1.35) and waves == pytest.approx(1 / 1.5)
     assert ceilings([[0.1] * 4] * 256, 2.51)[0] == pytest.approx(2.51 / 2.91)  # docs/agentic.md: 0.86
+
+
+def test_episode_driver_bench():
+    """bench/episode_driver.py (no model): each episode count runs its episodes to --turns turns on the stand-in
+    engine, one worker per episode unless --tool-workers says otherwise (what reaches run_episodes), and the
+    driver's seconds are the rollout's beyond the steps' nominal time and the unhidden tools."""
+    code = (
+        "import runpy, sys, common.rollout.episodes as ep\n"
+        "real = ep.run_episodes\n"
+        "def spy(*a, **k):\n"
+        "    print('EPISODES', len(a[3]), 'WORKERS', k['max_workers'], flush=True)\n"
+        "    return real(*a, **k)\n"
+        "ep.run_episodes = spy\n"
+        "sys.argv = ['bench/episode_driver.py'] + sys.argv[1:]\n"
+        "runpy.run_path('bench/episode_driver.py', run_name='__main__')\n"
+    )
+    args = "--episodes 3 6 --turns 2 --turn-tokens 4 --step-ms 1 --tool-ms 5 --reps 1".split()
+    proc = run_code(code, *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    spied = [line.split() for line in proc.stdout.splitlines() if line.startswith("EPISODES")]
+    assert [(int(e), int(w)) for _, e, _, w in spied] == [(3, 3), (6, 6)]
+    result = bench_json(proc.stdout)
+    for episodes in ("3", "6"):
+        r = result["per_episodes"][episodes]
+        assert r["engine_steps"] >= 2 * 4  # two turns of four steps each, one after the other
+        assert r["driver_s"] == pytest.approx(r["seconds"] - r["engine_steps"] * 0.001 - 2 * 0.005)
+        assert r["driver_ms_per_step"] == pytest.approx(1000 * r["driver_s"] / r["engine_steps"])
+    proc = run_code(code, *args[:-2], "--tool-workers", "2", "--reps", "1")
+    assert proc.returncode == 0 and "EPISODES 6 WORKERS 2" in proc.stdout
 
 
 def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
