@@ -34,6 +34,7 @@ Target (docs/agentic.md): episodes >= 0.9x single with 100 ms tools.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -237,7 +238,7 @@ def main():
             if key in base[0] and base[0][key] is not None:
                 result[f"{name}_single_{key}"] = sum(b[key] for b in base) / len(base)
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
-        ceiling = sorted(ceilings(delays, b["seconds"])[name == "lockstep"] for b in base)[len(base) // 2]
+        ceiling = statistics.median(ceilings(delays, b["seconds"])[name == "lockstep"] for b in base)
         result[f"{name}_ceiling"] = ceiling
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
         result[f"{name}_tok_s"], result[f"{name}_single_tok_s"] = stats["a_median"], stats["b_median"]

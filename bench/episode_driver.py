@@ -26,8 +26,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from common.env.base import Environment, Step  # noqa: E402
+from agentic import SleepingTool  # noqa: E402 (bench/agentic.py's: each item's delays, then a short tool message)
+
 from common.rollout.engine import Sample  # noqa: E402
 
 
@@ -70,23 +72,12 @@ class StandInEngine:
         pass
 
 
-class SleepingTool(Environment):
-    """Answers every turn after tool_s with a short tool message (the driver's max_turns ends the episode)."""
-
-    tool_s = 0.1
-
-    def step(self, text):
-        time.sleep(self.tool_s)
-        return Step(observation=[{"role": "tool", "content": "ok"}], tool_calls=1)
-
-
 def rollout(args, episodes, codec):
     """One rollout of `episodes` episodes -> dict(seconds, engine_steps, engine_s, driver_s, driver_ms_per_step)."""
     from common.rollout.episodes import run_episodes
 
-    engine = StandInEngine(args.step_ms / 1000, args.turn_tokens)
-    SleepingTool.tool_s = args.tool_ms / 1000
-    items = [{"prompt": "q" * 64}] * episodes
+    engine, tool_s = StandInEngine(args.step_ms / 1000, args.turn_tokens), args.tool_ms / 1000
+    items = [{"prompt": "q" * 64, "delays": [tool_s] * args.turns}] * episodes
     start = time.perf_counter()
     samples = run_episodes(
         engine, codec, SleepingTool, items, n=1, temperature=1.0, top_p=1.0, max_tokens=args.turn_tokens,
@@ -96,7 +87,7 @@ def rollout(args, episodes, codec):
     seconds = time.perf_counter() - start
     assert all(s.episode["turns"] == args.turns for s in samples), "an episode ended early"
     # beyond the steps' nominal time: a sleeping step that finds the interpreter busy when it wakes waits for it too
-    driver_s = seconds - engine.steps * engine.step_s - args.turns * SleepingTool.tool_s
+    driver_s = seconds - engine.steps * engine.step_s - args.turns * tool_s
     return dict(
         seconds=seconds,
         engine_steps=engine.steps,
