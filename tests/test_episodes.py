@@ -1,5 +1,6 @@
 """The episode driver (common/rollout/episodes.py): token-in token-out on the supported chat templates,
-masks and logprobs through batch packing, budgets, environments that hang or raise, and an episode
+masks and logprobs through batch packing, budgets, environments that hang or raise (a timed-out step's late
+answer never taken for the next step's), and an episode
 waiting for its environment holding up no other on a request-level engine, and at rollout TP 2 (torchrun,
 gloo: tests/episodes_worker.py) the replica's first rank running the episodes while the other follows.
 
@@ -225,6 +226,32 @@ def test_an_environment_that_hangs_or_raises_answers_with_an_error_and_the_episo
     assert (
         metrics["turns_per_episode"] == 2 and metrics["env_reward"] == 1.0 and metrics["tool_s"] >= (0.5 if hang else 0)
     )
+
+
+class LateThenSlow(Environment):
+    """Turn 1 answers after 1.6 s (past a 1-s timeout), turn 2 after 0.9 s (within it, but still running when turn
+    1's late answer comes), turn 3 ends the episode."""
+
+    def reset(self, item):
+        self.turn = 0
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, text):
+        self.turn += 1
+        turn = self.turn  # (turn 1's thread still sleeps while turn 2 runs)
+        time.sleep({1: 1.6, 2: 0.9}.get(turn, 0))
+        if turn == 3:
+            return Step(done=True, reward=1.0)
+        return Step(observation=[{"role": "tool", "content": f"answer of step {turn}"}], tool_calls=1)
+
+
+def test_a_late_answer_of_a_timed_out_step_is_not_taken_for_the_next_steps():
+    tokenizer, _, sample = episode("qwen2.5", LateThenSlow, lambda turn: "x", step_timeout_s=1.0)
+    (_, end1), (start2, end2), _ = turns_of(sample)
+    assert "did not answer within 1 s" in tokenizer.decode(sample.response_ids[end1:start2])
+    assert "answer of step 2" in tokenizer.decode(sample.response_ids[end2:])
+    assert "answer of step 1" not in tokenizer.decode(sample.response_ids)
+    assert (sample.episode["turns"], sample.episode["tool_timeouts"], sample.episode["reward"]) == (3, 1, 1.0)
 
 
 def test_the_turns_text_and_the_observations_ids_are_made_off_the_driver_thread():

@@ -8,7 +8,9 @@ the episode's ids so far; the environment answers the decoded turn (env.step, in
 at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once
 as the chat template continues (common/env/chat.py), or ends the episode with its reward. The
 worker also decodes the turn and tokenises the observation, so that the driver thread, which runs
-the engine's steps, does not do that work between them. An
+the engine's steps, does not do that work between them; the driver takes each finished step from a queue the
+workers fill, and timeouts from a heap of deadlines, so its work between engine steps grows with the steps that
+ended, not with those still running (thousands, with slow tools). An
 episode whose environment is busy holds up no other: its next turn is queued when its observation
 is ready (engine.add_turn / finished_turns; the CPU engine runs the queued turns in waves, vLLM
 request by request).
@@ -26,6 +28,8 @@ ends an episode keeps its last reward.
 """
 
 import collections
+import heapq
+import itertools
 import math
 import os
 import queue
@@ -142,8 +146,10 @@ def run_episodes(
     turn = [0] * len(episodes)  # turns sampled so far, per episode (the turn's seed)
     in_engine = set()  # episodes whose turn the engine has
     waiting, running = collections.deque(), set()  # episodes whose environment step waits for a worker / runs
+    answered = queue.SimpleQueue()  # (episode, Future) of the environment steps that finished, put by the worker
+    deadlines, order = [], itertools.count()  # heap of (deadline, order, episode, Future) of the running steps
 
-    def queue(k):
+    def add_turn(k):
         e = episodes[k]
         room = max_episode_tokens - len(e.prompt_ids) - len(e.ids)
         engine.add_turn(k, e.prompt_ids + e.ids, min(max_tokens, room), temperature, top_p, e.seed + turn[k])
@@ -168,8 +174,10 @@ def run_episodes(
             k = waiting.popleft()
             e, now = episodes[k], time.time()
             future = _start_step(codec, e.env, e.pending["turn_ids"], e.pending["stop_id"])
-            e.pending.update(future=future, started=now, deadline=now + step_timeout_s)
+            e.pending.update(future=future, started=now)
             running.add(k)
+            heapq.heappush(deadlines, (now + step_timeout_s, next(order), k, future))
+            future.add_done_callback(lambda f, k=k: answered.put((k, f)))
 
     def step_done(k, step, obs, seconds):
         """obs: the observation's ids as the worker made them (None: made here, if the episode goes on)."""
@@ -191,44 +199,65 @@ def run_episodes(
         e.ids += obs
         e.mask += [0] * len(obs)
         e.logprobs += [math.nan] * len(obs)
-        queue(k)
+        add_turn(k)
 
-    def poll_steps(wait_all):
-        """Handle the environment steps that finished (or timed out), start waiting ones in the freed
-        workers; with wait_all, until none is left."""
-        while running:
-            for k in sorted(running):
-                future, deadline = episodes[k].pending["future"], episodes[k].pending["deadline"]
-                if not wait_all and not future.done() and time.time() < deadline:
-                    continue
-                obs = None
+    def finish_step(k, future):
+        """Take episode k's environment step: the answer of `future`, or (None) a timeout's error observation."""
+        pending, obs = episodes[k].pending, None
+        if future is None:  # the thread is left behind (daemon); its worker is given to another step
+            step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
+            step.tool_errors, step.tool_timeouts = 0, 1
+        else:
+            try:
+                step, obs = future.result()
+            except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
+                step = error_step(f"{type(e_).__name__}: {e_}")
+            if not isinstance(step, Step):
+                step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
+        running.discard(k)
+        step_done(k, step, obs, time.time() - pending["started"])
+
+    def current(k, future):
+        return k in running and episodes[k].pending["future"] is future
+
+    def take_steps(block):
+        """Handle the environment steps that timed out and those answered by now (with `block`: wait for the first
+        answer or timeout), starting waiting steps in the freed workers. Answers that come meanwhile wait for the
+        next call: a stream of them does not hold up the engine's next step."""
+        left = answered.qsize()
+        while running:  # each running step has its entry in `deadlines`
+            while not current(*deadlines[0][2:]):
+                heapq.heappop(deadlines)  # that step was answered
+            now = time.time()
+            if deadlines[0][0] <= now:
+                finish_step(heapq.heappop(deadlines)[2], None)
+            elif block or left > 0:
                 try:
-                    step, obs = future.result(timeout=max(0.0, deadline - time.time()))
-                except TimeoutError:  # the thread is left behind (daemon); its worker is given to another step
-                    step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
-                    step.tool_errors, step.tool_timeouts = 0, 1
-                except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
-                    step = error_step(f"{type(e_).__name__}: {e_}")
-                if not isinstance(step, Step):
-                    step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
-                running.discard(k)
-                step_done(k, step, obs, time.time() - episodes[k].pending["started"])
-                start_steps()
-            if not wait_all:
+                    k, future = answered.get(timeout=deadlines[0][0] - now)  # (left > 0: it is there)
+                except queue.Empty:
+                    continue  # the first deadline passed
+                left = answered.qsize() if block else left - 1
+                if current(k, future):  # (else the late answer of a step that timed out)
+                    finish_step(k, future)
+            else:
                 return
+            block = False
+            start_steps()
 
     for k in range(len(episodes)):
-        queue(k)
-    while in_engine or any(e.pending for e in episodes):
+        add_turn(k)
+    while in_engine or waiting or running:
         if engine.turns_in_waves:  # lock-step: every pending environment step first, then one wave
-            poll_steps(wait_all=True)
+            while running:
+                take_steps(block=True)
         if in_engine:
             for k, s in engine.finished_turns():  # vLLM: one engine step's finished requests (maybe none)
                 in_engine.discard(k)
                 turn_done(k, s)
-        else:
-            time.sleep(0.001)  # only environments are busy
-        poll_steps(wait_all=False)
+            take_steps(block=False)
+        else:  # only environments are busy: take their answers a millisecond's worth at a time (waking for each
+            time.sleep(0.001)  # of thousands of answers costs the interpreter hand-overs that slow the workers down)
+            take_steps(block=False)
     engine.end_waves()
     samples = []
     for e in episodes:
