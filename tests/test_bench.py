@@ -19,7 +19,7 @@
 - bench/episode_driver.py: the episodes reach their turns, --tool-workers (default one per episode) reaches the
   driver, the driver's seconds by hand from the run's own;
 - bench/agentic.py (CPU smoke): --tool-workers reaches the episode driver, equal tokens on both sides, each side's
-  ceiling from its own single-turn seconds (and the ceilings by hand);
+  ceiling from its own single-turn seconds (and the ceilings by hand); --sides runs only the sides named;
 - every shape of bench/harness.py is read by the bridge and by transformers;
 - every flag of --help has a help string (train.py, sync.py, rollout.py, e2e.py, agentic.py);
 - bench/sync.py with the CPU engine: the cycle runs, the bytes synced match a hand count, and
@@ -677,6 +677,21 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
     delays = tool_delays("uniform:min=20,max=40", 4, 2)  # what the run drew
     for i, name in enumerate(("episodes", "lockstep")):  # one timed pair: its ceiling from its single-turn seconds
         assert result[f"{name}_ceiling"] == pytest.approx(ceilings(delays, result[f"{name}_single_seconds"])[i])
+
+
+def test_agentic_bench_runs_only_the_sides_asked_for():
+    """--sides lockstep: only the lock-step comparison runs (each of its rollouts printed as it ends), the result
+    has no request-by-request keys, and the exit code looks at the side that ran."""
+    args = "--shape tiny --episodes 2 --turns 2 --turn-tokens 4 --tool-ms 10 --reps 1 --sides lockstep".split()
+    proc = run_code("import runpy, sys\nsys.argv = ['bench/agentic.py'] + sys.argv[1:]\n"
+                    "runpy.run_path('bench/agentic.py', run_name='__main__')\n", *args)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = bench_json(proc.stdout)
+    assert result["lockstep_tokens"] == 2 * 2 * 4 and result["lockstep_over_single"] > 0
+    assert not any(key.startswith("episodes_") for key in result)
+    lines = [line.strip() for line in proc.stdout.splitlines() if " rollout (pair " in line]
+    assert len(lines) == 4  # a warm-up pair and one timed pair
+    assert {line.split(" rollout")[0] for line in lines} == {"lockstep", "single-turn"}
 
 
 def test_agentic_bench_ceilings_by_hand():
