@@ -229,8 +229,8 @@ def test_an_environment_that_hangs_or_raises_answers_with_an_error_and_the_episo
 
 
 class LateThenSlow(Environment):
-    """Turn 1 answers after 1.6 s (past a 1-s timeout), turn 2 after 0.9 s (within it, but still running when turn
-    1's late answer comes), turn 3 ends the episode."""
+    """Turn 1 answers after 2.6 s (past a 2-s timeout), turn 2 after 1.2 s (within it, but still running when turn
+    1's late answer comes: from ~2.0 to ~3.2 s), turn 3 ends the episode. Margins of 0.6-0.8 s: a loaded machine."""
 
     def reset(self, item):
         self.turn = 0
@@ -239,16 +239,16 @@ class LateThenSlow(Environment):
     def step(self, text):
         self.turn += 1
         turn = self.turn  # (turn 1's thread still sleeps while turn 2 runs)
-        time.sleep({1: 1.6, 2: 0.9}.get(turn, 0))
+        time.sleep({1: 2.6, 2: 1.2}.get(turn, 0))
         if turn == 3:
             return Step(done=True, reward=1.0)
         return Step(observation=[{"role": "tool", "content": f"answer of step {turn}"}], tool_calls=1)
 
 
 def test_a_late_answer_of_a_timed_out_step_is_not_taken_for_the_next_steps():
-    tokenizer, _, sample = episode("qwen2.5", LateThenSlow, lambda turn: "x", step_timeout_s=1.0)
+    tokenizer, _, sample = episode("qwen2.5", LateThenSlow, lambda turn: "x", step_timeout_s=2.0)
     (_, end1), (start2, end2), _ = turns_of(sample)
-    assert "did not answer within 1 s" in tokenizer.decode(sample.response_ids[end1:start2])
+    assert "did not answer within 2 s" in tokenizer.decode(sample.response_ids[end1:start2])
     assert "answer of step 2" in tokenizer.decode(sample.response_ids[end2:])
     assert "answer of step 1" not in tokenizer.decode(sample.response_ids)
     assert (sample.episode["turns"], sample.episode["tool_timeouts"], sample.episode["reward"]) == (3, 1, 1.0)
