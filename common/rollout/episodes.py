@@ -254,10 +254,9 @@ def run_episodes(
             for k, s in engine.finished_turns():  # vLLM: one engine step's finished requests (maybe none)
                 in_engine.discard(k)
                 turn_done(k, s)
-            take_steps(block=False)
         else:  # only environments are busy: take their answers a millisecond's worth at a time (waking for each
             time.sleep(0.001)  # of thousands of answers costs the interpreter hand-overs that slow the workers down)
-            take_steps(block=False)
+        take_steps(block=False)
     engine.end_waves()
     samples = []
     for e in episodes:
