@@ -76,6 +76,15 @@ def build_parser():
     )  # fmt: skip
     p.add_argument("--reps", type=int, default=3, help="timed pairs per comparison (after one warm-up pair)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share of the GPU")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="vLLM's batch: requests it runs at once (default: vLLM's, by GPU: docs/agentic.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dummy-weights", action="store_true",
+        help="vLLM starts on its own random weights (load_format dummy) instead of loading random HF weights this "
+        "script writes first (minutes at 7B); the work per token is the same",
+    )  # fmt: skip
     return p
 
 
@@ -123,7 +132,8 @@ def main():
 
     info = init_distributed(tp=1)
     on_gpu = info.device.type == "cuda"
-    hf_dir = shared_config_dir(args.shape, "bench_agentic_", info.master_process, with_weights=True)
+    dummy = on_gpu and args.dummy_weights
+    hf_dir = shared_config_dir(args.shape, "bench_agentic_", info.master_process, with_weights=not dummy)
     # the chat template's observation and header tokens: the embedded byte tokenizer (ids < 259 exist in every shape)
     codec = ChatCodec(build_tokenizer())
     delays = tool_delays(args.tool_ms, args.episodes, args.turns)
@@ -133,13 +143,16 @@ def main():
     if on_gpu:
         from common.rollout.vllm_engine import VLLMEngine
 
+        batch = {} if args.max_num_seqs is None else dict(max_num_seqs=args.max_num_seqs)
         engine = VLLMEngine(
             hf_dir,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=context,
             eos_token_ids=[],
-            load_format="auto",
+            load_format="dummy" if dummy else "auto",
+            **batch,
         )
+        engine._weights_valid = True  # (dummy: vLLM's random weights are the engine's; no sync comes)
     else:
         from common.rollout.hf_engine import HFEngine
 
@@ -230,6 +243,8 @@ def main():
         return dict(tokens=tokens, seconds=seconds, tool_s=tool_s, driver_s=driver_s, **clock, **step_stats())
 
     result = dict(vars(args), engine="vllm" if on_gpu else "cpu")
+    if on_gpu:  # the batch vLLM chose (or was given)
+        result["max_num_seqs"] = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
     result["tool_ms_drawn_mean"] = 1000 * sum(map(sum, delays)) / (args.episodes * args.turns)
     sides = (("episodes", episodes), ("lockstep", lambda pair: episodes(pair, lockstep=True)))
     for name, side in (side for side in sides if side[0] in args.sides):
