@@ -25,13 +25,16 @@ engine.finished_turns), engine_steps (their number) and driver_s (the rest: wait
 engine idle, the driver's own work), add_s (of it, handing turns to the engine). On vLLM, both sides' engine
 steps: their number, median time, the seconds in slow steps (over 3x the median: prefills, mixed batches) and
 the share of finished requests' prompt tokens that vLLM's prefix cache held (a turn's prompt is the episode so
-far). Paired rounds (harness.run_pairs), one warm-up pair.
+far). Each rollout's line, as it ends, gives these for that rollout, and the seconds the interpreter spent in
+its garbage collections (gc.callbacks; any thread's), with the number of full ones. Paired rounds
+(harness.run_pairs), one warm-up pair.
 Reported: episodes / single and lockstep / single, median of the per-pair ratios with min and max, and each side's
 ceiling (ceilings(): what it could reach with no overhead at all, the tools it cannot hide counted; median over pairs).
 Target (docs/agentic.md): episodes >= 0.9x single with 100 ms tools.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -79,6 +82,11 @@ def build_parser():
     p.add_argument(
         "--max-num-seqs", type=int, default=None,
         help="vLLM's batch: requests it runs at once (default: vLLM's, by GPU: docs/agentic.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gc-freeze", action="store_true",
+        help="freeze the interpreter's heap for each rollout (gc.freeze, gc.unfreeze after; both sides): its "
+        "collections then look at the rollout's new objects only",
     )  # fmt: skip
     p.add_argument(
         "--dummy-weights", action="store_true",
@@ -159,13 +167,52 @@ def main():
         engine = HFEngine(hf_dir, dtype=torch.float32, eos_token_ids=[], max_model_len=context)
     sampling = dict(temperature=1.0, top_p=1.0)
 
+    collections, gc_started = dict(gc_s=0.0, gc_full=0), []
+
+    def on_gc(phase, info):  # the interpreter's collections (any thread's; it holds the GIL throughout one)
+        if phase == "start":
+            gc_started.append(time.perf_counter())
+        elif gc_started:
+            collections["gc_s"] += time.perf_counter() - gc_started.pop()
+            collections["gc_full"] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
+
+    def rollout(run):
+        """run() timed, the interpreter's collections during it counted (--gc-freeze: the heap frozen for it)
+        -> (its result, seconds, dict(gc_s, gc_full: seconds in collections, full ones))."""
+        collections.update(gc_s=0.0, gc_full=0)
+        start = time.perf_counter()
+        if args.gc_freeze:
+            gc.freeze()
+        try:
+            out = run()
+        finally:
+            if args.gc_freeze:
+                gc.unfreeze()
+        return out, time.perf_counter() - start, dict(collections)
+
+    def report(name, pair, d):
+        """A rollout's line, as it ends: its seconds and where they went."""
+        parts = []
+        if "engine_s" in d:
+            parts.append(f"engine {d['engine_s']:.2f} s in {d['engine_steps']} steps, driver {d['driver_s']:.2f} s "
+                         f"(adding turns {d['add_s']:.2f} s)")  # fmt: skip
+        if "vllm_steps" in d:
+            parts.append(f"{d['vllm_steps']} vLLM steps, median {d['vllm_step_ms_median']:.1f} ms, "
+                         f"{d['vllm_slow_steps_s']:.2f} s in slow ones")  # fmt: skip
+        parts.append(f"collections {d['gc_s']:.2f} s, {d['gc_full']} full")
+        print0(f"  {name} rollout (pair {pair}): {d['seconds']:.2f} s ({'; '.join(parts)})")
+
     def single(pair):
         steps.clear()
-        start = time.perf_counter()
-        samples = engine.generate(prompts, n=1, max_tokens=args.turns * args.turn_tokens, seed=pair, **sampling)
-        seconds = time.perf_counter() - start
-        print0(f"  single-turn rollout (pair {pair}): {seconds:.2f} s")
-        return dict(tokens=sum(len(s.response_ids) for s in samples), seconds=seconds, **step_stats())
+        samples, seconds, gc_stats = rollout(
+            lambda: engine.generate(prompts, n=1, max_tokens=args.turns * args.turn_tokens, seed=pair, **sampling)
+        )
+        tokens = sum(len(s.response_ids) for s in samples)
+        measured = dict(tokens=tokens, seconds=seconds, **gc_stats, **step_stats())
+        report("single-turn", pair, measured)
+        return measured
 
     clock = dict(engine_s=0.0, engine_steps=0, add_s=0.0)
     steps = []  # vLLM: each engine step of the current side (seconds, prompt tokens, of them cached) of finished turns
@@ -219,28 +266,30 @@ def main():
         engine.lockstep_turns = lockstep  # (HFEngine: waves either way)
         clock.update(engine_s=0.0, engine_steps=0, add_s=0.0)
         steps.clear()
-        start = time.perf_counter()
-        samples = run_episodes(
-            engine,
-            codec,
-            SleepingTool,
-            items,
-            n=1,
-            max_tokens=args.turn_tokens,
-            max_turns=args.turns,
-            max_episode_tokens=context,
-            step_timeout_s=60,
-            seed=pair,
-            max_workers=args.tool_workers,
-            **sampling,
+        samples, seconds, gc_stats = rollout(
+            lambda: run_episodes(
+                engine,
+                codec,
+                SleepingTool,
+                items,
+                n=1,
+                max_tokens=args.turn_tokens,
+                max_turns=args.turns,
+                max_episode_tokens=context,
+                step_timeout_s=60,
+                seed=pair,
+                max_workers=args.tool_workers,
+                **sampling,
+            )
         )
-        seconds = time.perf_counter() - start
-        print0(f"  {'lockstep' if lockstep else 'episodes'} rollout (pair {pair}): {seconds:.2f} s")
         engine.lockstep_turns = False
         tool_s = sum(s.episode["tool_s"] for s in samples) / sum(s.episode["turns"] for s in samples)
         tokens = sum(sum(s.response_mask) for s in samples)
         driver_s = seconds - clock["engine_s"]
-        return dict(tokens=tokens, seconds=seconds, tool_s=tool_s, driver_s=driver_s, **clock, **step_stats())
+        measured = dict(tokens=tokens, seconds=seconds, tool_s=tool_s, driver_s=driver_s, **clock, **gc_stats)
+        measured.update(step_stats())
+        report("lockstep" if lockstep else "episodes", pair, measured)
+        return measured
 
     result = dict(vars(args), engine="vllm" if on_gpu else "cpu")
     if on_gpu:  # the batch vLLM chose (or was given)
@@ -253,16 +302,17 @@ def main():
         stats = paired_ratios([m["tokens"] / m["seconds"] for m in multi], [b["tokens"] / b["seconds"] for b in base])
         result[f"{name}_tokens"] = multi[0]["tokens"]
         result[f"{name}_tool_ms_per_turn"] = 1000 * sum(m["tool_s"] for m in multi) / len(multi)  # as measured
-        for key in ("seconds", "engine_s", "driver_s", "engine_steps", "add_s", *STEP_KEYS):  # means over pairs
+        for key in ("seconds", "engine_s", "driver_s", "engine_steps", "add_s", "gc_s", "gc_full", *STEP_KEYS):
             if key in multi[0] and multi[0][key] is not None:
                 result[f"{name}_{key}"] = sum(m[key] for m in multi) / len(multi)
-        for key in ("seconds", *STEP_KEYS):  # this comparison's baseline
+        for key in ("seconds", "gc_s", "gc_full", *STEP_KEYS):  # this comparison's baseline (means over pairs)
             if key in base[0] and base[0][key] is not None:
                 result[f"{name}_single_{key}"] = sum(b[key] for b in base) / len(base)
         result[f"{name}_over_single"] = stats["median"] if equal else None  # unequal work: no ratio
         ceiling = statistics.median(ceilings(delays, b["seconds"])[name == "lockstep"] for b in base)
         result[f"{name}_ceiling"] = ceiling
         result[f"{name}_over_single_range"] = [stats["min"], stats["max"]]
+        result[f"{name}_seconds_per_pair"] = [[m["seconds"], b["seconds"]] for m, b in zip(multi, base)]
         result[f"{name}_tok_s"], result[f"{name}_single_tok_s"] = stats["a_median"], stats["b_median"]
         print0(
             f"{name}: {stats['a_median']:.0f} tok/s, single-turn {stats['b_median']:.0f} tok/s: "

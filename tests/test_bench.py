@@ -682,16 +682,32 @@ def test_agentic_bench_passes_tool_workers_to_the_episodes():
 def test_agentic_bench_runs_only_the_sides_asked_for():
     """--sides lockstep: only the lock-step comparison runs (each of its rollouts printed as it ends), the result
     has no request-by-request keys, and the exit code looks at the side that ran. --dummy-weights and --max-num-seqs
-    act on vLLM only (a GPU run's result gives the batch vLLM ran); on the CPU engine they are recorded, no more."""
+    act on vLLM only (a GPU run's result gives the batch vLLM ran); on the CPU engine they are recorded, no more.
+    Each rollout's collections are counted: here every episodes rollout runs one full collection of its own, inside
+    a heap --gc-freeze froze for it."""
     args = "--shape tiny --episodes 2 --turns 2 --turn-tokens 4 --tool-ms 10 --reps 1 --sides lockstep".split()
-    args += ["--dummy-weights", "--max-num-seqs", "8"]
-    proc = run_code("import runpy, sys\nsys.argv = ['bench/agentic.py'] + sys.argv[1:]\n"
-                    "runpy.run_path('bench/agentic.py', run_name='__main__')\n", *args)  # fmt: skip
+    args += ["--dummy-weights", "--max-num-seqs", "8", "--gc-freeze"]
+    proc = run_code(
+        "import gc, runpy, sys\n"
+        "import common.rollout.episodes as ep\n"
+        "real = ep.run_episodes\n"
+        "def run(*a, **k):\n"
+        "    print('frozen objects', gc.get_freeze_count() > 0)\n"
+        "    gc.collect()\n"
+        "    return real(*a, **k)\n"
+        "ep.run_episodes = run\n"
+        "sys.argv = ['bench/agentic.py'] + sys.argv[1:]\n"
+        "runpy.run_path('bench/agentic.py', run_name='__main__')\n",
+        *args,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = bench_json(proc.stdout)
     assert result["lockstep_tokens"] == 2 * 2 * 4 and result["lockstep_over_single"] > 0
     assert not any(key.startswith("episodes_") for key in result)
     assert result["dummy_weights"] is True and result["max_num_seqs"] == 8 and result["engine"] == "cpu"
+    assert proc.stdout.count("frozen objects True") == 2  # the warm-up pair's rollout and the timed one
+    assert result["lockstep_gc_full"] >= 1 and result["lockstep_gc_s"] > 0
+    assert len(result["lockstep_seconds_per_pair"]) == 1
     lines = [line.strip() for line in proc.stdout.splitlines() if " rollout (pair " in line]
     assert len(lines) == 4  # a warm-up pair and one timed pair
     assert {line.split(" rollout")[0] for line in lines} == {"lockstep", "single-turn"}
