@@ -683,7 +683,7 @@ def test_agentic_bench_runs_only_the_sides_asked_for():
     """--sides lockstep: only the lock-step comparison runs (each of its rollouts printed as it ends), the result
     has no request-by-request keys, and the exit code looks at the side that ran. --dummy-weights and --max-num-seqs
     act on vLLM only (a GPU run's result gives the batch vLLM ran); on the CPU engine they are recorded, no more.
-    Each rollout's collections are counted: here every episodes rollout runs one full collection of its own, inside
+    Each rollout's collections are counted: here every lock-step rollout runs one full collection of its own, inside
     a heap --gc-freeze froze for it."""
     args = "--shape tiny --episodes 2 --turns 2 --turn-tokens 4 --tool-ms 10 --reps 1 --sides lockstep".split()
     args += ["--dummy-weights", "--max-num-seqs", "8", "--gc-freeze"]
