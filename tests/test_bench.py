@@ -41,6 +41,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -752,6 +753,40 @@ def test_episode_driver_bench():
         assert r["driver_ms_per_step"] == pytest.approx(1000 * r["driver_s"] / r["engine_steps"])
     proc = run_code(code, *args[:-2], "--tool-workers", "2", "--reps", "1")
     assert proc.returncode == 0 and "EPISODES 6 WORKERS 2" in proc.stdout
+
+
+def test_episode_driver_host_bound_engine_by_hand():
+    """--host-bound's stand-in: at most `batch` turns run, each step one token for each and seq_s of Python for
+    each; a waiting turn starts when one ends. Three turns of 3 tokens, batch 2: two end at step 3, the third
+    starts at step 4 and ends at step 6; single-turn generation of 3 requests of 3 tokens takes the same 6 steps."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from episode_driver import HostBoundEngine
+
+    engine = HostBoundEngine(seq_s=0.001, batch=2, turn_tokens=3)
+    for key in "abc":
+        engine.add_turn(key, [1, 2], 5, 1.0, 1.0, 0)  # (max_tokens 5 > turn_tokens: 3 tokens)
+    ends, start = {}, time.perf_counter()
+    for step in range(1, 7):
+        ends.update({key: (step, len(s.response_ids)) for key, s in engine.finished_turns()})
+    seconds = time.perf_counter() - start
+    assert ends == {"a": (3, 3), "b": (3, 3), "c": (6, 3)} and engine.steps == 6 and not engine.running
+    assert seconds >= (3 * 2 + 3 * 1) * 0.001  # steps 1-3 two turns, 4-6 one: a millisecond of Python each
+    single = HostBoundEngine(seq_s=0.001, batch=2, turn_tokens=3)
+    assert single.generate_all(3, 3) >= 0.009 and single.steps == 6
+
+
+def test_episode_driver_bench_host_bound():
+    """--host-bound: the rollout's ratio is single-turn seconds over the episodes', both on the stand-in."""
+    code = "import runpy, sys\nsys.argv = ['bench/episode_driver.py'] + sys.argv[1:]\n"
+    code += "runpy.run_path('bench/episode_driver.py', run_name='__main__')\n"
+    args = "--host-bound --batch 2 --seq-us 200 --episodes 3 --turns 2 --turn-tokens 4 --tool-ms 5 --reps 1".split()
+    proc = run_code(code, *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = bench_json(proc.stdout)["per_episodes"]["3"]
+    assert r["over_single"] == pytest.approx(r["single_seconds"] / r["seconds"])
+    assert r["single_seconds"] >= (8 * 2 + 8 * 1) * 200e-6  # 3 requests of 8 tokens, 2 at a time: 8 steps of 2, 8 of 1
+    assert r["engine_steps"] >= 2 * 4 * 2  # two turns of 4 tokens, the third episode's after the first two's
+    assert "host-bound, batch 2" in proc.stdout
 
 
 def test_every_bench_shape_is_read_by_the_bridge_and_by_transformers(tmp_path):
