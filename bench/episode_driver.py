@@ -24,6 +24,8 @@ sequences running (the others wait, as in vLLM's queue). Then every microsecond 
 threads spend in the interpreter is one the engine does not have, and each run is compared with single-turn
 generation of the same tokens on the same stand-in (each episode's turns as one request): reported as the
 single-turn seconds over the episodes' seconds, bench/agentic.py's ratio, where the tools are the only difference.
+vLLM's own work for each new turn (adding the request, prefilling its new tokens) is not modelled: what the ratio
+counts is the driver's and the tools' threads' share of the interpreter.
 """
 
 import argparse
