@@ -160,7 +160,8 @@ def main():
             load_format="dummy" if dummy else "auto",
             **batch,
         )
-        engine._weights_valid = True  # (dummy: vLLM's random weights are the engine's; no sync comes)
+        if dummy:  # vLLM's random weights are the engine's: no sync comes
+            engine._weights_valid = True
     else:
         from common.rollout.hf_engine import HFEngine
 
