@@ -254,23 +254,30 @@ def test_a_late_answer_of_a_timed_out_step_is_not_taken_for_the_next_steps():
     assert (sample.episode["turns"], sample.episode["tool_timeouts"], sample.episode["reward"]) == (3, 1, 1.0)
 
 
-def test_the_turns_text_and_the_observations_ids_are_made_off_the_driver_thread():
-    """The driver thread runs the engine's steps; decoding a turn and tokenising its observation run in the
-    environment's worker, beside them."""
-    threads = []
+def test_the_environment_step_alone_runs_in_a_worker_and_the_codec_on_the_driver_thread():
+    """The worker thread runs env.step only; the driver thread, which runs the engine's steps, decodes the turn and
+    tokenises the observation (a worker doing that would need the interpreter while vLLM's host-bound steps hold it:
+    bench/episode_driver.py --host-bound)."""
+    codec_threads, step_threads = [], []
 
     class Codec(ChatCodec):
         def turn_text(self, ids):
-            threads.append(threading.current_thread())
+            codec_threads.append(threading.current_thread())
             return super().turn_text(ids)
 
         def observation_ids(self, messages, stop_id=None):
-            threads.append(threading.current_thread())
+            codec_threads.append(threading.current_thread())
             return super().observation_ids(messages, stop_id)
 
-    tokenizer, _, sample = episode("qwen2.5", ToolEnv, lambda turn: turn_text("qwen2.5", turn), codec_class=Codec)
-    assert sample.episode["turns"] == 3 and len(threads) == 5  # 3 turns decoded, 2 observations
-    assert threading.main_thread() not in threads
+    class Env(ToolEnv):
+        def step(self, text):
+            step_threads.append(threading.current_thread())
+            return super().step(text)
+
+    tokenizer, _, sample = episode("qwen2.5", Env, lambda turn: turn_text("qwen2.5", turn), codec_class=Codec)
+    assert sample.episode["turns"] == 3 and len(codec_threads) == 5  # 3 turns decoded, 2 observations
+    assert set(codec_threads) == {threading.main_thread()}
+    assert len(step_threads) == 3 and threading.main_thread() not in step_threads
 
 
 def test_an_observation_the_template_cannot_render_answers_with_an_error():
@@ -284,6 +291,7 @@ def test_an_observation_the_template_cannot_render_answers_with_an_error():
     observation = tokenizer.decode(sample.response_ids[turns_of(sample)[0][1] : turns_of(sample)[1][0]])
     assert "error: ValueError: no template for this" in observation
     assert sample.episode["tool_errors"] == 1 and sample.episode["turns"] == 3 and sample.episode["reward"] == 1.0
+    assert sample.episode["tool_calls"] == 2  # the environment's step counts: only its observation failed
 
 
 class RequestEngine(RolloutEngine):

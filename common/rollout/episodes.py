@@ -7,10 +7,12 @@ from its item's messages (env.reset), and then, turn after turn: the engine samp
 the episode's ids so far; the environment answers the decoded turn (env.step, in a worker thread,
 at most `max_workers` at once, each at most `step_timeout_s`) with an observation, tokenised once
 as the chat template continues (common/env/chat.py), or ends the episode with its reward. The
-worker also decodes the turn and tokenises the observation, so that the driver thread, which runs
-the engine's steps, does not do that work between them; the driver takes each finished step from a queue the
-workers fill, and timeouts from a heap of deadlines, so its work between engine steps grows with the steps that
-ended, not with those still running (thousands, with slow tools). An
+worker runs env.step alone; the driver thread, which runs the engine's steps, decodes the turn and tokenises the
+observation: where vLLM's steps are bound by the host, they hold the interpreter nearly all the time, and a worker
+that needed it for that work would cost the engine more in hand-overs than the work itself (bench/episode_driver.py
+--host-bound). The driver takes each finished step from a queue the workers fill, and timeouts from a heap of
+deadlines, so its work between engine steps grows with the steps that ended, not with those still running
+(thousands, with slow tools). An
 episode whose environment is busy holds up no other: its next turn is queued when its observation
 is ready (engine.add_turn / finished_turns; the CPU engine runs the queued turns in waves, vLLM
 request by request).
@@ -93,20 +95,6 @@ _WORKERS = _Workers()
 os.register_at_fork(after_in_child=_WORKERS.__init__)  # a forked child has none of these threads
 
 
-def _env_turn(codec, env, turn_ids, stop_id):
-    """One environment step of a finished model turn, run in a worker thread: the turn's text, env.step on it, the
-    observation's ids when the episode goes on -> (step, observation ids or None)."""
-    step = env.step(codec.turn_text(turn_ids))
-    if not isinstance(step, Step) or step.done or not step.observation:
-        return step, None
-    return step, codec.observation_ids(step.observation, stop_id)
-
-
-def _start_step(codec, env, turn_ids, stop_id):
-    """_env_turn on a worker thread (_Workers) -> its Future."""
-    return _WORKERS.submit(_env_turn, codec, env, turn_ids, stop_id)
-
-
 def run_episodes(
     engine,
     codec,
@@ -173,14 +161,13 @@ def run_episodes(
         while waiting and len(running) < max_workers:
             k = waiting.popleft()
             e, now = episodes[k], time.time()
-            future = _start_step(codec, e.env, e.pending["turn_ids"], e.pending["stop_id"])
+            future = _WORKERS.submit(e.env.step, codec.turn_text(e.pending["turn_ids"]))
             e.pending.update(future=future, started=now)
             running.add(k)
             heapq.heappush(deadlines, (now + step_timeout_s, next(order), k, future))
             future.add_done_callback(lambda f, k=k: answered.put((k, f)))
 
-    def step_done(k, step, obs, seconds):
-        """obs: the observation's ids as the worker made them (None: made here, if the episode goes on)."""
+    def step_done(k, step, seconds):
         e = episodes[k]
         stop_id, finish = e.pending["stop_id"], e.pending["finish"]
         e.pending = None
@@ -192,8 +179,11 @@ def run_episodes(
             return e.end(finish)
         if e.counts["turns"] >= max_turns:
             return e.end("length")
-        if obs is None:  # an error observation made here (a timeout, a raising environment)
+        try:
             obs = codec.observation_ids(step.observation, stop_id)
+        except Exception as error:  # an observation the chat template cannot render: the model reads why
+            e.counts["tool_errors"] += 1
+            obs = codec.observation_ids(error_step(f"{type(error).__name__}: {error}").observation, stop_id)
         if len(e.prompt_ids) + len(e.ids) + len(obs) >= max_episode_tokens:
             return e.end("length")  # the observation would leave no room for another turn
         e.ids += obs
@@ -203,19 +193,19 @@ def run_episodes(
 
     def finish_step(k, future):
         """Take episode k's environment step: the answer of `future`, or (None) a timeout's error observation."""
-        pending, obs = episodes[k].pending, None
+        pending = episodes[k].pending
         if future is None:  # the thread is left behind (daemon); its worker is given to another step
             step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
             step.tool_errors, step.tool_timeouts = 0, 1
         else:
             try:
-                step, obs = future.result()
+                step = future.result()
             except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
                 step = error_step(f"{type(e_).__name__}: {e_}")
             if not isinstance(step, Step):
                 step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
         running.discard(k)
-        step_done(k, step, obs, time.time() - pending["started"])
+        step_done(k, step, time.time() - pending["started"])
 
     def current(k, future):
         return k in running and episodes[k].pending["future"] is future
