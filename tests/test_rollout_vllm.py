@@ -401,6 +401,7 @@ class FakeRequestEngine:
         self.engine_core, self.added, self.queue = engine_core, [], []
 
     def add_request(self, request_id, prompt, params):
+        assert prompt["type"] == "token"  # vLLM 0.26 takes a typed input as is (a raw prompt is preprocessed)
         self.added.append((request_id, prompt["prompt_token_ids"], params))
         self.queue.append(request_id)
 
@@ -443,6 +444,8 @@ def test_agentic_turns_request_by_request(engine, monkeypatch):
     assert all(
         p.logprobs == 0 and p.output_kind == 2 and p.max_tokens == 8 and p.stop_token_ids == [2] for *_, p in added
     )
+    # vLLM copies each request's params shallowly (skip_clone): none shares the engine's list of stop ids
+    assert all(p.skip_clone and p.stop_token_ids is not engine.eos_token_ids for *_, p in added)
     for s in samples:
         assert s.episode["turns"] == 2 and s.response_logprobs[:2] == [-0.5, -0.25]
         turn2 = s.response_mask.index(1, 2)  # the second turn's first token

@@ -27,6 +27,7 @@ class RequestTurns:
         from vllm.sampling_params import RequestOutputKind
 
         assert not self._asleep and self._weights_valid, "add_turn before a weight sync or while asleep"
+        # a new one per turn, sharing no list with the engine: vLLM's copy of it may then be shallow (skip_clone)
         params = SamplingParams(
             n=1,
             temperature=temperature,
@@ -36,14 +37,17 @@ class RequestTurns:
             logprobs=0,  # the sampled token's: every model token of an episode carries the engine's logprob
             flat_logprobs=True,
             detokenize=False,
-            stop_token_ids=self.eos_token_ids,
+            stop_token_ids=list(self.eos_token_ids),
             ignore_eos=not self.eos_token_ids,
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it is done
+            skip_clone=True,
         )
         self._turn_count += 1
         request_id = f"turn-{self._turn_count}"
-        self._turns[request_id] = (key, [int(t) for t in prompt_ids])
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": self._turns[request_id][1]}, params)
+        prompt = list(map(int, prompt_ids))
+        self._turns[request_id] = (key, prompt)
+        # a token input as vLLM's renderer makes one ("type": "token"): no preprocessing of a raw prompt
+        self.llm.llm_engine.add_request(request_id, {"type": "token", "prompt_token_ids": prompt}, params)
 
     def finished_turns(self):
         """One engine step (a batch of every running request's next token, new prompts prefilled):
