@@ -108,6 +108,45 @@ def test_turn_text_is_the_tokenizers_decode_without_special_tokens(name):
     assert codec.turn_text(tuple(ids)) == text  # (not a list: the public decode)
 
 
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_encode_gives_the_tokenizers_own_ids(name):
+    """ChatCodec.encode = tokenizer.encode(text, add_special_tokens=False): through the backend where the tokenizer
+    and its state allow (the embedded tokenizer is a plain fast one), else through transformers."""
+    tokenizer = template_tokenizer(name)
+    codec = ChatCodec(tokenizer)
+    assert codec._backend is tokenizer._tokenizer
+    texts = [
+        OBSERVATIONS[name],
+        "I <tool_call>x = 1</tool_call> said: caf\u00e9  \n ok",
+        "",
+        " <|im_start|>x<|eot_id|>",
+    ]
+    for text in texts + ["\u4e2d\u6587 \t\n\n \U0001f642" * 3]:
+        assert codec.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    # a backend left truncating (as transformers' encode would not use it): transformers' encode, all the ids
+    tokenizer._tokenizer.enable_truncation(3)
+    ids = codec.encode(texts[1])
+    assert ids == tokenizer.encode(texts[1], add_special_tokens=False) and len(ids) > 3
+    tokenizer._tokenizer.enable_padding(length=200)  # (likewise padding)
+    assert codec.encode(texts[1]) == ids
+    # special tokens split as the tokenizer says
+    tokenizer.split_special_tokens = True
+    assert codec.encode(texts[3]) == tokenizer.encode(texts[3], add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") not in codec.encode(texts[3])
+
+
+def test_a_tokenizer_whose_encode_changes_the_text_keeps_its_encode():
+    tokenizer = template_tokenizer("qwen2.5")
+
+    class Lower(type(tokenizer)):
+        def encode(self, text, **kwargs):
+            return super().encode(text.lower(), **kwargs)
+
+    tokenizer.__class__ = Lower
+    codec = ChatCodec(tokenizer)
+    assert codec._backend is None and codec.encode("ABC") == tokenizer.encode("abc", add_special_tokens=False)
+
+
 def test_qwen3_without_thinking_adds_the_empty_think_block_to_the_next_turn():
     codec = ChatCodec(template_tokenizer("qwen3"), template_kwargs=dict(enable_thinking=False))
     text = codec.observation_text([{"role": "tool", "content": "42"}], "<|im_end|>")

@@ -34,6 +34,7 @@ class ChatCodec:
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.template_kwargs = dict(template_kwargs or {})
+        self._backend = _plain_backend(tokenizer)
 
     def render(self, messages, add_generation_prompt=True):
         """The chat template's text of `messages` (with the tools and template options)."""
@@ -46,6 +47,19 @@ class ChatCodec:
         )
 
     def encode(self, text):
+        """tokenizer.encode(text, add_special_tokens=False). For a fast tokenizer that keeps transformers' own encode,
+        with its backend in the state that encode sets (no truncation, no padding, special tokens split as the
+        tokenizer says), the backend's encode of the text: the same ids from the same call, without transformers'
+        wrapping (half of an observation's tokenisation) and without the batch call, which lets go of the
+        interpreter: the episode driver runs this on the engine's thread, which then waits to get it back."""
+        backend = self._backend
+        if (
+            backend is not None
+            and backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == bool(self.tokenizer.split_special_tokens)
+        ):
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def turn_text(self, ids):
@@ -77,3 +91,21 @@ class ChatCodec:
         budget, the template's end-of-turn tokens are part of the observation)."""
         stop_text = None if stop_id is None else self.tokenizer.decode([stop_id])
         return self.encode(self.observation_text(messages, stop_text))
+
+
+def _plain_backend(tokenizer):
+    """The `tokenizers` backend of a fast tokenizer whose encode is transformers' TokenizersBackend's own (no
+    subclass changes the text or the call on the way), else None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.encode is PreTrainedTokenizerBase.encode
+        and cls._encode_plus is TokenizersBackend._encode_plus
+    ):
+        return tokenizer._tokenizer
+    return None
