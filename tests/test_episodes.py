@@ -9,6 +9,7 @@ gloo: tests/episodes_worker.py) the replica's first rank running the episodes wh
 
 import json
 import math
+import queue
 import threading
 import time
 
@@ -438,16 +439,24 @@ def test_step_threads_are_reused_and_a_hung_step_holds_up_no_later_one():
         started.append(thread)
         real_start(thread)
 
+    replies = queue.SimpleQueue()
+
+    def reply_to(tag):
+        return lambda result, error: replies.put((tag, result, error))
+
     threading.Thread.start = counting_start
     try:
-        hung = workers.submit(release.wait)
-        results = [workers.submit(lambda i=i: i * i).result(timeout=5) for i in range(20)]
-        assert results == [i * i for i in range(20)] and not hung.done()
+        workers.submit(release.wait, None, reply_to("hung"))  # (Event.wait(None): until released)
+        for i in range(20):
+            workers.submit(lambda x: x * x, i, reply_to(i))
+            assert replies.get(timeout=5) == (i, i * i, None)
         assert len(started) == 2  # the hung step's thread and one reused 20 times
-        with pytest.raises(ZeroDivisionError):  # an environment's own error reaches the driver
-            workers.submit(lambda: 1 / 0).result(timeout=5)
+        workers.submit(lambda x: 1 / x, 0, reply_to("error"))  # an environment's own error reaches the driver
+        tag, result, error = replies.get(timeout=5)
+        assert tag == "error" and result is None and isinstance(error, ZeroDivisionError)
+        assert replies.empty()  # the hung step has not answered
         release.set()
-        assert hung.result(timeout=5) is True
+        assert replies.get(timeout=5) == ("hung", True, None)
     finally:
         threading.Thread.start = real_start
         release.set()
@@ -460,11 +469,16 @@ def test_a_forked_child_gets_its_own_step_threads():
 
     from common.rollout.episodes import _WORKERS
 
-    assert _WORKERS.submit(lambda: 1).result(timeout=5) == 1  # one idle thread in this process
+    def answer(x):
+        replies = queue.SimpleQueue()
+        _WORKERS.submit(lambda y: y, x, lambda result, error: replies.put(result))
+        return replies.get(timeout=5)
+
+    assert answer(1) == 1  # one idle thread in this process
     pid = os.fork()
     if pid == 0:
         try:
-            os._exit(0 if _WORKERS.submit(lambda: 2).result(timeout=5) == 2 else 1)
+            os._exit(0 if answer(2) == 2 else 1)
         except BaseException:
             os._exit(1)
     assert os.waitpid(pid, 0)[1] == 0

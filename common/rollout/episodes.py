@@ -37,7 +37,6 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
 
 from common.env.base import Step, error_step
 from common.rollout.engine import Sample
@@ -51,7 +50,7 @@ class _Episode:
         self.ids, self.mask, self.logprobs = [], [], []  # everything after the prompt
         self.counts = dict.fromkeys(EPISODE_METRICS, 0)
         self.reward, self.finish_reason, self.done = 0.0, "stop", False
-        self.pending = None  # (Future of env.step, deadline, the turn's stop id) while the environment works
+        self.pending = None  # (the step's ticket, start, the turn's ids and stop id) while the environment works
 
     def end(self, finish_reason):
         self.done, self.finish_reason = True, finish_reason
@@ -66,29 +65,27 @@ class _Workers:
     def __init__(self):
         self._jobs, self._lock, self._idle = queue.SimpleQueue(), threading.Lock(), 0
 
-    def submit(self, fn, *args):
-        future = Future()
+    def submit(self, fn, arg, reply):
+        """fn(arg) in a worker thread, then reply(result, error) there (error: what fn raised, else None). No
+        Future: its lock, condition and callbacks cost the driver and, in a burst of answers, the workers' share of
+        the interpreter."""
         with self._lock:
             if self._idle:
                 self._idle -= 1  # the job is that thread's
             else:
                 threading.Thread(target=self._work, daemon=True).start()
-        self._jobs.put((future, fn, args))
-        return future
+        self._jobs.put((fn, arg, reply))
 
     def _work(self):
         while True:
-            future, fn, args = self._jobs.get()
+            fn, arg, reply = self._jobs.get()
             try:
-                result, error = fn(*args), None
+                result, error = fn(arg), None
             except BaseException as e:
                 result, error = None, e
             with self._lock:  # idle before the driver hears of it: its next step finds this thread
                 self._idle += 1
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+            reply(result, error)
 
 
 _WORKERS = _Workers()
@@ -134,8 +131,8 @@ def run_episodes(
     turn = [0] * len(episodes)  # turns sampled so far, per episode (the turn's seed)
     in_engine = set()  # episodes whose turn the engine has
     waiting, running = collections.deque(), set()  # episodes whose environment step waits for a worker / runs
-    answered = queue.SimpleQueue()  # (episode, Future) of the environment steps that finished, put by the worker
-    deadlines, order = [], itertools.count()  # heap of (deadline, order, episode, Future) of the running steps
+    answered = queue.SimpleQueue()  # (episode, ticket, result, error) of the environment steps that finished
+    deadlines, tickets = [], itertools.count()  # heap of (deadline, ticket, episode) of the running steps
 
     def add_turn(k):
         e = episodes[k]
@@ -153,19 +150,19 @@ def run_episodes(
         if s.finish_reason == "length" and len(e.prompt_ids) + len(e.ids) >= max_episode_tokens:
             return e.end("length")  # the episode's context is full: no room for an observation and a turn
         stop_id = s.response_ids[-1] if s.finish_reason == "stop" else None
-        e.pending = dict(future=None, turn_ids=s.response_ids, stop_id=stop_id, finish=s.finish_reason)
+        e.pending = dict(ticket=None, turn_ids=s.response_ids, stop_id=stop_id, finish=s.finish_reason)
         waiting.append(k)  # its environment step starts when a worker is free
         start_steps()
 
     def start_steps():
         while waiting and len(running) < max_workers:
             k = waiting.popleft()
-            e, now = episodes[k], time.time()
-            future = _WORKERS.submit(e.env.step, codec.turn_text(e.pending["turn_ids"]))
-            e.pending.update(future=future, started=now)
+            e, now, ticket = episodes[k], time.time(), next(tickets)  # the ticket: this step's, not a later one's
+            e.pending.update(ticket=ticket, started=now)
             running.add(k)
-            heapq.heappush(deadlines, (now + step_timeout_s, next(order), k, future))
-            future.add_done_callback(lambda f, k=k: answered.put((k, f)))
+            heapq.heappush(deadlines, (now + step_timeout_s, ticket, k))
+            reply = lambda result, error, k=k, ticket=ticket: answered.put((k, ticket, result, error))  # noqa: E731
+            _WORKERS.submit(e.env.step, codec.turn_text(e.pending["turn_ids"]), reply)
 
     def step_done(k, step, seconds):
         e = episodes[k]
@@ -191,24 +188,25 @@ def run_episodes(
         e.logprobs += [math.nan] * len(obs)
         add_turn(k)
 
-    def finish_step(k, future):
-        """Take episode k's environment step: the answer of `future`, or (None) a timeout's error observation."""
+    def finish_step(k, answer):
+        """Take episode k's environment step: its (result, error), or (None) a timeout's error observation."""
         pending = episodes[k].pending
-        if future is None:  # the thread is left behind (daemon); its worker is given to another step
+        if answer is None:  # the thread is left behind (daemon); its worker is given to another step
             step = error_step(f"the environment did not answer within {step_timeout_s:g} s")
             step.tool_errors, step.tool_timeouts = 0, 1
         else:
-            try:
-                step = future.result()
-            except Exception as e_:  # the environment's own failure: the model reads it, the run goes on
-                step = error_step(f"{type(e_).__name__}: {e_}")
+            step, error = answer
+            if isinstance(error, Exception):  # the environment's own failure: the model reads it, the run goes on
+                step = error_step(f"{type(error).__name__}: {error}")
+            elif error is not None:  # (KeyboardInterrupt, SystemExit in the worker: the rollout's own)
+                raise error
             if not isinstance(step, Step):
                 step = error_step(f"the environment's step returned {type(step).__name__}, not a Step")
         running.discard(k)
         step_done(k, step, time.time() - pending["started"])
 
-    def current(k, future):
-        return k in running and episodes[k].pending["future"] is future
+    def current(k, ticket):
+        return k in running and episodes[k].pending["ticket"] == ticket
 
     def take_steps(block):
         """Handle the environment steps that timed out and those answered by now (with `block`: wait for the first
@@ -216,19 +214,19 @@ def run_episodes(
         next call: a stream of them does not hold up the engine's next step."""
         left = answered.qsize()
         while running:  # each running step has its entry in `deadlines`
-            while not current(*deadlines[0][2:]):
+            while not current(deadlines[0][2], deadlines[0][1]):
                 heapq.heappop(deadlines)  # that step was answered
             now = time.time()
             if deadlines[0][0] <= now:
                 finish_step(heapq.heappop(deadlines)[2], None)
             elif block or left > 0:
                 try:
-                    k, future = answered.get(timeout=deadlines[0][0] - now)  # (left > 0: it is there)
+                    k, ticket, result, error = answered.get(timeout=deadlines[0][0] - now)  # (left > 0: it is there)
                 except queue.Empty:
                     continue  # the first deadline passed
                 left = answered.qsize() if block else left - 1
-                if current(k, future):  # (else the late answer of a step that timed out)
-                    finish_step(k, future)
+                if current(k, ticket):  # (else the late answer of a step that timed out)
+                    finish_step(k, (result, error))
             else:
                 return
             block = False
