@@ -161,7 +161,10 @@ def run_episodes(
             e.pending.update(ticket=ticket, started=now)
             running.add(k)
             heapq.heappush(deadlines, (now + step_timeout_s, ticket, k))
-            reply = lambda result, error, k=k, ticket=ticket: answered.put((k, ticket, result, error))  # noqa: E731
+
+            def reply(result, error, k=k, ticket=ticket):  # (in the worker's thread)
+                answered.put((k, ticket, result, error))
+
             _WORKERS.submit(e.env.step, codec.turn_text(e.pending["turn_ids"]), reply)
 
     def step_done(k, step, seconds):
